@@ -1,0 +1,3 @@
+from gptpipe.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""The `gptpipe` command: one subcommand per stage; the numbered top-level scripts call these.
+
+Every subcommand takes ``--config PATH``, ``--force`` and any number of ``section.key=value`` overrides;
+``--help`` lists every config key with its type, default and one-line doc. Stage modules are imported
+only when their subcommand runs, so light commands (count, --help) start instantly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from gptpipe.config.core import ConfigError, describe, load_config
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2  # config or input problem, reported before any work
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: which config file and class it reads, and which function does the work."""
+
+    name: str
+    help: str
+    target: str  # "module:function", called as function(config, args)
+    config_class: str  # "module:Class"
+    default_config: str
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
+
+
+def _shard_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shard", metavar="I/N", help="tokenize only shard I of N (0-based), for several "
+                        "machines; join the parts with `gptpipe merge`")
+
+
+def _count_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-write", action="store_true", help="print the plan without writing "
+                        "train.train_tokens into the config file")
+
+
+def _merge_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shards", type=int, required=True, help="number of shards to merge (N of --shard I/N)")
+
+
+PIPELINE = "gptpipe.config.pipeline:PipelineConfig"
+COMMANDS = [
+    Command("prepare", "stage 0: build the jsonl corpus from the sources in config.yaml",
+            "gptpipe.corpus.prepare:run", PIPELINE, "config.yaml"),
+    Command("train-tokenizer", "stage 1: train the SentencePiece tokenizer and export the HF fast tokenizer",
+            "gptpipe.tokenizer.train:run", "gptpipe.tokenizer.config:TokenizerConfig",
+            "sentence_piece_config.yaml"),
+    Command("tokenize", "stage 2: tokenize the corpus into a Megatron .bin/.idx dataset",
+            "gptpipe.data.tokenize:run", PIPELINE, "config.yaml", _shard_arguments),
+    Command("merge", "stage 2: join the shards written with --shard I/N into one dataset",
+            "gptpipe.data.tokenize:merge", PIPELINE, "config.yaml", _merge_arguments),
+    Command("count", "count documents and tokens from the .idx and write train_tokens into config.yaml",
+            "gptpipe.data.count:run", PIPELINE, "config.yaml", _count_arguments),
+]
+
+
+def _load_object(spec: str) -> Any:
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _keys_help(config_class: type, config_name: str) -> str:
+    rows = describe(config_class)
+    lines = [f"config keys ({config_name}; override any with key=value):"]
+    for key, type_name, default, doc in rows:
+        lines.append(f"  {key} ({type_name}, default {default})")
+        if doc:
+            lines.append(f"      {doc}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gptpipe", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for cmd in COMMANDS:
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help,
+                           epilog=_keys_help(_load_object(cmd.config_class), cmd.default_config),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("--config", type=Path, default=Path(cmd.default_config),
+                       help=f"YAML config (default: ./{cmd.default_config})")
+        p.add_argument("--force", action="store_true", help="redo the stage even if its outputs are current")
+        p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.lr=3e-4")
+        if cmd.add_arguments:
+            cmd.add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gptpipe.stage import StageInputError  # light; kept here so --help needs nothing else
+
+    args = build_parser().parse_args(argv)
+    cmd = next(c for c in COMMANDS if c.name == args.command)
+    try:
+        config = load_config(_load_object(cmd.config_class), args.config, args.overrides)
+        result = _load_object(cmd.target)(config, args)
+    except (ConfigError, StageInputError) as exc:
+        print(f"gptpipe {cmd.name}: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return int(result or EXIT_OK)
+
+
+def run_script(command: str) -> None:
+    """Entry point of the numbered top-level scripts: ``python 0_prepare_corpus.py [args]``."""
+    raise SystemExit(main([command, *sys.argv[1:]]))

@@ -1,0 +1,56 @@
+"""Stage 0 settings: the `corpus:` section of config.yaml."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from gptpipe.config.core import option
+
+
+@dataclass
+class SourceConfig:
+    """One place documents come from."""
+
+    type: Literal["manpages", "jsonl", "text", "hf_dataset"] = option(
+        "manpages", "manpages: roff pages under path (the offline demo); jsonl: .jsonl/.json(.gz) files; "
+        "text: plain .txt files; hf_dataset: a HuggingFace dataset (hub name with streaming, or a local "
+        "save_to_disk folder / parquet files)")
+    path: Path | None = option(None, "file, folder or glob pattern to read (not for a hub dataset given by name)")
+    name: str | None = option(None, "hf_dataset only: hub dataset name, read with streaming")
+    subset: str | None = option(None, "hf_dataset only: dataset configuration name, e.g. 'ja'")
+    split: str = option("train", "hf_dataset only: which split to read")
+    text_key: str = option("text", "jsonl/hf_dataset: the field holding the document text")
+    text_unit: Literal["file", "paragraph"] = option(
+        "file", "text only: one document per file, or one per blank-line-separated block")
+    max_documents: int | None = option(None, "stop after this many documents from this source (None: all)")
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        if self.type == "hf_dataset" and (self.path is None) == (self.name is None):
+            problems.append(("path", "hf_dataset needs exactly one of path (local) or name (hub)"))
+        if self.type in ("jsonl", "text") and self.path is None:
+            problems.append(("path", f"a {self.type} source needs a path"))
+        if self.max_documents is not None and self.max_documents < 1:
+            problems.append(("max_documents", "must be at least 1 (or null for all)"))
+        return problems
+
+
+@dataclass
+class CorpusConfig:
+    """Stage 0: build one jsonl corpus ({"text": ...} per line) from the listed sources."""
+
+    sources: list[SourceConfig] = option(factory=lambda: [SourceConfig()],
+                                         doc="where documents come from, read in order")
+    output_dir: Path = option(Path("data/corpus"), "folder for corpus.jsonl and its manifest")
+    min_chars: int = option(50, "drop documents shorter than this many characters (after stripping)")
+    dedup: bool = option(True, "drop exact-duplicate documents (same text after stripping)")
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        if not self.sources:
+            problems.append(("sources", "list at least one source"))
+        if self.min_chars < 0:
+            problems.append(("min_chars", "must be >= 0"))
+        return problems

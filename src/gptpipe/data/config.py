@@ -1,0 +1,72 @@
+"""Stage 2 and training-data settings: the `tokenize:` and `data:` sections of config.yaml."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from gptpipe.config.core import option
+
+
+@dataclass
+class TokenizeConfig:
+    """Stage 2: jsonl → Megatron indexed dataset (<output_prefix>_text_document.bin/.idx)."""
+
+    input: list[Path] = option(factory=lambda: [Path("data/corpus/corpus.jsonl")],
+                               doc="jsonl file(s) to tokenize, one {text_key: ...} object per line")
+    tokenizer_dir: Path = option(Path("tokenizers/ja_32k"), "stage-1 output folder (its tokenizer.model is used)")
+    output_prefix: Path = option(Path("data/tokenized/ja"), "writes <output_prefix>_text_document.bin/.idx")
+    text_key: str = option("text", "the field of each json object that holds the document")
+    workers: int = option(0, "worker processes (0: all cores)")
+    max_document_chars: int = option(
+        50_000_000, "documents longer than this are skipped and counted (protects worker RAM)")
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        if not self.input:
+            problems.append(("input", "list at least one jsonl file"))
+        if self.workers < 0:
+            problems.append(("workers", "must be >= 0"))
+        if self.max_document_chars < 1:
+            problems.append(("max_document_chars", "must be >= 1"))
+        return problems
+
+    @property
+    def dataset_prefix(self) -> Path:
+        """The Megatron prefix actually written (the original pipeline's `_text_document` suffix)."""
+        return self.output_prefix.with_name(self.output_prefix.name + "_text_document")
+
+
+@dataclass
+class DataConfig:
+    """Training data: one or several tokenized prefixes, blended, split into train/valid/test."""
+
+    prefixes: list[Path] = option(factory=lambda: [Path("data/tokenized/ja_text_document")],
+                                  doc="Megatron dataset prefixes (without .bin/.idx) written by stage 2")
+    weights: list[float] | None = option(
+        None, "blend weights, one per prefix (None: proportional to each prefix's token count)")
+    split: str = option("969,30,1", "train,valid,test proportions over documents")
+    seed: int = option(1234, "seed of the sample order (a pure function of seed, data and consumed samples)")
+    cache_dir: Path | None = option(None, "where GPTDataset index caches go (None: <run dir>/data_cache)")
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        if not self.prefixes:
+            problems.append(("prefixes", "list at least one dataset prefix"))
+        if self.weights is not None and len(self.weights) != len(self.prefixes):
+            problems.append(("weights", f"{len(self.weights)} weights for {len(self.prefixes)} prefixes"))
+        if self.weights is not None and any(w <= 0 for w in self.weights):
+            problems.append(("weights", "every weight must be > 0"))
+        try:
+            parts = [float(p) for p in self.split.split(",")]
+            if len(parts) != 3 or any(p < 0 for p in parts) or parts[0] <= 0:
+                raise ValueError
+        except ValueError:
+            problems.append(("split", f"must be three non-negative numbers like '969,30,1', got {self.split!r}"))
+        return problems
+
+    @property
+    def split_fractions(self) -> tuple[float, float, float]:
+        parts = [float(p) for p in self.split.split(",")]
+        total = sum(parts)
+        return parts[0] / total, parts[1] / total, parts[2] / total

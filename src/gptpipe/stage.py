@@ -1,0 +1,230 @@
+"""The contract every stage follows: check inputs, write atomically, manifest last, skip when current.
+
+A stage's outputs are accepted by later stages only through :func:`require_manifest`, which checks that
+the manifest exists, says ``complete``, and that every output file it lists still has the recorded size
+and modification time. A run killed at any point therefore leaves nothing a later stage would accept:
+outputs are written under temporary names and renamed, and the manifest is written after the renames.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import yaml
+
+from gptpipe.config.core import to_plain
+
+MANIFEST_VERSION = 1
+
+
+class StageInputError(RuntimeError):
+    """A stage's input is missing, incomplete or does not fit; the message says which and what to run."""
+
+
+def file_fingerprint(path: Path) -> dict[str, Any]:
+    """Size and mtime: cheap at any size, and changes whenever the file is rewritten."""
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def tree_fingerprint(paths: list[Path]) -> dict[str, Any]:
+    """One fingerprint for many files (e.g. 1,800 man pages): a hash over their names, sizes and mtimes."""
+    digest = hashlib.sha256()
+    total = 0
+    for p in sorted(paths):
+        st = p.stat()
+        total += st.st_size
+        digest.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return {"files": len(paths), "size": total, "sha256": digest.hexdigest()}
+
+
+def manifest_fingerprint(manifest_path: Path) -> dict[str, Any]:
+    """An upstream stage's output, identified by its manifest's hash: it changes whenever that stage reruns."""
+    return {"manifest_sha256": hashlib.sha256(manifest_path.read_bytes()).hexdigest()}
+
+
+def package_versions(names: tuple[str, ...] = ()) -> dict[str, str]:
+    versions = {"python": platform.python_version(), "gptpipe": _version("gptpipe")}
+    versions.update({n: _version(n) for n in names})
+    return versions
+
+
+def _version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+@dataclass
+class Manifest:
+    """What a finished stage wrote: enough to decide whether it is current and to trust its outputs."""
+
+    stage: str
+    config: dict[str, Any]
+    inputs: dict[str, Any]
+    outputs: dict[str, Any] = field(default_factory=dict)
+    counts: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+    created: str = ""
+    complete: bool = True
+    version: int = MANIFEST_VERSION
+
+    @classmethod
+    def read(cls, path: Path) -> "Manifest":
+        return cls(**json.loads(path.read_text(encoding="utf-8")))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write to a temporary sibling, fsync, rename: readers see the old file or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; rename it onto ``path`` only if the block succeeds."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()
+
+
+@contextlib.contextmanager
+def atomic_dir(path: Path) -> Iterator[Path]:
+    """Build a whole directory under a temporary name, then swap it in place of ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        yield tmp
+        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _same_run(old: Manifest, config: dict[str, Any], inputs: dict[str, Any]) -> bool:
+    return old.complete and old.config == config and old.inputs == inputs
+
+
+def outputs_intact(manifest: Manifest, root: Path) -> list[str]:
+    """Problems with the recorded outputs (missing or changed since the manifest was written)."""
+    problems = []
+    for rel, recorded in manifest.outputs.items():
+        p = root / rel
+        if not p.exists():
+            problems.append(f"{p} is missing")
+        elif file_fingerprint(p) != recorded:
+            problems.append(f"{p} changed after the stage finished (size or mtime differ)")
+    return problems
+
+
+def require_manifest(manifest_path: Path, stage: str, how_to_make: str) -> Manifest:
+    """Accept an upstream stage's outputs only when its manifest is complete and the files are intact."""
+    if not manifest_path.is_file():
+        raise StageInputError(
+            f"{manifest_path} not found: the {stage} outputs are missing or incomplete (a run that did not "
+            f"finish writes no manifest). Run: {how_to_make}"
+        )
+    try:
+        manifest = Manifest.read(manifest_path)
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise StageInputError(f"{manifest_path} is not a valid manifest ({exc}). Run: {how_to_make}") from None
+    problems = [] if manifest.complete else ["the manifest is not marked complete"]
+    problems += outputs_intact(manifest, manifest_path.parent)
+    if problems:
+        raise StageInputError(f"{stage} outputs at {manifest_path.parent} are not usable: "
+                              + "; ".join(problems) + f". Run: {how_to_make} --force")
+    return manifest
+
+
+@dataclass
+class StageResult:
+    """What a stage's work function returns: files it wrote (relative to the manifest's folder) and counts."""
+
+    outputs: list[Path]
+    counts: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def run_stage(
+    stage: str,
+    manifest_path: Path,
+    config: Any,
+    inputs: dict[str, Any],
+    work: Callable[[], StageResult],
+    force: bool = False,
+    versions: tuple[str, ...] = (),
+    log: Callable[[str], None] | None = None,
+) -> Manifest:
+    """Run ``work`` unless the outputs at ``manifest_path`` are current for these inputs and this config.
+
+    ``work`` must write its outputs atomically; this function then writes the resolved config and, last,
+    the manifest. Returns the manifest (the existing one when nothing had to be done).
+    """
+    log = log or say
+    plain_config = to_plain(config)
+    root = manifest_path.parent
+    if manifest_path.is_file() and not force:
+        try:
+            old = Manifest.read(manifest_path)
+        except (json.JSONDecodeError, TypeError):
+            old = None
+        if old and _same_run(old, plain_config, inputs) and not outputs_intact(old, root):
+            log(f"[{stage}] outputs in {root} are up to date (same inputs and config); nothing to do. "
+                "Use --force to redo.")
+            return old
+    # The old manifest goes first, so a run killed from here on leaves no manifest that vouches for anything.
+    manifest_path.unlink(missing_ok=True)
+    started = time.time()
+    result = work()
+    elapsed = time.time() - started
+    manifest = Manifest(
+        stage=stage,
+        config=plain_config,
+        inputs=inputs,
+        outputs={str(p.relative_to(root) if p.is_absolute() else p): file_fingerprint(root / p)
+                 for p in result.outputs},
+        counts=result.counts,
+        timings={"total_s": round(elapsed, 3), **result.timings},
+        versions=package_versions(versions),
+        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
+    config_path = manifest_path.with_name(manifest_path.name.replace("manifest.json", "config.yaml"))
+    write_text_atomic(config_path, yaml.safe_dump(plain_config, allow_unicode=True, sort_keys=False))
+    write_text_atomic(manifest_path, json.dumps(manifest.__dict__, ensure_ascii=False, indent=2) + "\n")
+    return manifest
+
+
+def say(message: str) -> None:
+    """Status lines go to stderr so stdout stays clean for results a script may parse."""
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,138 @@
+"""Stage 3 settings: the `model:`, `train:` and `logging:` sections of config.yaml.
+
+Key names follow the original pipeline's config.yaml where it had them (num_layers, hidden_size,
+num_attn_heads, init_std, seq_len, global_batch_size, lr, min_lr, zero_stage, train_tokens, save_interval).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from gptpipe.config.core import option
+
+
+@dataclass
+class ModelConfig:
+    """The transformers model class trained (so the HF export is exact) and its size."""
+
+    arch: Literal["llama", "gpt2", "mixtral"] = option(
+        "llama", "llama (RoPE, RMSNorm, SwiGLU), gpt2 (the original's architecture) or mixtral (mixture of experts)")
+    preset: Literal["tiny", "125m", "350m", "1b", "custom"] = option(
+        "tiny", "size preset; any field below that is set overrides it (custom: only the fields below)")
+    num_layers: int | None = option(None, "transformer blocks (None: from the preset)")
+    hidden_size: int | None = option(None, "model width (None: from the preset)")
+    num_attn_heads: int | None = option(None, "attention heads (None: from the preset)")
+    num_kv_heads: int | None = option(None, "llama/mixtral: key-value heads for GQA (None: = num_attn_heads)")
+    ffn_hidden_size: int | None = option(None, "MLP width (None: from the preset / the architecture's rule)")
+    num_experts: int = option(8, "mixtral: experts per layer")
+    experts_top_k: int = option(2, "mixtral: experts each token is routed to")
+    router_aux_loss_coef: float = option(0.01, "mixtral: weight of the load-balancing loss (logged)")
+    init_std: float | None = option(None, "initializer std (None: from the preset; the original used 0.02 / 0.018)")
+    rope_theta: float = option(10000.0, "llama/mixtral: RoPE base")
+    dropout: float = option(0.0, "dropout everywhere (0 for pretraining)")
+    tie_word_embeddings: bool = option(False, "share input embedding and output head")
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        for name in ("num_layers", "hidden_size", "num_attn_heads", "num_kv_heads", "ffn_hidden_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                problems.append((name, "must be >= 1"))
+        if self.preset == "custom":
+            for name in ("num_layers", "hidden_size", "num_attn_heads"):
+                if getattr(self, name) is None:
+                    problems.append((name, "required with preset: custom"))
+        if self.hidden_size and self.num_attn_heads and self.hidden_size % self.num_attn_heads:
+            problems.append(("hidden_size", f"{self.hidden_size} is not divisible by num_attn_heads "
+                                            f"{self.num_attn_heads}"))
+        if self.num_attn_heads and self.num_kv_heads and self.num_attn_heads % self.num_kv_heads:
+            problems.append(("num_kv_heads", "must divide num_attn_heads"))
+        if not 1 <= self.experts_top_k <= self.num_experts:
+            problems.append(("experts_top_k", f"must be between 1 and num_experts ({self.num_experts})"))
+        if not 0 <= self.dropout < 1:
+            problems.append(("dropout", "must be in [0, 1)"))
+        return problems
+
+
+@dataclass
+class TrainConfig:
+    """How long, how fast and on what engine settings to train."""
+
+    output_model_dir: Path = option(Path("runs/demo"), "run folder: checkpoints, logs, metrics.jsonl, data cache")
+    seq_len: int = option(2048, "tokens per sample")
+    global_batch_size: int = option(128, "samples per optimizer step, over all GPUs and accumulation steps")
+    micro_batch_size: int | None = option(
+        None, "samples per GPU per forward pass (None: the planner picks the largest that fits)")
+    train_tokens: int | None = option(
+        None, "stop after this many tokens (count_tokens.py writes it; None: use train_epochs)")
+    train_epochs: float = option(1.0, "stop after this many passes over the train split, when train_tokens is null")
+    train_iters: int | None = option(None, "hard cap on optimizer steps, for quick experiments (None: no cap)")
+    lr: float = option(6.0e-4, "peak learning rate")
+    min_lr: float = option(6.0e-5, "learning rate at the last step")
+    lr_schedule: Literal["cosine", "wsd", "constant"] = option(
+        "cosine", "decay after warmup; wsd: warmup-stable-decay, decaying over the last lr_decay_fraction")
+    warmup_fraction: float = option(0.01, "share of the run spent warming up linearly from 0")
+    lr_decay_fraction: float = option(0.2, "wsd only: share of the run spent decaying at the end")
+    weight_decay: float = option(0.1, "AdamW weight decay (not applied to norms, biases, embeddings)")
+    adam_beta1: float = option(0.9, "AdamW beta1")
+    adam_beta2: float = option(0.95, "AdamW beta2")
+    adam_eps: float = option(1.0e-8, "AdamW epsilon")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)")
+    precision: Literal["bf16", "fp16", "fp32"] = option("bf16", "one precision for model, engine and logs")
+    zero_stage: int = option(1, "DeepSpeed ZeRO stage 0-3")
+    offload_optimizer: bool = option(False, "ZeRO: keep optimizer states in host RAM")
+    activation_checkpointing: bool = option(False, "recompute activations in backward (less memory, ~30% slower)")
+    compile: bool = option(False, "torch.compile the model (CUDA)")
+    liger_kernels: bool = option(True, "use Liger fused kernels on CUDA when the [gpu] extra is installed")
+    seed: int = option(1234, "seed of weights init and dropout")
+    log_interval: int = option(10, "optimizer steps between console/metrics lines (the only host-device syncs)")
+    eval_interval: int = option(100, "steps between validation runs")
+    eval_iters: int = option(10, "validation batches per evaluation")
+    save_interval: int = option(1000, "steps between checkpoints")
+    keep_checkpoints: int = option(3, "keep this many newest checkpoints")
+    max_bad_steps: int = option(5, "stop after this many consecutive non-finite steps")
+    sample_prompts: list[str] = option(factory=lambda: ["日本の首都は", "このコマンドは"],
+                                       doc="prompts generated from at each evaluation")
+    sample_tokens: int = option(32, "tokens generated per sample prompt")
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        positive = ("seq_len", "global_batch_size", "log_interval", "eval_interval", "eval_iters",
+                    "save_interval", "keep_checkpoints", "max_bad_steps")
+        problems += [(name, "must be >= 1") for name in positive if getattr(self, name) < 1]
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            problems.append(("micro_batch_size", "must be >= 1"))
+        if self.micro_batch_size and self.global_batch_size % self.micro_batch_size:
+            problems.append(("micro_batch_size", f"{self.micro_batch_size} does not divide global_batch_size "
+                                                 f"{self.global_batch_size}"))
+        if self.train_tokens is not None and self.train_tokens < 1:
+            problems.append(("train_tokens", "must be >= 1 (or null to use train_epochs)"))
+        if self.train_epochs <= 0:
+            problems.append(("train_epochs", "must be > 0"))
+        if self.train_iters is not None and self.train_iters < 1:
+            problems.append(("train_iters", "must be >= 1 (or null)"))
+        if self.lr <= 0:
+            problems.append(("lr", "must be > 0"))
+        if not 0 <= self.min_lr <= self.lr:
+            problems.append(("min_lr", f"must be between 0 and lr ({self.lr}), got {self.min_lr}"))
+        if not 0 <= self.warmup_fraction < 1:
+            problems.append(("warmup_fraction", "must be in [0, 1)"))
+        if self.lr_schedule == "wsd" and not 0 < self.lr_decay_fraction <= 1 - self.warmup_fraction:
+            problems.append(("lr_decay_fraction", "must be in (0, 1 - warmup_fraction]"))
+        if self.zero_stage not in (0, 1, 2, 3):
+            problems.append(("zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}"))
+        if self.offload_optimizer and self.zero_stage == 0:
+            problems.append(("offload_optimizer", "needs zero_stage >= 1"))
+        return problems
+
+
+@dataclass
+class LoggingConfig:
+    """Where training figures go besides the console line and metrics.jsonl."""
+
+    wandb: bool = option(True, "log to Weights & Biases (offline, into the run folder, when no API key is set)")
+    wandb_project: str | None = option(None, "wandb project (None: the template's wandb.project)")
+    wandb_run_name: str | None = option(None, "wandb run name (None: the run folder's name)")
+    tensorboard: bool = option(True, "write TensorBoard event files under <run dir>/tensorboard")
