@@ -1,0 +1,86 @@
+"""Stage 0: every configured source → one deduplicated, length-filtered corpus.jsonl."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from collections import Counter
+from pathlib import Path
+
+from tqdm import tqdm
+
+from gptpipe.config.pipeline import PipelineConfig
+from gptpipe.corpus.config import CorpusConfig
+from gptpipe.corpus.sources import fingerprint, read_source
+from gptpipe.stage import StageResult, atomic_path, run_stage, say
+
+CORPUS_FILE = "corpus.jsonl"
+EXAMPLES_PER_REASON = 3
+
+
+def corpus_manifest_path(config: CorpusConfig) -> Path:
+    return config.output_dir / "manifest.json"
+
+
+def build_corpus(config: CorpusConfig) -> StageResult:
+    """Read all sources in order, drop what is unusable, write corpus.jsonl atomically; count everything."""
+    output = config.output_dir / CORPUS_FILE
+    dropped: Counter[str] = Counter()
+    notes: Counter[str] = Counter()  # kept, but worth knowing
+    examples: dict[str, list[str]] = {}
+    seen: set[bytes] = set()  # 8-byte digests: ~80 bytes per document of host RAM
+    kept = chars = 0
+
+    def drop(reason: str, origin: str) -> None:
+        dropped[reason] += 1
+        if len(examples.setdefault(reason, [])) < EXAMPLES_PER_REASON:
+            examples[reason].append(origin)
+
+    with atomic_path(output) as tmp, open(tmp, "w", encoding="utf-8") as out:
+        bar = tqdm(desc="stage 0: documents", unit=" doc", mininterval=1.0)
+        for source in config.sources:
+            for record in read_source(source):
+                bar.update()
+                if record.text is None:
+                    drop(record.problem or "unreadable", record.origin)
+                    continue
+                if record.problem:
+                    notes[record.problem] += 1
+                text = record.text.replace("\x00", "").strip()
+                if len(text) < config.min_chars:
+                    drop(f"shorter than min_chars ({config.min_chars})", record.origin)
+                    continue
+                if config.dedup:
+                    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+                    if digest in seen:
+                        drop("exact duplicate", record.origin)
+                        continue
+                    seen.add(digest)
+                try:
+                    out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+                except UnicodeEncodeError:  # lone surrogates from a \ud800 escape in the input JSON
+                    drop("invalid Unicode (lone surrogate)", record.origin)
+                    continue
+                kept += 1
+                chars += len(text)
+                bar.set_postfix(kept=kept, dropped=sum(dropped.values()), refresh=False)
+        bar.close()
+    if kept == 0:
+        raise RuntimeError("stage 0 kept no documents: see the drop reasons above")
+    for reason, n in dropped.most_common():
+        say(f"[prepare] dropped {n:>7,} {reason}: e.g. {', '.join(examples[reason])}")
+    for note, n in notes.items():
+        say(f"[prepare] kept {n:>7,} with {note}")
+    say(f"[prepare] kept {kept:,} documents, {chars:,} characters → {output}")
+    return StageResult(outputs=[output],
+                       counts={"documents": kept, "characters": chars, "dropped": dict(dropped), "notes": dict(notes),
+                               "dropped_examples": examples})
+
+
+def run(config: PipelineConfig, args: argparse.Namespace) -> int:
+    corpus = config.corpus
+    inputs = {f"source{i}": fingerprint(s) for i, s in enumerate(corpus.sources)}
+    run_stage("prepare", corpus_manifest_path(corpus), corpus, inputs, lambda: build_corpus(corpus),
+              force=args.force)
+    return 0

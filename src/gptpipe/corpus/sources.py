@@ -1,0 +1,165 @@
+"""Readers for stage 0's sources. Each yields Record(origin, text, problem) and never raises on bad data:
+an unreadable record carries the reason instead of text, so the stage can count and report it."""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from gptpipe.corpus.config import SourceConfig
+from gptpipe.corpus.manpages import find_manpages, read_manpage, roff_to_text
+from gptpipe.stage import StageInputError, tree_fingerprint
+
+
+@dataclass
+class Record:
+    """One document (text), or the reason it could not be read (problem only); origin is 'file:line'.
+
+    A record with both text and problem is kept, and the problem is counted as a note."""
+
+    origin: str
+    text: str | None = None
+    problem: str | None = None
+
+
+def source_files(source: SourceConfig) -> list[Path]:
+    """The files a local source reads, in a stable order; an empty match is an error."""
+    assert source.path is not None
+    path = source.path
+    if source.type == "manpages":
+        files = find_manpages(path)
+    elif any(ch in str(path) for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+    elif path.is_dir():
+        suffixes = {"jsonl": (".jsonl", ".json", ".jsonl.gz", ".json.gz"), "text": (".txt", ".txt.gz"),
+                    "hf_dataset": ("",)}[source.type]
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(suffixes))
+    else:
+        files = [path] if path.is_file() else []
+    if not files:
+        hint = " (apt-get install manpages-ja manpages-ja-dev)" if source.type == "manpages" else ""
+        raise StageInputError(f"corpus source {source.type} {path}: no input files found{hint}")
+    return files
+
+
+def fingerprint(source: SourceConfig) -> dict[str, Any]:
+    """What identifies a source's content: file names/sizes/mtimes, or the hub coordinates."""
+    if source.type == "hf_dataset" and source.name:
+        return {"hub": source.name, "subset": source.subset, "split": source.split}
+    return tree_fingerprint(source_files(source))
+
+
+def read_source(source: SourceConfig) -> Iterator[Record]:
+    """All records of one source, at most max_documents of them."""
+    reader = {"manpages": _manpages, "jsonl": _jsonl, "text": _text, "hf_dataset": _hf_dataset}[source.type]
+    for n, record in enumerate(reader(source)):
+        if source.max_documents is not None and n >= source.max_documents:
+            return
+        yield record
+
+
+def _manpages(source: SourceConfig) -> Iterator[Record]:
+    root = source.path
+    for page in source_files(source):
+        origin = str(page.relative_to(root)) if root else str(page)
+        try:
+            text = roff_to_text(read_manpage(page))
+        except (OSError, UnicodeDecodeError, EOFError) as exc:
+            yield Record(origin, problem=f"unreadable ({type(exc).__name__})")
+            continue
+        yield Record(origin, text) if text else Record(origin, problem="alias page (.so)")
+
+
+def _open_bytes(path: Path) -> io.BufferedIOBase:
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")  # type: ignore[return-value]
+
+
+def _jsonl(source: SourceConfig) -> Iterator[Record]:
+    for path in source_files(source):
+        with _open_bytes(path) as fh:
+            head = fh.peek(64)[:64] if hasattr(fh, "peek") else b""
+            if head.lstrip().startswith(b"["):  # a .json file holding one array of objects
+                yield from _json_array(path, fh.read(), source.text_key)
+                continue
+            for lineno, raw in enumerate(fh, 1):
+                yield _json_record(f"{path}:{lineno}", raw, source.text_key)
+
+
+def _json_record(origin: str, raw: bytes, text_key: str) -> Record:
+    if not raw.strip():
+        return Record(origin, problem="blank line")
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return Record(origin, problem="invalid UTF-8")
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError:
+        return Record(origin, problem="invalid JSON")
+    return _object_record(origin, obj, text_key)
+
+
+def _object_record(origin: str, obj: Any, text_key: str) -> Record:
+    if not isinstance(obj, dict) or text_key not in obj:
+        return Record(origin, problem=f"no '{text_key}' field")
+    if not isinstance(obj[text_key], str):
+        return Record(origin, problem=f"'{text_key}' is not a string")
+    return Record(origin, obj[text_key])
+
+
+def _json_array(path: Path, data: bytes, text_key: str) -> Iterator[Record]:
+    try:
+        items = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        yield Record(str(path), problem=f"invalid JSON file ({type(exc).__name__})")
+        return
+    for i, obj in enumerate(items):
+        yield _object_record(f"{path}[{i}]", obj, text_key)
+
+
+def _text(source: SourceConfig) -> Iterator[Record]:
+    for path in source_files(source):
+        with _open_bytes(path) as fh:
+            data = fh.read()
+        try:
+            text, note = data.decode("utf-8"), None
+        except UnicodeDecodeError:  # keep the file; undecodable bytes become U+FFFD and are counted
+            text, note = data.decode("utf-8", errors="replace"), "invalid UTF-8 bytes replaced"
+        if source.text_unit == "file":
+            yield Record(str(path), text, note)
+            continue
+        lineno = 1
+        for block in text.split("\n\n"):
+            if block.strip():
+                yield Record(f"{path}:{lineno + len(block) - len(block.lstrip(chr(10)))}", block, note)
+            lineno += block.count("\n") + 2
+
+
+def _hf_dataset(source: SourceConfig) -> Iterator[Record]:
+    try:
+        import datasets
+    except ImportError:
+        raise StageInputError("an hf_dataset source needs the datasets package: pip install -e .[datasets]") from None
+    if source.name:
+        ds = datasets.load_dataset(source.name, source.subset, split=source.split, streaming=True)
+        label = source.name
+    else:
+        path = source.path
+        assert path is not None
+        label = str(path)
+        if path.is_dir() and ((path / "state.json").exists() or (path / "dataset_dict.json").exists()):
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds[source.split]
+        else:
+            files = [str(p) for p in source_files(source) if p.suffix == ".parquet"]
+            if not files:
+                raise StageInputError(f"hf_dataset {path}: neither a save_to_disk folder nor .parquet files")
+            ds = datasets.load_dataset("parquet", data_files=files, split="train")
+    for i, row in enumerate(ds):
+        yield _object_record(f"{label}[{i}]", row, source.text_key)

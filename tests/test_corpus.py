@@ -1,0 +1,122 @@
+"""Stage 0: real man pages, every local source kind, bad records counted, rerun/force behaviour."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import run_cli
+from gptpipe.corpus.manpages import roff_to_text, unescape
+from gptpipe.stage import Manifest
+
+
+def read_corpus(out_dir: Path) -> list[str]:
+    with open(out_dir / "corpus.jsonl", encoding="utf-8") as fh:
+        return [json.loads(line)["text"] for line in fh]
+
+
+def write_config(folder: Path, sources: list[dict], **corpus) -> Path:
+    config = {"corpus": {"sources": sources, "output_dir": "out", "min_chars": 5, **corpus}}
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config, allow_unicode=True), encoding="utf-8")
+    return path
+
+
+def test_manpages_become_japanese_documents(corpus_dir: Path) -> None:
+    texts = read_corpus(corpus_dir)
+    manifest = Manifest.read(corpus_dir / "manifest.json")
+    assert len(texts) == manifest.counts["documents"] > 1500
+    ls_page = next(t for t in texts if t.startswith("名前\nls - "))
+    assert "ディレクトリの内容をリスト表示する" in ls_page
+    assert "--all" in ls_page and "\\f" not in ls_page  # options kept, font escapes gone
+    joined = "\n".join(texts)
+    # Only pages about roff itself (grn(1), man-pages(7)) may still show a font escape, quoted.
+    assert joined.count("\\fB") + joined.count("\\fI") <= 3
+    assert manifest.counts["dropped"].get("alias page (.so)", 0) >= 1
+    assert len(set(texts)) == len(texts)
+
+
+def test_roff_conversion_details() -> None:
+    source = ('.TH X 1\n.SH 名前\nfoo \\- バー\n.SH 書式\n.B foo\n[\n.BI \\-o " file"\n]\n'
+              '.PP\n日本語の\n文章です。\nEnglish\nwords \\(em ok\n.nf\n  keep   spaces\n.fi\n'
+              '.TS\nl l.\nA\tB\n.TE\n')
+    text = roff_to_text(source)
+    assert "foo - バー" in text
+    assert "foo [ -o file ]" in text
+    assert "日本語の文章です。 English words — ok" in text  # CJK lines join without a space
+    assert "  keep   spaces" in text  # no-fill text is kept verbatim
+    assert "A  B" in text
+    assert unescape(r"\fBbold\fR \e \(lqq\(rq") == "bold \\ “q”"
+    assert roff_to_text(".so man1/other.1\n") == ""
+
+
+def test_local_sources_and_bad_records(tmp_path: Path) -> None:
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    good = [f"良い文書その{i}です。" for i in range(4)]
+    with open(raw / "a.jsonl", "wb") as fh:
+        fh.write(json.dumps({"text": good[0]}, ensure_ascii=False).encode() + b"\n")
+        fh.write(b'{"text": broken json\n')
+        fh.write(b'{"text": "\xff\xfe bad utf8"}\n')
+        fh.write(json.dumps({"title": "no text"}).encode() + b"\n")
+        fh.write(json.dumps({"text": 42}).encode() + b"\n")
+        fh.write(json.dumps({"text": "短い"}, ensure_ascii=False).encode() + b"\n")
+        fh.write(json.dumps({"text": good[0]}, ensure_ascii=False).encode() + b"\n")  # duplicate
+        fh.write(json.dumps({"text": good[1] + "\x00"}, ensure_ascii=False).encode() + b"\n")
+    with gzip.open(raw / "b.json.gz", "wt", encoding="utf-8") as fh:
+        json.dump([{"text": good[2]}], fh, ensure_ascii=False)
+    (raw / "c.txt").write_text(f"{good[3]}\n\n二つ目の段落です。\n", encoding="utf-8")
+    config = write_config(tmp_path, [
+        {"type": "jsonl", "path": "raw/*.json*"},
+        {"type": "text", "path": "raw/c.txt", "text_unit": "paragraph"},
+    ])
+    run_cli("prepare", "--config", config)
+    out = tmp_path / "out"
+    texts = read_corpus(out)
+    assert texts == [good[0], good[1], good[2], good[3], "二つ目の段落です。"]
+    dropped = Manifest.read(out / "manifest.json").counts["dropped"]
+    assert dropped == {"invalid JSON": 1, "invalid UTF-8": 1, "no 'text' field": 1, "'text' is not a string": 1,
+                       "shorter than min_chars (5)": 1, "exact duplicate": 1}
+    examples = Manifest.read(out / "manifest.json").counts["dropped_examples"]
+    assert examples["invalid JSON"] == [f"{raw / 'a.jsonl'}:2"]
+
+
+def test_hf_dataset_local_forms(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    rows = {"text": ["一つ目の文書です。", "二つ目の文書です。"], "id": [1, 2]}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "saved"))
+    datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "rows.parquet"))
+    config = write_config(tmp_path, [{"type": "hf_dataset", "path": "saved"},
+                                     {"type": "hf_dataset", "path": "rows.parquet"}], dedup=False)
+    run_cli("prepare", "--config", config)
+    assert read_corpus(tmp_path / "out") == rows["text"] * 2
+
+
+def test_rerun_skips_force_redoes_and_config_change_redoes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "docs.jsonl").write_text(
+        "".join(json.dumps({"text": f"文書番号 {i} の本文です。"}, ensure_ascii=False) + "\n" for i in range(20)),
+        encoding="utf-8")
+    config = write_config(tmp_path, [{"type": "jsonl", "path": "docs.jsonl"}])
+    run_cli("prepare", "--config", config)
+    first = (tmp_path / "out" / "manifest.json").read_text()
+    capsys.readouterr()
+    run_cli("prepare", "--config", config)
+    assert "up to date" in capsys.readouterr().err
+    assert (tmp_path / "out" / "manifest.json").read_text() == first
+    run_cli("prepare", "--config", config, "--force")
+    assert "up to date" not in capsys.readouterr().err
+    run_cli("prepare", "--config", config, "corpus.sources.0.max_documents=3")
+    assert len(read_corpus(tmp_path / "out")) == 3
+
+
+def test_missing_source_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    config = write_config(tmp_path, [{"type": "jsonl", "path": "nowhere/*.jsonl"}])
+    from gptpipe.cli import main
+
+    assert main(["prepare", "--config", str(config)]) == 2
+    assert "no input files found" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
