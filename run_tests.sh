@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The test command: sets up .venv (scripts/setup_env.sh), then runs the whole test suite.
+# Extra arguments go to pytest, e.g. `bash run_tests.sh -k tokenizer`.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+bash scripts/setup_env.sh
+# One CPU thread per process: DeepSpeed/gloo ranks on a small machine get slower with more.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}
+export WANDB_MODE=${WANDB_MODE:-offline}
+exec .venv/bin/python -m pytest -q "$@"
