@@ -128,8 +128,12 @@ class _Builder:
         self.override_keys = override_keys
         self.problems: list[str] = []
 
+    def from_override(self, key: str) -> bool:
+        """True for an overridden key and for everything below it (list items, sub-keys)."""
+        return any(key == k or key.startswith(k + ".") for k in self.override_keys)
+
     def where(self, key: str) -> str:
-        if key in self.override_keys:
+        if self.from_override(key):
             return f"command-line override {key}"
         line = self.lines.get(key)
         return f"{self.source}:{line} {key}" if line else f"{self.source} {key}"
@@ -245,7 +249,7 @@ class _Builder:
                 self.problem(key, f"expected a path, got {value!r}")
                 return value
             path = Path(value).expanduser()
-            base = Path.cwd() if key in self.override_keys else self.base_dir
+            base = Path.cwd() if self.from_override(key) else self.base_dir
             return path if path.is_absolute() else (base / path).resolve()
         raise TypeError(f"config field {key} has unsupported type {tp!r}")
 

@@ -1,0 +1,103 @@
+"""The config system: shipped YAMLs load, problems are collected into one message, overrides are typed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from gptpipe.cli import COMMANDS, build_parser, main
+from gptpipe.config.core import ConfigError, describe, load_config
+from gptpipe.config.pipeline import PipelineConfig
+from gptpipe.export.config import ConvertConfig
+from gptpipe.tokenizer.config import TokenizerConfig
+
+
+@pytest.mark.parametrize("name, cls", [("config.yaml", PipelineConfig),
+                                       ("sentence_piece_config.yaml", TokenizerConfig),
+                                       ("convert_config.yaml", ConvertConfig)])
+def test_every_shipped_yaml_loads(name: str, cls: type) -> None:
+    config = load_config(cls, REPO / name)
+    assert isinstance(config, cls)
+
+
+def test_every_command_loads_its_default_yaml() -> None:
+    for cmd in COMMANDS:
+        module, cls_name = cmd.config_class.split(":")
+        cls = getattr(__import__(module, fromlist=[cls_name]), cls_name)
+        assert isinstance(load_config(cls, REPO / cmd.default_config), cls), cmd.name
+
+
+def test_original_key_names_are_kept() -> None:
+    tokenizer = load_config(TokenizerConfig, REPO / "sentence_piece_config.yaml")
+    assert tokenizer.input.name == "corpus.jsonl" and tokenizer.output_dir.is_absolute()
+    convert = load_config(ConvertConfig, REPO / "convert_config.yaml")
+    assert convert.repo_name and convert.output_tokenizer_and_model_dir and convert.input_model_dir
+    pipeline = load_config(PipelineConfig, REPO / "config.yaml")
+    assert pipeline.train.global_batch_size > 0 and hasattr(pipeline.train, "train_tokens")
+    legacy = load_config(ConvertConfig, None, ["hugging_face_name=old-spelling"])
+    assert legacy.repo_name == "old-spelling"
+
+
+def test_all_problems_are_reported_at_once_with_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("corpus:\n  min_chars: -1\n  sorces: []\ntrain:\n  global_batch_size: abc\n  precison: bf16\n"
+                    "model:\n  arch: lama\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_config(PipelineConfig, path, ["train.seq_len=foo"])
+    problems = info.value.problems
+    assert len(problems) == 6, problems
+    text = str(info.value)
+    assert f"{path}:3 corpus.sorces: unknown key; did you mean corpus.sources?" in text
+    assert f"{path}:2 corpus.min_chars: must be >= 0" in text
+    assert f"{path}:5 train.global_batch_size: expected an integer, got 'abc'" in text
+    assert "train.precison: unknown key; did you mean train.precision?" in text
+    assert "model.arch: must be one of 'llama', 'gpt2', 'mixtral', got 'lama'; did you mean 'llama'?" in text
+    assert "command-line override train.seq_len: expected an integer, got 'foo'" in text
+
+
+def test_cross_field_contradictions(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(PipelineConfig, None, ["train.lr=1e-4", "train.min_lr=1e-3", "train.micro_batch_size=5",
+                                           "data.weights=[1.0]", "data.prefixes=[a, b]", "data.split=90,10"])
+    text = str(info.value)
+    assert "train.min_lr: must be between 0 and lr" in text
+    assert "train.micro_batch_size: 5 does not divide global_batch_size" in text
+    assert "data.weights: 1 weights for 2 prefixes" in text
+    assert "data.split: must be three non-negative numbers" in text
+
+
+def test_overrides_are_typed_and_paths_resolve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    yaml_dir = tmp_path / "project"
+    yaml_dir.mkdir()
+    (yaml_dir / "config.yaml").write_text("tokenize:\n  output_prefix: data/x\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    config = load_config(PipelineConfig, yaml_dir / "config.yaml",
+                         ["train.lr=3e-4", "train.train_tokens=1_000_000", "tokenize.input=[a.jsonl, b.jsonl]",
+                          "corpus.dedup=false"])
+    assert config.train.lr == 3e-4 and config.train.train_tokens == 1_000_000
+    assert config.corpus.dedup is False
+    assert config.tokenize.output_prefix == yaml_dir / "data" / "x"  # YAML paths: relative to the YAML
+    assert config.tokenize.input == [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]  # overrides: to the cwd
+    assert config.corpus.output_dir == yaml_dir / "data" / "corpus"  # defaults: relative to the YAML too
+
+
+def test_bad_yaml_and_missing_file_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    broken = tmp_path / "config.yaml"
+    broken.write_text("corpus: [unclosed\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(PipelineConfig, broken)
+    assert main(["count", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_help_lists_every_key_with_doc() -> None:
+    keys = {row[0] for row in describe(PipelineConfig)}
+    assert {"corpus.min_chars", "corpus.sources.N.type", "tokenize.workers", "train.train_tokens",
+            "train.global_batch_size", "model.arch"} <= keys
+    assert all(doc for _, _, _, doc in describe(TokenizerConfig))
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    epilog = sub.choices["prepare"].epilog
+    assert "corpus.min_chars (int, default 50)" in epilog
