@@ -40,6 +40,17 @@ def test_original_key_names_are_kept() -> None:
     assert legacy.repo_name == "old-spelling"
 
 
+def test_the_original_pipelines_yaml_still_loads(tmp_path: Path) -> None:
+    """A user's sentence_piece_config.yaml from the original pipeline works unchanged."""
+    original = tmp_path / "sentence_piece_config.yaml"
+    original.write_text("input: ../../data/text/wiki.jsonl\noutput_dir: ../../models/tokenizers/wiki_65k\n"
+                        "vocab_size: 65000\nnum_threads: 32\nmodel_prefix: tokenizer\ncharacter_coverage: 0.9995\n"
+                        "model_type: unigram #character_coverage\ntrain_extremely_large_corpus: True\n",
+                        encoding="utf-8")
+    config = load_config(TokenizerConfig, original)
+    assert config.vocab_size == 65000 and config.output_dir == (tmp_path / "../../models/tokenizers/wiki_65k").resolve()
+
+
 def test_all_problems_are_reported_at_once_with_file_and_line(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
     path.write_text("corpus:\n  min_chars: -1\n  sorces: []\ntrain:\n  global_batch_size: abc\n  precison: bf16\n"

@@ -24,7 +24,6 @@ class TokenizerConfig:
     byte_fallback: bool = option(True, "encode unknown characters as UTF-8 bytes instead of <unk>")
     split_digits: bool = option(True, "every digit is its own piece")
     allow_whitespace_only_pieces: bool = option(True, "pieces made only of spaces are allowed (code, tables)")
-    remove_extra_whitespaces: bool = option(False, "collapse runs of whitespace (off: keep the text as it is)")
     max_sentencepiece_length: int = option(16, "longest piece in characters (llm-jp uses 8 for Japanese)")
     user_defined_symbols: list[str] = option(
         factory=lambda: ["<CLS>", "<SEP>", "<EOD>", "<MASK>", "\n"],
@@ -33,7 +32,9 @@ class TokenizerConfig:
         3_000_000, "lines sampled (reservoir, so RAM stays bounded at any corpus size) to train on")
     max_sentence_length: int = option(16384, "longer lines are cut into pieces of this many bytes for training")
     num_threads: int = option(0, "training threads (0: all cores)")
-    train_extremely_large_corpus: bool = option(False, "SentencePiece's flag for >10M-sentence inputs (more RAM)")
+    train_extremely_large_corpus: bool = option(
+        False, "accepted from the original pipeline's YAML; sentencepiece >= 0.2 ignores it "
+        "(host RAM is bounded by input_sentence_size instead)")
     pretokenize: Literal["none", "morpheme"] = option(
         "none", "morpheme: pre-split Japanese with fugashi+unidic-lite (extra [ja]) so pieces never cross "
         "morpheme boundaries; the tokenizer still encodes raw text without the analyzer")
@@ -56,4 +57,20 @@ class TokenizerConfig:
             problems.append(("byte_fallback", "needed with a normalizing tokenizer to export identical HF ids"))
         if len(set(self.user_defined_symbols)) != len(self.user_defined_symbols):
             problems.append(("user_defined_symbols", "contains duplicates"))
+        reserved = sorted(set(self.user_defined_symbols) & {"<unk>", "<s>", "</s>", "<pad>"})
+        if reserved:
+            problems.append(("user_defined_symbols", f"{', '.join(reserved)} already have fixed ids "
+                             "(unk=0, bos=1, eos=2, pad=3); remove them from the list"))
+        if any(not s or "," in s for s in self.user_defined_symbols):
+            problems.append(("user_defined_symbols", "symbols must be non-empty and contain no comma "
+                             "(SentencePiece reads the list comma-separated)"))
+        fixed = 4 + len(self.user_defined_symbols) + (256 if self.byte_fallback else 0)
+        if self.vocab_size <= fixed:
+            problems.append(("vocab_size", f"must exceed the {fixed} fixed pieces (4 special, "
+                             f"{len(self.user_defined_symbols)} user-defined"
+                             + (", 256 byte-fallback)" if self.byte_fallback else ")")))
+        if self.max_sentence_length < 256:
+            problems.append(("max_sentence_length", "must be at least 256 bytes"))
+        if self.heldout_documents < 1:
+            problems.append(("heldout_documents", "must be at least 1: the export is verified on them"))
         return problems

@@ -1,0 +1,135 @@
+"""Training text for SentencePiece with bounded host RAM: held-out documents and a reservoir sample of lines.
+
+The original pipeline loaded the whole corpus into the trainer (6 GB of text took ~30 GB of RAM). Here the
+corpus is streamed twice: a byte scan counts documents (and estimates lines) so held-out documents can be
+drawn up front, then every line of every other document goes through reservoir sampling, so at most
+``input_sentence_size`` lines are ever held, whatever the corpus size. Documents are split on newlines
+(the newline is a user-defined piece, never learned), and lines longer than ``max_sentence_length`` bytes
+are cut, because SentencePiece silently skips longer sentences.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from tqdm import tqdm
+
+from gptpipe.stage import StageInputError
+
+READ_CHUNK = 1 << 24
+
+
+@dataclass
+class CorpusScan:
+    """What one fast byte pass over the jsonl tells before any parsing."""
+
+    documents: int
+    lines_estimate: int  # documents + escaped newlines inside them
+    bytes: int
+
+
+@dataclass
+class Sample:
+    """What was written for training, and the documents kept out of it."""
+
+    lines: int = 0  # training lines written (after cutting long ones)
+    bytes: int = 0  # their UTF-8 size, before any morpheme pre-splitting
+    lines_seen: int = 0  # lines of the training documents, all of which had an equal chance
+    lines_cut: int = 0  # lines longer than max_sentence_length bytes, cut into several
+    training_documents: int = 0
+    heldout: list[str] = field(default_factory=list)
+
+
+def scan_corpus(path: Path) -> CorpusScan:
+    """Count documents (jsonl lines) and estimate text lines (each escaped "\\n" is one more) at disk speed."""
+    documents = escaped_newlines = size = 0
+    last = b"\n"
+    with open(path, "rb") as fh, tqdm(total=path.stat().st_size, unit="B", unit_scale=True,
+                                      desc="stage 1: scanning corpus", mininterval=1.0) as bar:
+        while chunk := fh.read(READ_CHUNK):
+            documents += chunk.count(b"\n")
+            escaped_newlines += chunk.count(b"\\n")
+            size += len(chunk)
+            last = chunk[-1:]
+            bar.update(len(chunk))
+    documents += last != b"\n"  # a last line without its newline
+    return CorpusScan(documents, documents + escaped_newlines, size)
+
+
+def cut_utf8(line: str, max_bytes: int) -> list[str]:
+    """``line`` as pieces of at most ``max_bytes`` UTF-8 bytes, cut between characters."""
+    data = line.encode("utf-8")
+    if len(data) <= max_bytes:
+        return [line]
+    pieces = []
+    while data:
+        end = min(max_bytes, len(data))
+        while end < len(data) and data[end] & 0xC0 == 0x80:  # never split a multi-byte character
+            end -= 1
+        pieces.append(data[:end].decode("utf-8"))
+        data = data[end:]
+    return pieces
+
+
+def _documents(path: Path, bar: tqdm) -> Iterator[tuple[int, str | None]]:
+    """(line number, text) of every document in the jsonl; a malformed line is a clear error."""
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, start=1):
+            bar.update(len(raw))
+            if not raw.strip():
+                yield number, None
+                continue
+            try:
+                text = json.loads(raw)["text"]
+                if not isinstance(text, str):
+                    raise TypeError
+            except (ValueError, KeyError, TypeError):
+                raise StageInputError(f"{path}:{number}: not a JSON object with a string \"text\" "
+                                      "(the corpus should come from stage 0)") from None
+            yield number, text
+
+
+def sample_corpus(path: Path, scan: CorpusScan, out_path: Path, size: int, max_bytes: int,
+                  heldout_documents: int, seed: int, presplit: Callable[[str], str] | None = None) -> Sample:
+    """Hold out ``heldout_documents`` random documents, reservoir-sample ``size`` lines of the rest into
+    ``out_path`` (one per line), pre-split by ``presplit`` when given. Returns the counts and held-out texts."""
+    rng = random.Random(seed)
+    heldout_lines = set(rng.sample(range(1, scan.documents + 1), min(heldout_documents, scan.documents)))
+    sample = Sample()
+    reservoir: list[str] = []
+    with tqdm(total=scan.bytes, unit="B", unit_scale=True, desc="stage 1: sampling lines", mininterval=1.0) as bar:
+        for number, text in _documents(path, bar):
+            if text is None:
+                continue
+            if number in heldout_lines:
+                sample.heldout.append(text)
+                continue
+            sample.training_documents += 1
+            for line in text.split("\n"):
+                if not line:
+                    continue
+                pieces = cut_utf8(line, max_bytes)
+                sample.lines_cut += len(pieces) > 1
+                for piece in pieces:
+                    # Algorithm R: after n lines, each has had the same chance size/n to be in the reservoir.
+                    sample.lines_seen += 1
+                    if len(reservoir) < size:
+                        reservoir.append(piece)
+                    else:
+                        slot = rng.randrange(sample.lines_seen)
+                        if slot < size:
+                            reservoir[slot] = piece
+    if not reservoir:
+        raise StageInputError(f"{path}: no training text left after holding out {len(sample.heldout)} documents")
+    lines = tqdm(reservoir, desc="stage 1: morpheme split" if presplit else "stage 1: writing sample",
+                 unit=" line", mininterval=1.0)
+    with open(out_path, "w", encoding="utf-8") as out:
+        for line in lines:
+            sample.bytes += len(line.encode("utf-8"))
+            out.write((presplit(line) if presplit else line) + "\n")
+    sample.lines = len(reservoir)
+    return sample

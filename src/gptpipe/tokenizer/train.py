@@ -1,0 +1,251 @@
+"""Stage 1: train the SentencePiece tokenizer on a bounded sample of the corpus, export and verify it.
+
+Steps: scan the stage-0 corpus; hold out documents and reservoir-sample training lines (sample.py); train
+SentencePiece (unigram or BPE, ids unk=0 <unk>, bos=1 <s>, eos=2 </s>, pad=3 <pad>, then the user-defined
+symbols); round its scores (hf.py explains why); write the HF fast tokenizer; check that HF and
+SentencePiece give identical ids on the held-out documents and the tricky strings (and, with identity
+normalization, that decoding gives the text back). Everything is built in a temporary folder inside
+output_dir and published only after the checks pass; the manifest comes last (run_stage).
+
+The document separator (eod) is eos "</s>", as in Megatron's SentencePiece tokenizer; "<EOD>" stays an
+ordinary user-defined symbol of the original pipeline's vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import resource
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from tqdm import tqdm
+
+from gptpipe.stage import (StageInputError, StageResult, atomic_dir, atomic_path, manifest_fingerprint,
+                           require_manifest, run_stage, say)
+from gptpipe.tokenizer import hf
+from gptpipe.tokenizer.config import TokenizerConfig
+from gptpipe.tokenizer.info import HF_DIR, MANIFEST
+from gptpipe.tokenizer.morpheme import DELIMITER, MorphemeSplitter, crossing_share
+from gptpipe.tokenizer.sample import CorpusScan, Sample, sample_corpus, scan_corpus
+
+STAGE = "train-tokenizer"
+CORPUS_HOW_TO_MAKE = "python 0_prepare_corpus.py"
+SPECIAL_PIECES = {"unk": (0, "<unk>"), "bos": (1, "<s>"), "eos": (2, "</s>"), "pad": (3, "<pad>")}
+EOD = "eos"  # the document separator: Megatron appends eos ("</s>") after every document
+MIB = 1 << 20
+
+# Peak RSS model, fitted with bench/bench_tokenizer.py on the man pages (32k unigram, 2 threads: 405 MiB for
+# 10.6 MiB of sampled text, 811 MiB for 43 MiB): a fixed base plus a factor per byte of sampled text
+# (SentencePiece's sentence copies, suffix array and lattices). The corpus size does not enter.
+RSS_BASE_MIB = 270
+RSS_PER_SAMPLE_BYTE = 12.5
+
+
+class VerificationError(RuntimeError):
+    """The exported HF tokenizer does not reproduce SentencePiece: the stage fails and publishes nothing."""
+
+
+def estimate_peak_mib(sample_bytes: float) -> float:
+    return RSS_BASE_MIB + RSS_PER_SAMPLE_BYTE * sample_bytes / MIB
+
+
+def _available_mib() -> float | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def _log_ram_estimate(what: str, sample_bytes: float) -> float:
+    estimate = estimate_peak_mib(sample_bytes)
+    available = _available_mib()
+    say(f"[{STAGE}] {what}: {sample_bytes / MIB:,.0f} MiB of text to train on; estimated peak RAM "
+        f"{estimate / 1024:,.1f} GiB" + (f" ({available / 1024:,.1f} GiB available)" if available else ""))
+    if available and estimate > available:
+        say(f"[{STAGE}] WARNING: that is more than the available memory; lower input_sentence_size "
+            "(the RAM is bounded by it, not by the corpus size)")
+    return estimate
+
+
+def _threads(config: TokenizerConfig) -> int:
+    return config.num_threads or len(os.sched_getaffinity(0))
+
+
+@contextlib.contextmanager
+def _elapsed_bar(desc: str) -> Iterator[None]:
+    """A bar that ticks every second while a step with no progress report of its own runs."""
+    done = threading.Event()
+    with tqdm(desc=desc, bar_format="{desc}: {elapsed} elapsed") as bar:
+
+        def tick() -> None:
+            while not done.wait(1.0):
+                bar.refresh()
+
+        ticker = threading.Thread(target=tick, daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            done.set()
+            ticker.join()
+
+
+def train_sentencepiece(config: TokenizerConfig, text_path: Path, prefix: Path) -> None:
+    """SentencePiece on the sampled lines with the original pipeline's Japanese-first settings."""
+    import sentencepiece as spm
+
+    spm.set_random_generator_seed(config.seed)
+    ids = {f"{name}_id": i for name, (i, _) in SPECIAL_PIECES.items()}
+    pieces = {f"{name}_piece": piece for name, (_, piece) in SPECIAL_PIECES.items()}
+    say(f"[{STAGE}] training SentencePiece {config.model_type}, {config.vocab_size:,} pieces, "
+        f"{_threads(config)} threads")
+    try:
+        with _elapsed_bar("stage 1: training SentencePiece"):
+            spm.SentencePieceTrainer.train(
+                input=str(text_path), model_prefix=str(prefix), model_type=config.model_type,
+                vocab_size=config.vocab_size, character_coverage=config.character_coverage,
+                normalization_rule_name=config.normalization, byte_fallback=config.byte_fallback,
+                split_digits=config.split_digits, allow_whitespace_only_pieces=config.allow_whitespace_only_pieces,
+                remove_extra_whitespaces=False,  # text is kept as it is (the original's setting; exact export)
+                max_sentencepiece_length=config.max_sentencepiece_length,
+                user_defined_symbols=config.user_defined_symbols, **ids, **pieces,
+                # No "▁" before every text: ids of a text do not depend on where it starts (HF export is exact).
+                add_dummy_prefix=False,
+                input_sentence_size=0, shuffle_input_sentence=False,  # the file already is the sample
+                # Lines were cut to max_sentence_length bytes; morpheme marks can make them up to 4x longer.
+                max_sentence_length=4 * config.max_sentence_length,
+                num_threads=_threads(config),
+                pretokenization_delimiter=DELIMITER if config.pretokenize == "morpheme" else "",
+                minloglevel=2,  # its INFO log is hundreds of lines; errors still raise
+            )
+    except RuntimeError as exc:  # e.g. "Vocabulary size too high": the config does not fit this corpus
+        raise StageInputError(f"SentencePiece training failed for {config.input}: {exc}") from None
+
+
+def verify(model_path: Path, hf_dir: Path, heldout: list[str], identity: bool) -> dict[str, Any]:
+    """SP == HF ids on held-out documents and tricky strings (and round trips with identity normalization)."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(model_path))
+    tokenizer = hf.load_hf(hf_dir)
+    problems = hf.check_special_ids(sp, tokenizer)
+    for name, texts in (("held-out documents", heldout), ("tricky strings", list(hf.TRICKY_STRINGS))):
+        failures, examples = hf.compare(sp, tokenizer, tqdm(texts, desc=f"stage 1: checking {name}", unit=" text",
+                                                          mininterval=1.0), round_trip=identity)
+        if failures:
+            problems.append(f"{failures}/{len(texts)} {name} differ: " + "; ".join(examples))
+    if problems:
+        raise VerificationError(f"the HF tokenizer in {hf_dir} does not match SentencePiece: " + " | ".join(problems))
+    tokens = sum(len(ids) for ids in sp.encode(heldout))
+    chars = sum(len(text) for text in heldout)
+    return {"heldout_documents_verified": len(heldout), "tricky_strings_verified": len(hf.TRICKY_STRINGS),
+            "heldout_characters": chars, "heldout_tokens": tokens,
+            "chars_per_token": round(chars / tokens, 4) if tokens else None}
+
+
+def _sampling(config: TokenizerConfig, splitter: MorphemeSplitter | None, text_path: Path) -> tuple[CorpusScan, Sample]:
+    scan = scan_corpus(config.input)
+    say(f"[{STAGE}] {config.input}: {scan.documents:,} documents, ~{scan.lines_estimate:,} lines, "
+        f"{scan.bytes / MIB:,.0f} MiB")
+    expected_share = min(1.0, config.input_sentence_size / max(1, scan.lines_estimate))
+    _log_ram_estimate(f"sampling up to {config.input_sentence_size:,} lines", scan.bytes * expected_share)
+    sample = sample_corpus(config.input, scan, text_path, config.input_sentence_size, config.max_sentence_length,
+                           config.heldout_documents, config.seed, splitter.presplit if splitter else None)
+    say(f"[{STAGE}] sampled {sample.lines:,} of {sample.lines_seen:,} lines from {sample.training_documents:,} "
+        f"documents ({sample.lines_cut:,} long lines cut); held out {len(sample.heldout):,} documents")
+    return scan, sample
+
+
+def train_tokenizer(config: TokenizerConfig, splitter: MorphemeSplitter | None) -> StageResult:
+    """The stage's work: returns its outputs and counts; raises VerificationError on any HF mismatch."""
+    out = config.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    model_name, vocab_name = f"{config.model_prefix}.model", f"{config.model_prefix}.vocab"
+    timings: dict[str, float] = {}
+    clock = time.time()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        timings[name] = round(time.time() - clock, 3)
+        clock = time.time()
+
+    with tempfile.TemporaryDirectory(prefix=".train-", dir=out) as tmp_name:
+        tmp = Path(tmp_name)
+        scan, sample = _sampling(config, splitter, tmp / "sample.txt")
+        lap("sample_s")
+        estimate = _log_ram_estimate("training", sample.bytes)
+        train_sentencepiece(config, tmp / "sample.txt", tmp / config.model_prefix)
+        lap("train_s")
+        hf.round_scores(tmp / model_name)
+        proto = hf.load_proto(tmp / model_name)
+        (tmp / vocab_name).write_text(hf.vocab_text(proto), encoding="utf-8")
+        hf.save_hf_folder(proto, tmp / HF_DIR)
+        lap("export_s")
+        report = verify(tmp / model_name, tmp / HF_DIR, sample.heldout, config.normalization == "identity")
+        if splitter:
+            import sentencepiece as spm
+
+            crossing, pieces = crossing_share(spm.SentencePieceProcessor(model_file=str(tmp / model_name)),
+                                              splitter, sample.heldout)
+            report["pieces_crossing_morphemes"] = round(crossing / max(1, pieces), 5)
+        lap("verify_s")
+        for name in (model_name, vocab_name):
+            with atomic_path(out / name) as dest:
+                shutil.copyfile(tmp / name, dest)
+        with atomic_dir(out / HF_DIR) as dest:
+            for name in hf.HF_FILES:
+                shutil.copyfile(tmp / HF_DIR / name, dest / name)
+
+    ids = {f"{name}_id": i for name, (i, _) in SPECIAL_PIECES.items()}
+    counts = {
+        "vocab_size": len(proto.pieces), **ids, "eod_id": ids[f"{EOD}_id"], "eod_piece": SPECIAL_PIECES[EOD][1],
+        "user_defined_ids": {p.piece: i for i, p in enumerate(proto.pieces) if p.type == hf.Piece.USER_DEFINED},
+        **report,
+        "corpus_documents": scan.documents, "training_documents": sample.training_documents,
+        "corpus_lines": sample.lines_seen, "training_lines_sampled": sample.lines, "long_lines_cut": sample.lines_cut,
+        "sample_mib": round(sample.bytes / MIB, 2),
+        "estimated_peak_rss_mib": round(estimate), "peak_rss_mib": round(_peak_rss_mib()),
+    }
+    say(f"[{STAGE}] {counts['vocab_size']:,} pieces; HF ids identical to SentencePiece on "
+        f"{report['heldout_documents_verified']:,} held-out documents and {report['tricky_strings_verified']} "
+        f"tricky strings; {report['chars_per_token']} characters per token; peak RSS {counts['peak_rss_mib']:,} MiB "
+        f"→ {out}")
+    files = [out / model_name, out / vocab_name] + [out / HF_DIR / name for name in hf.HF_FILES]
+    return StageResult(outputs=files, counts=counts, timings=timings)
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def run(config: TokenizerConfig, args: argparse.Namespace) -> int:
+    corpus_manifest = config.input.parent / "manifest.json"
+    upstream = require_manifest(corpus_manifest, "prepare (stage 0)", CORPUS_HOW_TO_MAKE)
+    if config.input.name not in upstream.outputs:
+        raise StageInputError(f"{config.input} is not an output of the stage-0 run recorded in {corpus_manifest} "
+                              f"(it lists {', '.join(upstream.outputs)}). Run: {CORPUS_HOW_TO_MAKE}")
+    splitter = None
+    if config.pretokenize == "morpheme":
+        try:
+            splitter = MorphemeSplitter()
+        except ImportError as exc:
+            raise StageInputError(str(exc)) from None
+    versions = ("sentencepiece", "tokenizers", "transformers") + (("fugashi", "unidic-lite") if splitter else ())
+    inputs = {"corpus": {"path": str(config.input), **manifest_fingerprint(corpus_manifest)}}
+    try:
+        run_stage(STAGE, config.output_dir / MANIFEST, config, inputs, lambda: train_tokenizer(config, splitter),
+                  force=args.force, versions=versions)
+    except VerificationError as exc:
+        say(f"[{STAGE}] FAILED: {exc}")
+        return 1
+    return 0

@@ -1,0 +1,249 @@
+"""Stage 1 on the real Japanese man-page corpus: SentencePiece training, the HF export and its verification.
+
+The shipped 32k unigram tokenizer comes from the session fixture ``tokenizer_dir``; extra trainings use a
+small sample (input_sentence_size) and mostly BPE, which trains in seconds, to keep this file quick.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import sentencepiece as spm
+from transformers import AutoTokenizer
+
+from gptpipe.cli import main
+from gptpipe.config.core import ConfigError, load_config
+from gptpipe.stage import Manifest, StageInputError
+from gptpipe.tokenizer import hf
+from gptpipe.tokenizer.config import TokenizerConfig
+from gptpipe.tokenizer.info import read_tokenizer_info
+from gptpipe.tokenizer.morpheme import DELIMITER
+from gptpipe.tokenizer.sample import cut_utf8, sample_corpus, scan_corpus
+
+SMALL = ("vocab_size=2000", "input_sentence_size=20000", "heldout_documents=50")
+
+
+def documents(corpus_dir: Path) -> list[str]:
+    with open(corpus_dir / "corpus.jsonl", encoding="utf-8") as fh:
+        return [json.loads(line)["text"] for line in fh]
+
+
+def train(workspace: Path, out: Path, *overrides: str, force: bool = False) -> int:
+    """Stage 1 through the CLI on the workspace corpus with the small settings; the exit code."""
+    argv = ["train-tokenizer", "--config", str(workspace / "sentence_piece_config.yaml"), f"output_dir={out}",
+            *SMALL, *overrides]
+    return main(argv + (["--force"] if force else []))
+
+
+def counts(folder: Path) -> dict:
+    return Manifest.read(folder / "manifest.json").counts
+
+
+def assert_identical_ids(folder: Path, texts: list[str]) -> None:
+    """HF (as users load it) gives SentencePiece's ids on every text, and both decode back to the text."""
+    sp = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+    tok = AutoTokenizer.from_pretrained(folder / "hf")
+    expected = sp.encode(texts)
+    got = tok(texts).input_ids
+    differing = [i for i, (a, b) in enumerate(zip(expected, got)) if a != b]
+    assert not differing, f"{len(differing)}/{len(texts)} texts differ, first: {texts[differing[0]][:80]!r}"
+    for text, ids in zip(texts, expected):
+        if "▁" not in text:  # SentencePiece writes a literal "▁" back as a space
+            assert sp.decode(ids) == text and tok.decode(ids) == text, text[:80]
+
+
+@pytest.fixture(scope="module")
+def small_bpe(corpus_dir: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tok") / "bpe"
+    assert train(workspace, out, "model_type=bpe") == 0
+    return out
+
+
+# --- the shipped 32k unigram tokenizer ---------------------------------------------------------------
+
+def test_hf_ids_equal_sentencepiece_on_every_document(tokenizer_dir: Path, corpus_dir: Path) -> None:
+    """Every document of the corpus (the 200 held out and all the others), not just the stage's own check."""
+    assert counts(tokenizer_dir)["heldout_documents_verified"] == 200
+    assert_identical_ids(tokenizer_dir, documents(corpus_dir))
+
+
+def test_tricky_strings(tokenizer_dir: Path) -> None:
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer_dir / "tokenizer.model"))
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir / "hf")
+    texts = list(hf.TRICKY_STRINGS) + ["x▁y", "末尾の改行\n", "\n\n先頭の改行"]
+    for text in texts:
+        assert tok(text).input_ids == sp.encode(text), repr(text)
+    assert_identical_ids(tokenizer_dir, texts)
+    # Characters outside the vocabulary go through byte fallback: 4 UTF-8 bytes, no <unk>.
+    for rare in ("𪚥", "😀"):
+        ids = sp.encode(rare)
+        assert len(ids) == 4 and all(sp.is_byte(i) for i in ids), rare
+    newline = counts(tokenizer_dir)["user_defined_ids"]["\n"]
+    assert sp.encode("\n\n") == [newline, newline]
+    assert len(sp.encode("2024")) == 4  # split_digits
+    assert sp.eos_id() not in sp.encode("</s>") and sp.bos_id() not in tok("<s>").input_ids  # text stays text
+    assert sp.decode(sp.encode("a   b\t\tc")) == "a   b\t\tc"  # whitespace runs kept
+
+
+def test_manifest_ids_and_info(tokenizer_dir: Path) -> None:
+    c = counts(tokenizer_dir)
+    assert (c["vocab_size"], c["unk_id"], c["bos_id"], c["eos_id"], c["pad_id"]) == (32000, 0, 1, 2, 3)
+    assert c["eod_id"] == c["eos_id"] and c["eod_piece"] == "</s>"
+    assert list(c["user_defined_ids"]) == ["<CLS>", "<SEP>", "<EOD>", "<MASK>", "\n"]
+    assert c["chars_per_token"] > 2.0 and c["heldout_tokens"] > 0
+    assert c["training_lines_sampled"] == c["corpus_lines"]  # the man pages are below input_sentence_size
+    info = read_tokenizer_info(tokenizer_dir)
+    assert (info.vocab_size, info.eod_id, info.pad_id) == (32000, 2, 3) and info.model_path.is_file()
+    sp = spm.SentencePieceProcessor(model_file=str(info.model_path))
+    assert [sp.id_to_piece(i) for i in range(4)] == ["<unk>", "<s>", "</s>", "<pad>"]
+    tok = AutoTokenizer.from_pretrained(info.hf_dir)
+    assert (tok.unk_token_id, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 1, 2, 3)
+    assert len(tok) == 32000
+    special_map = json.loads((info.hf_dir / "special_tokens_map.json").read_text(encoding="utf-8"))
+    assert special_map["eos_token"] == "</s>"
+
+
+def test_rerun_is_up_to_date(tokenizer_dir: Path, workspace: Path, capfd: pytest.CaptureFixture) -> None:
+    before = (tokenizer_dir / "tokenizer.model").stat().st_mtime_ns, (tokenizer_dir / "manifest.json").read_text()
+    assert main(["train-tokenizer", "--config", str(workspace / "sentence_piece_config.yaml")]) == 0
+    assert "up to date" in capfd.readouterr().err
+    assert ((tokenizer_dir / "tokenizer.model").stat().st_mtime_ns, (tokenizer_dir / "manifest.json").read_text()) \
+        == before
+
+
+# --- extra trainings (small sample) -----------------------------------------------------------------
+
+def test_bpe_ids_equal_sentencepiece(small_bpe: Path, corpus_dir: Path) -> None:
+    proto = hf.load_proto(small_bpe / "tokenizer.model")
+    assert proto.trainer_spec.model_type == proto.trainer_spec.BPE
+    assert_identical_ids(small_bpe, documents(corpus_dir)[:400] + list(hf.TRICKY_STRINGS))
+
+
+def test_sample_size_force_and_changed_key(small_bpe: Path, workspace: Path, capfd: pytest.CaptureFixture) -> None:
+    c = counts(small_bpe)
+    assert c["training_lines_sampled"] == 20000 < c["corpus_lines"]
+    assert c["training_documents"] + c["heldout_documents_verified"] == c["corpus_documents"]
+    model = small_bpe / "tokenizer.model"
+    stamp = model.stat().st_mtime_ns
+    capfd.readouterr()
+    assert train(workspace, small_bpe, "model_type=bpe") == 0
+    assert "up to date" in capfd.readouterr().err and model.stat().st_mtime_ns == stamp
+    assert train(workspace, small_bpe, "model_type=bpe", force=True) == 0
+    assert model.stat().st_mtime_ns != stamp
+    assert train(workspace, small_bpe, "model_type=bpe", "vocab_size=2500") == 0
+    assert counts(small_bpe)["vocab_size"] == 2500
+    assert "up to date" not in capfd.readouterr().err
+
+
+def test_mismatching_export_fails_and_vouches_for_nothing(small_bpe: Path, workspace: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capfd: pytest.CaptureFixture) -> None:
+    """A broken HF export (spaces not mapped to "▁") must fail the stage: no manifest, nothing published."""
+    real = hf.build_tokenizer
+
+    def without_normalizer(proto):
+        tokenizer = real(proto)
+        tokenizer.normalizer = None
+        return tokenizer
+
+    monkeypatch.setattr(hf, "build_tokenizer", without_normalizer)
+    model = small_bpe / "tokenizer.model"
+    old_model = model.read_bytes()
+    capfd.readouterr()
+    assert train(workspace, small_bpe, "model_type=bpe", "vocab_size=2500", force=True) == 1
+    assert "does not match SentencePiece" in capfd.readouterr().err
+    assert not (small_bpe / "manifest.json").exists()
+    assert model.read_bytes() == old_model  # the candidate was never published
+    assert not list(small_bpe.glob(".train-*"))  # no temporary folder left behind
+    with pytest.raises(StageInputError, match="not found"):
+        read_tokenizer_info(small_bpe)
+
+
+def test_morpheme_mode(corpus_dir: Path, workspace: Path, tokenizer_dir: Path,
+                       tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Trained on morpheme-split text, used on raw text: ids still identical in HF, no "▁" invented between
+    Japanese morphemes, and pieces almost never span a morpheme boundary (unlike plain training)."""
+    import fugashi
+
+    out = tmp_path_factory.mktemp("tok") / "morpheme"
+    assert train(workspace, out, "pretokenize=morpheme") == 0
+    c = counts(out)
+    assert c["pieces_crossing_morphemes"] < 0.005
+    texts = documents(corpus_dir)[:200]
+    assert_identical_ids(out, texts)
+    sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
+    assert not any(DELIMITER in sp.id_to_piece(i) for i in range(sp.vocab_size()))
+    assert not any("▁" in p for p in sp.encode("形態素解析で分割された文章を学習しました。", out_type=str))
+
+    tagger = fugashi.Tagger()
+
+    def crossing_share(model: Path) -> float:
+        """Share of pieces that start inside one morpheme (fugashi, used directly) and end in another."""
+        processor = spm.SentencePieceProcessor(model_file=str(model))
+        crossing = total = 0
+        for text in texts:
+            for line in text.split("\n")[:50]:
+                ends, pos = set(), 0
+                for word in tagger(line):
+                    pos = line.find(word.surface, pos) + len(word.surface)
+                    ends.add(pos)
+                start = 0
+                for piece in processor.encode(line, out_type=str):
+                    if piece.startswith("<0x"):  # byte fallback: a character starts at each non-continuation byte
+                        length = 0 if 0x80 <= int(piece[3:5], 16) < 0xC0 else 1
+                    else:
+                        length = len(piece)
+                    crossing += any(start < e < start + length for e in ends)
+                    total += 1
+                    start += length
+        return crossing / total
+
+    morpheme_share = crossing_share(out / "tokenizer.model")
+    plain_share = crossing_share(tokenizer_dir / "tokenizer.model")
+    assert morpheme_share < 0.005 and plain_share > 20 * morpheme_share, (morpheme_share, plain_share)
+
+
+# --- inputs and config ------------------------------------------------------------------------------
+
+def test_missing_input_is_a_clear_error(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    config = tmp_path / "sentence_piece_config.yaml"
+    config.write_text("input: nowhere/corpus.jsonl\noutput_dir: tok\n", encoding="utf-8")
+    assert main(["train-tokenizer", "--config", str(config)]) == 2
+    err = capfd.readouterr().err
+    assert str(tmp_path / "nowhere" / "manifest.json") in err and "0_prepare_corpus.py" in err
+    assert not (tmp_path / "tok").exists()
+    # A jsonl that did not come from stage 0 (no manifest next to it) is refused the same way.
+    (tmp_path / "nowhere").mkdir()
+    (tmp_path / "nowhere" / "corpus.jsonl").write_text('{"text": "テスト"}\n', encoding="utf-8")
+    assert main(["train-tokenizer", "--config", str(config)]) == 2
+    assert "0_prepare_corpus.py" in capfd.readouterr().err
+
+
+def test_config_rejects_reserved_symbols_and_tiny_vocab() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(TokenizerConfig, None, ["user_defined_symbols=[<s>, <EOD>]", "vocab_size=200"])
+    message = str(err.value)
+    assert "<s> already have fixed ids" in message and "vocab_size" in message and "byte-fallback" in message
+
+
+def test_sample_holds_out_documents_and_cuts_long_lines(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    docs = ["\n".join(f"doc{d} line{j}" for j in range(10)) for d in range(30)]
+    docs[7] += "\n" + "長" * 1000  # 3,000 bytes on one line
+    corpus.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in docs), encoding="utf-8")
+    out = tmp_path / "sample.txt"
+    sample = sample_corpus(corpus, scan_corpus(corpus), out, size=50, max_bytes=256, heldout_documents=5, seed=3)
+    lines = out.read_text(encoding="utf-8").splitlines()
+    assert sample.lines == len(lines) == 50 and len(sample.heldout) == 5 and sample.training_documents == 25
+    heldout_ids = {t.split(" ")[0] for t in sample.heldout}
+    assert not any(line.split(" ")[0] in heldout_ids for line in lines)
+    assert all(len(line.encode("utf-8")) <= 256 for line in lines)
+    # Everything fits when the sample size exceeds the corpus: every line of every training document.
+    everything = sample_corpus(corpus, scan_corpus(corpus), out, size=10_000, max_bytes=256, heldout_documents=5,
+                               seed=3)
+    cut = 0 if any(t.startswith("doc7 ") for t in everything.heldout) else 12  # 3,000 bytes → 12 pieces
+    assert everything.lines == 25 * 10 + cut and everything.lines_cut == (cut > 0)
+    pieces = cut_utf8("長" * 1000, 256)
+    assert "".join(pieces) == "長" * 1000 and max(len(p.encode()) for p in pieces) == 255
