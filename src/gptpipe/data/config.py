@@ -17,9 +17,12 @@ class TokenizeConfig:
     tokenizer_dir: Path = option(Path("tokenizers/ja_32k"), "stage-1 output folder (its tokenizer.model is used)")
     output_prefix: Path = option(Path("data/tokenized/ja"), "writes <output_prefix>_text_document.bin/.idx")
     text_key: str = option("text", "the field of each json object that holds the document")
-    workers: int = option(0, "worker processes (0: all cores)")
+    workers: int = option(0, "worker processes (0: all cores); does not change the output")
+    task_bytes: int = option(
+        0, "input bytes per worker task (0: automatic, 1-64 MiB, ~8 tasks per worker); does not change the output")
     max_document_chars: int = option(
-        50_000_000, "documents longer than this are skipped and counted (protects worker RAM)")
+        50_000_000, "documents longer than this are skipped and counted; so are lines over 12x this many bytes, "
+        "which are never held whole in memory (bounds worker RAM)")
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
@@ -27,9 +30,16 @@ class TokenizeConfig:
             problems.append(("input", "list at least one jsonl file"))
         if self.workers < 0:
             problems.append(("workers", "must be >= 0"))
+        if self.task_bytes < 0:
+            problems.append(("task_bytes", "must be >= 0"))
         if self.max_document_chars < 1:
             problems.append(("max_document_chars", "must be >= 1"))
         return problems
+
+    @property
+    def max_line_bytes(self) -> int:
+        """The longest jsonl line read: 12 bytes per character is JSON's worst case (a \\uXXXX\\uXXXX pair)."""
+        return 12 * self.max_document_chars + (64 << 10)
 
     @property
     def dataset_prefix(self) -> Path:

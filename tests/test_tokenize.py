@@ -1,0 +1,253 @@
+"""Stage 2 on the real man-page corpus: exact ids, sharding, bad input, killed runs, reruns."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+import sentencepiece as spm
+
+from conftest import run_cli
+from gptpipe.cli import EXIT_BAD_INPUT, main
+from gptpipe.data.indexed import IndexedDataset, bin_path, idx_path, manifest_path, read_dataset_manifest
+from gptpipe.stage import StageInputError
+from gptpipe.tokenizer.info import read_tokenizer_info
+
+
+def corpus_texts(corpus_dir: Path) -> list[str]:
+    with open(corpus_dir / "corpus.jsonl", "rb") as f:
+        return [orjson.loads(line)["text"] for line in f]
+
+
+def expected_ids(tokenizer_dir: Path, texts: list[str]) -> list[list[int]]:
+    info = read_tokenizer_info(tokenizer_dir)
+    sp = spm.SentencePieceProcessor(model_file=str(info.model_path))
+    return [ids + [info.eod_id] for ids in sp.encode(texts)]
+
+
+def tokenize(workspace: Path, *overrides: str, shard: str | None = None, force: bool = False) -> None:
+    extra = (["--shard", shard] if shard else []) + (["--force"] if force else [])
+    run_cli("tokenize", "--config", workspace / "config.yaml", *extra, *overrides)
+
+
+def same_dataset(a: Path, b: Path) -> bool:
+    return all(p(a).read_bytes() == p(b).read_bytes() for p in (bin_path, idx_path))
+
+
+def test_dataset_decodes_to_the_tokenizers_ids(dataset_prefix: Path, tokenizer_dir: Path, corpus_dir: Path) -> None:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronDataset
+
+    texts = corpus_texts(corpus_dir)
+    expected = expected_ids(tokenizer_dir, texts)
+    dataset = MegatronDataset(str(dataset_prefix), mmap=True)
+    assert len(dataset) == len(texts)
+    assert dataset.index.dtype == np.uint16  # a 32k vocab fits
+    for i, ids in enumerate(expected):  # every document, EOD included and counted in its size
+        assert dataset[i].tolist() == ids, f"document {i} differs"
+    counts = read_dataset_manifest(dataset_prefix).counts
+    assert counts["documents"] == len(texts) and counts["skipped"] == {} and counts["repaired"] == {}
+    assert counts["tokens"] == sum(map(len, expected)) == int(dataset.sequence_lengths.sum())
+
+
+def test_shards_merge_into_the_single_run(workspace: Path, dataset_prefix: Path, tmp_path: Path, capfd) -> None:
+    prefix = tmp_path / "sharded"
+    for i, workers in enumerate((2, 1, 2)):  # the in-process path too
+        tokenize(workspace, f"tokenize.output_prefix={prefix}", f"tokenize.workers={workers}",
+                 "tokenize.task_bytes=1000000", shard=f"{i}/3")
+    shards = [prefix.with_name(f"sharded_text_document.shard-{i}-of-3") for i in range(3)]
+    assert all(read_dataset_manifest(s).counts["documents"] > 0 for s in shards)
+    run_cli("merge", "--config", workspace / "config.yaml", "--shards", "3", f"tokenize.output_prefix={prefix}")
+    merged = tmp_path / "sharded_text_document"
+    assert same_dataset(merged, dataset_prefix)
+    assert read_dataset_manifest(merged).counts["documents"] == read_dataset_manifest(dataset_prefix).counts["documents"]
+
+    # A shard remade with a setting that changes its bytes no longer fits the others.
+    tokenize(workspace, f"tokenize.output_prefix={prefix}", "tokenize.max_document_chars=1000", shard="1/3")
+    code = main(["merge", "--config", str(workspace / "config.yaml"), "--shards", "3",
+                 f"tokenize.output_prefix={prefix}", "--force"])
+    assert code == EXIT_BAD_INPUT
+    assert "(max_document_chars differ); remake it: bash 2_tokenize.sh --shard 1/3" in capfd.readouterr().err
+
+
+def test_merge_refuses_missing_shards(workspace: Path, tokenizer_dir: Path, tmp_path: Path, capfd) -> None:
+    code = main(["merge", "--config", str(workspace / "config.yaml"), "--shards", "2",
+                 f"tokenize.output_prefix={tmp_path / 'none'}"])
+    assert code == EXIT_BAD_INPUT
+    assert "none_text_document.shard-0-of-2.manifest.json not found" in capfd.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------- bad input
+
+MAX_CHARS = 50_000
+
+
+def bad_corpus(tmp_path: Path, texts: list[str]) -> tuple[list[Path], list[str], Counter, dict[str, list[str]]]:
+    """Two jsonl files mixing good documents with every kind of bad line; what stage 2 must make of them."""
+    good = iter([t for t in texts if len(t) < 20_000])
+
+    def good_line(wrap=lambda line: line, **extra) -> tuple[bytes, str | None, str]:
+        text = next(good)
+        return wrap(json.dumps({"text": text, **extra}, ensure_ascii=False).encode()), None, text
+
+    a = [
+        good_line(), (b"", "blank_line", None), good_line(),
+        (b'{"text": "\xff\xfe broken"}', "invalid_utf8", None), good_line(),
+        (b'{"text": "unterminated', "invalid_json", None),
+        (b'{"text": "a\\ud800b"}', "invalid_unicode", None), good_line(),
+        (b'["not", "an", "object"]', "not_an_object", None),
+        (b'{"body": "no text key"}', "missing_text", None),
+        (b'{"text": 42}', "text_not_string", None), (b'{"text": null}', "text_not_string", None), good_line(),
+        (b'{"text": ""}', "empty_text", None), (b'{"text": "\\u0000\\u0000"}', "empty_text", None),
+        (b'{"text": "ab\\u0000cd"}', "nul_stripped", "abcd"), good_line(),
+        (json.dumps({"text": "あ" * (MAX_CHARS + 1)}).encode(), "too_long", None),  # over the character limit
+        (b'{"text": "' + b"x" * (12 * MAX_CHARS + 70_000) + b'"}', "too_long", None),  # over the line limit
+        good_line(), (b"  \t ", "blank_line", None),
+        good_line(lambda line: line + b"\r"),  # CRLF line end
+        good_line(score=float("nan")),  # NaN is not strict JSON; the document is still good
+        good_line(),  # the file ends without a newline
+    ]
+    b = [
+        good_line(lambda line: b"\xef\xbb\xbf" + line, id=10**30),  # a byte-order mark, a 100-bit integer
+        (b'{"text": "unterminated', "invalid_json", None), good_line(),
+        (b'{"id": 1e400, "text": "huge number, good text"}', None, "huge number, good text"),
+        (b'{"text": 0.5}', "text_not_string", None), good_line(),
+    ]
+    files, kept, reasons, examples = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"], [], Counter(), {}
+    for path, lines, end in zip(files, (a, b), (b"", b"\n")):
+        path.write_bytes(b"\n".join(line for line, _, _ in lines) + end)
+        for number, (_, reason, text) in enumerate(lines, start=1):
+            if reason:
+                reasons[reason] += 1
+                examples.setdefault(reason, []).append(f"{path}:{number}")
+            if text is not None:
+                kept.append(text)
+    return files, kept, reasons, {r: e[:5] for r, e in examples.items()}
+
+
+def test_bad_lines_are_counted_and_good_documents_kept(workspace: Path, tokenizer_dir: Path, corpus_dir: Path,
+                                                       tmp_path: Path, capfd) -> None:
+    files, kept, reasons, examples = bad_corpus(tmp_path, corpus_texts(corpus_dir))
+    inputs = f"tokenize.input=[{','.join(map(str, files))}]"
+    # Ranges of 4 KB: most documents and the over-long line cross range and block boundaries.
+    tokenize(workspace, inputs, f"tokenize.output_prefix={tmp_path / 'bad'}", "tokenize.task_bytes=4096",
+             "tokenize.workers=2", f"tokenize.max_document_chars={MAX_CHARS}")
+    prefix = tmp_path / "bad_text_document"
+    dataset = IndexedDataset(prefix)
+    assert [dataset[i].tolist() for i in range(len(dataset))] == expected_ids(tokenizer_dir, kept)
+
+    counts = read_dataset_manifest(prefix).counts
+    assert counts["skipped"] == {r: n for r, n in reasons.items() if r != "nul_stripped"}
+    assert counts["repaired"] == {"nul_stripped": 1}
+    assert counts["examples"] == examples  # file:line, right across ranges and files
+    assert counts["lines"] == sum(1 for f in files for _ in f.read_bytes().splitlines())
+    err = capfd.readouterr().err
+    assert f"invalid_json: 2 line(s) skipped, e.g. {files[0]}:6, {files[1]}:2" in err
+
+    # One worker, automatic ranges: the same bytes.
+    tokenize(workspace, inputs, f"tokenize.output_prefix={tmp_path / 'again'}", "tokenize.workers=1",
+             f"tokenize.max_document_chars={MAX_CHARS}")
+    assert same_dataset(tmp_path / "again_text_document", prefix)
+
+
+def test_missing_input_is_refused_before_work(workspace: Path, tokenizer_dir: Path, tmp_path: Path, capfd) -> None:
+    code = main(["tokenize", "--config", str(workspace / "config.yaml"), f"tokenize.input=[{tmp_path / 'no.jsonl'}]",
+                 f"tokenize.output_prefix={tmp_path / 'out'}"])
+    assert code == EXIT_BAD_INPUT
+    assert f"{tmp_path / 'no.jsonl'} not found" in capfd.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+    packed = tmp_path / "corpus.jsonl.gz"
+    packed.write_bytes(gzip.compress(b'{"text": "a"}\n'))
+    code = main(["tokenize", "--config", str(workspace / "config.yaml"), f"tokenize.input=[{packed}]",
+                 f"tokenize.output_prefix={tmp_path / 'out'}"])
+    assert code == EXIT_BAD_INPUT
+    assert "corpus.jsonl.gz is gzip-compressed" in capfd.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ killed runs, reruns
+
+
+def start_tokenize(workspace: Path, *overrides: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "gptpipe", "tokenize", "--config", str(workspace / "config.yaml"), *overrides]
+    return subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+
+
+def wait_until_writing(proc: subprocess.Popen, folder: Path, name: str) -> None:
+    """Return once the run is midway: its workers are writing part files."""
+    deadline = time.time() + 120
+    while not list(folder.glob(f".{name}.parts-*/part-*")):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+        time.sleep(0.02)
+    time.sleep(0.3)
+
+
+def big_input(corpus_dir: Path, tmp_path: Path) -> Path:
+    big = tmp_path / "big.jsonl"
+    big.write_bytes((corpus_dir / "corpus.jsonl").read_bytes() * 4)
+    return big
+
+
+def test_killed_run_leaves_nothing_accepted(workspace: Path, corpus_dir: Path, tokenizer_dir: Path,
+                                            tmp_path: Path) -> None:
+    prefix = tmp_path / "killed_text_document"
+    out = f"tokenize.output_prefix={tmp_path / 'killed'}"
+    tokenize(workspace, out)  # a finished dataset, about to be replaced
+    big = big_input(corpus_dir, tmp_path)
+    proc = start_tokenize(workspace, out, f"tokenize.input=[{big}]", "tokenize.workers=1")
+    try:
+        wait_until_writing(proc, tmp_path, prefix.name)
+    finally:
+        proc.kill()
+        proc.communicate()
+
+    assert not manifest_path(prefix).exists()
+    with pytest.raises(StageInputError, match="not found"):
+        read_dataset_manifest(prefix)
+    count = main(["count", "--config", str(workspace / "config.yaml"), f"data.prefixes=[{prefix}]", "--no-write"])
+    assert count == EXIT_BAD_INPUT
+
+    tokenize(workspace, out)  # the next run redoes the work and cleans up after the killed one
+    assert read_dataset_manifest(prefix).counts["documents"] == len(corpus_texts(corpus_dir))
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the worker processes through /proc")
+def test_a_dead_worker_fails_the_run_instead_of_hanging(workspace: Path, corpus_dir: Path, tokenizer_dir: Path,
+                                                        tmp_path: Path) -> None:
+    proc = start_tokenize(workspace, f"tokenize.output_prefix={tmp_path / 'oom'}",
+                          f"tokenize.input=[{big_input(corpus_dir, tmp_path)}]", "tokenize.workers=2")
+    try:
+        wait_until_writing(proc, tmp_path, "oom_text_document")
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        os.kill(int(children[0]), signal.SIGKILL)  # what the OOM killer does
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert "a tokenize worker process died" in err
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".", "oom"))]
+
+
+def test_rerun_skips_and_force_redoes(workspace: Path, dataset_prefix: Path, capfd) -> None:
+    files = [bin_path(dataset_prefix), idx_path(dataset_prefix), manifest_path(dataset_prefix)]
+    before = [(os.stat(p).st_mtime_ns, p.read_bytes()) for p in files]
+    capfd.readouterr()
+    tokenize(workspace)
+    assert "up to date" in capfd.readouterr().err
+    assert [(os.stat(p).st_mtime_ns, p.read_bytes()) for p in files] == before
+
+    tokenize(workspace, force=True)
+    assert "documents" in capfd.readouterr().err
+    after = [(os.stat(p).st_mtime_ns, p.read_bytes()) for p in files]
+    assert all(a[0] != b[0] for a, b in zip(after, before))  # rewritten ...
+    assert [a[1] for a in after[:2]] == [b[1] for b in before[:2]]  # ... to the same bytes
