@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gptpipe.config.core import ConfigError, describe, load_config
+from gptpipe.export.config import generate_arguments, upload_arguments
+from gptpipe.train.config import plan_arguments
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -48,6 +50,7 @@ def _merge_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 PIPELINE = "gptpipe.config.pipeline:PipelineConfig"
+CONVERT = "gptpipe.export.config:ConvertConfig"
 COMMANDS = [
     Command("prepare", "stage 0: build the jsonl corpus from the sources in config.yaml",
             "gptpipe.corpus.prepare:run", PIPELINE, "config.yaml"),
@@ -60,6 +63,16 @@ COMMANDS = [
             "gptpipe.data.tokenize:merge", PIPELINE, "config.yaml", _merge_arguments),
     Command("count", "count documents and tokens from the .idx and write train_tokens into config.yaml",
             "gptpipe.data.count:run", PIPELINE, "config.yaml", _count_arguments),
+    Command("plan", "stage 3 preflight: parameters, FLOPs, memory per GPU, steps and LR schedule; refuses what won't fit",
+            "gptpipe.train.plan:run", PIPELINE, "config.yaml", plan_arguments),
+    Command("train", "stage 3: pretrain the GPT with DeepSpeed (resumes from the newest checkpoint; exit 75 = "
+            "saved on SIGTERM/SIGINT, rerun to continue)", "gptpipe.train.train:run", PIPELINE, "config.yaml"),
+    Command("convert", "stage 4: export a stage-3 checkpoint to a verified HuggingFace folder",
+            "gptpipe.export.convert:run", CONVERT, "convert_config.yaml"),
+    Command("generate", "stage 5: generate text from the exported folder (streamed; --interactive for a prompt loop)",
+            "gptpipe.export.generate:run", CONVERT, "convert_config.yaml", generate_arguments),
+    Command("upload", "stage 6: upload the verified folder to the HuggingFace hub (token: HF_TOKEN or `hf auth login`)",
+            "gptpipe.export.upload:run", CONVERT, "convert_config.yaml", upload_arguments),
 ]
 
 
@@ -95,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gptpipe.stage import StageInputError  # light; kept here so --help needs nothing else
+    from gptpipe.stage import StageFailed, StageInputError  # light; kept here so --help needs nothing else
 
     args = build_parser().parse_args(argv)
     cmd = next(c for c in COMMANDS if c.name == args.command)
@@ -105,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, StageInputError) as exc:
         print(f"gptpipe {cmd.name}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except StageFailed as exc:
+        print(f"gptpipe {cmd.name}: FAILED: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     return int(result or EXIT_OK)
 
 

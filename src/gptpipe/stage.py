@@ -32,6 +32,10 @@ class StageInputError(RuntimeError):
     """A stage's input is missing, incomplete or does not fit; the message says which and what to run."""
 
 
+class StageFailed(RuntimeError):
+    """A stage could not finish (nothing it wrote is accepted); the message says why and what to do."""
+
+
 def file_fingerprint(path: Path) -> dict[str, Any]:
     """Size and mtime: cheap at any size, and changes whenever the file is rewritten."""
     st = path.stat()

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from gptpipe.config.pipeline import PipelineConfig
 from gptpipe.corpus.config import CorpusConfig
 from gptpipe.corpus.sources import fingerprint, read_source
-from gptpipe.stage import StageResult, atomic_path, run_stage, say
+from gptpipe.stage import StageFailed, StageResult, atomic_path, run_stage, say
 
 CORPUS_FILE = "corpus.jsonl"
 EXAMPLES_PER_REASON = 3
@@ -67,7 +67,7 @@ def build_corpus(config: CorpusConfig) -> StageResult:
                 bar.set_postfix(kept=kept, dropped=sum(dropped.values()), refresh=False)
         bar.close()
     if kept == 0:
-        raise RuntimeError("stage 0 kept no documents: see the drop reasons above")
+        raise StageFailed("stage 0 kept no documents: see the drop reasons above")
     for reason, n in dropped.most_common():
         say(f"[prepare] dropped {n:>7,} {reason}: e.g. {', '.join(examples[reason])}")
     for note, n in notes.items():

@@ -55,7 +55,7 @@ from gptpipe.corpus.prepare import CORPUS_FILE
 from gptpipe.data.config import TokenizeConfig
 from gptpipe.data.indexed import (IndexedDatasetWriter, bin_path, idx_path, manifest_path,
                                   read_dataset_manifest, token_dtype)
-from gptpipe.stage import (StageInputError, StageResult, atomic_path, file_fingerprint, manifest_fingerprint,
+from gptpipe.stage import (StageFailed, StageInputError, StageResult, atomic_path, file_fingerprint, manifest_fingerprint,
                            require_manifest, run_stage, say)
 from gptpipe.tokenizer.info import read_tokenizer_info
 
@@ -462,7 +462,7 @@ def tokenize_files(files: list[Path], prefix: Path, settings: WorkerSettings, wo
                                       f"skipped ({dict(reasons)})")
             writer.finalize(tmp_idx)
     except BrokenProcessPool:
-        raise RuntimeError(f"a tokenize worker process died (killed for memory?); nothing was written to "
+        raise StageFailed(f"a tokenize worker process died (killed for memory?); nothing was written to "
                            f"{prefix}. Try fewer tokenize.workers or a lower tokenize.max_document_chars") from None
     finally:
         if pool is not None:  # after a failure, the ranges in flight finish before their folder goes

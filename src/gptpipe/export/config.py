@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -34,9 +36,33 @@ class ConvertConfig:
             problems.append(("hugging_face_name", "differs from huggingface_name; keep only huggingface_name"))
         if self.checkpoint_step is not None and self.checkpoint_step < 0:
             problems.append(("checkpoint_step", "must be >= 0"))
+        if not re.fullmatch(r"\d+\s*[KMGT]i?B", self.max_shard_size, re.IGNORECASE):
+            problems.append(("max_shard_size", f"must look like 2GB or 500MB, got {self.max_shard_size!r}"))
+        for key in ("huggingface_name", "hugging_face_name", "organization"):
+            value = getattr(self, key)
+            if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}", value):
+                problems.append((key, f"{value!r} is not a valid hub name (letters, digits, '-', '_', '.'; "
+                                      "no '/': put the namespace in organization)"))
         return problems
 
     @property
     def repo_name(self) -> str | None:
         """The hub repository name, whichever spelling the YAML used."""
         return self.huggingface_name or self.hugging_face_name
+
+
+def generate_arguments(parser: argparse.ArgumentParser) -> None:
+    """`gptpipe generate`: sampling settings are arguments, not config keys, so playing never edits the YAML."""
+    parser.add_argument("--model", type=Path,
+                        help="HuggingFace folder or hub id (default: output_tokenizer_and_model_dir)")
+    parser.add_argument("--prompt", action="append", help="prompt to continue (repeatable; default: test_prompt_text)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt")
+    parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling: keep this probability mass")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed, for repeatable output")
+    parser.add_argument("--interactive", action="store_true", help="read prompts from the terminal until EOF/Ctrl-D")
+
+
+def upload_arguments(parser: argparse.ArgumentParser) -> None:
+    """`gptpipe upload`: there is deliberately no --token; it comes from HF_TOKEN or `hf auth login`."""
+    parser.add_argument("--dry-run", action="store_true", help="list the files and the destination; upload nothing")

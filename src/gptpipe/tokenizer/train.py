@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 from tqdm import tqdm
 
-from gptpipe.stage import (StageInputError, StageResult, atomic_dir, atomic_path, manifest_fingerprint,
+from gptpipe.stage import (StageFailed, StageInputError, StageResult, atomic_dir, atomic_path, manifest_fingerprint,
                            require_manifest, run_stage, say)
 from gptpipe.tokenizer import hf
 from gptpipe.tokenizer.config import TokenizerConfig
@@ -47,7 +47,7 @@ RSS_BASE_MIB = 270
 RSS_PER_SAMPLE_BYTE = 12.5
 
 
-class VerificationError(RuntimeError):
+class VerificationError(StageFailed):
     """The exported HF tokenizer does not reproduce SentencePiece: the stage fails and publishes nothing."""
 
 
@@ -242,10 +242,6 @@ def run(config: TokenizerConfig, args: argparse.Namespace) -> int:
             raise StageInputError(str(exc)) from None
     versions = ("sentencepiece", "tokenizers", "transformers") + (("fugashi", "unidic-lite") if splitter else ())
     inputs = {"corpus": {"path": str(config.input), **manifest_fingerprint(corpus_manifest)}}
-    try:
-        run_stage(STAGE, config.output_dir / MANIFEST, config, inputs, lambda: train_tokenizer(config, splitter),
-                  force=args.force, versions=versions)
-    except VerificationError as exc:
-        say(f"[{STAGE}] FAILED: {exc}")
-        return 1
+    run_stage(STAGE, config.output_dir / MANIFEST, config, inputs, lambda: train_tokenizer(config, splitter),
+              force=args.force, versions=versions)
     return 0

@@ -6,6 +6,7 @@ num_attn_heads, init_std, seq_len, global_batch_size, lr, min_lr, zero_stage, tr
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -32,7 +33,8 @@ class ModelConfig:
     init_std: float | None = option(None, "initializer std (None: from the preset; the original used 0.02 / 0.018)")
     rope_theta: float = option(10000.0, "llama/mixtral: RoPE base")
     dropout: float = option(0.0, "dropout everywhere (0 for pretraining)")
-    tie_word_embeddings: bool = option(False, "share input embedding and output head")
+    tie_word_embeddings: bool | None = option(
+        None, "share input embedding and output head (None: the architecture's default, tied only for gpt2)")
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
@@ -86,13 +88,23 @@ class TrainConfig:
     activation_checkpointing: bool = option(False, "recompute activations in backward (less memory, ~30% slower)")
     compile: bool = option(False, "torch.compile the model (CUDA)")
     liger_kernels: bool = option(True, "use Liger fused kernels on CUDA when the [gpu] extra is installed")
+    gpu_memory_gib: float | None = option(
+        None, "memory per device the planner fits the run into (None: detected; on CPU the available host RAM)")
+    peak_tflops: float | None = option(
+        None, "dense peak TFLOP/s per GPU for MFU (None: from the GPU's name, e.g. H100 989 bf16)")
+    ds_config_template: Path | None = option(
+        None, "DeepSpeed config template (None: original_codes/ds_config_gpt_TEMPLATE.json of gptpipe); "
+              "its \"auto\" values are filled from this file")
     seed: int = option(1234, "seed of weights init and dropout")
     log_interval: int = option(10, "optimizer steps between console/metrics lines (the only host-device syncs)")
     eval_interval: int = option(100, "steps between validation runs")
-    eval_iters: int = option(10, "validation batches per evaluation")
+    eval_iters: int = option(
+        10, "validation global batches per evaluation (the same eval_iters x global_batch_size samples each time)")
     save_interval: int = option(1000, "steps between checkpoints")
     keep_checkpoints: int = option(3, "keep this many newest checkpoints")
-    max_bad_steps: int = option(5, "stop after this many consecutive non-finite steps")
+    max_bad_steps: int = option(
+        5, "stop after this many consecutive non-finite steps (each is skipped and counted; with zero_stage 0 "
+           "in fp32/bf16 DeepSpeed does not check, and the run stops at the next log step instead)")
     sample_prompts: list[str] = option(factory=lambda: ["日本の首都は", "このコマンドは"],
                                        doc="prompts generated from at each evaluation")
     sample_tokens: int = option(32, "tokens generated per sample prompt")
@@ -125,6 +137,10 @@ class TrainConfig:
             problems.append(("zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}"))
         if self.offload_optimizer and self.zero_stage == 0:
             problems.append(("offload_optimizer", "needs zero_stage >= 1"))
+        if self.gpu_memory_gib is not None and self.gpu_memory_gib <= 0:
+            problems.append(("gpu_memory_gib", "must be > 0 (or null to detect)"))
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            problems.append(("peak_tflops", "must be > 0 (or null)"))
         return problems
 
 
@@ -136,3 +152,14 @@ class LoggingConfig:
     wandb_project: str | None = option(None, "wandb project (None: the template's wandb.project)")
     wandb_run_name: str | None = option(None, "wandb run name (None: the run folder's name)")
     tensorboard: bool = option(True, "write TensorBoard event files under <run dir>/tensorboard")
+
+
+def plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """`gptpipe plan` options: plan for a machine other than this one."""
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="data-parallel ranks to plan for (default: this launch's WORLD_SIZE, else 1)")
+    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                        help="memory per device to plan for (default: train.gpu_memory_gib or detected)")
+    parser.add_argument("--gpu-name", default=None,
+                        help="plan for this GPU model (e.g. H100) from another machine; needs --gpu-memory")
+

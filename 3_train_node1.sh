@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Stage 3 on this machine: DeepSpeed ZeRO pretraining of the GPT described in config.yaml.
+#   bash 3_train_node1.sh [--config config.yaml] [key=value ...]     e.g. bash 3_train_node1.sh train.lr=3e-4
+# Ranks: every local GPU (torchrun); on a machine without GPU, NPROC CPU ranks over gloo (default 1),
+# each with OMP_NUM_THREADS = cores / NPROC. Override with NPROC=N.
+# It prints the plan first and refuses a run that will not fit. Rerunning resumes from the newest
+# complete checkpoint. Exit codes: 0 done, 1 failed, 2 refused before starting, 75 stopped by
+# SIGTERM/SIGINT after saving a checkpoint (run the same command again to continue).
+set -euo pipefail
+PYTHON=${PYTHON:-python}
+GPUS=$($PYTHON -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+NPROC=${NPROC:-$(( GPUS > 0 ? GPUS : 1 ))}
+if [ "$GPUS" -eq 0 ]; then
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
+fi
+if [ "$NPROC" -eq 1 ]; then
+  exec $PYTHON -m gptpipe train "$@"  # one rank needs no launcher (and keeps the exit code)
+fi
+# torchrun forwards SIGTERM to every rank and waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT s for their save.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
+exec $PYTHON -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m gptpipe train "$@"

@@ -1,0 +1,142 @@
+"""Stage-3 checkpoints as stage 4 sees them: find the one to export, consolidate it, rebuild the model.
+
+A checkpoint folder ``<run>/checkpoints/global_step{N}/`` holds DeepSpeed's files, ``hf_config.json``
+(the transformers config the model was trained with) and ``gptpipe_state.json`` (step, tokens, tokenizer
+and dataset paths). Only folders with stage 3's completion marker count: a save killed half-way never does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gptpipe.stage import StageInputError, say
+from gptpipe.train.checkpoint import COMPLETE_MARKER, HF_CONFIG, LATEST, STATE, complete_checkpoints
+
+TRAIN_HINT = "bash 3_train_node1.sh (stage 3)"
+
+
+@dataclass
+class Checkpoint:
+    """One complete stage-3 checkpoint folder and what it says about itself."""
+
+    path: Path
+    step: int
+    hf_config: dict[str, Any]
+    state: dict[str, Any]
+
+    @property
+    def run_dir(self) -> Path:
+        """The run folder (metrics.jsonl, logs): ``<run>/checkpoints/global_stepN`` → ``<run>``."""
+        return self.path.parent.parent
+
+
+def find_checkpoint(input_dir: Path, step: int | None = None) -> Checkpoint:
+    """The checkpoint to export: ``input_dir`` itself, ``global_step{step}``, or the newest complete one.
+
+    ``input_dir`` may be the run folder, its checkpoints/ folder or one checkpoint folder.
+    """
+    if not input_dir.exists():
+        raise StageInputError(f"input_model_dir {input_dir} does not exist. Run: {TRAIN_HINT}")
+    if (input_dir / HF_CONFIG).is_file() or (input_dir / STATE).is_file():
+        folder = input_dir
+    else:
+        root = input_dir / "checkpoints" if (input_dir / "checkpoints").is_dir() else input_dir
+        complete = dict(complete_checkpoints(root))
+        found = ", ".join(map(str, complete)) or "none"
+        if step is not None:
+            if step not in complete:
+                raise StageInputError(f"no complete checkpoint for step {step} in {root} (complete steps: {found})")
+            folder = complete[step]
+        elif not complete:
+            raise StageInputError(f"no complete checkpoint in {root} (a save that was interrupted has no "
+                                  f"'{COMPLETE_MARKER}' marker). Run: {TRAIN_HINT}")
+        else:
+            folder = complete[max(complete)]
+            latest = root / LATEST
+            if latest.is_file() and latest.read_text().strip() != folder.name:
+                say(f"[convert] {latest} names {latest.read_text().strip()!r}, which is not a complete "
+                    f"checkpoint; using the newest complete one, {folder.name}")
+    missing = [name for name in (COMPLETE_MARKER, HF_CONFIG, STATE) if not (folder / name).is_file()]
+    if missing:
+        raise StageInputError(f"checkpoint {folder} is incomplete (no {', '.join(missing)}): its save did not "
+                              f"finish. Export another step (checkpoint_step=N) or run: {TRAIN_HINT}")
+    state = json.loads((folder / STATE).read_text(encoding="utf-8"))
+    hf_config = json.loads((folder / HF_CONFIG).read_text(encoding="utf-8"))
+    return Checkpoint(folder, int(state["step"]), hf_config, state)
+
+
+def _zero_stage(folder: Path) -> int:
+    """The ZeRO stage recorded in the checkpoint's model-states file (DeepSpeed keeps its config there)."""
+    import torch
+
+    states = sorted(folder.glob("*model_states.pt"))
+    if not states:
+        raise StageInputError(f"{folder} has no DeepSpeed *model_states.pt file: not a DeepSpeed checkpoint")
+    meta = torch.load(states[0], map_location="cpu", weights_only=False, mmap=True)
+    return int(meta.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0))
+
+
+def consolidate(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The full fp32 state dict, gathered from every rank's shard by DeepSpeed's own zero_to_fp32.
+
+    ZeRO stage 0 keeps no partitioned master weights: its model-states file holds the whole module.
+    """
+    import torch
+
+    folder = checkpoint.path
+    try:
+        if _zero_stage(folder) == 0:
+            module = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+            return {k: v.float() if v.is_floating_point() else v for k, v in module["module"].items()}
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with contextlib.redirect_stdout(sys.stderr):  # it prints progress; stdout stays for results
+            return get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+    except StageInputError:
+        raise
+    except Exception as exc:  # truncated or missing shards surface as many different exception types
+        raise StageInputError(f"checkpoint {folder} cannot be read ({type(exc).__name__}: {exc}). A shard is "
+                              f"missing or corrupt: export another step (checkpoint_step=N) or retrain") from None
+
+
+def hf_config_object(hf_config: dict[str, Any]) -> Any:
+    """The transformers config object for a config dict (model_type picks the class)."""
+    from transformers import AutoConfig
+
+    values = dict(hf_config)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def build_model(checkpoint: Checkpoint, state_dict: dict[str, Any]) -> Any:
+    """The trained model in fp32, exactly as the checkpoint holds it (vocab still padded).
+
+    The parameters are the state dict's own tensors (``assign``), so several models built from one
+    consolidated checkpoint cost no extra memory until one of them is cast or resized.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # every weight is replaced below: skip the random init (minutes at 3B)
+        model = AutoModelForCausalLM.from_config(hf_config_object(checkpoint.hf_config), dtype=torch.float32)
+    expected = set(model.state_dict())
+    missing = sorted(expected - set(state_dict))
+    unexpected = sorted(set(state_dict) - expected)
+    # Tied output heads appear under one name or both, depending on how DeepSpeed recorded the sharing.
+    missing = [k for k in missing if not (model.config.tie_word_embeddings and k.endswith("lm_head.weight"))]
+    if missing or unexpected:
+        raise StageInputError(
+            f"checkpoint {checkpoint.path} does not fit its {HF_CONFIG} ({checkpoint.hf_config.get('model_type')}): "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+    try:
+        model.load_state_dict(state_dict, strict=False, assign=True)
+    except RuntimeError as exc:  # shape mismatches
+        raise StageInputError(f"checkpoint {checkpoint.path} does not fit its {HF_CONFIG}: {exc}") from None
+    model.tie_weights()
+    return model.eval()

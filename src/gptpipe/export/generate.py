@@ -1,0 +1,110 @@
+"""Stage 5: play with the exported model: `gptpipe generate` (streamed) and the 5_play_with_model notebook."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from gptpipe.cli import EXIT_OK
+from gptpipe.export.config import ConvertConfig
+from gptpipe.stage import Manifest, StageInputError, say
+
+
+@dataclass
+class Sampling:
+    """How to pick the next token; temperature 0 means greedy."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.8
+    top_p: float = 0.95
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        if self.temperature <= 0:
+            return {"max_new_tokens": self.max_new_tokens, "do_sample": False}
+        return {"max_new_tokens": self.max_new_tokens, "do_sample": True, "temperature": self.temperature,
+                "top_p": self.top_p}
+
+
+def verification_note(folder: Path) -> str | None:
+    """A warning when a local folder was not verified by stage 4 (it may not match the trained model)."""
+    manifest = folder / "manifest.json"
+    if not folder.is_dir():
+        return None  # a hub id: the hub copy was verified before upload
+    if not manifest.is_file():
+        return f"{folder} has no manifest.json: it was not written (or not finished) by `gptpipe convert`"
+    counts = Manifest.read(manifest).counts
+    if not counts.get("verified"):
+        return f"{folder} FAILED verification: " + "; ".join(counts.get("failures", []))
+    return None
+
+
+def load(model_dir: str | Path) -> tuple[Any, Any]:
+    """(model, tokenizer) from an exported folder or a hub id, in the dtype it was saved in."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    note = verification_note(Path(model_dir))
+    if note:
+        say(f"[generate] warning: {note}")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+def generate(model: Any, tokenizer: Any, prompt: str, sampling: Sampling,
+             on_text: Callable[[str], None] | None = None) -> str:
+    """The continuation of ``prompt``; ``on_text`` receives it piece by piece while it is generated."""
+    import torch
+    from transformers import TextStreamer
+
+    class Callback(TextStreamer):  # TextStreamer finds whole words/characters; we choose where they go
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            if text and on_text:
+                on_text(text)
+
+    inputs = tokenizer(prompt, return_tensors="pt")
+    streamer = Callback(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    with torch.no_grad():
+        out = model.generate(**inputs, streamer=streamer, pad_token_id=tokenizer.pad_token_id,
+                             **sampling.generate_kwargs())
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def _print_piece(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def run(config: ConvertConfig, args: Any) -> int:
+    import torch
+
+    model_dir = args.model or config.output_tokenizer_and_model_dir
+    if args.model is None and not model_dir.is_dir():
+        raise StageInputError(f"{model_dir} does not exist: export a model first (bash 4_convert_to_HF.sh) "
+                              "or name one with --model")
+    model, tokenizer = load(model_dir)
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p)
+    say(f"[generate] {model_dir}: max_new_tokens={sampling.max_new_tokens} temperature={sampling.temperature} "
+        f"top_p={sampling.top_p}" + ("" if args.seed is None else f" seed={args.seed}"))
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+
+    def answer(prompt: str) -> None:
+        _print_piece(prompt)
+        generate(model, tokenizer, prompt, sampling, on_text=_print_piece)
+        _print_piece("\n")
+
+    if not args.interactive:
+        for prompt in args.prompt or [config.test_prompt_text]:
+            answer(prompt)
+        return EXIT_OK
+    say("[generate] type a prompt and press Enter; an empty line repeats the last prompt; Ctrl-D quits")
+    last = (args.prompt or [config.test_prompt_text])[-1]
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        last = line or last
+        answer(last)
+    return EXIT_OK

@@ -1,0 +1,125 @@
+"""Stage 6: upload a verified stage-4 folder to the HuggingFace hub (6_upload.py), then check the hub copy.
+
+Rules: only a folder whose manifest says ``verified: true`` (and whose files are unchanged since) goes up,
+and only the files stage 4 wrote and verified; the repository is private unless the config says otherwise;
+the token comes from ``HF_TOKEN`` or the huggingface_hub login store (``hf auth login``), never from the YAML
+or the command line, and is never printed. After the upload the files are downloaded back, compared byte
+for byte, loaded and asked for a greedy continuation of the test prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from gptpipe.cli import EXIT_OK
+from gptpipe.export.config import ConvertConfig
+from gptpipe.stage import Manifest, StageFailed, StageInputError, require_manifest, say
+
+CONVERT_HINT = "bash 4_convert_to_HF.sh"
+
+
+def verified_manifest(folder: Path) -> Manifest:
+    """The folder's stage-4 manifest, only if its files are intact and the verification gate passed."""
+    manifest = require_manifest(folder / "manifest.json", "convert (stage 4)", CONVERT_HINT)
+    if not manifest.counts.get("verified"):
+        reasons = "; ".join(manifest.counts.get("failures", [])) or "no verification result recorded"
+        raise StageInputError(f"refusing to upload {folder}: it did not pass verification ({reasons}). "
+                              f"Fix the cause and run: {CONVERT_HINT} --force")
+    return manifest
+
+
+def upload_files(manifest: Manifest) -> list[str]:
+    """Exactly the files stage 4 wrote and verified; its manifest.json and config.yaml (local paths) stay here."""
+    return sorted(manifest.outputs)
+
+
+def repo_name(config: ConvertConfig) -> str:
+    if config.hugging_face_name and not config.huggingface_name:
+        say("[upload] note: `hugging_face_name` is the deprecated spelling (the original README's); "
+            "rename the key to `huggingface_name` in convert_config.yaml")
+    if not config.repo_name:
+        raise StageInputError("no repository name: set huggingface_name in convert_config.yaml")
+    return config.repo_name
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_hub_copy(local: Path, downloaded: Path, files: list[str], prompt: str) -> tuple[list[str], str]:
+    """(problems, greedy sample): the downloaded copy must be byte-identical, load and generate, like the original's
+    smoke test. Its sample is not compared with the gate's: another machine's kernels may break a near-tie."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gptpipe.export.verify import greedy_continuation
+
+    problems = [f"{f} differs from the local file" for f in files
+                if not (downloaded / f).is_file() or _sha256(downloaded / f) != _sha256(local / f)]
+    if problems:
+        return problems, ""
+    model = AutoModelForCausalLM.from_pretrained(downloaded, dtype="auto").eval()
+    return [], greedy_continuation(model, AutoTokenizer.from_pretrained(downloaded), prompt)[1]
+
+
+def run(config: ConvertConfig, args: Any) -> int:
+    folder = config.output_tokenizer_and_model_dir
+    manifest = verified_manifest(folder)
+    from huggingface_hub import HfApi, constants, get_token, snapshot_download
+
+    files = upload_files(manifest)
+    name = repo_name(config)
+    endpoint = os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
+    target = f"{config.organization or '(your user)'}/{name}"
+    where = (f"{endpoint}/{target} ({'private' if config.private else 'public'}, "
+             f"branch {config.revision or 'main'})")
+    if args.dry_run:
+        print(f"would upload {len(files)} files from {folder} to {where}:")
+        for f in files:
+            print(f"  {f}  ({(folder / f).stat().st_size:,} bytes)")
+        return EXIT_OK
+
+    token = get_token()  # HF_TOKEN, else the login store; nothing else
+    if not token:
+        raise StageInputError("no HuggingFace token: set HF_TOKEN or run `hf auth login` (a token is never read "
+                              "from convert_config.yaml or the command line)")
+    api = HfApi(endpoint=endpoint, token=token)
+    say(f"[upload] {len(files)} files from {folder} → {where}")
+    try:
+        repo_url = api.create_repo(f"{config.organization}/{name}" if config.organization else name,
+                                   private=config.private, exist_ok=True)
+        repo_id = repo_url.repo_id
+        if config.private and not api.repo_info(repo_id).private:
+            raise StageInputError(f"{repo_id} already exists and is public, but convert_config.yaml says private: "
+                                  "true. Make it private on the hub, or set private: false to publish")
+        if config.revision:
+            api.create_branch(repo_id, branch=config.revision, exist_ok=True)
+        commit = api.upload_folder(repo_id=repo_id, folder_path=folder, allow_patterns=files,
+                                   revision=config.revision,
+                                   commit_message=f"gptpipe export of step {manifest.counts.get('step')} "
+                                                  f"({manifest.counts.get('dtype')}, verified)")
+        say(f"[upload] uploaded as commit {commit.oid}; downloading it back to check it")
+        with tempfile.TemporaryDirectory(prefix="gptpipe-upload-check-") as tmp:
+            downloaded = Path(snapshot_download(repo_id, revision=config.revision, local_dir=tmp,
+                                                endpoint=endpoint, token=token))
+            problems, sample = check_hub_copy(folder, downloaded, files, manifest.config["test_prompt_text"])
+    except StageInputError:
+        raise
+    except Exception as exc:  # network and hub errors of every kind: say what failed, keep the folder as it is
+        message = f"{type(exc).__name__}: {exc}".replace(token, "<token>")
+        raise StageFailed(f"upload to {endpoint} failed: {message}\nThe local folder {folder} is unchanged; run "
+                          "the upload again once the problem is fixed") from None
+    url = f"{endpoint}/{repo_id}" + (f"/tree/{config.revision}" if config.revision else "")
+    if problems:
+        raise StageFailed(f"the hub copy at {url} does not match the verified folder:\n  - "
+                          + "\n  - ".join(problems))
+    say(f"[upload] the hub copy is byte-identical, loads and generates: {sample!r}")
+    print(url)
+    return EXIT_OK

@@ -1,0 +1,154 @@
+"""The verification gate: does the exported folder behave exactly like the trained checkpoint?
+
+The folder is reloaded with AutoModelForCausalLM/AutoTokenizer, as any user would, and checked on data the
+model did not train on (the last documents of the dataset, which fall in its validation/test split):
+1. ids: dtype, vocabulary size and bos/eos/pad ids are the ones the model was trained with;
+2. logits: against the model rebuilt from the checkpoint, both in the export dtype (ANCHORS §5: bf16
+   compares like with like), max |Δ| within a tolerance;
+3. tokenizer: the same ids as the SentencePiece model the training data was encoded with;
+4. generation: greedy decoding runs and decodes to text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gptpipe.stage import say
+from gptpipe.tokenizer.hf import compare
+
+# fp32 export: the same weights through the same code, so only summation order may differ: 1e-4 absolute.
+# bf16 export: both sides are bf16 models built the same way (on CPU they agree exactly); allow one bf16
+# rounding step (2^-8 relative) of the largest logit, far below what a wrong or misplaced weight causes.
+FP32_TOLERANCE = 1e-4
+BF16_RELATIVE = 2.0 ** -8
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+BATCH_ROWS = 4
+BATCH_TOKENS = 256
+GREEDY_TOKENS = 24
+
+
+@dataclass
+class HeldOut:
+    """Held-out documents as token ids (separator removed) and where they came from."""
+
+    documents: list[list[int]]
+    source: str
+
+    def batch(self, separator: int, max_positions: int) -> torch.Tensor:
+        """Documents joined with the training separator and cut into rows, as the model saw data in training."""
+        stream = [t for doc in self.documents for t in (*doc, separator)]
+        length = min(BATCH_TOKENS, max_positions, len(stream))
+        rows = min(BATCH_ROWS, len(stream) // length)
+        return torch.tensor(stream[: rows * length], dtype=torch.long).view(rows, length)
+
+
+def cast_parameters(model: Any, dtype: torch.dtype) -> Any:
+    """Cast the weights only, like from_pretrained(dtype=...) does; buffers such as RoPE's inv_freq stay fp32."""
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model
+
+
+@torch.no_grad()
+def _logits(model: Any, batch: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return model(input_ids=batch).logits[..., :vocab_size].float()
+
+
+@torch.no_grad()
+def greedy_continuation(model: Any, tokenizer: Any, prompt: str) -> tuple[list[int], str]:
+    """(new token ids, prompt + their text): deterministic, so two copies of one model must agree."""
+    prompt_ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]], dtype=torch.long)
+    out = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), do_sample=False,
+                         max_new_tokens=GREEDY_TOKENS, pad_token_id=tokenizer.pad_token_id)
+    ids = out[0, prompt_ids.shape[1]:].tolist()
+    return ids, prompt + tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _check_ids(model: Any, tokenizer: Any, tokenizer_info: Any, dtype: str) -> list[str]:
+    """dtype, vocabulary and special ids of the reloaded folder against what the model was trained with."""
+    failures = []
+    if model.dtype != TORCH_DTYPES[dtype]:
+        failures.append(f"the folder loads as {model.dtype}, expected {TORCH_DTYPES[dtype]}")
+    if len(tokenizer) != model.config.vocab_size:
+        failures.append(f"tokenizer has {len(tokenizer)} tokens, config.json vocab_size is {model.config.vocab_size}")
+    for name in ("bos", "eos", "pad"):
+        want, in_tokenizer = getattr(tokenizer_info, f"{name}_id"), getattr(tokenizer, f"{name}_token_id")
+        in_config = getattr(model.config, f"{name}_token_id")
+        if in_tokenizer != want or in_config != want:
+            failures.append(f"{name} id: tokenizer {in_tokenizer}, config.json {in_config}, trained with {want}")
+    return failures
+
+
+def _check_logits(report: dict[str, Any], model: Any, reference: Any, reference_fp32: Any, heldout: HeldOut,
+                  separator: int, dtype: str) -> list[str]:
+    batch = heldout.batch(separator, model.config.max_position_embeddings)
+    say(f"[convert] comparing logits on a held-out batch {tuple(batch.shape)} ({heldout.source})")
+    vocab = model.config.vocab_size
+    exported = _logits(model, batch, vocab)
+    expected = _logits(reference, batch, vocab)
+    diff = (exported - expected).abs().max().item()
+    tolerance = FP32_TOLERANCE + (BF16_RELATIVE * expected.abs().max().item() if dtype == "bf16" else 0.0)
+    report.update(logits_max_abs_diff=diff, logits_tolerance=tolerance, heldout_batch=list(batch.shape),
+                  heldout_source=heldout.source)
+    if reference_fp32 is not reference:  # how far rounding to bf16 moved the logits, for the record
+        report["logits_max_abs_diff_vs_fp32"] = (exported - _logits(reference_fp32, batch, vocab)).abs().max().item()
+    return [] if diff <= tolerance else [f"logits differ from the checkpoint's by {diff:.3g} > {tolerance:.3g}"]
+
+
+def _check_tokenizer(report: dict[str, Any], tokenizer: Any, sp_model_path: Path, heldout: HeldOut,
+                     prompt: str) -> list[str]:
+    """HF ids must equal SentencePiece ids on the held-out documents' text (and the test prompt)."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(sp_model_path))
+    texts = [sp.decode(doc) for doc in heldout.documents] + [prompt]
+    failures, examples = compare(sp, tokenizer, texts, round_trip=False)
+    report.update(tokenizer_texts=len(texts), tokenizer_mismatches=failures)
+    if not failures:
+        return []
+    return [f"tokenizer ids differ from SentencePiece on {failures}/{len(texts)} held-out texts: "
+            + "; ".join(examples)]
+
+
+def _check_generation(report: dict[str, Any], model: Any, reference: Any, tokenizer: Any, prompt: str) -> list[str]:
+    say("[convert] greedy generation from the test prompt")
+    generated, report["greedy_sample"] = greedy_continuation(model, tokenizer, prompt)
+    report["greedy_matches_checkpoint"] = generated == greedy_continuation(reference, tokenizer, prompt)[0]
+    return []
+
+
+def verify_export(folder: Path, reference: Any, reference_fp32: Any, tokenizer_info: Any, heldout: HeldOut,
+                  prompt: str, dtype: str) -> dict[str, Any]:
+    """Run the gate on ``folder``; ``reference`` is the checkpoint's model in the export dtype.
+
+    Returns the report stored in the manifest: ``verified`` plus every figure behind it. A check that
+    crashes counts as failed, so a broken folder is marked failed instead of crashing the stage.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    report: dict[str, Any] = {"dtype": dtype}
+    say(f"[convert] verifying {folder}: reloading with AutoModelForCausalLM / AutoTokenizer")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto").eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:
+        failures = [f"the folder does not load with AutoModelForCausalLM/AutoTokenizer: {type(exc).__name__}: {exc}"]
+        return {**report, "verified": False, "failures": failures}
+    checks = {
+        "ids": lambda: _check_ids(model, tokenizer, tokenizer_info, dtype),
+        "logits": lambda: _check_logits(report, model, reference, reference_fp32, heldout, tokenizer_info.eod_id,
+                                        dtype),
+        "tokenizer": lambda: _check_tokenizer(report, tokenizer, tokenizer_info.model_path, heldout, prompt),
+        "generation": lambda: _check_generation(report, model, reference, tokenizer, prompt),
+    }
+    failures = []
+    for name, check in checks.items():
+        try:
+            failures += check()
+        except Exception as exc:
+            failures.append(f"{name} check failed: {type(exc).__name__}: {exc}")
+    return {**report, "verified": not failures, "failures": failures}

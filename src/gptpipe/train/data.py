@@ -1,0 +1,201 @@
+"""Training data: megatron-core GPTDataset over one or several stage-2 prefixes, blended and split.
+
+Two guards run before anything is built, because megatron-core fails badly on both:
+- a split that receives no document (or fewer tokens than one sample) makes GPTDataset loop forever;
+- a run that asks for many epochs builds index arrays of epochs × documents in host RAM (the original's
+  "-9" kill with train_samples=300M).
+
+The splits are cut from a seeded permutation of the documents, so validation samples the whole corpus.
+Sample order is a pure function of (data.seed, the data, the sample's position): GPTDataset shuffles
+with the seed, and step s on data-parallel rank r reads fixed positions of that shuffled order
+(`sample_positions`). Resuming therefore needs only the consumed-sample count, no replay.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from gptpipe.data.config import DataConfig
+from gptpipe.data.count import SPLITS, DatasetCounts, split_bounds
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+
+class DataError(ValueError):
+    """The data cannot give the run what it asks for; the message says why and what to change."""
+
+
+def document_order(documents: int, seed: int) -> "np.ndarray":
+    """The seeded permutation of the documents that the splits are cut from.
+
+    Megatron cuts contiguous ranges of the corpus order; a corpus written in a sorted order (man pages by
+    section, Wikipedia by title) would then validate on its tail only (the original's defect 5).
+    """
+    import numpy as np
+
+    return np.random.RandomState(seed).permutation(documents).astype(np.int32)
+
+
+def prefix_stats(prefix: Path, split: str, seed: int) -> DatasetCounts:
+    """Documents and tokens of each split of a finished stage-2 dataset, cut from `document_order`."""
+    import numpy as np
+
+    from gptpipe.data.indexed import idx_path, read_dataset_manifest, read_index
+
+    read_dataset_manifest(prefix)  # only a complete stage-2 output is accepted
+    index = read_index(idx_path(prefix))
+    order = document_order(index.sequences, seed)  # one sequence per document in gptpipe's datasets
+    docs, tokens = [], []
+    for bounds in split_bounds(split, index.sequences):
+        begin, end = bounds or (0, 0)
+        docs.append(end - begin)
+        tokens.append(int(index.sizes[order[begin:end]].sum(dtype=np.int64)))
+    return DatasetCounts(prefix, index.dtype.name, index.documents, index.tokens, tuple(docs), tuple(tokens))
+
+
+def check_splits(stats: list[DatasetCounts], split: str, seq_len: int) -> None:
+    """Every split with a non-zero share, in every prefix, must hold at least one full sample."""
+    fractions = [m is not None for m in split_bounds(split, 1000)]
+    problems = []
+    for s in stats:
+        for name, wanted, docs, tokens in zip(SPLITS, fractions, s.split_documents, s.split_tokens):
+            if not wanted:
+                continue
+            if docs == 0 or tokens < seq_len + 1:
+                problems.append(f"{s.prefix}: the {name} split gets {docs} documents / {tokens} tokens "
+                                f"(needs at least {seq_len + 1} tokens for one sample)")
+    if problems:
+        raise DataError(
+            f"data.split {split!r} leaves a split (nearly) empty, which makes megatron-core's GPTDataset hang:\n  "
+            + "\n  ".join(problems)
+            + f"\nFix: give that split a larger share (e.g. data.split=90,9,1), use more documents, "
+              f"or lower train.seq_len (now {seq_len}).")
+
+
+def blend_weights(data_cfg: DataConfig, stats: list[DatasetCounts]) -> list[float] | None:
+    """Explicit weights, or the prefixes' token counts; None for a single prefix (no blending needed)."""
+    if len(stats) == 1:
+        return None
+    if data_cfg.weights is not None:
+        return list(data_cfg.weights)
+    return [float(s.tokens) for s in stats]
+
+
+def index_bytes(stats: list[DatasetCounts], weights: list[float] | None, sizes: list[int], seq_len: int) -> int:
+    """Host RAM for the index arrays GPTDataset builds (document, sample, shuffle) and the blend index.
+
+    This grows with epochs × documents: asking for hundreds of epochs is what killed the original.
+    """
+    total_weight = sum(weights) if weights else 1.0
+    total = 0
+    for i, s in enumerate(stats):
+        share = weights[i] / total_weight if weights else 1.0
+        # megatron's .idx arrays: sizes int32, pointers int64 per sequence, document indices int64
+        total += 12 * s.documents + 8 * (s.documents + 1)
+        for split_index, size in enumerate(sizes):
+            tokens, docs = s.split_tokens[split_index], s.split_documents[split_index]
+            if not docs:
+                continue
+            samples = math.ceil(size * share * 1.005)
+            epochs = max(1, math.ceil((samples * seq_len + 1) / tokens))
+            total += 4 * epochs * docs + 16 * (samples + 1) + 8 * samples
+    if weights:
+        total += 9 * sum(sizes)  # blend: dataset index (int16) + sample index (int64)
+    return total
+
+
+class _MegatronTokenizer:
+    """The little megatron-core needs from a tokenizer: vocab size, the document separator, an identity."""
+
+    def __init__(self, vocab_size: int, eod: int):
+        self.vocab_size = vocab_size
+        self.eod = eod
+        self.unique_identifiers = {"class": "gptpipe", "vocab_size": vocab_size, "eod": eod}
+
+
+def build_datasets(data_cfg: DataConfig, stats: list[DatasetCounts], seq_len: int, sizes: list[int],
+                   cache_dir: Path, vocab_size: int, eod_id: int) -> list[Any]:
+    """[train, valid, test] megatron-core datasets of at least `sizes` samples each (after the guards).
+
+    Call on every rank once torch.distributed is initialized: rank 0 builds the index cache, the others
+    wait at megatron's barrier and then read it.
+    """
+    import logging
+
+    import numpy
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    check_splits(stats, data_cfg.split, seq_len)
+    weights = blend_weights(data_cfg, stats)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    config = GPTDatasetConfig(
+        random_seed=data_cfg.seed,
+        sequence_length=seq_len,
+        blend=([str(s.prefix) for s in stats], weights),
+        split=data_cfg.split,
+        path_to_cache=str(cache_dir),
+        tokenizer=_MegatronTokenizer(vocab_size, eod_id),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,  # SDPA builds the causal mask itself; a seq×seq mask per sample is waste
+    )
+    class ShuffledSplitGPTDataset(GPTDataset):
+        """GPTDataset over the documents of its split in `document_order`, not a contiguous range."""
+
+        def __init__(self, indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config):
+            order = document_order(len(indexed_dataset.sequence_lengths), config.random_seed)
+            super().__init__(indexed_dataset, dataset_path, numpy.sort(order[indexed_indices]), num_samples,
+                             index_split, config)
+
+    return BlendedMegatronDatasetBuilder(ShuffledSplitGPTDataset, sizes, lambda: True, config).build()
+
+
+def sample_positions(consumed: int, micro_step: int, micro_batch: int, dp_rank: int, dp_size: int) -> range:
+    """Dataset positions read by `dp_rank` in micro-step `micro_step` of the step starting at `consumed`.
+
+    A global batch is the next global_batch_size positions; micro-steps take consecutive slices of it,
+    interleaved across ranks. Only `consumed` carries over a resume.
+    """
+    start = consumed + (micro_step * dp_size + dp_rank) * micro_batch
+    return range(start, start + micro_batch)
+
+
+def collate(dataset: Any, positions: range, device: "torch.device") -> dict[str, "torch.Tensor"]:
+    """Input ids and next-token labels (-100 where megatron masks padding), on `device`."""
+    import torch
+
+    samples = [dataset[i] for i in positions]
+    tokens = torch.stack([s["tokens"] for s in samples])
+    labels = torch.stack([s["labels"] for s in samples])
+    labels[torch.stack([s["loss_mask"] for s in samples]) == 0] = -100
+    if device.type == "cuda":
+        tokens, labels = tokens.pin_memory(), labels.pin_memory()
+    return {"input_ids": tokens.to(device, non_blocking=True), "labels": labels.to(device, non_blocking=True)}
+
+
+def eval_batches(dataset: Any, samples: int, micro_batch: int, dp_rank: int, dp_size: int,
+                 device: "torch.device") -> Iterator[dict[str, "torch.Tensor"]]:
+    """This rank's share of the first `samples` validation samples: the same set at every evaluation."""
+    mine = list(range(dp_rank, samples, dp_size))
+    for i in range(0, len(mine), micro_batch):
+        yield collate(dataset, mine[i:i + micro_batch], device)  # type: ignore[arg-type]
+
+
+def available_host_ram() -> int:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,267 @@
+"""DeepSpeed around a transformers model: process group, config from the template, one training step.
+
+On CUDA: NCCL, SDPA attention, Liger's fused kernels when installed (RMSNorm, RoPE, SwiGLU and the fused
+linear cross-entropy, so the vocab-sized logits never materialize), torch's fused AdamW, optional
+torch.compile and activation checkpointing. On CPU: gloo, torch's fused AdamW, OMP_NUM_THREADS set.
+Nothing is compiled from C++ at run time: the optimizer is torch's ("torch_adam": true, not DeepSpeed's
+JIT-built FusedAdam/CPUAdam), and DeepSpeed's CPU shared-memory allreduce op, which JIT-builds on first
+use, is switched off (gloo's allreduce does the same job).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from gptpipe.train.config import TrainConfig
+from gptpipe.train.model import build_model, parameter_groups
+from gptpipe.train.schedule import Schedule
+
+TEMPLATE = Path(__file__).resolve().parents[3] / "original_codes" / "ds_config_gpt_TEMPLATE.json"
+# Keys config.yaml owns: the template must leave them "auto" (or agree), so precision and batch
+# size can never disagree between the two files as they did in the original (bf16 vs fp16).
+AUTO = "auto"
+
+
+class EngineConfigError(ValueError):
+    """The DeepSpeed template contradicts config.yaml or misses a value."""
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_distributed() -> Dist:
+    """Join (or, run directly, create) the process group: NCCL on GPUs, gloo on CPU."""
+    import deepspeed
+
+    # Run without a launcher: a 1-rank group, so the same code path serves every launch.
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+    local_rank = int(os.environ["LOCAL_RANK"])
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        # The deepspeed launcher leaves OMP_NUM_THREADS unset: every rank would use every core (ZeRO-3
+        # steps get 5-10x slower). Split the cores between the ranks of this node.
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // local_ranks))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+        device = torch.device("cpu")
+        _disable_shm_comm_build()
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", verbose=False)
+    return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
+
+
+def _disable_shm_comm_build() -> None:
+    """DeepSpeed JIT-compiles a C++ shared-memory allreduce for CPU on first use (~60 s, a compiler
+    needed); mark it unavailable so gloo's allreduce is used instead."""
+    import deepspeed.ops
+
+    compatible = deepspeed.ops.__compatible_ops__
+    compatible["deepspeed_shm_comm"] = False
+
+
+def deepspeed_config(train: TrainConfig, micro_batch: int, accumulation: int, dp: int,
+                     on_gpu: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(DeepSpeed config, the template's wandb block) from the template plus config.yaml.
+
+    Every "auto" in the template is filled from config.yaml; a concrete template value that disagrees
+    with config.yaml is an error. The wandb block is returned for our logger (DeepSpeed's own wandb
+    monitor would open a second run).
+    """
+    path = train.ds_config_template or TEMPLATE
+    try:
+        template = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise EngineConfigError(f"DeepSpeed template {path} not found (train.ds_config_template)") from None
+    except json.JSONDecodeError as exc:
+        raise EngineConfigError(f"DeepSpeed template {path} is not valid JSON: {exc}") from None
+    config = copy.deepcopy(template)
+    wandb_block = config.pop("wandb", {}) or {}
+    precision = train.precision
+    owned: dict[str, Any] = {
+        "train_batch_size": micro_batch * accumulation * dp,
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": accumulation,
+        "steps_per_print": train.log_interval,
+        "gradient_clipping": train.grad_clip,
+        "zero_optimization.stage": train.zero_stage,
+        "zero_optimization.offload_optimizer": (
+            {"device": "cpu", "pin_memory": on_gpu} if train.offload_optimizer else {"device": "none"}),
+        "fp16.enabled": precision == "fp16",
+        "bf16.enabled": precision == "bf16",
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": train.lr, "betas": [train.adam_beta1, train.adam_beta2], "eps": train.adam_eps,
+                "weight_decay": train.weight_decay,
+                "torch_adam": True,  # torch's AdamW: DeepSpeed's FusedAdam would JIT-compile C++
+                # torch's fused kernel, on GPU and on CPU alike: one pass over the states instead of ~10
+                # (11x faster on a 2-core machine, where the foreach path is memory-bound)
+                "fused": True,
+            },
+        },
+    }
+    problems = []
+    for dotted, value in owned.items():
+        node = config
+        *parents, key = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        current = node.get(key, AUTO)
+        if current != AUTO and current != value:
+            problems.append(f"{dotted} is {json.dumps(current)} in the template but config.yaml makes it "
+                            f"{json.dumps(value)}: write \"auto\" there (config.yaml owns it)")
+        node[key] = value
+    leftover = [k for k, v in _flatten(config).items() if v == AUTO]
+    if leftover:
+        problems.append(f"no value for {', '.join(leftover)} (still \"auto\")")
+    if problems:
+        raise EngineConfigError(f"DeepSpeed template {path}: " + "; ".join(problems))
+    if train.offload_optimizer:
+        config["zero_force_ds_cpu_optimizer"] = False  # torch's AdamW on the host, no CPUAdam build
+    return config, wandb_block
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def apply_liger(arch: str) -> bool:
+    """Patch transformers' classes with Liger's Triton kernels for `arch` (before the model is built).
+
+    Returns whether the fused linear cross-entropy is active (then logits never materialize in training).
+    """
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama, apply_liger_kernel_to_mixtral
+    except ImportError:
+        return False
+    patch = {"llama": apply_liger_kernel_to_llama, "mixtral": apply_liger_kernel_to_mixtral}.get(arch)
+    if patch is None:  # Liger has no GPT-2 patch
+        return False
+    patch(rope=True, rms_norm=True, swiglu=arch == "llama", cross_entropy=False, fused_linear_cross_entropy=True)
+    return True
+
+
+def build_engine(train: TrainConfig, arch: str, hf_config: Any, ds_config: dict[str, Any], schedule: Schedule,
+                 device: torch.device) -> Any:
+    """The model (freshly initialized from the current RNG state) inside a DeepSpeed engine.
+
+    The LR scheduler goes into `deepspeed.initialize`, so DeepSpeed checkpoints it.
+    """
+    import deepspeed
+
+    on_gpu = device.type == "cuda"
+    fused_loss = on_gpu and train.liger_kernels and apply_liger(arch)
+    model = build_model(hf_config, device)
+    if fused_loss and train.zero_stage == 3:
+        # Liger reads lm_head.weight outside lm_head's forward: ZeRO-3 must gather it for the whole model.
+        deepspeed.zero.register_external_parameter(model, model.lm_head.weight)
+    if train.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=parameter_groups(model, train.weight_decay),
+                                      config=ds_config, lr_scheduler=schedule.scheduler_factory())
+    if train.compile and on_gpu:
+        engine.compile()
+    return engine
+
+
+def forward_loss(engine: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(loss to backpropagate, router aux loss or None). Labels are already shifted by the dataset,
+    so they go in as `shift_labels` (no token is lost to the model's own shift)."""
+    out = engine(input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["labels"],
+                 use_cache=False)
+    return out.loss, getattr(out, "aux_loss", None)
+
+
+class StopFlag:
+    """Set by the SIGTERM/SIGINT handler; checked between micro-batches, agreed across ranks.
+
+    Ranks may see a signal at different micro-batches; the flag is OR-reduced over a gloo group (a CPU
+    tensor: no device sync) so that all of them stop at the same point.
+    """
+
+    def __init__(self, world_size: int):
+        self._event = threading.Event()
+        self.signal_name = ""
+        self._group = torch.distributed.new_group(backend="gloo") if world_size > 1 else None
+
+    def set(self, signal_name: str) -> None:
+        self.signal_name = signal_name
+        self._event.set()
+
+    def agreed(self) -> bool:
+        if self._group is None:
+            return self._event.is_set()
+        flag = torch.tensor([1 if self._event.is_set() else 0], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group)
+        if flag.item() and not self._event.is_set():
+            self.set("a signal on another rank")
+        return bool(flag.item())
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # mean over micro-batches, on device (read only on log steps)
+    aux_loss: torch.Tensor | None
+    applied: bool  # False: DeepSpeed found non-finite gradients and skipped the update
+
+
+def train_step(engine: Any, batches: Iterable[dict[str, torch.Tensor]], stop: StopFlag) -> StepResult | None:
+    """One optimizer step over `batches` (the micro-batches of one global batch on this rank).
+
+    Returns None when a stop was requested before the step finished: the model and optimizer are then
+    exactly as after the previous step, and that is what gets saved.
+    """
+    loss_sum: torch.Tensor | None = None
+    aux_sum: torch.Tensor | None = None
+    count = 0
+    for batch in batches:
+        if stop.agreed():
+            return None
+        loss, aux = forward_loss(engine, batch)
+        engine.backward(loss)
+        engine.step()  # DeepSpeed applies the update only at the accumulation boundary
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        if aux is not None:
+            aux_sum = aux.detach() if aux_sum is None else aux_sum + aux.detach()
+        count += 1
+    assert loss_sum is not None, "a step needs at least one micro-batch"
+    return StepResult(loss_sum / count, None if aux_sum is None else aux_sum / count, engine.was_step_applied())

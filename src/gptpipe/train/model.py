@@ -1,0 +1,206 @@
+"""The trained model: a plain `transformers` causal-LM class, so the HuggingFace export is exact.
+
+Sizes come from a preset (tiny, 125m, 350m, 1b) with any field overridable in `model:`. The vocabulary
+comes from the stage-1 tokenizer, padded up to a multiple of 128 so the embedding and output matmuls
+use tensor-core-friendly shapes; the padding ids never occur in the data, so they are never learned
+(and generation suppresses them). bos/eos/pad ids are the tokenizer's own, never GPT-2's 50256.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gptpipe.train.config import ModelConfig
+
+if TYPE_CHECKING:  # torch/transformers load only when a model is actually built
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel
+
+VOCAB_MULTIPLE = 128
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM"}
+
+
+@dataclass(frozen=True)
+class Preset:
+    num_layers: int
+    hidden_size: int
+    num_attn_heads: int
+    num_kv_heads: int
+    init_std: float
+    ffn_hidden_size: int | None = None  # None: the architecture's rule (gpt2 4h, llama ~8h/3)
+
+
+# 125m and 350m are the original pipeline's shapes (12/768/12 and 24/1024/16, init 0.02 and 0.018);
+# 1b is TinyLlama-1.1B's shape (22/2048/32, 4 KV heads, FFN 5632).
+PRESETS = {
+    "tiny": Preset(num_layers=4, hidden_size=128, num_attn_heads=4, num_kv_heads=4, init_std=0.02),
+    "125m": Preset(num_layers=12, hidden_size=768, num_attn_heads=12, num_kv_heads=12, init_std=0.02),
+    "350m": Preset(num_layers=24, hidden_size=1024, num_attn_heads=16, num_kv_heads=16, init_std=0.018),
+    "1b": Preset(num_layers=22, hidden_size=2048, num_attn_heads=32, num_kv_heads=4, init_std=0.02,
+                 ffn_hidden_size=5632),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The resolved size of the model: preset plus overrides, with the architecture's defaults filled."""
+
+    arch: str
+    num_layers: int
+    hidden_size: int
+    num_attn_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int  # padded
+    init_std: float
+    tie_word_embeddings: bool
+    num_experts: int  # 1 unless mixtral
+    experts_top_k: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attn_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def padded_vocab_size(vocab_size: int) -> int:
+    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def resolve_shape(model_cfg: ModelConfig, vocab_size: int) -> Shape:
+    """Preset + overrides → every size the model and the planner need."""
+    preset = PRESETS.get(model_cfg.preset)
+
+    def pick(name: str, preset_name: str | None = None) -> Any:
+        value = getattr(model_cfg, name)
+        if value is not None:
+            return value
+        return getattr(preset, preset_name or name) if preset else None
+
+    hidden = pick("hidden_size")
+    heads = pick("num_attn_heads")
+    # A custom head count invalidates the preset's GQA ratio: KV heads default to the attention heads.
+    kv_heads = model_cfg.num_kv_heads or (preset.num_kv_heads if preset and model_cfg.num_attn_heads is None
+                                          else heads)
+    ffn = pick("ffn_hidden_size")
+    if ffn is None:
+        # gpt2: 4h. llama/mixtral: 8h/3 (same FLOPs as 4h with three matrices), rounded up to 256.
+        ffn = 4 * hidden if model_cfg.arch == "gpt2" else -(-(8 * hidden // 3) // 256) * 256
+    tie = model_cfg.tie_word_embeddings
+    if tie is None:
+        tie = model_cfg.arch == "gpt2"  # GPT-2 and Megatron's GPT share them; Llama does not
+    if model_cfg.arch == "gpt2":
+        kv_heads = heads  # GPT-2 has no grouped-query attention
+    return Shape(
+        arch=model_cfg.arch,
+        num_layers=pick("num_layers"),
+        hidden_size=hidden,
+        num_attn_heads=heads,
+        num_kv_heads=kv_heads,
+        ffn_hidden_size=ffn,
+        vocab_size=padded_vocab_size(vocab_size),
+        init_std=model_cfg.init_std if model_cfg.init_std is not None else (preset.init_std if preset else 0.02),
+        tie_word_embeddings=tie,
+        num_experts=model_cfg.num_experts if model_cfg.arch == "mixtral" else 1,
+        experts_top_k=model_cfg.experts_top_k if model_cfg.arch == "mixtral" else 1,
+    )
+
+
+def count_parameters(shape: Shape, seq_len: int) -> int:
+    """Parameters of the model `build_model_config` describes, computed from the shape alone."""
+    h, f, kv, L, V = shape.hidden_size, shape.ffn_hidden_size, shape.kv_dim, shape.num_layers, shape.vocab_size
+    embeddings = V * h
+    head = 0 if shape.tie_word_embeddings else V * h
+    if shape.arch == "gpt2":
+        attention = h * 3 * h + 3 * h + h * h + h  # c_attn and c_proj, with biases
+        mlp = h * f + f + f * h + h
+        norms = 2 * 2 * h  # two LayerNorms (weight + bias) per block
+        return embeddings + seq_len * h + L * (attention + mlp + norms) + 2 * h + head
+    attention = h * h + 2 * h * kv + h * h  # q, k, v, o without biases
+    norms = 2 * h  # two RMSNorm weights per block
+    if shape.arch == "mixtral":
+        mlp = shape.num_experts * 3 * h * f + h * shape.num_experts  # experts + router
+    else:
+        mlp = 3 * h * f
+    return embeddings + L * (attention + mlp + norms) + h + head
+
+
+def active_matmul_parameters(shape: Shape, seq_len: int) -> int:
+    """Parameters each token multiplies through: all but the embedding lookups and the unused experts.
+
+    This is the N of "6·N FLOPs per token" used for FLOPs and MFU.
+    """
+    total = count_parameters(shape, seq_len)
+    lookups = shape.vocab_size * shape.hidden_size * (0 if shape.tie_word_embeddings else 1)
+    if shape.arch == "gpt2":
+        lookups += seq_len * shape.hidden_size
+    unused_experts = (shape.num_experts - shape.experts_top_k) * 3 * shape.hidden_size * shape.ffn_hidden_size
+    return total - lookups - shape.num_layers * unused_experts
+
+
+def flops_per_token(shape: Shape, seq_len: int) -> float:
+    """Training FLOPs per token: 6·N for the matmuls plus 12·L·h·s for attention scores (forward+backward)."""
+    return 6 * active_matmul_parameters(shape, seq_len) + 12 * shape.num_layers * shape.hidden_size * seq_len
+
+
+def build_model_config(model_cfg: ModelConfig, tokenizer_info: Any, seq_len: int) -> "PretrainedConfig":
+    """The transformers config of the model trained with `model_cfg` on `tokenizer_info`'s vocabulary.
+
+    `tokenizer_info` is a `gptpipe.tokenizer.info.TokenizerInfo` (vocab_size, bos_id, eos_id, pad_id).
+    """
+    from transformers import GPT2Config, LlamaConfig, MixtralConfig
+
+    shape = resolve_shape(model_cfg, tokenizer_info.vocab_size)
+    pad_id = tokenizer_info.pad_id if tokenizer_info.pad_id is not None and tokenizer_info.pad_id >= 0 else None
+    ids = dict(bos_token_id=tokenizer_info.bos_id, eos_token_id=tokenizer_info.eos_id, pad_token_id=pad_id,
+               architectures=[ARCHITECTURES[shape.arch]])
+    if shape.arch == "gpt2":
+        return GPT2Config(
+            vocab_size=shape.vocab_size, n_positions=seq_len, n_embd=shape.hidden_size, n_layer=shape.num_layers,
+            n_head=shape.num_attn_heads, n_inner=shape.ffn_hidden_size, activation_function="gelu_new",
+            resid_pdrop=model_cfg.dropout, embd_pdrop=model_cfg.dropout, attn_pdrop=model_cfg.dropout,
+            initializer_range=shape.init_std, tie_word_embeddings=shape.tie_word_embeddings, use_cache=True, **ids)
+    common = dict(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attn_heads,
+        num_key_value_heads=shape.num_kv_heads, max_position_embeddings=seq_len,
+        rope_parameters={"rope_type": "default", "rope_theta": model_cfg.rope_theta},
+        initializer_range=shape.init_std, attention_dropout=model_cfg.dropout,
+        tie_word_embeddings=shape.tie_word_embeddings, rms_norm_eps=1e-5, use_cache=True, **ids)
+    if shape.arch == "mixtral":
+        return MixtralConfig(num_local_experts=shape.num_experts, num_experts_per_tok=shape.experts_top_k,
+                             router_aux_loss_coef=model_cfg.router_aux_loss_coef, output_router_logits=True,
+                             sliding_window=None, **common)
+    return LlamaConfig(**common)
+
+
+def build_model(hf_config: "PretrainedConfig", device: "torch.device | str" = "cpu") -> "PreTrainedModel":
+    """A freshly initialized model (weights drawn with initializer_range), in fp32 on `device`.
+
+    Every rank builds the whole model from the same seed; under ZeRO-3 `deepspeed.initialize` then
+    partitions it (the presets fit one GPU whole in fp32, so `deepspeed.zero.Init` is not needed).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def parameter_groups(model: "torch.nn.Module", weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: decay on weight matrices only, never on norms, biases or embedding tables."""
+    import torch
+
+    decay, no_decay = [], []
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        # ds_shape: under ZeRO-3 the local tensor is a flat shard; the logical shape decides.
+        ndim = len(getattr(param, "ds_shape", param.shape))
+        (no_decay if ndim < 2 or id(param) in embeddings else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

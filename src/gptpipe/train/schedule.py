@@ -1,0 +1,64 @@
+"""Learning-rate schedule derived from the run's actual length (the original's was fixed at 300B tokens).
+
+Optimizer step s (0-based) of a run of T steps uses `lr_at(s)`: a linear warmup over the first W steps,
+then cosine (or warmup-stable-decay) down to exactly min_lr at s = T-1, the last step. The schedule is a
+`LambdaLR` handed to `deepspeed.initialize`, so DeepSpeed saves and restores its position.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Schedule:
+    total_steps: int
+    warmup_steps: int
+    peak_lr: float
+    min_lr: float
+    kind: str = "cosine"  # cosine | wsd | constant
+    decay_steps: int = 0  # wsd: steps of the final decay
+
+    @classmethod
+    def for_run(cls, train_cfg, total_steps: int) -> "Schedule":
+        """Warmup and decay as fractions of `total_steps` (what the run will really do)."""
+        warmup = min(round(train_cfg.warmup_fraction * total_steps), total_steps - 1)
+        if train_cfg.warmup_fraction > 0 and total_steps > 1:
+            warmup = max(warmup, 1)
+        decay = max(1, round(train_cfg.lr_decay_fraction * total_steps))
+        return cls(total_steps=total_steps, warmup_steps=warmup, peak_lr=train_cfg.lr, min_lr=train_cfg.min_lr,
+                   kind=train_cfg.lr_schedule, decay_steps=min(decay, total_steps - warmup))
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (0-based)."""
+        if step < self.warmup_steps:
+            return self.peak_lr * (step + 1) / self.warmup_steps
+        if self.kind == "constant":
+            return self.peak_lr
+        last = self.total_steps - 1
+        if self.kind == "wsd":
+            start = max(self.warmup_steps, last - self.decay_steps + 1)
+            if step < start:
+                return self.peak_lr
+            span = last - start
+            progress = 1.0 if span <= 0 else (step - start) / span
+            return self.peak_lr + (self.min_lr - self.peak_lr) * min(progress, 1.0)  # linear to min_lr
+        span = last - self.warmup_steps
+        progress = 1.0 if span <= 0 else min((step - self.warmup_steps) / span, 1.0)
+        return self.min_lr + (self.peak_lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def scheduler_factory(self):
+        """A callable optimizer → LambdaLR, the form `deepspeed.initialize(lr_scheduler=...)` accepts
+        when DeepSpeed builds the optimizer itself."""
+        from torch.optim.lr_scheduler import LambdaLR
+
+        def make(optimizer: "torch.optim.Optimizer") -> LambdaLR:
+            # The optimizer's lr is the peak (DeepSpeed config), so the lambda is a multiplier of it.
+            return LambdaLR(optimizer, lambda step: self.lr_at(step) / self.peak_lr)
+
+        return make

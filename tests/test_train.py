@@ -1,0 +1,89 @@
+"""Stage 3 end to end on the man pages: the tiny preset learns, and the run folder holds what stage 4 needs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import QUICK_TRAIN, run_train
+
+from gptpipe.data.indexed import IndexedDataset
+from gptpipe.tokenizer.info import read_tokenizer_info
+from gptpipe.train.checkpoint import COMPLETE_MARKER, HF_CONFIG, STATE, complete_checkpoints
+from gptpipe.data.count import split_bounds
+from gptpipe.train.data import document_order
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+def unigram_entropy(prefix: Path, split: str, seed: int) -> float:
+    """Entropy (nats/token) of the train split's token frequencies: what a model without context gets."""
+    dataset = IndexedDataset(prefix)
+    order = document_order(len(dataset), seed)
+    begin, end = split_bounds(split, len(dataset))[0]
+    counts = np.bincount(np.concatenate([dataset[i] for i in order[begin:end]])).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def test_tiny_model_learns_more_than_token_frequencies(trained_run: Path, dataset_prefix: Path) -> None:
+    entropy = unigram_entropy(dataset_prefix, "969,30,1", seed=1234)
+    val = [r["val_loss"] for r in _rows(trained_run) if "val_loss" in r]
+    assert len(val) == 2  # at eval_interval and at the end
+    assert val[-1] < entropy - 0.4, f"validation loss {val[-1]:.3f} vs unigram entropy {entropy:.3f}"
+    assert val[-1] < val[0]
+
+
+def test_lr_is_min_lr_at_the_last_step_of_the_real_run(trained_run: Path) -> None:
+    train = [r for r in _rows(trained_run) if "loss" in r]
+    assert [r["step"] for r in train] == list(range(10, 251, 10))
+    assert math.isclose(train[-1]["lr"], 3e-4, rel_tol=1e-9)
+    assert train[0]["lr"] > train[-1]["lr"]
+    assert all(r["tokens"] == r["step"] * 8 * 128 for r in train)
+    assert all(math.isfinite(r[k]) for r in train for k in ("loss", "grad_norm", "tokens_per_s", "mem_gib"))
+
+
+def test_checkpoints_hold_what_export_needs(trained_run: Path, tokenizer_dir: Path, dataset_prefix: Path) -> None:
+    root = trained_run / "checkpoints"
+    assert [step for step, _ in complete_checkpoints(root)] == [125, 250]
+    assert (root / "latest").read_text() == "global_step250"
+    folder = root / "global_step250"
+    assert (folder / COMPLETE_MARKER).is_file() and not list(root.glob(".tmp-*"))
+    state = json.loads((folder / STATE).read_text(encoding="utf-8"))
+    assert state["step"] == 250 and state["consumed_samples"] == 250 * 8 and state["tokens"] == 250 * 8 * 128
+    assert Path(state["tokenizer_dir"]) == tokenizer_dir
+    assert [Path(p) for p in state["dataset_prefixes"]] == [dataset_prefix]
+    val = [r["val_loss"] for r in _rows(trained_run) if "val_loss" in r]
+    assert state["final_val_loss"] == val[-1]
+    hf = json.loads((folder / HF_CONFIG).read_text(encoding="utf-8"))
+    tokenizer = read_tokenizer_info(tokenizer_dir)
+    assert hf["model_type"] == "llama" and hf["vocab_size"] % 128 == 0 and hf["vocab_size"] >= tokenizer.vocab_size
+    assert (hf["bos_token_id"], hf["eos_token_id"]) == (tokenizer.bos_id, tokenizer.eos_id)
+    assert list(folder.glob("*optim_states.pt")) and list(folder.glob("rng_state_rank0.pt"))
+
+
+def test_run_is_observable(trained_run: Path) -> None:
+    rows = _rows(trained_run)
+    samples = [r for r in rows if "samples" in r]
+    assert len(samples) == 2 and all(s["prompt"] for r in samples for s in r["samples"])
+    assert list((trained_run / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((trained_run / "wandb").glob("offline-run-*"))  # no API key in tests: offline, in the run folder
+    assert json.loads((trained_run / "ds_config.json").read_text())["zero_optimization"]["stage"] == 1
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "mixtral"])
+def test_other_architectures_train(arch: str, dataset_prefix: Path, workspace: Path, tmp_path: Path) -> None:
+    done = run_train("--config", workspace / "config.yaml", *QUICK_TRAIN, f"model.arch={arch}", "train.train_iters=2",
+                     f"train.output_model_dir={tmp_path}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    train = [r for r in _rows(tmp_path) if "loss" in r]
+    assert len(train) == 2 and all(math.isfinite(r["loss"]) for r in train)
+    if arch == "mixtral":  # the router's load-balancing loss is logged
+        assert all(r["aux_loss"] > 0 for r in train) and "router-aux" in done.stderr
+    hf = json.loads((tmp_path / "checkpoints" / "global_step2" / HF_CONFIG).read_text())
+    assert hf["model_type"] == arch

@@ -1,0 +1,52 @@
+"""Two CPU ranks (gloo) with ZeRO-2 and ZeRO-3, through the launchers users run: the same global batch
+split over two ranks gives the losses of one rank, and every rank's shard is checkpointed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import QUICK_TRAIN, REPO, run_train, train_env
+
+STEPS = 4
+
+
+def losses(run: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def one_rank(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    run = tmp_path_factory.mktemp("one-rank")
+    done = run_train("--config", workspace / "config.yaml", *QUICK_TRAIN, f"train.train_iters={STEPS}",
+                     f"train.output_model_dir={run}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return losses(run)
+
+
+def test_zero2_two_ranks_via_3_train_node1(one_rank: list[float], workspace: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    env = {**train_env(2), "NPROC": "2", "PYTHON": sys.executable}
+    env.pop("OMP_NUM_THREADS")  # the script sets it: cores / ranks
+    done = subprocess.run(["bash", str(REPO / "3_train_node1.sh"), "--config", str(workspace / "config.yaml"),
+                           *QUICK_TRAIN, f"train.train_iters={STEPS}", "train.zero_stage=2",
+                           f"train.output_model_dir={run}"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "× 2 data-parallel ranks" in done.stderr
+    assert losses(run) == pytest.approx(one_rank, rel=1e-4)  # same samples, gradients averaged over ranks
+    folder = run / "checkpoints" / f"global_step{STEPS}"
+    assert len(list(folder.glob("*optim_states.pt"))) == 2 and len(list(folder.glob("rng_state_rank*.pt"))) == 2
+
+
+def test_zero3_two_ranks_via_deepspeed_launcher(one_rank: list[float], workspace: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    done = run_train("--config", workspace / "config.yaml", *QUICK_TRAIN, f"train.train_iters={STEPS}",
+                     "train.zero_stage=3", f"train.output_model_dir={run}", ranks=2, launcher="deepspeed")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert losses(run) == pytest.approx(one_rank, rel=1e-4)
+    folder = run / "checkpoints" / f"global_step{STEPS}"
+    assert len(list(folder.glob("zero_pp_rank_*_model_states.pt"))) == 2  # parameters sharded over both ranks

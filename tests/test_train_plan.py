@@ -1,0 +1,156 @@
+"""Stage 3 preflight, in-process and fast: parameter count, refusal with a fix, the empty-split guard,
+the LR schedule's end point and the DeepSpeed config generated from the template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import QUICK_TRAIN, run_train
+
+from gptpipe.cli import main
+from gptpipe.train.config import ModelConfig, TrainConfig
+from gptpipe.train.engine import TEMPLATE, EngineConfigError, deepspeed_config
+from gptpipe.train.model import PRESETS, build_model_config, count_parameters, resolve_shape
+from gptpipe.train.schedule import Schedule
+
+TOKENIZER = SimpleNamespace(vocab_size=32000, bos_id=1, eos_id=2, pad_id=3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_planner_parameter_count_equals_the_model(arch: str, preset: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_cfg = ModelConfig(arch=arch, preset=preset)
+    with torch.device("meta"):  # no memory, even for the 1b and the mixtral presets
+        model = AutoModelForCausalLM.from_config(build_model_config(model_cfg, TOKENIZER, 2048))
+    assert count_parameters(resolve_shape(model_cfg, TOKENIZER.vocab_size), 2048) == model.num_parameters()
+
+
+def test_model_config_uses_the_tokenizer_ids_and_a_padded_vocab() -> None:
+    tokenizer = SimpleNamespace(vocab_size=32003, bos_id=1, eos_id=2, pad_id=3)
+    for arch in ("llama", "gpt2", "mixtral"):
+        config = build_model_config(ModelConfig(arch=arch), tokenizer, 256)
+        assert config.vocab_size == 32128 and config.vocab_size % 128 == 0
+        assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (1, 2, 3)
+        assert 50256 not in (config.bos_token_id, config.eos_token_id)
+
+
+def _plan(workspace: Path, capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str]:
+    capsys.readouterr()
+    code = main(["plan", "--config", str(workspace / "config.yaml"), *argv])
+    return code, capsys.readouterr().err
+
+
+def test_plan_prints_the_run(dataset_prefix: Path, workspace: Path, capsys: pytest.CaptureFixture) -> None:
+    code, err = _plan(workspace, capsys, "train.train_tokens=null")
+    assert code == 0, err
+    for row in ("parameters", "FLOPs per token", "memory/process", "activations", "host RAM", "disk", "lr"):
+        assert row in err
+    assert "without checkpointing" in err
+
+
+def test_a_run_that_cannot_fit_is_refused_with_a_fix_that_fits(dataset_prefix: Path, workspace: Path,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    gpu = ["--gpu-name", "H100", "--gpu-memory", "80", "--gpus", "1"]
+    too_big = ["model.preset=1b", "train.seq_len=2048", "train.global_batch_size=64", "train.micro_batch_size=64",
+               "train.precision=bf16", "train.zero_stage=1", "train.train_tokens=null", "data.split=90,9,1"]
+    code, err = _plan(workspace, capsys, *gpu, *too_big)
+    assert code == 2 and "does not fit" in err, err
+    fix = err.split("Fix: set ", 1)[1].split(" (~", 1)[0].split()
+    assert fix and all("=" in kv for kv in fix), err
+    code, err = _plan(workspace, capsys, *gpu, *too_big, *fix)
+    assert code == 0, err
+    # Without a micro-batch the planner picks the largest one that fits, and says so.
+    code, err = _plan(workspace, capsys, *gpu, *[o for o in too_big if "micro_batch" not in o])
+    assert code == 0 and "micro_batch_size=" in err, err
+
+
+def test_empty_split_is_refused_instead_of_hanging(dataset_prefix: Path, workspace: Path,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    from gptpipe.data.indexed import idx_path, read_index
+
+    documents = read_index(idx_path(dataset_prefix)).documents
+    split = f"data.split={10 * documents - 2},1,1"  # valid and test shares of 1/10 document round to none
+    code, err = _plan(workspace, capsys, split)
+    assert code == 2 and "hang" in err and "valid split gets 0 documents" in err, err
+    # The same through `gptpipe train`: it must fail fast, not loop in megatron's GPTDataset.
+    done = run_train("--config", workspace / "config.yaml", *QUICK_TRAIN, split, timeout=300)
+    assert done.returncode == 2 and "valid split gets 0 documents" in done.stderr, done.stderr[-2000:]
+
+
+def test_an_index_larger_than_host_ram_is_refused(dataset_prefix: Path, workspace: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    # The original's "-9" kill: train_samples=300M made megatron build index arrays for hundreds of epochs.
+    code, err = _plan(workspace, capsys, "train.train_tokens=10_000_000_000_000")
+    assert code == 2 and "host RAM" in err and "epochs" in err and "Fix: lower train.train_tokens" in err, err
+
+
+@pytest.mark.parametrize("kind", ["cosine", "wsd"])
+@pytest.mark.parametrize("total", [1, 2, 7, 100, 5003])
+def test_lr_reaches_min_lr_at_the_last_step(kind: str, total: int) -> None:
+    train = TrainConfig(lr=6e-4, min_lr=6e-5, lr_schedule=kind, warmup_fraction=0.01, lr_decay_fraction=0.2)
+    schedule = Schedule.for_run(train, total)
+    rates = [schedule.lr_at(s) for s in range(total)]
+    assert rates[-1] == pytest.approx(6e-5, rel=1e-12)
+    assert max(rates) == pytest.approx(6e-4, rel=1e-12) or total <= 2
+    after_warmup = rates[schedule.warmup_steps:]
+    assert all(a >= b for a, b in zip(after_warmup, after_warmup[1:]))  # never rises again after warmup
+    assert all(r > 0 for r in rates)
+
+
+def test_scheduler_given_to_deepspeed_follows_the_schedule() -> None:
+    import torch
+
+    schedule = Schedule.for_run(TrainConfig(lr=1e-3, min_lr=1e-4, warmup_fraction=0.1), 50)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    scheduler = schedule.scheduler_factory()(optimizer)
+    seen = []
+    for _ in range(50):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([schedule.lr_at(s) for s in range(50)], rel=1e-12)
+    assert seen[-1] == pytest.approx(1e-4, rel=1e-12)
+
+
+def test_deepspeed_config_fills_the_template_consistently(tmp_path: Path) -> None:
+    template = json.loads(TEMPLATE.read_text(encoding="utf-8"))  # valid JSON, no bare placeholders
+    assert template["wandb"]["project"]
+    for precision in ("bf16", "fp16", "fp32"):
+        train = TrainConfig(precision=precision, zero_stage=2, global_batch_size=32)
+        config, wandb_block = deepspeed_config(train, micro_batch=4, accumulation=4, dp=2, on_gpu=False)
+        assert config["bf16"]["enabled"] == (precision == "bf16")
+        assert config["fp16"]["enabled"] == (precision == "fp16")
+        assert config["train_batch_size"] == 32 == 4 * 4 * 2
+        assert config["zero_optimization"]["stage"] == 2
+        assert config["optimizer"]["params"]["torch_adam"] is True
+        assert config["optimizer"]["params"]["betas"] == [0.9, 0.95]
+        assert "wandb" not in config and wandb_block["project"] == template["wandb"]["project"]
+        assert "auto" not in json.dumps(config)
+    # The original's defect: a template that hard-codes fp16 while the run is bf16 is refused.
+    template["fp16"]["enabled"] = True
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps(template))
+    with pytest.raises(EngineConfigError, match="fp16.enabled"):
+        deepspeed_config(TrainConfig(precision="bf16", ds_config_template=bad), 4, 1, 1, on_gpu=False)
+
+
+
+def test_no_weight_decay_on_norms_biases_and_embeddings() -> None:
+    from gptpipe.train.model import build_model, parameter_groups
+
+    for arch in ("llama", "gpt2"):
+        model = build_model(build_model_config(ModelConfig(arch=arch), TOKENIZER, 64))
+        decay, no_decay = parameter_groups(model, 0.1)
+        assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+        names = {id(p): n for n, p in model.named_parameters()}
+        decayed = {names[id(p)] for p in decay["params"]}
+        assert decayed and all(model.get_parameter(n).dim() == 2 for n in decayed)
+        assert not any("norm" in n or "ln_" in n or "bias" in n or "embed" in n or "wte" in n or "wpe" in n
+                       for n in decayed)
+        assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))

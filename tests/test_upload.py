@@ -1,0 +1,178 @@
+"""Stage 6: upload rules, against a local hub server (tests/hub_server.py) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gptpipe.cli import main
+from gptpipe.stage import file_fingerprint, tree_fingerprint
+from hub_server import HubServer
+
+TOKEN = "hf_gptpipeTestSecret0123456789"
+LOCAL_ONLY = {"manifest.json", "config.yaml"}
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """A local hub; the client is pointed at it and has no login store unless a test writes one.
+
+    huggingface_hub reads HF_ENDPOINT and HF_HUB_DISABLE_XET when it is imported (transformers already did),
+    so its constants are set too; the uploader itself reads HF_ENDPOINT when it runs.
+    """
+    import huggingface_hub
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "login" / "token"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+    huggingface_hub.utils.logging.set_verbosity_debug()  # if the client logged secrets, the scan would see them
+    with HubServer(TOKEN) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", server.url)
+        monkeypatch.setattr(huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                            server.url + "/{repo_id}/resolve/{revision}/{filename}")
+        yield server
+    huggingface_hub.utils.logging.set_verbosity_warning()
+
+
+@pytest.fixture
+def folder(exported_model, tmp_path) -> Path:
+    """A private copy of the verified export (copy2 keeps the mtimes its manifest vouches for)."""
+    copy = tmp_path / "export"
+    shutil.copytree(exported_model, copy)
+    return copy
+
+
+def upload(workspace: Path, folder: Path, *args: str) -> int:
+    return main(["upload", "--config", str(workspace / "convert_config.yaml"),
+                 f"output_tokenizer_and_model_dir={folder}", *args])
+
+
+def uploaded_files(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir() if p.is_file()} - LOCAL_ONLY
+
+
+def test_upload_arrives_byte_identical_private_and_without_leaking_the_token(
+        hub, folder, workspace, monkeypatch, capsys, caplog):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    caplog.set_level(logging.DEBUG)
+    assert upload(workspace, folder, "huggingface_name=tiny-ja", "organization=lab", "revision=v1") == 0
+    out, err = capsys.readouterr()
+    repo = hub.repos["lab/tiny-ja"]
+    assert repo.private is True
+    files = repo.branches["v1"]
+    assert set(files) == uploaded_files(folder)
+    for name, data in files.items():
+        assert data == (folder / name).read_bytes(), name
+    assert "model.safetensors" in repo.lfs_files  # the weights went through LFS (batch, PUT, verify)
+    assert out.strip() == f"{hub.url}/lab/tiny-ja/tree/v1"
+    assert "byte-identical" in err
+    # The token went to the server and nowhere else: not in output, logs, uploaded files or the workspace.
+    assert all(auth == f"Bearer {TOKEN}" for method, path, auth in hub.requests if "/api/repos/create" in path)
+    assert TOKEN not in out + err + caplog.text
+    assert "huggingface.co" not in err + caplog.text  # every request went to the local server
+    assert not any(TOKEN.encode() in data for data in files.values())
+    for path in workspace.rglob("*"):
+        if path.is_file() and path.stat().st_size < 50_000_000:
+            assert TOKEN.encode() not in path.read_bytes(), path
+
+
+def test_token_from_the_login_store(hub, folder, workspace, capsys):
+    import huggingface_hub
+
+    Path(huggingface_hub.constants.HF_TOKEN_PATH).parent.mkdir(parents=True)
+    Path(huggingface_hub.constants.HF_TOKEN_PATH).write_text(TOKEN)
+    assert upload(workspace, folder) == 0
+    assert hub.repos["tester/gptpipe-demo-ja"].private is True  # name from the shipped YAML, user namespace
+    assert TOKEN not in "".join(capsys.readouterr())
+
+
+def test_existing_public_repository_is_not_published_into(hub, folder, workspace, monkeypatch, capsys):
+    from hub_server import Repo
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    hub.repos["tester/gptpipe-demo-ja"] = Repo(private=False)
+    assert upload(workspace, folder) == 2
+    assert "already exists and is public" in capsys.readouterr().err
+    assert hub.repos["tester/gptpipe-demo-ja"].branches["main"] == {}
+
+
+def test_no_token_sends_nothing(hub, folder, workspace, capsys):
+    assert upload(workspace, folder) == 2
+    assert "set HF_TOKEN or run `hf auth login`" in capsys.readouterr().err
+    assert hub.requests == []
+
+
+def test_unverified_folder_is_refused_and_nothing_is_sent(hub, folder, workspace, monkeypatch, capsys):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    manifest_path = folder / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["counts"].update(verified=False, failures=["tokenizer ids differ from SentencePiece on 3/33 texts"])
+    manifest_path.write_text(json.dumps(manifest))
+    assert upload(workspace, folder) == 2
+    err = capsys.readouterr().err
+    assert "did not pass verification" in err and "tokenizer ids differ" in err
+    assert hub.requests == []
+
+
+def test_folder_changed_after_verification_is_refused(hub, folder, workspace, monkeypatch, capsys):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    (folder / "config.json").write_text((folder / "config.json").read_text().replace('"vocab_size"', '"vocab_size" '))
+    assert upload(workspace, folder) == 2
+    assert "changed after the stage finished" in capsys.readouterr().err
+    assert hub.requests == []
+
+
+def test_server_error_is_clear_and_leaves_the_folder_untouched(hub, folder, workspace, monkeypatch, capsys):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    hub.fail_on = "/commit/"
+    before = tree_fingerprint(list(folder.rglob("*")))
+    manifest_before = file_fingerprint(folder / "manifest.json")
+    assert upload(workspace, folder) == 1
+    err = capsys.readouterr().err
+    assert "upload to" in err and "failed" in err and "500" in err and "simulated server failure" in err
+    assert "local folder" in err and "unchanged" in err and "FAILED" in err
+    assert TOKEN not in err
+    assert tree_fingerprint(list(folder.rglob("*"))) == before
+    assert file_fingerprint(folder / "manifest.json") == manifest_before
+    assert hub.repos["tester/gptpipe-demo-ja"].branches["main"] == {}  # nothing was committed
+
+
+def test_hub_copy_that_differs_is_reported(hub, folder, workspace, monkeypatch, capsys):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    hub.corrupt_download = "tokenizer.json"
+    assert upload(workspace, folder) == 1
+    err = capsys.readouterr().err
+    assert "does not match the verified folder" in err and "tokenizer.json differs from the local file" in err
+
+
+def test_dry_run_lists_files_and_destination_without_a_token(hub, folder, workspace, capsys):
+    assert upload(workspace, folder, "organization=lab", "--dry-run") == 0
+    out = capsys.readouterr().out
+    assert f"to {hub.url}/lab/gptpipe-demo-ja (private, branch main)" in out
+    listed = {line.split()[0] for line in out.splitlines()[1:]}
+    assert listed == uploaded_files(folder)
+    assert hub.requests == []
+
+
+def test_deprecated_key_spelling_is_accepted_with_a_note(hub, folder, workspace, tmp_path, capsys):
+    config = tmp_path / "convert_config.yaml"
+    config.write_text(f"output_tokenizer_and_model_dir: {folder}\nhugging_face_name: old-spelling\n")
+    assert main(["upload", "--config", str(config), "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert "/(your user)/old-spelling" in out
+    assert "deprecated spelling" in err and "huggingface_name" in err
+
+
+def test_token_is_not_a_config_key(folder, tmp_path, capsys):
+    config = tmp_path / "convert_config.yaml"
+    config.write_text(f"output_tokenizer_and_model_dir: {folder}\nhf_token: {TOKEN}\n")
+    assert main(["upload", "--config", str(config), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "hf_token" in err and "unknown key" in err
+    assert TOKEN not in err
