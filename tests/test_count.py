@@ -42,22 +42,24 @@ def test_count_prints_the_plan_and_rewrites_only_train_tokens(workspace: Path, d
     sizes = index.sizes.astype("int64")
     bounds = split_bounds("969,30,1", index.documents)
     train_tokens = int(sizes[bounds[0][0]:bounds[0][1]].sum())
-    samples = (train_tokens - 1) // 256  # seq_len 256, global batch 16, 1 epoch in the shipped config.yaml
+    shipped = YAML().load(original)["train"]
+    seq_len, batch = shipped["seq_len"], shipped["global_batch_size"]
+    samples = (train_tokens - 1) // seq_len  # 1 epoch, as in the shipped config.yaml
     assert f"{index.documents:,} documents, {int(sizes.sum()):,} tokens (uint16)" in out
     assert f"train {bounds[0][1] - bounds[0][0]:>12,} documents {train_tokens:>16,} tokens" in out
     assert f"samples per epoch     {samples:,}" in out
-    assert f"iterations per epoch  {samples // 16:,}" in out
+    assert f"iterations per epoch  {samples // batch:,}" in out
 
     rewritten = config.read_text(encoding="utf-8")
     changed = [(a, b) for a, b in zip(original.splitlines(), rewritten.splitlines()) if a != b]
     assert len(original.splitlines()) == len(rewritten.splitlines()) and len(changed) == 1
     before, after = changed[0]
     assert before.split("#")[1] == after.split("#")[1]  # the user's comment is kept
-    assert YAML().load(rewritten)["train"]["train_tokens"] == samples * 256
+    assert YAML().load(rewritten)["train"]["train_tokens"] == samples * seq_len
 
     assert count(config, "--no-write", "train.train_epochs=2") == 0
     assert config.read_text(encoding="utf-8") == rewritten
-    assert f"train_tokens {2 * samples * 256:,}" in capsys.readouterr().out
+    assert f"train_tokens {2 * samples * seq_len:,}" in capsys.readouterr().out
 
 
 def test_count_sums_several_prefixes(workspace: Path, dataset_prefix: Path, capsys) -> None:
