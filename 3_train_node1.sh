@@ -4,8 +4,10 @@
 # Ranks: every local GPU (torchrun); on a machine without GPU, NPROC CPU ranks over gloo (default 1),
 # each with OMP_NUM_THREADS = cores / NPROC. Override with NPROC=N.
 # It prints the plan first and refuses a run that will not fit. Rerunning resumes from the newest
-# complete checkpoint. Exit codes: 0 done, 1 failed, 2 refused before starting, 75 stopped by
-# SIGTERM/SIGINT after saving a checkpoint (run the same command again to continue).
+# complete checkpoint. Exit codes of each rank (and of this script with one rank): 0 done, 1 failed,
+# 2 refused before starting, 75 stopped by SIGTERM/SIGINT after saving a checkpoint (run the same
+# command again to continue). With several ranks this script returns torchrun's code (1 after a signal);
+# the log line "[train] SIGTERM: stopped at step N, checkpoint at step N" says the save happened.
 set -euo pipefail
 PYTHON=${PYTHON:-python}
 GPUS=$($PYTHON -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
