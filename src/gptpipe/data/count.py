@@ -108,6 +108,9 @@ def write_train_tokens(config_path: Path, value: int) -> object:
     yaml.preserve_quotes = True
     yaml.width = 4096  # never re-wrap long lines
     yaml.indent(mapping=mapping_indent, sequence=sequence_indent or mapping_indent, offset=dash_offset or 0)
+    # ruamel writes None as an empty value; keep the `null` users wrote (and our shipped YAML uses).
+    yaml.representer.add_representer(
+        type(None), lambda rep, _: rep.represent_scalar("tag:yaml.org,2002:null", "null"))
     data = yaml.load(text)
     if data.get("train") is None:
         data["train"] = CommentedMap()
