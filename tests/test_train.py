@@ -13,8 +13,7 @@ from conftest import QUICK_TRAIN, run_train
 from gptpipe.data.indexed import IndexedDataset
 from gptpipe.tokenizer.info import read_tokenizer_info
 from gptpipe.train.checkpoint import COMPLETE_MARKER, HF_CONFIG, STATE, complete_checkpoints
-from gptpipe.data.count import split_bounds
-from gptpipe.train.data import document_order
+from gptpipe.data.count import document_order, split_bounds
 
 
 def _rows(run: Path) -> list[dict]:

@@ -90,6 +90,28 @@ def test_an_index_larger_than_host_ram_is_refused(dataset_prefix: Path, workspac
     assert code == 2 and "host RAM" in err and "epochs" in err and "Fix: lower train.train_tokens" in err, err
 
 
+def test_count_tokens_epoch_is_the_epoch_megatron_builds(dataset_prefix: Path, tmp_path: Path) -> None:
+    """count_tokens' samples per epoch and train split are those of the GPTDataset training builds."""
+    import numpy as np
+
+    from gptpipe.data.config import DataConfig
+    from gptpipe.data.count import count_dataset, document_order, split_bounds, train_plan
+    from gptpipe.data.indexed import idx_path, read_index
+    from gptpipe.train.data import build_datasets
+
+    seq_len, split, seed = 128, "969,30,1", 1234
+    counts = count_dataset(dataset_prefix, split, seed)
+    epoch = train_plan([counts], seq_len, 8, 1.0).samples_per_epoch
+    data_cfg = DataConfig(prefixes=[dataset_prefix], split=split, seed=seed)
+    train, valid, _ = build_datasets(data_cfg, [counts], seq_len, [epoch, 8, 8], tmp_path, 32000, 2)
+    assert len(train) == epoch  # exactly one epoch: count_tokens' train_tokens trains on each token once
+    documents = read_index(idx_path(dataset_prefix)).documents
+    order = document_order(documents, seed)
+    for dataset, (begin, end) in zip((train, valid), split_bounds(split, documents)):
+        assert np.array_equal(np.unique(dataset.document_index), np.sort(order[begin:end]))
+    assert int(read_index(idx_path(dataset_prefix)).sizes[train.indices].sum()) == counts.split_tokens[0]
+
+
 @pytest.mark.parametrize("kind", ["cosine", "wsd"])
 @pytest.mark.parametrize("total", [1, 2, 7, 100, 5003])
 def test_lr_reaches_min_lr_at_the_last_step(kind: str, total: int) -> None:

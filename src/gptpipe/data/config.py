@@ -56,7 +56,8 @@ class DataConfig:
     weights: list[float] | None = option(
         None, "blend weights, one per prefix (None: proportional to each prefix's token count)")
     split: str = option("969,30,1", "train,valid,test proportions over documents")
-    seed: int = option(1234, "seed of the sample order (a pure function of seed, data and consumed samples)")
+    seed: int = option(1234, "seed of the document shuffle the splits are cut from, and of the sample order "
+                             "(a pure function of seed, data and consumed samples)")
     cache_dir: Path | None = option(None, "where GPTDataset index caches go (None: <run dir>/data_cache)")
 
     def check(self) -> list[tuple[str, str]]:

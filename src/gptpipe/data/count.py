@@ -47,16 +47,26 @@ class DatasetCounts:
     split_tokens: tuple[int, int, int]
 
 
-def count_dataset(prefix: Path, split: str) -> DatasetCounts:
-    """Counts of a finished stage-2 dataset (refused, with what to run, when its manifest is incomplete)."""
+def document_order(documents: int, seed: int) -> np.ndarray:
+    """The seeded permutation of the documents that training cuts its splits from (data.seed).
+
+    Megatron cuts contiguous ranges of the corpus order; a corpus written in a sorted order (man pages by
+    section, Wikipedia by title) would then validate on its tail only (the original's defect 5).
+    """
+    return np.random.RandomState(seed).permutation(documents).astype(np.int32)
+
+
+def count_dataset(prefix: Path, split: str, seed: int) -> DatasetCounts:
+    """Counts of a finished stage-2 dataset, each split cut from `document_order` exactly as training cuts it
+    (refused, with what to run, when the dataset's manifest is incomplete)."""
     read_dataset_manifest(prefix)
-    index = read_index(idx_path(prefix))  # memory-mapped: the sums below stream over the sizes
+    index = read_index(idx_path(prefix))  # memory-mapped
+    order = document_order(index.sequences, seed)  # gptpipe writes one sequence per document
     docs, tokens = [], []
-    # Megatron splits a GPT dataset over its sequences; gptpipe writes one sequence per document.
     for bounds in split_bounds(split, index.sequences):
         begin, end = bounds or (0, 0)
         docs.append(end - begin)
-        tokens.append(int(index.sizes[begin:end].sum(dtype=np.int64)))
+        tokens.append(int(index.sizes[order[begin:end]].sum(dtype=np.int64)))
     return DatasetCounts(prefix, index.dtype.name, index.documents, index.tokens, tuple(docs), tuple(tokens))
 
 
@@ -129,7 +139,7 @@ def format_report(counts: list[DatasetCounts], split: str, plan: TrainPlan) -> s
     if len(counts) > 1:
         lines.append(f"all {len(counts)} datasets: {sum(c.documents for c in counts):,} documents, "
                      f"{sum(c.tokens for c in counts):,} tokens")
-    lines.append(f"split {split} (by documents, as megatron-core's GPTDataset cuts it):")
+    lines.append(f"split {split} (by documents, from the data.seed shuffle training uses):")
     for i, name in enumerate(SPLITS):
         docs = sum(c.split_documents[i] for c in counts)
         tokens = sum(c.split_tokens[i] for c in counts)
@@ -154,7 +164,7 @@ def _empty_splits(counts: list[DatasetCounts], split: str) -> list[str]:
 
 def run(config: PipelineConfig, args: argparse.Namespace) -> int:
     """`gptpipe count` / count_tokens.py."""
-    counts = [count_dataset(p, config.data.split) for p in config.data.prefixes]
+    counts = [count_dataset(p, config.data.split, config.data.seed) for p in config.data.prefixes]
     train = config.train
     plan = train_plan(counts, train.seq_len, train.global_batch_size, train.train_epochs)
     print(format_report(counts, config.data.split, plan), flush=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from gptpipe.data.config import DataConfig
-from gptpipe.data.count import SPLITS, DatasetCounts, split_bounds
+from gptpipe.data.count import SPLITS, DatasetCounts, document_order, split_bounds
 
 if TYPE_CHECKING:
     import numpy as np
@@ -28,34 +28,6 @@ if TYPE_CHECKING:
 
 class DataError(ValueError):
     """The data cannot give the run what it asks for; the message says why and what to change."""
-
-
-def document_order(documents: int, seed: int) -> "np.ndarray":
-    """The seeded permutation of the documents that the splits are cut from.
-
-    Megatron cuts contiguous ranges of the corpus order; a corpus written in a sorted order (man pages by
-    section, Wikipedia by title) would then validate on its tail only (the original's defect 5).
-    """
-    import numpy as np
-
-    return np.random.RandomState(seed).permutation(documents).astype(np.int32)
-
-
-def prefix_stats(prefix: Path, split: str, seed: int) -> DatasetCounts:
-    """Documents and tokens of each split of a finished stage-2 dataset, cut from `document_order`."""
-    import numpy as np
-
-    from gptpipe.data.indexed import idx_path, read_dataset_manifest, read_index
-
-    read_dataset_manifest(prefix)  # only a complete stage-2 output is accepted
-    index = read_index(idx_path(prefix))
-    order = document_order(index.sequences, seed)  # one sequence per document in gptpipe's datasets
-    docs, tokens = [], []
-    for bounds in split_bounds(split, index.sequences):
-        begin, end = bounds or (0, 0)
-        docs.append(end - begin)
-        tokens.append(int(index.sizes[order[begin:end]].sum(dtype=np.int64)))
-    return DatasetCounts(prefix, index.dtype.name, index.documents, index.tokens, tuple(docs), tuple(tokens))
 
 
 def check_splits(stats: list[DatasetCounts], split: str, seq_len: int) -> None:

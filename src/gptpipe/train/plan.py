@@ -20,14 +20,13 @@ from typing import Any
 from gptpipe.cli import EXIT_BAD_INPUT
 from gptpipe.config.pipeline import PipelineConfig
 from gptpipe.stage import say
-from gptpipe.data.count import DatasetCounts, train_plan
+from gptpipe.data.count import DatasetCounts, count_dataset, train_plan
 from gptpipe.train.data import (
     DataError,
     available_host_ram,
     blend_weights,
     check_splits,
     index_bytes,
-    prefix_stats,
 )
 from gptpipe.train.model import Shape, count_parameters, flops_per_token, resolve_shape
 from gptpipe.train.schedule import Schedule
@@ -220,7 +219,7 @@ def make_plan(config: PipelineConfig, vocab_size: int, dp: int | None = None, de
                         f"{per_rank} samples per rank and step (global_batch_size / {dp} ranks). Fix: set "
                         f"train.micro_batch_size={max(d for d in _divisors(per_rank) if d <= train.micro_batch_size)}")
 
-    stats = [prefix_stats(p, data.split, data.seed) for p in data.prefixes]
+    stats = [count_dataset(p, data.split, data.seed) for p in data.prefixes]
     check_splits(stats, data.split, train.seq_len)
     weights = blend_weights(data, stats)
     tokens_per_step = train.global_batch_size * train.seq_len
