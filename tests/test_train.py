@@ -86,3 +86,37 @@ def test_other_architectures_train(arch: str, dataset_prefix: Path, workspace: P
         assert all(r["aux_loss"] > 0 for r in train) and "router-aux" in done.stderr
     hf = json.loads((tmp_path / "checkpoints" / "global_step2" / HF_CONFIG).read_text())
     assert hf["model_type"] == arch
+
+
+BF16_ENGINE = """
+from types import SimpleNamespace
+import torch
+from gptpipe.train.config import ModelConfig, TrainConfig
+from gptpipe.train.engine import build_engine, deepspeed_config, setup_distributed
+from gptpipe.train.model import build_model, build_model_config
+from gptpipe.train.schedule import Schedule
+
+dist = setup_distributed()
+train = TrainConfig(precision="bf16", global_batch_size=2, micro_batch_size=2)
+config = build_model_config(ModelConfig(preset="tiny"), SimpleNamespace(vocab_size=1000, bos_id=1, eos_id=2, pad_id=3),
+                            2048)
+exact = build_model(config).model.rotary_emb.inv_freq  # what from_pretrained builds at inference
+ds_config, _ = deepspeed_config(train, 2, 1, 1, on_gpu=False)
+engine = build_engine(train, "llama", config, ds_config, Schedule.for_run(train, 10), dist.device)
+trained = engine.module.model.rotary_emb.inv_freq
+print(engine.module.model.embed_tokens.weight.dtype, trained.dtype, torch.equal(trained, exact))
+"""
+
+
+def test_bf16_training_keeps_rope_frequencies_fp32() -> None:
+    """A blanket bf16 cast of the model (DeepSpeed before 0.19.2) rounds RoPE's inv_freq: positions far
+    into the sequence then rotate differently in training than in the exported fp32-buffer model."""
+    import subprocess
+    import sys
+
+    from conftest import train_env
+
+    done = subprocess.run([sys.executable, "-c", BF16_ENGINE], env=train_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-3:] == ["torch.bfloat16", "torch.float32", "True"], done.stdout
