@@ -8,7 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import QUICK_TRAIN, run_train
+from conftest import QUICK_TRAIN, TRAINED_RUN, run_train
 
 from gptpipe.cli import main
 from gptpipe.train.config import ModelConfig, TrainConfig
@@ -52,6 +52,20 @@ def test_plan_prints_the_run(dataset_prefix: Path, workspace: Path, capsys: pyte
     for row in ("parameters", "FLOPs per token", "memory/process", "activations", "host RAM", "disk", "lr"):
         assert row in err
     assert "without checkpointing" in err
+
+
+def test_plan_gives_the_speed_measured_in_the_run_folder(trained_run: Path, workspace: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    import statistics
+
+    rows = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    speed = statistics.median([r["tokens_per_s"] for r in rows if "tokens_per_s" in r][-20:])
+    code, err = _plan(workspace, capsys, *TRAINED_RUN, f"train.output_model_dir={trained_run}")
+    assert code == 0, err
+    assert f"~{speed:,.0f} tokens/s (measured: median of the last log steps in {trained_run}" in err, err
+    # Another batch shape is another speed: the figure is not reused.
+    code, err = _plan(workspace, capsys, *TRAINED_RUN, f"train.output_model_dir={trained_run}", "train.seq_len=64")
+    assert code == 0 and "measured" not in err, err
 
 
 def test_a_run_that_cannot_fit_is_refused_with_a_fix_that_fits(dataset_prefix: Path, workspace: Path,

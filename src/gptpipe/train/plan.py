@@ -13,8 +13,11 @@ block; allocator slack is a flat margin); the GPU benchmark records how close th
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from gptpipe.cli import EXIT_BAD_INPUT
@@ -107,6 +110,7 @@ class Plan:
     host_ram: float
     checkpoint_bytes: float
     peak_flops: float | None
+    measured_tokens_per_s: float | None  # from this run folder's metrics.jsonl (an earlier segment of the run)
 
     @property
     def train_tokens(self) -> int:
@@ -114,9 +118,29 @@ class Plan:
 
     @property
     def expected_tokens_per_s(self) -> float | None:
+        """The measured speed where this run folder has one, else the assumed MFU's on GPU."""
+        if self.measured_tokens_per_s:
+            return self.measured_tokens_per_s
         if not self.peak_flops:
             return None
         return ASSUMED_MFU * self.peak_flops * self.dp / self.flops_per_token
+
+
+def measured_tokens_per_s(run_dir: Path, tokens_per_step: int, last: int = 20) -> float | None:
+    """Median tokens/s of the last `last` log steps in `run_dir`/metrics.jsonl that ran with the same tokens
+    per step (an earlier segment of this run, before a resume); None where there are none."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    speeds = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a kill
+        if row.get("tokens_per_s") and row.get("step") and row.get("tokens") == row["step"] * tokens_per_step:
+            speeds.append(float(row["tokens_per_s"]))
+    return statistics.median(speeds[-last:]) if speeds else None
 
 
 def bytes_per_value(precision: str) -> int:
@@ -276,7 +300,8 @@ def make_plan(config: PipelineConfig, vocab_size: int, dp: int | None = None, de
                 tokens_per_step=tokens_per_step, steps=steps, schedule=schedule, train_samples=sizes[0],
                 eval_samples=eval_samples, index_ram=index_ram, host_ram_needed=host_needed, host_ram=host_ram,
                 checkpoint_bytes=checkpoint_bytes,
-                peak_flops=peak_flops(name, train.precision, train.peak_tflops) if on_gpu else None)
+                peak_flops=peak_flops(name, train.precision, train.peak_tflops) if on_gpu else None,
+                measured_tokens_per_s=measured_tokens_per_s(train.output_model_dir, tokens_per_step))
 
 
 def _ranks_per_node(dp: int) -> int:
@@ -341,6 +366,14 @@ def check_parameter_count(plan: Plan, hf_config: Any) -> int:
     return actual
 
 
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h" if seconds < 48 * 3600 else f"{seconds / 86400:.1f} days"
+
+
 def format_plan(plan: Plan, config: PipelineConfig) -> str:
     """The plan as the table printed before training."""
     s, train = plan.shape, config.train
@@ -373,9 +406,13 @@ def format_plan(plan: Plan, config: PipelineConfig) -> str:
                      f"{g(plan.host_ram)} available"),
         ("disk", f"~{g(plan.checkpoint_bytes)} per checkpoint, keeping {train.keep_checkpoints}"),
     ]
-    if plan.expected_tokens_per_s:
-        rows.append(("expected speed", f"~{plan.expected_tokens_per_s:,.0f} tokens/s at {ASSUMED_MFU:.0%} MFU "
-                                       f"(peak {plan.peak_flops / 1e12:.0f} TFLOP/s per GPU; no measured figure yet)"))
+    speed = plan.expected_tokens_per_s
+    if speed:
+        source = (f"measured: median of the last log steps in {train.output_model_dir / 'metrics.jsonl'}"
+                  if plan.measured_tokens_per_s else
+                  f"assumed {ASSUMED_MFU:.0%} MFU of {plan.peak_flops / 1e12:.0f} TFLOP/s per GPU; no measured figure yet")
+        rows.append(("expected speed", f"~{speed:,.0f} tokens/s ({source}); the whole run "
+                                       f"≈ {_duration(plan.train_tokens / speed)}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
