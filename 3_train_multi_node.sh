@@ -1,14 +1,28 @@
 #!/usr/bin/env bash
-# Stage 3 on several machines with the deepspeed launcher: one line per node in a hostfile
-# ("node1 slots=8"), passwordless ssh from this node to the others, the repository, the .venv and the
-# data at the same path on every node, and the run folder (train.output_model_dir) on a shared filesystem.
-#   HOSTFILE=hostfile bash 3_train_multi_node.sh [--config config.yaml] [key=value ...]
-# Check the fit first for the whole job: python -m gptpipe plan --gpus TOTAL_GPUS
+# Stage 3 on several machines with the deepspeed launcher and a hostfile, one line per node ("node1 slots=8").
+# The repository, the .venv and the data at the same path on every node; the run folder (train.output_model_dir)
+# on a shared filesystem. Check the fit for the whole job first: python -m gptpipe plan --gpus TOTAL_GPUS
+#
+# Two ways to start it:
+#   with passwordless ssh (pdsh) from the first node, run once there:
+#     HOSTFILE=hostfile bash 3_train_multi_node.sh [--config config.yaml] [key=value ...]
+#   without ssh, run the same command on every node, each with its own NODE_RANK (0 on the first node,
+#   whose address is MASTER_ADDR):
+#     HOSTFILE=hostfile NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash 3_train_multi_node.sh [key=value ...]
+# A one-line hostfile ("localhost slots=2") with NODE_RANK=0 MASTER_ADDR=127.0.0.1 runs on this machine alone:
+# that is how the tests run it. Exit codes as in 3_train_node1.sh.
 set -euo pipefail
 HOSTFILE=${HOSTFILE:-hostfile}
 [ -f "$HOSTFILE" ] || { echo "hostfile $HOSTFILE not found (one 'host slots=N' line per node)" >&2; exit 2; }
 MASTER_PORT=${MASTER_PORT:-29500}
+PYTHON=${PYTHON:-python}
+NODE_ARGS=()
+if [ -n "${NODE_RANK:-}" ]; then
+  [ -n "${MASTER_ADDR:-}" ] || { echo "NODE_RANK is set: also set MASTER_ADDR (the first node's address)" >&2; exit 2; }
+  NODE_ARGS=(--no_ssh --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR")
+fi
 # The launcher starts `python -m gptpipe train` on every node in this directory with LOCAL_RANK, RANK,
 # WORLD_SIZE and MASTER_ADDR set (--no_local_rank: the rank goes in the environment, not the arguments);
-# gptpipe joins that process group (NCCL).
-exec deepspeed --hostfile "$HOSTFILE" --master_port "$MASTER_PORT" --no_local_rank --module gptpipe train "$@"
+# gptpipe joins that process group (NCCL on GPUs, gloo on CPU).
+exec $PYTHON -m deepspeed.launcher.runner --hostfile "$HOSTFILE" --master_port "$MASTER_PORT" "${NODE_ARGS[@]}" \
+  --no_local_rank --module gptpipe train "$@"

@@ -42,11 +42,29 @@ def test_zero2_two_ranks_via_3_train_node1(one_rank: list[float], workspace: Pat
     assert len(list(folder.glob("*optim_states.pt"))) == 2 and len(list(folder.glob("rng_state_rank*.pt"))) == 2
 
 
-def test_zero3_two_ranks_via_deepspeed_launcher(one_rank: list[float], workspace: Path, tmp_path: Path) -> None:
+def test_zero3_two_ranks_via_3_train_multi_node(one_rank: list[float], workspace: Path, tmp_path: Path) -> None:
+    """The hostfile script (deepspeed launcher) as each node runs it without ssh, here with one host."""
+    import socket
+
     run = tmp_path / "run"
-    done = run_train("--config", workspace / "config.yaml", *QUICK_TRAIN, f"train.train_iters={STEPS}",
-                     "train.zero_stage=3", f"train.output_model_dir={run}", ranks=2, launcher="deepspeed")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**train_env(2), "HOSTFILE": str(hostfile), "MASTER_PORT": port, "PYTHON": sys.executable,
+           "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    done = subprocess.run(["bash", str(REPO / "3_train_multi_node.sh"), "--config", str(workspace / "config.yaml"),
+                           *QUICK_TRAIN, f"train.train_iters={STEPS}", "train.zero_stage=3",
+                           f"train.output_model_dir={run}"], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "× 2 data-parallel ranks" in done.stderr
     assert losses(run) == pytest.approx(one_rank, rel=1e-4)
     folder = run / "checkpoints" / f"global_step{STEPS}"
     assert len(list(folder.glob("zero_pp_rank_*_model_states.pt"))) == 2  # parameters sharded over both ranks
+
+
+def test_multi_node_script_refuses_a_missing_hostfile(tmp_path: Path) -> None:
+    env = {**train_env(), "HOSTFILE": str(tmp_path / "nope")}
+    done = subprocess.run(["bash", str(REPO / "3_train_multi_node.sh")], env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and f"hostfile {tmp_path / 'nope'} not found" in done.stderr
