@@ -4,10 +4,8 @@
 # Ranks: every local GPU (torchrun); on a machine without GPU, NPROC CPU ranks over gloo (default 1),
 # each with OMP_NUM_THREADS = cores / NPROC. Override with NPROC=N.
 # It prints the plan first and refuses a run that will not fit. Rerunning resumes from the newest
-# complete checkpoint. Exit codes of each rank (and of this script with one rank): 0 done, 1 failed,
-# 2 refused before starting, 75 stopped by SIGTERM/SIGINT after saving a checkpoint (run the same
-# command again to continue). With several ranks this script returns torchrun's code (1 after a signal);
-# the log line "[train] SIGTERM: stopped at step N, checkpoint at step N" says the save happened.
+# complete checkpoint. Exit codes: 0 done, 1 failed, 2 refused before starting, 75 stopped by
+# SIGTERM/SIGINT after saving a checkpoint (run the same command again to continue).
 set -euo pipefail
 PYTHON=${PYTHON:-python}
 GPUS=$($PYTHON -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
@@ -20,4 +18,20 @@ if [ "$NPROC" -eq 1 ]; then
 fi
 # torchrun forwards SIGTERM to every rank and waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT s for their save.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
-exec $PYTHON -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m gptpipe train "$@"
+# torchrun turns any rank's non-zero exit into 1: rank 0 writes its real code (2, 75) to this file.
+export GPTPIPE_EXIT_FILE
+GPTPIPE_EXIT_FILE=$(mktemp)
+trap 'rm -f "$GPTPIPE_EXIT_FILE"' EXIT
+$PYTHON -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m gptpipe train "$@" &
+LAUNCHER=$!
+trap 'kill -TERM "$LAUNCHER" 2>/dev/null || true' TERM INT
+code=0
+wait "$LAUNCHER" || code=$?
+while kill -0 "$LAUNCHER" 2>/dev/null; do  # a trapped signal ends `wait` early: wait for the save
+  code=0
+  wait "$LAUNCHER" || code=$?
+done
+if [ "$code" -ne 0 ] && [ -s "$GPTPIPE_EXIT_FILE" ]; then
+  code=$(cat "$GPTPIPE_EXIT_FILE")
+fi
+exit "$code"

@@ -42,6 +42,27 @@ def test_zero2_two_ranks_via_3_train_node1(one_rank: list[float], workspace: Pat
     assert len(list(folder.glob("*optim_states.pt"))) == 2 and len(list(folder.glob("rng_state_rank*.pt"))) == 2
 
 
+def test_two_ranks_sigterm_to_3_train_node1_saves_and_exits_75(workspace: Path, tmp_path: Path) -> None:
+    """torchrun turns the ranks' 75 into 1; the script must still say "saved, run again"."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    env = {**train_env(2), "NPROC": "2", "PYTHON": sys.executable}
+    process = subprocess.Popen(["bash", str(REPO / "3_train_node1.sh"), "--config", str(workspace / "config.yaml"),
+                                *QUICK_TRAIN, "train.train_iters=1000", "train.save_interval=1000",
+                                f"train.output_model_dir={run}"], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (run / "metrics.jsonl").is_file() or not losses(run):
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 75, stderr[-3000:]
+    assert "SIGTERM: stopped at step" in stderr and len(list((run / "checkpoints").glob("global_step*"))) == 1
+
+
 def test_zero3_two_ranks_via_3_train_multi_node(one_rank: list[float], workspace: Path, tmp_path: Path) -> None:
     """The hostfile script (deepspeed launcher) as each node runs it without ssh, here with one host."""
     import socket

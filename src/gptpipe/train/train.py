@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import signal
 import time
@@ -46,9 +47,18 @@ def seed_everything(seed: int) -> None:
 
 def run(config: PipelineConfig, args: argparse.Namespace) -> int:
     """`gptpipe train`: returns the exit code documented in the module doc."""
+    dist = setup_distributed()
+    code = _train(config, dist)
+    exit_file = os.environ.get("GPTPIPE_EXIT_FILE")
+    if exit_file and dist.is_main:
+        # torchrun reports any rank's non-zero exit as 1; 3_train_node1.sh reads the real code from here.
+        Path(exit_file).write_text(str(code), encoding="utf-8")
+    return code
+
+
+def _train(config: PipelineConfig, dist: Dist) -> int:
     from gptpipe.tokenizer.info import read_tokenizer_info
 
-    dist = setup_distributed()
     tokenizer = read_tokenizer_info(config.tokenize.tokenizer_dir)
     try:
         plan = make_plan(config, tokenizer.vocab_size, dp=dist.world_size)
