@@ -40,7 +40,7 @@ def tiny_config(arch: str, vocab: int, bos: int, eos: int, pad: int) -> transfor
 
 
 def dataset_tokens(prefix: Path, count: int) -> np.ndarray:
-    """The first tokens of the .bin (uint16 for vocabularies below 65,500): the start of the train split."""
+    """The first tokens of the .bin (uint16 for vocabularies below 65,500)."""
     return np.fromfile(f"{prefix}.bin", dtype=np.uint16, count=count).astype(np.int64)
 
 
@@ -82,6 +82,7 @@ def main() -> None:
         (folder / HF_CONFIG).write_text(json.dumps(config.to_dict(), indent=2))
         state = {"step": args.steps, "consumed_samples": args.steps * 2 * world, "tokens": args.steps * 2 * world * SEQ,
                  "tokenizer_dir": str(args.tokenizer_dir), "dataset_prefixes": [str(args.dataset_prefix)],
+                 "data_split": "969,30,1", "data_seed": 1234,
                  "final_val_loss": metrics[-1]["val_loss"]}
         (folder / STATE).write_text(json.dumps(state, indent=2))
         (folder / COMPLETE_MARKER).write_text("")

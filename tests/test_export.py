@@ -163,8 +163,21 @@ def run_gate(folder: Path, run: Path, tokenizer_dir: Path, dataset_prefix: Path)
     dtype = counts(folder)["dtype"]
     reference, reference_fp32 = reference_models(checkpoint, consolidate(checkpoint), dtype)
     info = read_tokenizer_info(tokenizer_dir)
-    heldout = heldout_documents(dataset_prefix, HELDOUT_DOCUMENTS, info.eod_id)
+    heldout = heldout_documents(dataset_prefix, HELDOUT_DOCUMENTS, info.eod_id, "969,30,1", 1234)
     return verify_export(folder, reference, reference_fp32, info, heldout, "こんにちは。", dtype)
+
+
+def test_gate_compares_on_documents_training_never_saw(dataset_prefix, tokenizer_dir):
+    from gptpipe.data.count import document_order, split_bounds
+    from gptpipe.data.indexed import IndexedDataset
+
+    eod = read_tokenizer_info(tokenizer_dir).eod_id
+    heldout = heldout_documents(dataset_prefix, HELDOUT_DOCUMENTS, eod, "969,30,1", 1234)
+    reader = IndexedDataset(dataset_prefix)
+    begin, end = split_bounds("969,30,1", len(reader))[0]
+    train = {tuple(t for t in reader[int(i)].tolist() if t != eod) for i in document_order(len(reader), 1234)[begin:end]}
+    assert len(heldout.documents) == HELDOUT_DOCUMENTS
+    assert not any(tuple(doc) in train for doc in heldout.documents)  # stage 0 removed duplicate documents
 
 
 def test_gate_fails_on_a_tokenizer_that_differs_from_sentencepiece(exported_model, trained_run, tokenizer_dir,

@@ -50,15 +50,18 @@ def check_tokenizer_fits(checkpoint: Checkpoint, tokenizer: Any) -> None:
                               + "; ".join(problems))
 
 
-def heldout_documents(prefix: Path, count: int, separator: int) -> Any:
-    """The dataset's last documents: Megatron splits by document ranges, so the tail is validation/test data."""
+def heldout_documents(prefix: Path, count: int, separator: int, split: str, seed: int) -> Any:
+    """Up to `count` documents that training never saw: the first of the valid/test splits, which training cut
+    from the `data.seed` shuffle of the documents (see gptpipe.data.count.document_order)."""
+    from gptpipe.data.count import document_order, split_bounds
     from gptpipe.data.indexed import IndexedDataset
     from gptpipe.export.verify import HeldOut
 
     reader = IndexedDataset(prefix)
-    last = len(reader)
-    docs = [[t for t in reader[i].tolist() if t != separator] for i in range(max(0, last - count), last)]
-    return HeldOut([d for d in docs if d], f"the last {len(docs)} documents of {prefix.name}")
+    train = split_bounds(split, len(reader))[0]
+    unseen = document_order(len(reader), seed)[train[1] if train else 0:][:count]
+    docs = [[t for t in reader[int(i)].tolist() if t != separator] for i in unseen]
+    return HeldOut([d for d in docs if d], f"{len(docs)} validation/test documents of {prefix.name}")
 
 
 def _training_config(config: ConvertConfig) -> dict[str, Any]:
@@ -137,6 +140,14 @@ def _tokenizer_counts(tokenizer: Any) -> dict[str, Any]:
     return {k: counts[k] for k in ("chars_per_token",) if k in counts}
 
 
+def data_split(checkpoint: Checkpoint) -> tuple[str, int]:
+    """data.split and data.seed of the run (checkpoints from before gptpipe recorded them: the defaults)."""
+    from gptpipe.data.config import DataConfig
+
+    default = DataConfig()
+    return checkpoint.state.get("data_split", default.split), checkpoint.state.get("data_seed", default.seed)
+
+
 def run(config: ConvertConfig, args: Any) -> int:
     from gptpipe.data.indexed import manifest_path as dataset_manifest_path
     from gptpipe.data.indexed import read_dataset_manifest
@@ -161,7 +172,7 @@ def run(config: ConvertConfig, args: Any) -> int:
     manifest = run_stage(
         "convert", manifest_path, settings, inputs,
         lambda: export(config, checkpoint, tokenizer, datasets,
-                       heldout_documents(prefixes[0], HELDOUT_DOCUMENTS, tokenizer.eod_id)),
+                       heldout_documents(prefixes[0], HELDOUT_DOCUMENTS, tokenizer.eod_id, *data_split(checkpoint))),
         force=args.force or failed_before,
         versions=("torch", "transformers", "deepspeed", "safetensors", "tokenizers", "sentencepiece"))
     counts = manifest.counts

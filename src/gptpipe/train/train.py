@@ -291,6 +291,8 @@ class Trainer:
             "total_steps": self.plan.steps,
             "tokenizer_dir": str(self.config.tokenize.tokenizer_dir),
             "dataset_prefixes": [str(p) for p in self.config.data.prefixes],
+            "data_split": self.config.data.split,  # stage 4 verifies on documents outside the train split
+            "data_seed": self.config.data.seed,
             "tokenizer_vocab_size": self.tokenizer.vocab_size,
             "final_val_loss": self.last_val_loss if self.step >= self.plan.steps else None,
             "val_loss": self.last_val_loss,
