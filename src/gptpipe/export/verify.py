@@ -1,7 +1,7 @@
 """The verification gate: does the exported folder behave exactly like the trained checkpoint?
 
 The folder is reloaded with AutoModelForCausalLM/AutoTokenizer, as any user would, and checked on data the
-model did not train on (the last documents of the dataset, which fall in its validation/test split):
+model did not train on (documents of its validation/test split, cut from the seeded shuffle training used):
 1. ids: dtype, vocabulary size and bos/eos/pad ids are the ones the model was trained with;
 2. logits: against the model rebuilt from the checkpoint, both in the export dtype (ANCHORS §5: bf16
    compares like with like), max |Δ| within a tolerance;
