@@ -29,7 +29,7 @@ from gptpipe.config.core import load_config
 from gptpipe.config.pipeline import PipelineConfig
 from gptpipe.train.engine import build_engine, deepspeed_config, setup_distributed, train_step
 from gptpipe.train.model import build_model_config, count_parameters, flops_per_token, resolve_shape
-from gptpipe.train.plan import Engine, estimate_memory, liger_available, peak_flops
+from gptpipe.train.plan import Engine, estimate_memory, peak_flops
 from gptpipe.train.schedule import Schedule
 
 VOCAB = 32000  # the shipped tokenizer's size (padded to 32,000 already)
@@ -75,7 +75,8 @@ def main() -> None:
     steps = args.warmup + args.steps
     ds_config, _ = deepspeed_config(train, args.micro, 1, dist.world_size, on_gpu)
     torch.manual_seed(0)
-    engine = build_engine(train, args.arch, hf_config, ds_config, Schedule.for_run(train, steps), dist.device)
+    engine, fused = build_engine(train, args.arch, hf_config, ds_config, Schedule.for_run(train, steps),
+                                 dist.device)
 
     generator = torch.Generator().manual_seed(0)
     batch = torch.randint(0, VOCAB, (args.micro, args.seq + 1), generator=generator)
@@ -96,7 +97,6 @@ def main() -> None:
     flops = flops_per_token(shape, args.seq)
     name = torch.cuda.get_device_name(0) if on_gpu else "CPU"
     peak = peak_flops(name, args.precision, args.peak_tflops) if on_gpu else None
-    fused = on_gpu and not args.no_liger and liger_available() and args.arch != "gpt2"
     predicted = estimate_memory(shape, count_parameters(shape, args.seq), args.seq, args.precision, dist.world_size,
                                 Engine(args.micro, args.zero, args.checkpointing, False), on_gpu, fused)
     if dist.is_main:

@@ -102,7 +102,7 @@ config = build_model_config(ModelConfig(preset="tiny"), SimpleNamespace(vocab_si
                             2048)
 exact = build_model(config).model.rotary_emb.inv_freq  # what from_pretrained builds at inference
 ds_config, _ = deepspeed_config(train, 2, 1, 1, on_gpu=False)
-engine = build_engine(train, "llama", config, ds_config, Schedule.for_run(train, 10), dist.device)
+engine, _ = build_engine(train, "llama", config, ds_config, Schedule.for_run(train, 10), dist.device)
 trained = engine.module.model.rotary_emb.inv_freq
 print(engine.module.model.embed_tokens.weight.dtype, trained.dtype, torch.equal(trained, exact))
 """

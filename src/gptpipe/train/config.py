@@ -96,7 +96,8 @@ class TrainConfig:
         None, "DeepSpeed config template (None: original_codes/ds_config_gpt_TEMPLATE.json of gptpipe); "
               "its \"auto\" values are filled from this file")
     seed: int = option(1234, "seed of weights init and dropout")
-    log_interval: int = option(10, "optimizer steps between console/metrics lines (the only host-device syncs)")
+    log_interval: int = option(10, "optimizer steps between console/metrics lines (gptpipe's only host-device "
+                                   "syncs; DeepSpeed's overflow check and Liger's loss still sync once a step)")
     eval_interval: int = option(100, "steps between validation runs")
     eval_iters: int = option(
         10, "validation global batches per evaluation (the same eval_iters x global_batch_size samples each time)")

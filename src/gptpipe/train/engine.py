@@ -69,6 +69,8 @@ def setup_distributed() -> Dist:
     if on_gpu:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
+        # fp32 runs use TF32 tensor cores (the planner's fp32 peak assumes them); bf16/fp16 are unaffected.
+        torch.set_float32_matmul_precision("high")
     else:
         # The deepspeed launcher leaves OMP_NUM_THREADS unset: every rank would use every core (ZeRO-3
         # steps get 5-10x slower). Split the cores between the ranks of this node.
@@ -181,8 +183,9 @@ def apply_liger(arch: str) -> bool:
 
 
 def build_engine(train: TrainConfig, arch: str, hf_config: Any, ds_config: dict[str, Any], schedule: Schedule,
-                 device: torch.device) -> Any:
-    """The model (freshly initialized from the current RNG state) inside a DeepSpeed engine.
+                 device: torch.device) -> tuple[Any, bool]:
+    """The model (freshly initialized from the current RNG state) inside a DeepSpeed engine, and whether
+    Liger's fused linear cross-entropy computes its loss (then evaluation must ask for `skip_logits` too).
 
     The LR scheduler goes into `deepspeed.initialize`, so DeepSpeed checkpoints it.
     """
@@ -200,7 +203,7 @@ def build_engine(train: TrainConfig, arch: str, hf_config: Any, ds_config: dict[
                                       config=ds_config, lr_scheduler=schedule.scheduler_factory())
     if train.compile and on_gpu:
         engine.compile()
-    return engine
+    return engine, fused_loss
 
 
 def forward_loss(engine: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -8,6 +8,7 @@ run the same command again to continue from it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -92,7 +93,8 @@ class Trainer:
             (self.run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
 
         seed_everything(train.seed)
-        self.engine = build_engine(train, config.model.arch, hf_config, ds_config, plan.schedule, dist.device)
+        self.engine, self.fused_loss = build_engine(train, config.model.arch, hf_config, ds_config, plan.schedule,
+                                                    dist.device)
 
         sizes = [plan.train_samples, plan.eval_samples, plan.eval_samples]
         cache = config.data.cache_dir or self.run_dir / "data_cache"
@@ -178,17 +180,18 @@ class Trainer:
                     return EXIT_FAILED
                 self._log_train(losses, lr, result, time.perf_counter() - window_start, window_steps)
                 window, window_steps = [], 0
+                window_start = time.perf_counter()
             if bad_in_a_row >= train.max_bad_steps:
                 self.log.say(f"[train] stopping: {bad_in_a_row} non-finite steps in a row (train.max_bad_steps="
                              f"{train.max_bad_steps}); nothing saved from this state. Lower train.lr or raise "
                              f"train.warmup_fraction, then rerun: it resumes from the last checkpoint.")
                 return EXIT_FAILED
+            paused = time.perf_counter()
             if self.step % train.eval_interval == 0 and self.step < plan.steps:
                 self._evaluate()
             if self.step % train.save_interval == 0 and self.step < plan.steps:
                 saved_at = self._save() or saved_at
-            if not window:  # a log step: the next window's speed excludes this evaluation and save
-                window_start = time.perf_counter()
+            window_start += time.perf_counter() - paused  # tokens/s and MFU count training time only
             if self.stop.agreed():
                 break
         if self.stop.agreed():
@@ -232,8 +235,11 @@ class Trainer:
             + f"  mem {row['mem_gib']:.2f} GiB" + (f"  skipped {self.skipped}" if self.skipped else "")))
 
     def _memory_gib(self) -> float:
+        """Peak device memory since the last log step on GPU (evaluation included); the process's RSS on CPU."""
         if self.on_gpu:
-            return torch.cuda.max_memory_allocated() / 1024**3
+            peak = torch.cuda.max_memory_allocated() / 1024**3
+            torch.cuda.reset_peak_memory_stats()
+            return peak
         import psutil
 
         return psutil.Process().memory_info().rss / 1024**3
@@ -245,6 +251,8 @@ class Trainer:
         engine.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.dist.device)
         extra = {"output_router_logits": False} if hasattr(self.hf_config, "output_router_logits") else {}
+        if self.fused_loss:  # Liger skips the logits only in training mode unless told: they would not fit
+            extra["skip_logits"] = True
         for batch in eval_batches(self.valid_data, plan.eval_samples, plan.engine.micro_batch, self.dist.rank,
                                   self.dist.world_size, self.dist.device):
             out = engine(input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["labels"],
@@ -269,13 +277,15 @@ class Trainer:
         sp = spm.SentencePieceProcessor(model_file=str(tok.model_path))
         padding = list(range(tok.vocab_size, self.plan.shape.vocab_size)) or None
         results = []
-        for prompt in train.sample_prompts:
-            ids = [tok.eod_id] + sp.encode(prompt)  # documents in the data start right after a separator
-            out = self.engine.module.generate(
-                torch.tensor([ids], device=self.dist.device), max_new_tokens=train.sample_tokens, do_sample=False,
-                suppress_tokens=padding, eos_token_id=tok.eos_id, pad_token_id=tok.eos_id,
-                synced_gpus=train.zero_stage == 3 and self.dist.world_size > 1)
-            results.append((prompt, sp.decode([i for i in out[0, len(ids):].tolist() if i < tok.vocab_size])))
+        # A compiled model would recompile for every new sequence length: generate eagerly.
+        with torch.compiler.set_stance("force_eager") if train.compile else contextlib.nullcontext():
+            for prompt in train.sample_prompts:
+                ids = [tok.eod_id] + sp.encode(prompt)  # documents in the data start right after a separator
+                out = self.engine.module.generate(
+                    torch.tensor([ids], device=self.dist.device), max_new_tokens=train.sample_tokens,
+                    do_sample=False, suppress_tokens=padding, eos_token_id=tok.eos_id, pad_token_id=tok.eos_id,
+                    synced_gpus=train.zero_stage == 3 and self.dist.world_size > 1)
+                results.append((prompt, sp.decode([i for i in out[0, len(ids):].tolist() if i < tok.vocab_size])))
         return results
 
     def _save(self) -> int | None:
