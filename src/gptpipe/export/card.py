@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,21 +28,6 @@ class CardFacts:
     final_val_loss: float | None
     verification: dict[str, Any]
     has_loss_curve: bool = False
-
-
-def read_metrics(path: Path, last_step: int) -> list[dict[str, Any]]:
-    """metrics.jsonl lines up to ``last_step`` (a resumed run appends; lines past the checkpoint are not ours)."""
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a kill is not worth failing the export for
-        if isinstance(row, dict) and row.get("step", math.inf) <= last_step:
-            rows.append(row)
-    return rows
 
 
 def plot_loss_curve(rows: list[dict[str, Any]], png: Path) -> bool:

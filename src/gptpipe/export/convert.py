@@ -16,11 +16,12 @@ from typing import Any
 import yaml
 
 from gptpipe.cli import EXIT_OK
-from gptpipe.export.card import LOSS_CURVE, CardFacts, final_val_loss, plot_loss_curve, read_metrics, render_card
+from gptpipe.export.card import LOSS_CURVE, CardFacts, final_val_loss, plot_loss_curve, render_card
 from gptpipe.export.checkpoint import Checkpoint, build_model, consolidate, find_checkpoint
 from gptpipe.export.config import ConvertConfig
 from gptpipe.stage import (Manifest, StageFailed, StageInputError, StageResult, atomic_dir, manifest_fingerprint,
                            run_stage, say, tree_fingerprint, write_text_atomic)
+from gptpipe.train.logging import read_metrics
 
 MANIFEST = "manifest.json"
 HELDOUT_DOCUMENTS = 32

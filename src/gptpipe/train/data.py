@@ -22,7 +22,6 @@ from gptpipe.data.config import DataConfig
 from gptpipe.data.count import SPLITS, DatasetCounts, document_order, split_bounds
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
 

@@ -26,6 +26,22 @@ def _format(value: Any) -> str:
     return str(value)
 
 
+def read_metrics(path: Path, last_step: float = math.inf) -> list[dict[str, Any]]:
+    """The rows of a run's metrics.jsonl up to ``last_step`` (a resumed run appends, so rows past a checkpoint
+    may belong to a later segment); a line cut short by a kill is skipped."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and row.get("step", math.inf) <= last_step:
+            rows.append(row)
+    return rows
+
+
 class RunLogger:
     """One run's outputs; every method is a no-op on ranks other than 0."""
 

@@ -13,7 +13,6 @@ block; allocator slack is a flat margin); the GPU benchmark records how close th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 from dataclasses import dataclass, replace
@@ -31,6 +30,7 @@ from gptpipe.train.data import (
     check_splits,
     index_bytes,
 )
+from gptpipe.train.logging import read_metrics
 from gptpipe.train.model import Shape, count_parameters, flops_per_token, resolve_shape
 from gptpipe.train.schedule import Schedule
 
@@ -129,17 +129,8 @@ class Plan:
 def measured_tokens_per_s(run_dir: Path, tokens_per_step: int, last: int = 20) -> float | None:
     """Median tokens/s of the last `last` log steps in `run_dir`/metrics.jsonl that ran with the same tokens
     per step (an earlier segment of this run, before a resume); None where there are none."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    speeds = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a kill
-        if row.get("tokens_per_s") and row.get("step") and row.get("tokens") == row["step"] * tokens_per_step:
-            speeds.append(float(row["tokens_per_s"]))
+    speeds = [float(row["tokens_per_s"]) for row in read_metrics(run_dir / "metrics.jsonl")
+              if row.get("tokens_per_s") and row.get("step") and row.get("tokens") == row["step"] * tokens_per_step]
     return statistics.median(speeds[-last:]) if speeds else None
 
 

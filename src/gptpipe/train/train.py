@@ -140,7 +140,7 @@ class Trainer:
         self.stop.set(signal.Signals(signum).name)
 
     def _batches(self):
-        train, plan = self.train_cfg, self.plan
+        plan = self.plan
         for micro_step in range(plan.accumulation):
             positions = sample_positions(self.consumed, micro_step, plan.engine.micro_batch, self.dist.rank,
                                          self.dist.world_size)
