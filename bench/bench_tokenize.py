@@ -43,7 +43,7 @@ from gptpipe.config.core import load_config
 from gptpipe.config.pipeline import PipelineConfig
 from gptpipe.data.indexed import bin_path, idx_path, token_dtype
 from gptpipe.data.tokenize import WorkerSettings, default_workers, tokenize_files
-from gptpipe.tokenizer.info import read_tokenizer_info
+from gptpipe.stages import read_tokenizer
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # no progress bars in the timings
 
@@ -92,7 +92,7 @@ def main() -> None:
 
     config = load_config(PipelineConfig, args.config)
     cfg = config.tokenize
-    info = read_tokenizer_info(cfg.tokenizer_dir)
+    info = read_tokenizer(cfg.tokenizer_dir)
     files = cfg.input
     texts = [orjson.loads(line)[cfg.text_key] for path in files for line in open(path, "rb") if line.strip()]
     text_mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6

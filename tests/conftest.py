@@ -79,9 +79,9 @@ def tiny_run(tokenizer_dir: Path, dataset_prefix: Path, tmp_path_factory: pytest
     import subprocess
     import sys
 
-    from gptpipe.tokenizer.info import read_tokenizer_info
+    from gptpipe.stages import read_tokenizer
 
-    info = read_tokenizer_info(tokenizer_dir)
+    info = read_tokenizer(tokenizer_dir)
     made: dict[tuple, Path] = {}
 
     def make(arch: str = "llama", zero: int = 1, bf16: bool = False, ranks: int = 1) -> Path:

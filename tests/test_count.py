@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from gptpipe.cli import EXIT_BAD_INPUT, main
+from gptpipe.cli import main
+from gptpipe.stages import EXIT_BAD_INPUT
 from gptpipe.data.config import DataConfig
-from gptpipe.data.count import document_order, split_bounds
-from gptpipe.data.indexed import bin_path, idx_path, manifest_path, read_index
+from gptpipe.data.split import document_order, split_bounds
+from gptpipe.data.indexed import bin_path, idx_path, read_index
+from gptpipe.stages import TOKENIZE
 
 
 def count(config: Path, *extra: str) -> int:
@@ -82,7 +84,7 @@ def test_count_refuses_a_dataset_without_complete_manifest(workspace: Path, data
     err = capfd.readouterr().err
     assert f"{copy.name}.manifest.json not found" in err and "Run: bash 2_tokenize.sh" in err
 
-    shutil.copy2(manifest_path(dataset_prefix), manifest_path(copy))
+    shutil.copy2(TOKENIZE.manifest_path(dataset_prefix), TOKENIZE.manifest_path(copy))
     assert count(config, "--no-write", f"data.prefixes=[{copy}]") == 0  # the complete copy is accepted
     with open(bin_path(copy), "ab") as fh:
         fh.write(b"\0\0")

@@ -15,7 +15,7 @@ from gptpipe.export.checkpoint import consolidate, find_checkpoint
 from gptpipe.export.convert import HELDOUT_DOCUMENTS, heldout_documents, reference_models
 from gptpipe.export.verify import FP32_TOLERANCE, verify_export
 from gptpipe.stage import StageInputError, file_fingerprint
-from gptpipe.tokenizer.info import read_tokenizer_info
+from gptpipe.stages import read_tokenizer
 from gptpipe.train.checkpoint import COMPLETE_MARKER, HF_CONFIG, STATE, complete_checkpoints
 
 
@@ -49,7 +49,7 @@ def test_export_gate_passes_for_every_architecture(tiny_run, workspace, tokenize
     assert report["tokenizer_mismatches"] == 0 and report["tokenizer_texts"] > HELDOUT_DOCUMENTS // 2
     assert report["heldout_batch"][0] >= 1
 
-    info = read_tokenizer_info(tokenizer_dir)
+    info = read_tokenizer(tokenizer_dir)
     trained = json.loads((find_checkpoint(run).path / "hf_config.json").read_text())
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == arch
@@ -162,16 +162,16 @@ def run_gate(folder: Path, run: Path, tokenizer_dir: Path, dataset_prefix: Path)
     checkpoint = find_checkpoint(run)
     dtype = counts(folder)["dtype"]
     reference, reference_fp32 = reference_models(checkpoint, consolidate(checkpoint), dtype)
-    info = read_tokenizer_info(tokenizer_dir)
+    info = read_tokenizer(tokenizer_dir)
     heldout = heldout_documents(dataset_prefix, HELDOUT_DOCUMENTS, info.eod_id, "969,30,1", 1234)
     return verify_export(folder, reference, reference_fp32, info, heldout, "こんにちは。", dtype)
 
 
 def test_gate_compares_on_documents_training_never_saw(dataset_prefix, tokenizer_dir):
-    from gptpipe.data.count import document_order, split_bounds
+    from gptpipe.data.split import document_order, split_bounds
     from gptpipe.data.indexed import IndexedDataset
 
-    eod = read_tokenizer_info(tokenizer_dir).eod_id
+    eod = read_tokenizer(tokenizer_dir).eod_id
     heldout = heldout_documents(dataset_prefix, HELDOUT_DOCUMENTS, eod, "969,30,1", 1234)
     reader = IndexedDataset(dataset_prefix)
     begin, end = split_bounds("969,30,1", len(reader))[0]

@@ -61,7 +61,7 @@ def test_unverified_folder_is_flagged(exported_model, workspace, tmp_path, capsy
     manifest["counts"].update(verified=False, failures=["logits differ"])
     (folder / "manifest.json").write_text(json.dumps(manifest))
     assert generate_cli(workspace, folder, *GREEDY) == 0
-    assert "FAILED verification: logits differ" in capsys.readouterr().err
+    assert "did not pass verification (logits differ)" in capsys.readouterr().err
 
 
 def test_notebook_runs_headless(exported_model, monkeypatch):

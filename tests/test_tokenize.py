@@ -18,10 +18,12 @@ import pytest
 import sentencepiece as spm
 
 from conftest import run_cli
-from gptpipe.cli import EXIT_BAD_INPUT, main
-from gptpipe.data.indexed import IndexedDataset, bin_path, idx_path, manifest_path, read_dataset_manifest
+from gptpipe.cli import main
+from gptpipe.stages import EXIT_BAD_INPUT
+from gptpipe.data.indexed import IndexedDataset, bin_path, idx_path
+from gptpipe.stages import TOKENIZE
 from gptpipe.stage import StageInputError
-from gptpipe.tokenizer.info import read_tokenizer_info
+from gptpipe.stages import read_tokenizer
 
 
 def corpus_texts(corpus_dir: Path) -> list[str]:
@@ -30,7 +32,7 @@ def corpus_texts(corpus_dir: Path) -> list[str]:
 
 
 def expected_ids(tokenizer_dir: Path, texts: list[str]) -> list[list[int]]:
-    info = read_tokenizer_info(tokenizer_dir)
+    info = read_tokenizer(tokenizer_dir)
     sp = spm.SentencePieceProcessor(model_file=str(info.model_path))
     return [ids + [info.eod_id] for ids in sp.encode(texts)]
 
@@ -54,7 +56,7 @@ def test_dataset_decodes_to_the_tokenizers_ids(dataset_prefix: Path, tokenizer_d
     assert dataset.index.dtype == np.uint16  # a 32k vocab fits
     for i, ids in enumerate(expected):  # every document, EOD included and counted in its size
         assert dataset[i].tolist() == ids, f"document {i} differs"
-    counts = read_dataset_manifest(dataset_prefix).counts
+    counts = TOKENIZE.require(dataset_prefix).counts
     assert counts["documents"] == len(texts) and counts["skipped"] == {} and counts["repaired"] == {}
     assert counts["tokens"] == sum(map(len, expected)) == int(dataset.sequence_lengths.sum())
 
@@ -65,11 +67,11 @@ def test_shards_merge_into_the_single_run(workspace: Path, dataset_prefix: Path,
         tokenize(workspace, f"tokenize.output_prefix={prefix}", f"tokenize.workers={workers}",
                  "tokenize.task_bytes=1000000", shard=f"{i}/3")
     shards = [prefix.with_name(f"sharded_text_document.shard-{i}-of-3") for i in range(3)]
-    assert all(read_dataset_manifest(s).counts["documents"] > 0 for s in shards)
+    assert all(TOKENIZE.require(s).counts["documents"] > 0 for s in shards)
     run_cli("merge", "--config", workspace / "config.yaml", "--shards", "3", f"tokenize.output_prefix={prefix}")
     merged = tmp_path / "sharded_text_document"
     assert same_dataset(merged, dataset_prefix)
-    assert read_dataset_manifest(merged).counts["documents"] == read_dataset_manifest(dataset_prefix).counts["documents"]
+    assert TOKENIZE.require(merged).counts["documents"] == TOKENIZE.require(dataset_prefix).counts["documents"]
 
     # A shard remade with a setting that changes its bytes no longer fits the others.
     tokenize(workspace, f"tokenize.output_prefix={prefix}", "tokenize.max_document_chars=1000", shard="1/3")
@@ -145,7 +147,7 @@ def test_bad_lines_are_counted_and_good_documents_kept(workspace: Path, tokenize
     dataset = IndexedDataset(prefix)
     assert [dataset[i].tolist() for i in range(len(dataset))] == expected_ids(tokenizer_dir, kept)
 
-    counts = read_dataset_manifest(prefix).counts
+    counts = TOKENIZE.require(prefix).counts
     assert counts["skipped"] == {r: n for r, n in reasons.items() if r != "nul_stripped"}
     assert counts["repaired"] == {"nul_stripped": 1}
     assert counts["examples"] == examples  # file:line, right across ranges and files
@@ -210,14 +212,14 @@ def test_killed_run_leaves_nothing_accepted(workspace: Path, corpus_dir: Path, t
         proc.kill()
         proc.communicate()
 
-    assert not manifest_path(prefix).exists()
+    assert not TOKENIZE.manifest_path(prefix).exists()
     with pytest.raises(StageInputError, match="not found"):
-        read_dataset_manifest(prefix)
+        TOKENIZE.require(prefix)
     count = main(["count", "--config", str(workspace / "config.yaml"), f"data.prefixes=[{prefix}]", "--no-write"])
     assert count == EXIT_BAD_INPUT
 
     tokenize(workspace, out)  # the next run redoes the work and cleans up after the killed one
-    assert read_dataset_manifest(prefix).counts["documents"] == len(corpus_texts(corpus_dir))
+    assert TOKENIZE.require(prefix).counts["documents"] == len(corpus_texts(corpus_dir))
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
@@ -239,7 +241,7 @@ def test_a_dead_worker_fails_the_run_instead_of_hanging(workspace: Path, corpus_
 
 
 def test_rerun_skips_and_force_redoes(workspace: Path, dataset_prefix: Path, capfd) -> None:
-    files = [bin_path(dataset_prefix), idx_path(dataset_prefix), manifest_path(dataset_prefix)]
+    files = [bin_path(dataset_prefix), idx_path(dataset_prefix), TOKENIZE.manifest_path(dataset_prefix)]
     before = [(os.stat(p).st_mtime_ns, p.read_bytes()) for p in files]
     capfd.readouterr()
     tokenize(workspace)

@@ -18,7 +18,7 @@ from gptpipe.config.core import ConfigError, load_config
 from gptpipe.stage import Manifest, StageInputError
 from gptpipe.tokenizer import hf
 from gptpipe.tokenizer.config import TokenizerConfig
-from gptpipe.tokenizer.info import read_tokenizer_info
+from gptpipe.stages import read_tokenizer
 from gptpipe.tokenizer.morpheme import DELIMITER
 from gptpipe.tokenizer.sample import cut_utf8, sample_corpus, scan_corpus
 
@@ -94,7 +94,7 @@ def test_manifest_ids_and_info(tokenizer_dir: Path) -> None:
     assert list(c["user_defined_ids"]) == ["<CLS>", "<SEP>", "<EOD>", "<MASK>", "\n"]
     assert c["chars_per_token"] > 2.0 and c["heldout_tokens"] > 0
     assert c["training_lines_sampled"] == c["corpus_lines"]  # the man pages are below input_sentence_size
-    info = read_tokenizer_info(tokenizer_dir)
+    info = read_tokenizer(tokenizer_dir)
     assert (info.vocab_size, info.eod_id, info.pad_id) == (32000, 2, 3) and info.model_path.is_file()
     sp = spm.SentencePieceProcessor(model_file=str(info.model_path))
     assert [sp.id_to_piece(i) for i in range(4)] == ["<unk>", "<s>", "</s>", "<pad>"]
@@ -158,7 +158,7 @@ def test_mismatching_export_fails_and_vouches_for_nothing(small_bpe: Path, works
     assert model.read_bytes() == old_model  # the candidate was never published
     assert not list(small_bpe.glob(".train-*"))  # no temporary folder left behind
     with pytest.raises(StageInputError, match="not found"):
-        read_tokenizer_info(small_bpe)
+        read_tokenizer(small_bpe)
 
 
 def test_morpheme_mode(corpus_dir: Path, workspace: Path, tokenizer_dir: Path,

@@ -8,12 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import QUICK_TRAIN, run_train
+from conftest import QUICK_TRAIN, TRAINED_RUN, run_train
 
+from gptpipe.config.core import load_config, to_plain
+from gptpipe.config.pipeline import PipelineConfig
 from gptpipe.data.indexed import IndexedDataset
-from gptpipe.tokenizer.info import read_tokenizer_info
+from gptpipe.data.split import document_order, split_bounds
+from gptpipe.stages import read_tokenizer
 from gptpipe.train.checkpoint import COMPLETE_MARKER, HF_CONFIG, STATE, complete_checkpoints
-from gptpipe.data.count import document_order, split_bounds
 
 
 def _rows(run: Path) -> list[dict]:
@@ -47,7 +49,8 @@ def test_lr_is_min_lr_at_the_last_step_of_the_real_run(trained_run: Path) -> Non
     assert all(math.isfinite(r[k]) for r in train for k in ("loss", "grad_norm", "tokens_per_s", "mem_gib"))
 
 
-def test_checkpoints_hold_what_export_needs(trained_run: Path, tokenizer_dir: Path, dataset_prefix: Path) -> None:
+def test_checkpoints_hold_what_export_needs(trained_run: Path, tokenizer_dir: Path, dataset_prefix: Path,
+                                            workspace: Path) -> None:
     root = trained_run / "checkpoints"
     assert [step for step, _ in complete_checkpoints(root)] == [125, 250]
     assert (root / "latest").read_text() == "global_step250"
@@ -55,12 +58,15 @@ def test_checkpoints_hold_what_export_needs(trained_run: Path, tokenizer_dir: Pa
     assert (folder / COMPLETE_MARKER).is_file() and not list(root.glob(".tmp-*"))
     state = json.loads((folder / STATE).read_text(encoding="utf-8"))
     assert state["step"] == 250 and state["consumed_samples"] == 250 * 8 and state["tokens"] == 250 * 8 * 128
-    assert Path(state["tokenizer_dir"]) == tokenizer_dir
-    assert [Path(p) for p in state["dataset_prefixes"]] == [dataset_prefix]
+    # The run record is the whole resolved config.yaml of the run, overrides included: stage 4 reads only this.
+    resolved = to_plain(load_config(PipelineConfig, workspace / "config.yaml", list(TRAINED_RUN)))
+    assert state["config"] == resolved
+    assert Path(state["config"]["tokenize"]["tokenizer_dir"]) == tokenizer_dir
+    assert [Path(p) for p in state["config"]["data"]["prefixes"]] == [dataset_prefix]
     val = [r["val_loss"] for r in _rows(trained_run) if "val_loss" in r]
     assert state["final_val_loss"] == val[-1]
     hf = json.loads((folder / HF_CONFIG).read_text(encoding="utf-8"))
-    tokenizer = read_tokenizer_info(tokenizer_dir)
+    tokenizer = read_tokenizer(tokenizer_dir)
     assert hf["model_type"] == "llama" and hf["vocab_size"] % 128 == 0 and hf["vocab_size"] >= tokenizer.vocab_size
     assert (hf["bos_token_id"], hf["eos_token_id"]) == (tokenizer.bos_id, tokenizer.eos_id)
     assert list(folder.glob("*optim_states.pt")) and list(folder.glob("rng_state_rank0.pt"))

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import QUICK_TRAIN, run_train, train_command, train_env
 
-from gptpipe.train.checkpoint import EXIT_PREEMPTED, STATE, complete_checkpoints
+from gptpipe.stages import EXIT_PREEMPTED
+from gptpipe.train.checkpoint import STATE, complete_checkpoints
 
 STEPS = 8
 

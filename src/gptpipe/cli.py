@@ -18,10 +18,6 @@ from gptpipe.config.core import ConfigError, describe, load_config
 from gptpipe.export.config import generate_arguments, upload_arguments
 from gptpipe.train.config import plan_arguments
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2  # config or input problem, reported before any work
-
 
 @dataclass(frozen=True)
 class Command:
@@ -109,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from gptpipe.stage import StageFailed, StageInputError  # light; kept here so --help needs nothing else
+    from gptpipe.stages import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 
     args = build_parser().parse_args(argv)
     cmd = next(c for c in COMMANDS if c.name == args.command)

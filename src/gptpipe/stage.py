@@ -1,8 +1,8 @@
 """The contract every stage follows: check inputs, write atomically, manifest last, skip when current.
 
-A stage's outputs are accepted by later stages only through :func:`require_manifest`, which checks that
-the manifest exists, says ``complete``, and that every output file it lists still has the recorded size
-and modification time. A run killed at any point therefore leaves nothing a later stage would accept:
+A stage's outputs are accepted by later stages only through its entry in :mod:`gptpipe.stages`
+(``Stage.require``), which checks that the manifest exists, says ``complete``, and that every output file it
+lists still has the recorded size and modification time. A run killed at any point therefore leaves nothing a later stage would accept:
 outputs are written under temporary names and renamed, and the manifest is written after the renames.
 """
 
@@ -19,11 +19,14 @@ import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import yaml
 
 from gptpipe.config.core import to_plain
+
+if TYPE_CHECKING:
+    from gptpipe.stages import Stage
 
 MANIFEST_VERSION = 1
 
@@ -136,10 +139,6 @@ def atomic_dir(path: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _same_run(old: Manifest, config: dict[str, Any], inputs: dict[str, Any]) -> bool:
-    return old.complete and old.config == config and old.inputs == inputs
-
-
 def outputs_intact(manifest: Manifest, root: Path) -> list[str]:
     """Problems with the recorded outputs (missing or changed since the manifest was written)."""
     problems = []
@@ -152,25 +151,6 @@ def outputs_intact(manifest: Manifest, root: Path) -> list[str]:
     return problems
 
 
-def require_manifest(manifest_path: Path, stage: str, how_to_make: str) -> Manifest:
-    """Accept an upstream stage's outputs only when its manifest is complete and the files are intact."""
-    if not manifest_path.is_file():
-        raise StageInputError(
-            f"{manifest_path} not found: the {stage} outputs are missing or incomplete (a run that did not "
-            f"finish writes no manifest). Run: {how_to_make}"
-        )
-    try:
-        manifest = Manifest.read(manifest_path)
-    except (json.JSONDecodeError, TypeError) as exc:
-        raise StageInputError(f"{manifest_path} is not a valid manifest ({exc}). Run: {how_to_make}") from None
-    problems = [] if manifest.complete else ["the manifest is not marked complete"]
-    problems += outputs_intact(manifest, manifest_path.parent)
-    if problems:
-        raise StageInputError(f"{stage} outputs at {manifest_path.parent} are not usable: "
-                              + "; ".join(problems) + f". Run: {how_to_make} --force")
-    return manifest
-
-
 @dataclass
 class StageResult:
     """What a stage's work function returns: files it wrote (relative to the manifest's folder) and counts."""
@@ -181,8 +161,8 @@ class StageResult:
 
 
 def run_stage(
-    stage: str,
-    manifest_path: Path,
+    stage: Stage,
+    location: Path,
     config: Any,
     inputs: dict[str, Any],
     work: Callable[[], StageResult],
@@ -190,21 +170,24 @@ def run_stage(
     versions: tuple[str, ...] = (),
     log: Callable[[str], None] | None = None,
 ) -> Manifest:
-    """Run ``work`` unless the outputs at ``manifest_path`` are current for these inputs and this config.
+    """Run ``work`` unless ``stage``'s outputs at ``location`` are current for these inputs and this config.
 
-    ``work`` must write its outputs atomically; this function then writes the resolved config and, last,
-    the manifest. Returns the manifest (the existing one when nothing had to be done).
+    Current means: same config and inputs, and usable by a later stage (complete, files intact, the stage's
+    own rule: a stage-4 folder that failed verification is redone even when nothing changed, since the fix
+    may be in the software). ``work`` must write its outputs atomically; this function then writes the
+    resolved config and, last, the manifest. Returns the manifest (the existing one when nothing had to be done).
     """
     log = log or say
     plain_config = to_plain(config)
+    manifest_path = stage.manifest_path(location)
     root = manifest_path.parent
     if manifest_path.is_file() and not force:
         try:
             old = Manifest.read(manifest_path)
         except (json.JSONDecodeError, TypeError):
             old = None
-        if old and _same_run(old, plain_config, inputs) and not outputs_intact(old, root):
-            log(f"[{stage}] outputs in {root} are up to date (same inputs and config); nothing to do. "
+        if old and old.config == plain_config and old.inputs == inputs and not stage.problems(old, root):
+            log(f"[{stage.name}] outputs in {root} are up to date (same inputs and config); nothing to do. "
                 "Use --force to redo.")
             return old
     # The old manifest goes first, so a run killed from here on leaves no manifest that vouches for anything.
@@ -213,7 +196,7 @@ def run_stage(
     result = work()
     elapsed = time.time() - started
     manifest = Manifest(
-        stage=stage,
+        stage=stage.name,
         config=plain_config,
         inputs=inputs,
         outputs={str(p.relative_to(root) if p.is_absolute() else p): file_fingerprint(root / p)

@@ -285,6 +285,16 @@ def load_config(cls: type, path: Path | None, overrides: list[str] = ()) -> Any:
     return config
 
 
+def config_from_plain(cls: type, data: dict[str, Any], source: str) -> Any:
+    """Rebuild a config from :func:`to_plain` output (paths in it are already absolute), e.g. the run record
+    a checkpoint carries; raises :class:`ConfigError` naming ``source`` when it no longer fits ``cls``."""
+    builder = _Builder(source, {}, Path.cwd(), set())
+    config = builder.build(cls, data, "")
+    if builder.problems:
+        raise ConfigError(source, builder.problems)
+    return config
+
+
 def to_plain(config: Any) -> Any:
     """A dataclass tree as YAML/JSON-ready plain data (paths as strings)."""
     if dataclasses.is_dataclass(config):

@@ -6,7 +6,6 @@ import argparse
 import hashlib
 import json
 from collections import Counter
-from pathlib import Path
 
 from tqdm import tqdm
 
@@ -14,13 +13,10 @@ from gptpipe.config.pipeline import PipelineConfig
 from gptpipe.corpus.config import CorpusConfig
 from gptpipe.corpus.sources import fingerprint, read_source
 from gptpipe.stage import StageFailed, StageResult, atomic_path, run_stage, say
+from gptpipe.stages import PREPARE
 
 CORPUS_FILE = "corpus.jsonl"
 EXAMPLES_PER_REASON = 3
-
-
-def corpus_manifest_path(config: CorpusConfig) -> Path:
-    return config.output_dir / "manifest.json"
 
 
 def build_corpus(config: CorpusConfig) -> StageResult:
@@ -81,6 +77,6 @@ def build_corpus(config: CorpusConfig) -> StageResult:
 def run(config: PipelineConfig, args: argparse.Namespace) -> int:
     corpus = config.corpus
     inputs = {f"source{i}": fingerprint(s) for i, s in enumerate(corpus.sources)}
-    run_stage("prepare", corpus_manifest_path(corpus), corpus, inputs, lambda: build_corpus(corpus),
+    run_stage(PREPARE, corpus.output_dir, corpus, inputs, lambda: build_corpus(corpus),
               force=args.force)
     return 0

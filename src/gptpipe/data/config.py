@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gptpipe.config.core import option
+from gptpipe.data.split import split_shares
 
 
 @dataclass
@@ -69,15 +70,7 @@ class DataConfig:
         if self.weights is not None and any(w <= 0 for w in self.weights):
             problems.append(("weights", "every weight must be > 0"))
         try:
-            parts = [float(p) for p in self.split.split(",")]
-            if len(parts) != 3 or any(p < 0 for p in parts) or parts[0] <= 0:
-                raise ValueError
-        except ValueError:
-            problems.append(("split", f"must be three non-negative numbers like '969,30,1', got {self.split!r}"))
+            split_shares(self.split)
+        except ValueError as exc:
+            problems.append(("split", str(exc)))
         return problems
-
-    @property
-    def split_fractions(self) -> tuple[float, float, float]:
-        parts = [float(p) for p in self.split.split(",")]
-        total = sum(parts)
-        return parts[0] / total, parts[1] / total, parts[2] / total

@@ -9,30 +9,16 @@ only its header and sizes with numpy (no torch, no megatron import): instant at 
 from __future__ import annotations
 
 import argparse
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from gptpipe.config.pipeline import PipelineConfig
-from gptpipe.data.indexed import idx_path, read_dataset_manifest, read_index
+from gptpipe.data.indexed import idx_path, read_index
+from gptpipe.data.split import SPLITS, split_documents, split_problems
 from gptpipe.stage import say, write_text_atomic
-
-SPLITS = ("train", "valid", "test")
-
-
-def split_bounds(split: str, documents: int) -> list[tuple[int, int] | None]:
-    """[begin, end) of each split over the documents, as megatron-core's BlendedMegatronDatasetBuilder cuts
-    them: the normalised shares are summed into book-ends, each rounded to a document; a zero share is None."""
-    shares = [float(x) for x in re.findall(r"[.0-9]+", split)]
-    shares += [0.0] * (len(SPLITS) - len(shares))
-    shares = (np.array(shares, dtype=np.float64) / np.sum(shares)).tolist()
-    ends = [0.0]
-    for share in shares:
-        ends.append(ends[-1] + share)
-    return [None if end <= begin else (int(round(begin * float(documents))), int(round(end * float(documents))))
-            for begin, end in zip(ends[:-1], ends[1:])]
+from gptpipe.stages import TOKENIZE
 
 
 @dataclass
@@ -47,26 +33,15 @@ class DatasetCounts:
     split_tokens: tuple[int, int, int]
 
 
-def document_order(documents: int, seed: int) -> np.ndarray:
-    """The seeded permutation of the documents that training cuts its splits from (data.seed).
-
-    Megatron cuts contiguous ranges of the corpus order; a corpus written in a sorted order (man pages by
-    section, Wikipedia by title) would then validate on its tail only (the original's defect 5).
-    """
-    return np.random.RandomState(seed).permutation(documents).astype(np.int32)
-
-
 def count_dataset(prefix: Path, split: str, seed: int) -> DatasetCounts:
     """Counts of a finished stage-2 dataset, each split cut from `document_order` exactly as training cuts it
     (refused, with what to run, when the dataset's manifest is incomplete)."""
-    read_dataset_manifest(prefix)
+    TOKENIZE.require(prefix)
     index = read_index(idx_path(prefix))  # memory-mapped
-    order = document_order(index.sequences, seed)  # gptpipe writes one sequence per document
-    docs, tokens = [], []
-    for bounds in split_bounds(split, index.sequences):
-        begin, end = bounds or (0, 0)
-        docs.append(end - begin)
-        tokens.append(int(index.sizes[order[begin:end]].sum(dtype=np.int64)))
+    # gptpipe writes one sequence per document
+    parts = split_documents(split, index.sequences, seed)
+    docs = [len(part) for part in parts]
+    tokens = [int(index.sizes[part].sum(dtype=np.int64)) for part in parts]
     return DatasetCounts(prefix, index.dtype.name, index.documents, index.tokens, tuple(docs), tuple(tokens))
 
 
@@ -155,21 +130,17 @@ def format_report(counts: list[DatasetCounts], split: str, plan: TrainPlan) -> s
     return "\n".join(lines)
 
 
-def _empty_splits(counts: list[DatasetCounts], split: str) -> list[str]:
-    wanted = [b is not None for b in split_bounds(split, 1_000_000)]
-    return [f"{c.prefix}: the {name} split gets no documents (megatron's GPTDataset hangs on an empty split); "
-            f"use more documents or a larger share, e.g. data.split=90,9,1"
-            for c in counts for name, want, docs in zip(SPLITS, wanted, c.split_documents) if want and docs == 0]
-
-
 def run(config: PipelineConfig, args: argparse.Namespace) -> int:
     """`gptpipe count` / count_tokens.py."""
     counts = [count_dataset(p, config.data.split, config.data.seed) for p in config.data.prefixes]
     train = config.train
     plan = train_plan(counts, train.seq_len, train.global_batch_size, train.train_epochs)
     print(format_report(counts, config.data.split, plan), flush=True)
-    for problem in _empty_splits(counts, config.data.split):
-        say(f"warning: {problem}")
+    for c in counts:
+        for problem in split_problems(str(c.prefix), config.data.split, c.split_documents, c.split_tokens,
+                                      train.seq_len):
+            say(f"warning: {problem}; training will refuse this (megatron's GPTDataset hangs on it): use more "
+                f"documents or a larger share, e.g. data.split=90,9,1")
     if plan.iterations < 1:
         say(f"warning: {plan.train_samples:,} samples make less than one global batch of "
             f"{train.global_batch_size}; lower train.global_batch_size or train.seq_len, or add data")

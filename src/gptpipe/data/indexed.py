@@ -21,7 +21,6 @@ from typing import BinaryIO
 
 import numpy as np
 
-from gptpipe.stage import Manifest, require_manifest
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -43,16 +42,6 @@ def bin_path(prefix: Path) -> Path:
 
 def idx_path(prefix: Path) -> Path:
     return prefix.with_name(prefix.name + ".idx")
-
-
-def manifest_path(prefix: Path) -> Path:
-    """The stage-2 manifest of a dataset prefix; it vouches for the .bin/.idx beside it."""
-    return prefix.with_name(prefix.name + ".manifest.json")
-
-
-def read_dataset_manifest(prefix: Path) -> Manifest:
-    """The manifest of a finished stage 2 at ``prefix``; raises StageInputError when there is none."""
-    return require_manifest(manifest_path(prefix), "tokenize (stage 2)", "bash 2_tokenize.sh")
 
 
 def write_index(path: Path, dtype: np.dtype, sizes: np.ndarray, document_indices: np.ndarray | None = None) -> None:

@@ -53,13 +53,12 @@ from gptpipe.config.core import ConfigError, to_plain
 from gptpipe.config.pipeline import PipelineConfig
 from gptpipe.corpus.prepare import CORPUS_FILE
 from gptpipe.data.config import TokenizeConfig
-from gptpipe.data.indexed import (IndexedDatasetWriter, bin_path, idx_path, manifest_path,
-                                  read_dataset_manifest, token_dtype)
-from gptpipe.stage import (StageFailed, StageInputError, StageResult, atomic_path, file_fingerprint, manifest_fingerprint,
-                           require_manifest, run_stage, say)
-from gptpipe.tokenizer.info import read_tokenizer_info
+from gptpipe.data.indexed import IndexedDatasetWriter, bin_path, idx_path, token_dtype
+from gptpipe.stage import (StageFailed, StageInputError, StageResult, atomic_path, file_fingerprint,
+                           run_stage, say)
+from gptpipe.stages import PREPARE, TOKENIZE, TRAIN_TOKENIZER, read_tokenizer
 
-STAGE = "tokenize"
+STAGE = TOKENIZE.name
 REPAIRS = ("nul_stripped",)  # reasons counted for documents that are kept
 EXAMPLES_PER_REASON = 5
 BLOCK_BYTES = 4 << 20  # a worker reads and encodes this much at a time
@@ -493,8 +492,8 @@ def _check_inputs(config: PipelineConfig) -> dict:
                 raise StageInputError(f"tokenize.input: {path} is gzip-compressed; stage 2 splits plain jsonl into "
                                       "byte ranges. Decompress it, or list it as a jsonl source of stage 0")
         # A stage-0 output is accepted only with its complete manifest (a killed stage 0 leaves none).
-        if path == config.corpus.output_dir / CORPUS_FILE or (path.parent / "manifest.json").is_file():
-            require_manifest(path.parent / "manifest.json", "prepare (stage 0)", "python 0_prepare_corpus.py")
+        if path == config.corpus.output_dir / CORPUS_FILE or PREPARE.has_manifest(path.parent):
+            PREPARE.require(path.parent)
     return {str(p): file_fingerprint(p) for p in cfg.input}
 
 
@@ -503,13 +502,13 @@ def run(config: PipelineConfig, args: argparse.Namespace) -> int:
     cfg = config.tokenize
     shard = parse_shard(getattr(args, "shard", None))
     files = _check_inputs(config)
-    info = read_tokenizer_info(cfg.tokenizer_dir)
+    info = read_tokenizer(cfg.tokenizer_dir)
     dtype = token_dtype(info.vocab_size)
     if not 0 <= info.eod_id < info.vocab_size:
         raise StageInputError(f"{cfg.tokenizer_dir}: eod id {info.eod_id} is outside the vocabulary "
                               f"({info.vocab_size})")
     prefix = cfg.dataset_prefix if shard is None else shard_prefix(cfg.dataset_prefix, *shard)
-    inputs = {"files": files, "tokenizer": manifest_fingerprint(cfg.tokenizer_dir / "manifest.json")}
+    inputs = {"files": files, "tokenizer": TRAIN_TOKENIZER.fingerprint(cfg.tokenizer_dir)}
     settings = WorkerSettings(
         model_path=str(info.model_path), eod_id=info.eod_id, dtype=dtype.name, text_key=cfg.text_key,
         max_chars=cfg.max_document_chars, max_line_bytes=cfg.max_line_bytes,
@@ -521,7 +520,7 @@ def run(config: PipelineConfig, args: argparse.Namespace) -> int:
         remove_stale_temporaries(prefix)
         return tokenize_files(cfg.input, prefix, settings, workers, cfg.task_bytes, shard)
 
-    run_stage(STAGE, manifest_path(prefix), _manifest_config(cfg, **extra), inputs, work, force=args.force,
+    run_stage(TOKENIZE, prefix, _manifest_config(cfg, **extra), inputs, work, force=args.force,
               versions=("sentencepiece", "numpy", "orjson"))
     return 0
 
@@ -535,7 +534,7 @@ def merge(config: PipelineConfig, args: argparse.Namespace) -> int:
     prefix = cfg.dataset_prefix
     shards = [shard_prefix(prefix, i, count) for i in range(count)]
     try:
-        manifests = [read_dataset_manifest(p) for p in shards]
+        manifests = [TOKENIZE.require(p) for p in shards]
     except StageInputError as exc:
         raise StageInputError(f"{exc}\n(shards made on other machines: copy each shard's .bin, .idx and "
                               f".manifest.json into {prefix.parent} keeping their mtimes: rsync -t, scp -p, cp -p; "
@@ -549,9 +548,9 @@ def merge(config: PipelineConfig, args: argparse.Namespace) -> int:
                     "max_document_chars": cfg.max_document_chars}
         if made != expected:
             different = ", ".join(k for k in made if made[k] != expected[k])
-            raise StageInputError(f"{manifest_path(shards[i])} does not fit the other shards or this config "
+            raise StageInputError(f"{TOKENIZE.manifest_path(shards[i])} does not fit the other shards or this config "
                                   f"({different} differ); remake it: bash 2_tokenize.sh --shard {i}/{count}")
-    inputs = {p.name: manifest_fingerprint(manifest_path(p)) for p in shards}
+    inputs = {p.name: TOKENIZE.fingerprint(p) for p in shards}
 
     def work() -> StageResult:
         remove_stale_temporaries(prefix)
@@ -576,6 +575,6 @@ def merge(config: PipelineConfig, args: argparse.Namespace) -> int:
                            counts=_counts(index.documents, index.tokens, dtype, total["lines"],
                                           total["input_bytes"], reasons, examples, merged_shards=count))
 
-    run_stage(STAGE, manifest_path(prefix), _manifest_config(cfg, merged_shards=count), inputs, work,
+    run_stage(TOKENIZE, prefix, _manifest_config(cfg, merged_shards=count), inputs, work,
               force=args.force, versions=("numpy",))
     return 0

@@ -1,8 +1,8 @@
 """Stage-3 checkpoints as stage 4 sees them: find the one to export, consolidate it, rebuild the model.
 
 A checkpoint folder ``<run>/checkpoints/global_step{N}/`` holds DeepSpeed's files, ``hf_config.json``
-(the transformers config the model was trained with) and ``gptpipe_state.json`` (step, tokens, tokenizer
-and dataset paths). Only folders with stage 3's completion marker count: a save killed half-way never does.
+(the transformers config the model was trained with) and ``gptpipe_state.json`` (step, tokens, and the run
+record: the resolved config.yaml the run trained with, from which stage 4 takes the tokenizer and the data). Only folders with stage 3's completion marker count: a save killed half-way never does.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gptpipe.config.core import ConfigError, config_from_plain
+from gptpipe.config.pipeline import PipelineConfig
 from gptpipe.stage import StageInputError, say
+from gptpipe.stages import TRAIN
 from gptpipe.train.checkpoint import COMPLETE_MARKER, HF_CONFIG, LATEST, STATE, complete_checkpoints
-
-TRAIN_HINT = "bash 3_train_node1.sh (stage 3)"
 
 
 @dataclass
@@ -28,6 +29,18 @@ class Checkpoint:
     step: int
     hf_config: dict[str, Any]
     state: dict[str, Any]
+
+    @property
+    def training(self) -> PipelineConfig:
+        """The run record: the config.yaml this checkpoint was trained with, as stage 3 resolved it."""
+        record = self.state.get("config")
+        if not isinstance(record, dict):
+            raise StageInputError(f"{self.path / STATE} has no run record (written before gptpipe recorded the "
+                                  "config.yaml of a run in its checkpoints); export it with that version or retrain")
+        try:
+            return config_from_plain(PipelineConfig, record, str(self.path / STATE))
+        except ConfigError as exc:
+            raise StageInputError(f"the run record in {self.path / STATE} does not fit this gptpipe: {exc}") from None
 
     @property
     def run_dir(self) -> Path:
@@ -41,7 +54,7 @@ def find_checkpoint(input_dir: Path, step: int | None = None) -> Checkpoint:
     ``input_dir`` may be the run folder, its checkpoints/ folder or one checkpoint folder.
     """
     if not input_dir.exists():
-        raise StageInputError(f"input_model_dir {input_dir} does not exist. Run: {TRAIN_HINT}")
+        raise StageInputError(f"input_model_dir {input_dir} does not exist. {TRAIN.hint()}")
     if (input_dir / HF_CONFIG).is_file() or (input_dir / STATE).is_file():
         folder = input_dir
     else:
@@ -54,7 +67,7 @@ def find_checkpoint(input_dir: Path, step: int | None = None) -> Checkpoint:
             folder = complete[step]
         elif not complete:
             raise StageInputError(f"no complete checkpoint in {root} (a save that was interrupted has no "
-                                  f"'{COMPLETE_MARKER}' marker). Run: {TRAIN_HINT}")
+                                  f"'{COMPLETE_MARKER}' marker). {TRAIN.hint()}")
         else:
             folder = complete[max(complete)]
             latest = root / LATEST
@@ -64,7 +77,7 @@ def find_checkpoint(input_dir: Path, step: int | None = None) -> Checkpoint:
     missing = [name for name in (COMPLETE_MARKER, HF_CONFIG, STATE) if not (folder / name).is_file()]
     if missing:
         raise StageInputError(f"checkpoint {folder} is incomplete (no {', '.join(missing)}): its save did not "
-                              f"finish. Export another step (checkpoint_step=N) or run: {TRAIN_HINT}")
+                              f"finish. Export another step (checkpoint_step=N), or {TRAIN.hint()}")
     state = json.loads((folder / STATE).read_text(encoding="utf-8"))
     hf_config = json.loads((folder / HF_CONFIG).read_text(encoding="utf-8"))
     return Checkpoint(folder, int(state["step"]), hf_config, state)

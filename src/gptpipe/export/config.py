@@ -18,7 +18,6 @@ class ConvertConfig:
     input_model_dir: Path = option(
         Path("runs/demo"), "stage-3 run folder (its newest complete checkpoint is used) or one checkpoint folder")
     checkpoint_step: int | None = option(None, "export this step instead of the newest complete checkpoint")
-    pipeline_config: Path = option(Path("config.yaml"), "the config.yaml the model was trained with")
     output_tokenizer_and_model_dir: Path = option(Path("models/hf/demo"), "HuggingFace folder to write")
     dtype: Literal["bf16", "fp32"] = option("bf16", "dtype of the exported weights")
     max_shard_size: str = option("2GB", "safetensors files are split above this size")

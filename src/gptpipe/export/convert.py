@@ -13,20 +13,18 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from gptpipe.cli import EXIT_OK
+from gptpipe.config.core import to_plain
 from gptpipe.export.card import LOSS_CURVE, CardFacts, final_val_loss, plot_loss_curve, render_card
 from gptpipe.export.checkpoint import Checkpoint, build_model, consolidate, find_checkpoint
 from gptpipe.export.config import ConvertConfig
-from gptpipe.stage import (Manifest, StageFailed, StageInputError, StageResult, atomic_dir, manifest_fingerprint,
-                           run_stage, say, tree_fingerprint, write_text_atomic)
+from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_dir, run_stage, say, tree_fingerprint, write_text_atomic
+from gptpipe.stages import (CONVERT, EXIT_OK, TOKENIZE, TRAIN_TOKENIZER, DatasetInfo, TokenizerInfo, read_dataset,
+                            read_tokenizer)
 from gptpipe.train.logging import read_metrics
 
-MANIFEST = "manifest.json"
 HELDOUT_DOCUMENTS = 32
 # What the export depends on (the card names the repository); privacy and branch can change without a re-export.
-EXPORT_KEYS = ("input_model_dir", "checkpoint_step", "pipeline_config", "output_tokenizer_and_model_dir", "dtype",
+EXPORT_KEYS = ("input_model_dir", "checkpoint_step", "output_tokenizer_and_model_dir", "dtype",
                "max_shard_size", "test_prompt_text", "huggingface_name", "hugging_face_name", "organization")
 GENERATION_DEFAULTS = {"do_sample": True, "temperature": 0.8, "top_p": 0.95, "max_new_tokens": 128}
 
@@ -52,29 +50,20 @@ def check_tokenizer_fits(checkpoint: Checkpoint, tokenizer: Any) -> None:
 
 
 def heldout_documents(prefix: Path, count: int, separator: int, split: str, seed: int) -> Any:
-    """Up to `count` documents that training never saw: the first of the valid/test splits, which training cut
-    from the `data.seed` shuffle of the documents (see gptpipe.data.count.document_order)."""
-    from gptpipe.data.count import document_order, split_bounds
+    """Up to `count` documents that training never saw: the first of the valid/test splits (gptpipe.data.split)."""
     from gptpipe.data.indexed import IndexedDataset
+    from gptpipe.data.split import unseen_documents
     from gptpipe.export.verify import HeldOut
 
     reader = IndexedDataset(prefix)
-    train = split_bounds(split, len(reader))[0]
-    unseen = document_order(len(reader), seed)[train[1] if train else 0:][:count]
+    unseen = unseen_documents(split, len(reader), seed)[:count]
     docs = [[t for t in reader[int(i)].tolist() if t != separator] for i in unseen]
     return HeldOut([d for d in docs if d], f"{len(docs)} validation/test documents of {prefix.name}")
 
 
-def _training_config(config: ConvertConfig) -> dict[str, Any]:
-    """The pipeline config.yaml the model was trained with (for the card's data and training sections)."""
-    path = config.pipeline_config
-    return (yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.is_file() else {}
-
-
 def _corpus_lines(training: dict[str, Any]) -> list[str]:
-    sources = (training.get("corpus") or {}).get("sources") or []
     return [" ".join(str(v) for k, v in s.items() if v not in (None, "") and k in ("type", "path", "name", "subset"))
-            for s in sources if isinstance(s, dict)]
+            for s in training["corpus"]["sources"]]
 
 
 def reference_models(checkpoint: Checkpoint, state_dict: dict[str, Any], dtype: str) -> tuple[Any, Any]:
@@ -87,7 +76,7 @@ def reference_models(checkpoint: Checkpoint, state_dict: dict[str, Any], dtype: 
     return cast_parameters(build_model(checkpoint, state_dict), TORCH_DTYPES[dtype]), reference_fp32
 
 
-def export(config: ConvertConfig, checkpoint: Checkpoint, tokenizer: Any, datasets: list[tuple[Path, Manifest]],
+def export(config: ConvertConfig, checkpoint: Checkpoint, tokenizer: TokenizerInfo, datasets: list[DatasetInfo],
            heldout: Any) -> StageResult:
     from transformers import GenerationConfig
 
@@ -117,13 +106,13 @@ def export(config: ConvertConfig, checkpoint: Checkpoint, tokenizer: Any, datase
         report = verify_export(tmp, reference, reference_fp32, tokenizer, heldout, config.test_prompt_text,
                                config.dtype)
         rows = read_metrics(checkpoint.run_dir / "metrics.jsonl", checkpoint.step)
-        training = _training_config(config)
+        training = to_plain(checkpoint.training)
         facts = CardFacts(
             title=config.repo_name or out.name, model_config=exported.config, parameters=parameters,
             step=checkpoint.step, tokens_seen=checkpoint.state.get("tokens"), corpus=_corpus_lines(training),
-            datasets=[{"prefix": str(p), **m.counts} for p, m in datasets],
-            tokenizer={"vocab_size": tokenizer.vocab_size, **_tokenizer_counts(tokenizer)},
-            training_config={k: training[k] for k in ("model", "train", "data") if k in training},
+            datasets=[d.card_facts() for d in datasets],
+            tokenizer={"vocab_size": tokenizer.vocab_size, "chars_per_token": tokenizer.chars_per_token},
+            training_config={k: training[k] for k in ("model", "train", "data")},
             final_val_loss=final_val_loss(checkpoint.state, rows), verification=report,
             has_loss_curve=plot_loss_curve(rows, tmp / LOSS_CURVE))
         repo_id = f"{config.organization or 'YOUR_HF_USER'}/{config.repo_name or out.name}"
@@ -135,51 +124,30 @@ def export(config: ConvertConfig, checkpoint: Checkpoint, tokenizer: Any, datase
     return StageResult(outputs=files, counts=counts)
 
 
-def _tokenizer_counts(tokenizer: Any) -> dict[str, Any]:
-    """The figures stage 1 measured that the card quotes (compression on held-out text)."""
-    counts = Manifest.read(tokenizer.hf_dir.parent / MANIFEST).counts
-    return {k: counts[k] for k in ("chars_per_token",) if k in counts}
-
-
-def data_split(checkpoint: Checkpoint) -> tuple[str, int]:
-    """data.split and data.seed of the run (checkpoints from before gptpipe recorded them: the defaults)."""
-    from gptpipe.data.config import DataConfig
-
-    default = DataConfig()
-    return checkpoint.state.get("data_split", default.split), checkpoint.state.get("data_seed", default.seed)
-
-
 def run(config: ConvertConfig, args: Any) -> int:
-    from gptpipe.data.indexed import manifest_path as dataset_manifest_path
-    from gptpipe.data.indexed import read_dataset_manifest
-    from gptpipe.tokenizer.info import read_tokenizer_info
-
     checkpoint = find_checkpoint(config.input_model_dir, config.checkpoint_step)
-    tokenizer = read_tokenizer_info(Path(checkpoint.state["tokenizer_dir"]))
+    training = checkpoint.training  # the run record: never the config.yaml on disk, which may have changed since
+    tokenizer = read_tokenizer(training.tokenize.tokenizer_dir)
     check_tokenizer_fits(checkpoint, tokenizer)
-    prefixes = [Path(p) for p in checkpoint.state["dataset_prefixes"]]
-    datasets = [(p, read_dataset_manifest(p)) for p in prefixes]
+    datasets = [read_dataset(p) for p in training.data.prefixes]
     out = config.output_tokenizer_and_model_dir
-    manifest_path = out / MANIFEST
     inputs = {
         "checkpoint": {"path": str(checkpoint.path),
                        **tree_fingerprint([p for p in checkpoint.path.rglob("*") if p.is_file()])},
-        "tokenizer": manifest_fingerprint(tokenizer.hf_dir.parent / MANIFEST),
-        "datasets": [manifest_fingerprint(dataset_manifest_path(p)) for p in prefixes],
+        "tokenizer": TRAIN_TOKENIZER.fingerprint(tokenizer.hf_dir.parent),
+        "datasets": [TOKENIZE.fingerprint(d.prefix) for d in datasets],
     }
-    # A folder that failed verification is redone even when nothing changed: the fix may be in the software.
-    failed_before = manifest_path.is_file() and not Manifest.read(manifest_path).counts.get("verified", False)
     settings = {k: getattr(config, k) for k in EXPORT_KEYS}
+    heldout = heldout_documents(datasets[0].prefix, HELDOUT_DOCUMENTS, tokenizer.eod_id, training.data.split,
+                                training.data.seed)
     manifest = run_stage(
-        "convert", manifest_path, settings, inputs,
-        lambda: export(config, checkpoint, tokenizer, datasets,
-                       heldout_documents(prefixes[0], HELDOUT_DOCUMENTS, tokenizer.eod_id, *data_split(checkpoint))),
-        force=args.force or failed_before,
-        versions=("torch", "transformers", "deepspeed", "safetensors", "tokenizers", "sentencepiece"))
+        CONVERT, out, settings, inputs, lambda: export(config, checkpoint, tokenizer, datasets, heldout),
+        force=args.force, versions=("torch", "transformers", "deepspeed", "safetensors", "tokenizers", "sentencepiece"))
     counts = manifest.counts
     if not counts.get("verified"):
-        raise StageFailed(f"{out} did not pass verification (marked verified: false in {manifest_path}; it "
-                          "will not be uploaded):\n  - " + "\n  - ".join(counts.get("failures", [])))
+        raise StageFailed(f"{out} did not pass verification (marked verified: false in "
+                          f"{CONVERT.manifest_path(out)}; it will not be uploaded):\n  - "
+                          + "\n  - ".join(counts.get("failures", [])))
     say(f"[convert] {out}: verified (logits max |Δ| {counts['logits_max_abs_diff']:.2g} in {counts['dtype']}, "
         f"{counts['tokenizer_texts']} texts tokenized identically). Greedy sample: {counts.get('greedy_sample')!r}")
     print(out)

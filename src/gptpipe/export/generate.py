@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from gptpipe.cli import EXIT_OK
 from gptpipe.export.config import ConvertConfig
-from gptpipe.stage import Manifest, StageInputError, say
+from gptpipe.stage import StageInputError, say
+from gptpipe.stages import EXIT_OK, export_problems
 
 
 @dataclass
@@ -29,15 +29,9 @@ class Sampling:
 
 def verification_note(folder: Path) -> str | None:
     """A warning when a local folder was not verified by stage 4 (it may not match the trained model)."""
-    manifest = folder / "manifest.json"
     if not folder.is_dir():
         return None  # a hub id: the hub copy was verified before upload
-    if not manifest.is_file():
-        return f"{folder} has no manifest.json: it was not written (or not finished) by `gptpipe convert`"
-    counts = Manifest.read(manifest).counts
-    if not counts.get("verified"):
-        return f"{folder} FAILED verification: " + "; ".join(counts.get("failures", []))
-    return None
+    return "; ".join(export_problems(folder)) or None
 
 
 def load(model_dir: str | Path) -> tuple[Any, Any]:

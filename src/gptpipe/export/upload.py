@@ -15,26 +15,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gptpipe.cli import EXIT_OK
 from gptpipe.export.config import ConvertConfig
-from gptpipe.stage import Manifest, StageFailed, StageInputError, require_manifest, say
-
-CONVERT_HINT = "bash 4_convert_to_HF.sh"
-
-
-def verified_manifest(folder: Path) -> Manifest:
-    """The folder's stage-4 manifest, only if its files are intact and the verification gate passed."""
-    manifest = require_manifest(folder / "manifest.json", "convert (stage 4)", CONVERT_HINT)
-    if not manifest.counts.get("verified"):
-        reasons = "; ".join(manifest.counts.get("failures", [])) or "no verification result recorded"
-        raise StageInputError(f"refusing to upload {folder}: it did not pass verification ({reasons}). "
-                              f"Fix the cause and run: {CONVERT_HINT} --force")
-    return manifest
-
-
-def upload_files(manifest: Manifest) -> list[str]:
-    """Exactly the files stage 4 wrote and verified; its manifest.json and config.yaml (local paths) stay here."""
-    return sorted(manifest.outputs)
+from gptpipe.stage import StageFailed, StageInputError, say
+from gptpipe.stages import EXIT_OK, read_export
 
 
 def repo_name(config: ConvertConfig) -> str:
@@ -71,10 +54,11 @@ def check_hub_copy(local: Path, downloaded: Path, files: list[str], prompt: str)
 
 def run(config: ConvertConfig, args: Any) -> int:
     folder = config.output_tokenizer_and_model_dir
-    manifest = verified_manifest(folder)
+    export = read_export(folder)  # verified, and unchanged since
     from huggingface_hub import HfApi, constants, get_token, snapshot_download
 
-    files = upload_files(manifest)
+    # Exactly the files stage 4 wrote and verified; its manifest.json and config.yaml (local paths) stay here.
+    files = list(export.files)
     name = repo_name(config)
     endpoint = os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
     target = f"{config.organization or '(your user)'}/{name}"
@@ -103,13 +87,12 @@ def run(config: ConvertConfig, args: Any) -> int:
             api.create_branch(repo_id, branch=config.revision, exist_ok=True)
         commit = api.upload_folder(repo_id=repo_id, folder_path=folder, allow_patterns=files,
                                    revision=config.revision,
-                                   commit_message=f"gptpipe export of step {manifest.counts.get('step')} "
-                                                  f"({manifest.counts.get('dtype')}, verified)")
+                                   commit_message=f"gptpipe export of step {export.step} ({export.dtype}, verified)")
         say(f"[upload] uploaded as commit {commit.oid}; downloading it back to check it")
         with tempfile.TemporaryDirectory(prefix="gptpipe-upload-check-") as tmp:
             downloaded = Path(snapshot_download(repo_id, revision=config.revision, local_dir=tmp,
                                                 endpoint=endpoint, token=token))
-            problems, sample = check_hub_copy(folder, downloaded, files, manifest.config["test_prompt_text"])
+            problems, sample = check_hub_copy(folder, downloaded, files, export.test_prompt_text)
     except StageInputError:
         raise
     except Exception as exc:  # network and hub errors of every kind: say what failed, keep the folder as it is

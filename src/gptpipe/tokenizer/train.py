@@ -26,16 +26,15 @@ from typing import Any, Iterator
 
 from tqdm import tqdm
 
-from gptpipe.stage import (StageFailed, StageInputError, StageResult, atomic_dir, atomic_path, manifest_fingerprint,
-                           require_manifest, run_stage, say)
+from gptpipe.stage import (StageFailed, StageInputError, StageResult, atomic_dir, atomic_path, run_stage,
+                           say)
+from gptpipe.stages import PREPARE, TOKENIZER_HF_DIR, TRAIN_TOKENIZER
 from gptpipe.tokenizer import hf
 from gptpipe.tokenizer.config import TokenizerConfig
-from gptpipe.tokenizer.info import HF_DIR, MANIFEST
 from gptpipe.tokenizer.morpheme import DELIMITER, MorphemeSplitter, crossing_share
 from gptpipe.tokenizer.sample import CorpusScan, Sample, sample_corpus, scan_corpus
 
-STAGE = "train-tokenizer"
-CORPUS_HOW_TO_MAKE = "python 0_prepare_corpus.py"
+STAGE = TRAIN_TOKENIZER.name
 SPECIAL_PIECES = {"unk": (0, "<unk>"), "bos": (1, "<s>"), "eos": (2, "</s>"), "pad": (3, "<pad>")}
 EOD = "eos"  # the document separator: Megatron appends eos ("</s>") after every document
 MIB = 1 << 20
@@ -189,9 +188,9 @@ def train_tokenizer(config: TokenizerConfig, splitter: MorphemeSplitter | None) 
         hf.round_scores(tmp / model_name)
         proto = hf.load_proto(tmp / model_name)
         (tmp / vocab_name).write_text(hf.vocab_text(proto), encoding="utf-8")
-        hf.save_hf_folder(proto, tmp / HF_DIR)
+        hf.save_hf_folder(proto, tmp / TOKENIZER_HF_DIR)
         lap("export_s")
-        report = verify(tmp / model_name, tmp / HF_DIR, sample.heldout, config.normalization == "identity")
+        report = verify(tmp / model_name, tmp / TOKENIZER_HF_DIR, sample.heldout, config.normalization == "identity")
         if splitter:
             import sentencepiece as spm
 
@@ -202,9 +201,9 @@ def train_tokenizer(config: TokenizerConfig, splitter: MorphemeSplitter | None) 
         for name in (model_name, vocab_name):
             with atomic_path(out / name) as dest:
                 shutil.copyfile(tmp / name, dest)
-        with atomic_dir(out / HF_DIR) as dest:
+        with atomic_dir(out / TOKENIZER_HF_DIR) as dest:
             for name in hf.HF_FILES:
-                shutil.copyfile(tmp / HF_DIR / name, dest / name)
+                shutil.copyfile(tmp / TOKENIZER_HF_DIR / name, dest / name)
 
     ids = {f"{name}_id": i for name, (i, _) in SPECIAL_PIECES.items()}
     counts = {
@@ -220,7 +219,7 @@ def train_tokenizer(config: TokenizerConfig, splitter: MorphemeSplitter | None) 
         f"{report['heldout_documents_verified']:,} held-out documents and {report['tricky_strings_verified']} "
         f"tricky strings; {report['chars_per_token']} characters per token; peak RSS {counts['peak_rss_mib']:,} MiB "
         f"→ {out}")
-    files = [out / model_name, out / vocab_name] + [out / HF_DIR / name for name in hf.HF_FILES]
+    files = [out / model_name, out / vocab_name] + [out / TOKENIZER_HF_DIR / name for name in hf.HF_FILES]
     return StageResult(outputs=files, counts=counts, timings=timings)
 
 
@@ -229,11 +228,11 @@ def _peak_rss_mib() -> float:
 
 
 def run(config: TokenizerConfig, args: argparse.Namespace) -> int:
-    corpus_manifest = config.input.parent / "manifest.json"
-    upstream = require_manifest(corpus_manifest, "prepare (stage 0)", CORPUS_HOW_TO_MAKE)
+    upstream = PREPARE.require(config.input.parent)
     if config.input.name not in upstream.outputs:
-        raise StageInputError(f"{config.input} is not an output of the stage-0 run recorded in {corpus_manifest} "
-                              f"(it lists {', '.join(upstream.outputs)}). Run: {CORPUS_HOW_TO_MAKE}")
+        raise StageInputError(f"{config.input} is not an output of the stage-0 run recorded in "
+                              f"{PREPARE.manifest_path(config.input.parent)} "
+                              f"(it lists {', '.join(upstream.outputs)}). {PREPARE.hint()}")
     splitter = None
     if config.pretokenize == "morpheme":
         try:
@@ -241,7 +240,7 @@ def run(config: TokenizerConfig, args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise StageInputError(str(exc)) from None
     versions = ("sentencepiece", "tokenizers", "transformers") + (("fugashi", "unidic-lite") if splitter else ())
-    inputs = {"corpus": {"path": str(config.input), **manifest_fingerprint(corpus_manifest)}}
-    run_stage(STAGE, config.output_dir / MANIFEST, config, inputs, lambda: train_tokenizer(config, splitter),
+    inputs = {"corpus": {"path": str(config.input), **PREPARE.fingerprint(config.input.parent)}}
+    run_stage(TRAIN_TOKENIZER, config.output_dir, config, inputs, lambda: train_tokenizer(config, splitter),
               force=args.force, versions=versions)
     return 0

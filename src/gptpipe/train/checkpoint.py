@@ -3,7 +3,8 @@
 Layout under `<run>/checkpoints/`:
     global_step{N}/   DeepSpeed's files (model, optimizer and scheduler states), one rng_state_rank{R}.pt per
                       rank, hf_config.json (the transformers config), gptpipe_state.json (step, consumed
-                      samples, tokens, tokenizer and dataset paths, final validation loss) and `complete`
+                      samples, tokens, final validation loss, and the run record: the whole resolved
+                      config.yaml the run trained with) and `complete`
     latest            the tag of the newest complete checkpoint (DeepSpeed's own format)
 
 A save goes to `.tmp-global_step{N}/`, is renamed into place, then gets its `complete` marker, then
@@ -30,7 +31,6 @@ COMPLETE_MARKER = "complete"
 HF_CONFIG = "hf_config.json"
 STATE = "gptpipe_state.json"
 LATEST = "latest"
-EXIT_PREEMPTED = 75  # saved on SIGTERM/SIGINT; run the same command again to resume (EX_TEMPFAIL)
 _TAG = re.compile(r"^global_step(\d+)$")
 
 

@@ -14,12 +14,12 @@ with the seed, and step s on data-parallel rank r reads fixed positions of that 
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from gptpipe.data.config import DataConfig
-from gptpipe.data.count import SPLITS, DatasetCounts, document_order, split_bounds
+from gptpipe.data.count import DatasetCounts
+from gptpipe.data.split import document_order, split_problems
 
 if TYPE_CHECKING:
     import torch
@@ -31,15 +31,8 @@ class DataError(ValueError):
 
 def check_splits(stats: list[DatasetCounts], split: str, seq_len: int) -> None:
     """Every split with a non-zero share, in every prefix, must hold at least one full sample."""
-    fractions = [m is not None for m in split_bounds(split, 1000)]
-    problems = []
-    for s in stats:
-        for name, wanted, docs, tokens in zip(SPLITS, fractions, s.split_documents, s.split_tokens):
-            if not wanted:
-                continue
-            if docs == 0 or tokens < seq_len + 1:
-                problems.append(f"{s.prefix}: the {name} split gets {docs} documents / {tokens} tokens "
-                                f"(needs at least {seq_len + 1} tokens for one sample)")
+    problems = [p for s in stats for p in split_problems(str(s.prefix), split, s.split_documents, s.split_tokens,
+                                                         seq_len)]
     if problems:
         raise DataError(
             f"data.split {split!r} leaves a split (nearly) empty, which makes megatron-core's GPTDataset hang:\n  "
@@ -161,12 +154,7 @@ def eval_batches(dataset: Any, samples: int, micro_batch: int, dp_rank: int, dp_
 
 
 def available_host_ram() -> int:
-    """Bytes the kernel says can be allocated without swapping (MemAvailable)."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """Bytes that can be allocated without swapping (the kernel's MemAvailable, through psutil)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)

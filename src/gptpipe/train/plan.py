@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gptpipe.cli import EXIT_BAD_INPUT
 from gptpipe.config.pipeline import PipelineConfig
 from gptpipe.stage import say
+from gptpipe.stages import EXIT_BAD_INPUT
 from gptpipe.data.count import DatasetCounts, count_dataset, train_plan
 from gptpipe.train.data import (
     DataError,
@@ -410,10 +410,10 @@ def format_plan(plan: Plan, config: PipelineConfig) -> str:
 
 def run(config: PipelineConfig, args: argparse.Namespace) -> int:
     """`gptpipe plan`: print the plan; exit 2 when the run would not fit."""
-    from gptpipe.tokenizer.info import read_tokenizer_info
+    from gptpipe.stages import read_tokenizer
     from gptpipe.train.model import build_model_config
 
-    tokenizer = read_tokenizer_info(config.tokenize.tokenizer_dir)
+    tokenizer = read_tokenizer(config.tokenize.tokenizer_dir)
     try:
         plan = make_plan(config, tokenizer.vocab_size, dp=args.gpus, device_memory_gib=args.gpu_memory,
                          device_name=args.gpu_name)

@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from gptpipe.cli import EXIT_BAD_INPUT, EXIT_FAILED
+from gptpipe.config.core import to_plain
 from gptpipe.config.pipeline import PipelineConfig
 from gptpipe.stage import StageInputError, say
+from gptpipe.stages import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_PREEMPTED, read_tokenizer
 from gptpipe.train import checkpoint
 from gptpipe.train.data import DataError, build_datasets, collate, eval_batches, sample_positions
 from gptpipe.train.engine import (
@@ -58,9 +59,7 @@ def run(config: PipelineConfig, args: argparse.Namespace) -> int:
 
 
 def _train(config: PipelineConfig, dist: Dist) -> int:
-    from gptpipe.tokenizer.info import read_tokenizer_info
-
-    tokenizer = read_tokenizer_info(config.tokenize.tokenizer_dir)
+    tokenizer = read_tokenizer(config.tokenize.tokenizer_dir)
     try:
         plan = make_plan(config, tokenizer.vocab_size, dp=dist.world_size)
         ds_config, wandb_block = deepspeed_config(config.train, plan.engine.micro_batch, plan.accumulation,
@@ -198,8 +197,8 @@ class Trainer:
             if self.step > saved_at:
                 saved_at = self._save() or saved_at
             self.log.say(f"[train] {self.stop.signal_name}: stopped at step {self.step}, checkpoint at step "
-                         f"{saved_at}; exit {checkpoint.EXIT_PREEMPTED}. Run the same command again to resume.")
-            return checkpoint.EXIT_PREEMPTED
+                         f"{saved_at}; exit {EXIT_PREEMPTED}. Run the same command again to resume.")
+            return EXIT_PREEMPTED
         self._evaluate()
         if self.step > saved_at or not self.final_loss_saved:
             self._save()
@@ -299,15 +298,11 @@ class Trainer:
             "tokens": self.consumed * self.train_cfg.seq_len,
             "skipped_steps": self.skipped,
             "total_steps": self.plan.steps,
-            "tokenizer_dir": str(self.config.tokenize.tokenizer_dir),
-            "dataset_prefixes": [str(p) for p in self.config.data.prefixes],
-            "data_split": self.config.data.split,  # stage 4 verifies on documents outside the train split
-            "data_seed": self.config.data.seed,
-            "tokenizer_vocab_size": self.tokenizer.vocab_size,
             "final_val_loss": self.last_val_loss if self.step >= self.plan.steps else None,
             "val_loss": self.last_val_loss,
-            "precision": self.train_cfg.precision,
-            "zero_stage": self.train_cfg.zero_stage,
+            # The run record: the whole resolved config.yaml this run trained with. Stage 4 reads the tokenizer,
+            # the data and its split from here, never from a config.yaml that may have changed since.
+            "config": to_plain(self.config),
         }
         folder = checkpoint.save(self.engine, self.ckpt_root, self.step, state, self.hf_config.to_json_string(),
                                  self.dist, self.train_cfg.keep_checkpoints)

@@ -1,0 +1,67 @@
+"""The train/valid/test split (`data.split`, `data.seed`): one definition for count_tokens, training and export.
+
+Megatron cuts each split as a contiguous range of documents; gptpipe cuts the same ranges out of a seeded
+permutation of the documents (`document_order`), so that a corpus written in a sorted order (man pages by
+section, Wikipedia by title) does not validate on its tail only (the original pipeline's defect). Counting
+(count_tokens), the GPTDataset training builds and stage 4's held-out documents all come from here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SPLITS = ("train", "valid", "test")
+
+
+def split_shares(split: str) -> list[float]:
+    """The three normalised shares of a split string like "969,30,1"; ValueError says what is wrong."""
+    try:
+        parts = [float(p) for p in split.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) != len(SPLITS) or any(p < 0 for p in parts) or parts[0] <= 0:
+        raise ValueError(f"must be three non-negative numbers with a positive train share, like '969,30,1', "
+                         f"got {split!r}")
+    total = sum(parts)
+    return [p / total for p in parts]
+
+
+def split_bounds(split: str, documents: int) -> list[tuple[int, int] | None]:
+    """[begin, end) of each split over the documents, as megatron-core's BlendedMegatronDatasetBuilder cuts
+    them: the normalised shares are summed into book-ends, each rounded to a document; a zero share is None."""
+    ends = [0.0]
+    for share in split_shares(split):
+        ends.append(ends[-1] + share)
+    return [None if end <= begin else (int(round(begin * float(documents))), int(round(end * float(documents))))
+            for begin, end in zip(ends[:-1], ends[1:])]
+
+
+def document_order(documents: int, seed: int) -> np.ndarray:
+    """The seeded permutation of the documents that every split is cut from (data.seed)."""
+    return np.random.RandomState(seed).permutation(documents).astype(np.int32)
+
+
+def split_documents(split: str, documents: int, seed: int) -> list[np.ndarray]:
+    """The document indices of each split (train, valid, test), in `document_order`."""
+    order = document_order(documents, seed)
+    return [order[b[0]:b[1]] if b else order[:0] for b in split_bounds(split, documents)]
+
+
+def unseen_documents(split: str, documents: int, seed: int) -> np.ndarray:
+    """The validation then test documents: everything training never reads, in `document_order`."""
+    train = split_bounds(split, documents)[0]
+    return document_order(documents, seed)[train[1] if train else 0:]
+
+
+def split_problems(name: str, split: str, documents: tuple[int, ...], tokens: tuple[int, ...],
+                   seq_len: int) -> list[str]:
+    """Splits with a non-zero share that cannot give one sample of `seq_len` tokens in dataset `name`.
+
+    megatron-core's GPTDataset loops forever on such a split; count_tokens warns with these lines, training
+    refuses with them.
+    """
+    wanted = [b is not None for b in split_bounds(split, 1_000_000)]
+    return [f"{name}: the {split_name} split gets {docs:,} documents / {toks:,} tokens (one sample needs "
+            f"{seq_len + 1:,} tokens)"
+            for split_name, want, docs, toks in zip(SPLITS, wanted, documents, tokens)
+            if want and (docs == 0 or toks < seq_len + 1)]

@@ -1,0 +1,196 @@
+"""The pipeline's stages in one place: what each one writes, where its manifest lives, what to run to make it.
+
+A later stage reads an upstream artifact only through this module: ``Stage.require(location)`` accepts it
+when its manifest is complete, every file it lists is unchanged and the stage's own rule holds (stage 4:
+the folder passed verification), and the typed readers below (``read_corpus``, ``read_tokenizer``,
+``read_dataset``, ``read_export``) turn the manifest into the values callers use. Every refusal ends with
+the stage's "Run: …" hint. The exit codes of every command live here too, so library modules never import
+the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from gptpipe.stage import Manifest, StageInputError, manifest_fingerprint, outputs_intact
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2  # config or input problem, reported before any work
+EXIT_PREEMPTED = 75  # saved on SIGTERM/SIGINT; run the same command again to resume (EX_TEMPFAIL)
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage's artifact: the command that makes it and the rules a later stage applies before using it."""
+
+    number: str
+    name: str  # the `gptpipe` subcommand
+    script: str  # what a user runs
+    module: str  # where the work lives: the numbered script calls it through the CLI
+    beside_prefix: bool = False  # manifest at <prefix>.manifest.json (a dataset prefix) instead of <folder>/manifest.json
+    usable: Callable[[Manifest], list[str]] | None = None  # the stage's own acceptance rule, beyond completeness
+
+    @property
+    def title(self) -> str:
+        return f"{self.name} (stage {self.number})"
+
+    def hint(self, force: bool = False) -> str:
+        return f"Run: {self.script}" + (" --force" if force else "")
+
+    def manifest_path(self, location: Path) -> Path:
+        location = Path(location)
+        if self.beside_prefix:
+            return location.with_name(location.name + "." + MANIFEST)
+        return location / MANIFEST
+
+    def has_manifest(self, location: Path) -> bool:
+        return self.manifest_path(location).is_file()
+
+    def fingerprint(self, location: Path) -> dict[str, Any]:
+        """This stage's output at ``location`` as a later stage's input: it changes whenever this stage reruns."""
+        return manifest_fingerprint(self.manifest_path(location))
+
+    def problems(self, manifest: Manifest, root: Path) -> list[str]:
+        """Why a finished manifest's outputs cannot be used (empty: they can)."""
+        problems = [] if manifest.complete else ["the manifest is not marked complete"]
+        problems += outputs_intact(manifest, root)
+        if not problems and self.usable:
+            problems += self.usable(manifest)
+        return problems
+
+    def require(self, location: Path) -> Manifest:
+        """The manifest of this stage's finished output at ``location``; a clear StageInputError otherwise."""
+        path = self.manifest_path(location)
+        if not path.is_file():
+            raise StageInputError(f"{path} not found: the {self.title} outputs are missing or incomplete (a run "
+                                  f"that did not finish writes no manifest). {self.hint()}")
+        try:
+            manifest = Manifest.read(path)
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise StageInputError(f"{path} is not a valid manifest ({exc}). {self.hint(force=True)}") from None
+        problems = self.problems(manifest, path.parent)
+        if problems:
+            raise StageInputError(f"{self.title} outputs at {location} are not usable: {'; '.join(problems)}. "
+                                  f"{self.hint(force=True)}")
+        return manifest
+
+
+def _verified(manifest: Manifest) -> list[str]:
+    if manifest.counts.get("verified"):
+        return []
+    reasons = "; ".join(manifest.counts.get("failures", [])) or "no verification result recorded"
+    return [f"it did not pass verification ({reasons})"]
+
+
+PREPARE = Stage("0", "prepare", "python 0_prepare_corpus.py", "gptpipe.corpus.prepare")
+TRAIN_TOKENIZER = Stage("1", "train-tokenizer", "python 1_train_sentencepiece_tokenizer.py", "gptpipe.tokenizer.train")
+TOKENIZE = Stage("2", "tokenize", "bash 2_tokenize.sh", "gptpipe.data.tokenize", beside_prefix=True)
+TRAIN = Stage("3", "train", "bash 3_train_node1.sh", "gptpipe.train.train")  # checkpoints carry markers, no manifest
+CONVERT = Stage("4", "convert", "bash 4_convert_to_HF.sh", "gptpipe.export.convert", usable=_verified)
+
+
+# --- typed outputs ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CorpusInfo:
+    """A finished stage-0 corpus: its jsonl file(s) and what they hold."""
+
+    folder: Path
+    files: tuple[Path, ...]
+    documents: int
+    manifest: Manifest
+
+
+def read_corpus(folder: Path) -> CorpusInfo:
+    manifest = PREPARE.require(folder)
+    files = tuple(Path(folder) / name for name in manifest.outputs if name.endswith(".jsonl"))
+    return CorpusInfo(Path(folder), files, int(manifest.counts.get("documents", 0)), manifest)
+
+
+TOKENIZER_HF_DIR = "hf"
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """The files and ids a stage-1 run produced; eod_id is the document separator (eos, as Megatron does)."""
+
+    model_path: Path
+    hf_dir: Path
+    vocab_size: int
+    unk_id: int
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    eod_id: int
+    chars_per_token: float | None
+    manifest: Manifest
+
+
+def read_tokenizer(folder: Path) -> TokenizerInfo:
+    """The tokenizer in ``folder`` (a stage-1 output_dir), after checking its manifest and files."""
+    folder = Path(folder)
+    manifest = TRAIN_TOKENIZER.require(folder)
+    models = [name for name in manifest.outputs if name.endswith(".model")]
+    if len(models) != 1:
+        raise StageInputError(f"{TRAIN_TOKENIZER.manifest_path(folder)} lists {len(models)} .model files, expected "
+                              f"one. {TRAIN_TOKENIZER.hint(force=True)}")
+    c = manifest.counts
+    return TokenizerInfo(model_path=folder / models[0], hf_dir=folder / TOKENIZER_HF_DIR, vocab_size=c["vocab_size"],
+                         unk_id=c["unk_id"], bos_id=c["bos_id"], eos_id=c["eos_id"], pad_id=c["pad_id"],
+                         eod_id=c["eod_id"], chars_per_token=c.get("chars_per_token"), manifest=manifest)
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """A finished stage-2 dataset prefix (<prefix>.bin/.idx): its token type and totals."""
+
+    prefix: Path
+    dtype: str
+    documents: int
+    tokens: int
+    manifest: Manifest
+
+    def card_facts(self) -> dict[str, Any]:
+        """What the model card quotes of this dataset."""
+        return {"prefix": str(self.prefix), "documents": self.documents, "tokens": self.tokens, "dtype": self.dtype}
+
+
+def read_dataset(prefix: Path) -> DatasetInfo:
+    manifest = TOKENIZE.require(prefix)
+    c = manifest.counts
+    return DatasetInfo(Path(prefix), c["dtype"], int(c["documents"]), int(c["tokens"]), manifest)
+
+
+@dataclass(frozen=True)
+class ExportInfo:
+    """A verified stage-4 HuggingFace folder: the files it wrote and what it was exported from."""
+
+    folder: Path
+    files: tuple[str, ...]
+    step: int | None
+    dtype: str
+    test_prompt_text: str
+    manifest: Manifest
+
+
+def read_export(folder: Path) -> ExportInfo:
+    """A stage-4 folder whose files are intact and which passed the verification gate."""
+    manifest = CONVERT.require(folder)
+    c = manifest.counts
+    return ExportInfo(Path(folder), tuple(sorted(manifest.outputs)), c.get("step"), c.get("dtype", ""),
+                      manifest.config.get("test_prompt_text", ""), manifest)
+
+
+def export_problems(folder: Path) -> list[str]:
+    """Why a local folder is not a verified stage-4 export (empty when it is); never raises."""
+    try:
+        read_export(folder)
+    except StageInputError as exc:
+        return [str(exc)]
+    return []
