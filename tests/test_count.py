@@ -11,11 +11,10 @@ import pytest
 from ruamel.yaml import YAML
 
 from gptpipe.cli import main
-from gptpipe.stages import EXIT_BAD_INPUT
 from gptpipe.data.config import DataConfig
-from gptpipe.data.split import document_order, split_bounds
 from gptpipe.data.indexed import bin_path, idx_path, read_index
-from gptpipe.stages import TOKENIZE
+from gptpipe.data.split import document_order, split_bounds
+from gptpipe.stages import EXIT_BAD_INPUT, TOKENIZE
 
 
 def count(config: Path, *extra: str) -> int:
@@ -56,11 +55,17 @@ def test_count_prints_the_plan_and_rewrites_only_train_tokens(workspace: Path, d
     assert f"iterations per epoch  {samples // batch:,}" in out
 
     rewritten = config.read_text(encoding="utf-8")
-    changed = [(a, b) for a, b in zip(original.splitlines(), rewritten.splitlines()) if a != b]
-    assert len(original.splitlines()) == len(rewritten.splitlines()) and len(changed) == 1
+    new_lines = rewritten.splitlines()
+    record = next(i for i, line in enumerate(new_lines) if line.strip().startswith("train_tokens_counted_for:"))
+    assert new_lines[record - 1].strip().startswith("train_tokens:")  # the record sits right below the count
+    del new_lines[record]
+    changed = [(a, b) for a, b in zip(original.splitlines(), new_lines) if a != b]
+    assert len(original.splitlines()) == len(new_lines) and len(changed) == 1
     before, after = changed[0]
     assert before.split("#")[1] == after.split("#")[1]  # the user's comment is kept
-    assert YAML().load(rewritten)["train"]["train_tokens"] == samples * seq_len
+    train_section = YAML().load(rewritten)["train"]
+    assert train_section["train_tokens"] == samples * seq_len
+    assert f"split={shipped_yaml['data']['split']}" in train_section["train_tokens_counted_for"]
 
     assert count(config, "--no-write", "train.train_epochs=2") == 0
     assert config.read_text(encoding="utf-8") == rewritten
@@ -99,3 +104,27 @@ def test_count_imports_neither_torch_nor_megatron(workspace: Path, dataset_prefi
             "assert not heavy, heavy")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_training_refuses_a_train_tokens_counted_for_other_data(workspace: Path, dataset_prefix: Path,
+                                                                  tmp_path: Path, capfd) -> None:
+    """A count written for one dataset must not silently cut short (or stretch) a run on another."""
+    config = workspace / "stale_config.yaml"  # beside config.yaml, so its relative paths resolve the same
+    shutil.copy(workspace / "config.yaml", config)
+    plan = ["plan", "--config", str(config)]
+    assert count(config) == 0
+    assert main(plan) == 0
+    # Another real dataset: stage 2 again, skipping the longest documents.
+    other = tmp_path / "other"
+    assert main(["tokenize", "--config", str(config), f"tokenize.output_prefix={other}",
+                 "tokenize.max_document_chars=20000"]) == 0
+    elsewhere = f"data.prefixes=[{other}_text_document]"
+    capfd.readouterr()
+    assert main([*plan, elsewhere]) == EXIT_BAD_INPUT
+    err = capfd.readouterr().err
+    assert "was counted by count_tokens.py for other data" in err and "datasets " in err and "count_tokens.py" in err
+    assert main([*plan, "train.train_epochs=2"]) == EXIT_BAD_INPUT  # the count was for one epoch
+    assert "train_epochs 1 → 2" in capfd.readouterr().err
+    assert main([*plan, elsewhere, "train.train_tokens_counted_for=null"]) == 0  # kept on purpose: a budget
+    assert count(config, elsewhere) == 0  # counted again for the new data: accepted
+    assert main([*plan, elsewhere]) == 0

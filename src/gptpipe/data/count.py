@@ -76,8 +76,34 @@ def train_plan(counts: list[DatasetCounts], seq_len: int, global_batch_size: int
     return TrainPlan(seq_len, global_batch_size, samples, train_epochs, int(train_epochs * samples))
 
 
-def write_train_tokens(config_path: Path, value: int) -> object:
-    """Set train.train_tokens in the YAML file, keeping comments, key order and indentation; returns the old value."""
+def counted_for(config: PipelineConfig) -> str:
+    """What a counted train_tokens depends on, as `key=value` words: each dataset's stage-2 manifest (it changes
+    whenever stage 2 reruns), the split and its seed, seq_len and train_epochs."""
+    datasets = ",".join(TOKENIZE.fingerprint(p)["manifest_sha256"][:12] for p in config.data.prefixes)
+    return (f"datasets={datasets} split={config.data.split} seed={config.data.seed} "
+            f"seq_len={config.train.seq_len} train_epochs={config.train.train_epochs:g}")
+
+
+def stale_train_tokens(config: PipelineConfig) -> str | None:
+    """Why train.train_tokens no longer fits the data it was counted for (None: it fits, or it is a budget the
+    user set by hand). A stale count would silently stop a run early or late."""
+    train = config.train
+    if train.train_tokens is None or train.train_tokens_counted_for is None:
+        return None
+    now = counted_for(config)
+    if train.train_tokens_counted_for == now:
+        return None
+    then = dict(word.split("=", 1) for word in train.train_tokens_counted_for.split() if "=" in word)
+    changed = [f"{key} {then.get(key)} → {value}" for key, value in
+               (word.split("=", 1) for word in now.split()) if then.get(key) != value]
+    return (f"train.train_tokens={train.train_tokens:,} was counted by count_tokens.py for other data or settings "
+            f"({'; '.join(changed)}). Fix: rerun `python count_tokens.py` to count what you train on, or set "
+            "train.train_tokens_counted_for=null to keep that number as a token budget of your own")
+
+
+def write_train_tokens(config_path: Path, value: int, record: str) -> object:
+    """Set train.train_tokens (and, right after it, train.train_tokens_counted_for = ``record``) in the YAML file,
+    keeping comments, key order and indentation; returns the old train_tokens."""
     from ruamel.yaml import YAML
     from ruamel.yaml.comments import CommentedMap
     from ruamel.yaml.compat import StringIO
@@ -99,8 +125,13 @@ def write_train_tokens(config_path: Path, value: int) -> object:
     data = yaml.load(text)
     if data.get("train") is None:
         data["train"] = CommentedMap()
-    old = data["train"].get("train_tokens")
-    data["train"]["train_tokens"] = value
+    section = data["train"]
+    old = section.get("train_tokens")
+    section["train_tokens"] = value
+    if "train_tokens_counted_for" in section:
+        section["train_tokens_counted_for"] = record
+    else:
+        section.insert(list(section).index("train_tokens") + 1, "train_tokens_counted_for", record)
     out = StringIO()
     yaml.dump(data, out)
     write_text_atomic(config_path, out.getvalue())
@@ -148,7 +179,7 @@ def run(config: PipelineConfig, args: argparse.Namespace) -> int:
         return 0
     if args.overrides:
         say(f"note: computed with command-line overrides {' '.join(args.overrides)}")
-    old = write_train_tokens(Path(args.config), plan.train_tokens)
+    old = write_train_tokens(Path(args.config), plan.train_tokens, counted_for(config))
     say(f"wrote train.train_tokens: {plan.train_tokens} into {args.config} (was {old}); training stops there. "
         "To train by train_epochs instead, set train_tokens back to null.")
     return 0

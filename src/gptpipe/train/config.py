@@ -69,6 +69,9 @@ class TrainConfig:
         None, "samples per GPU per forward pass (None: the planner picks the largest that fits)")
     train_tokens: int | None = option(
         None, "stop after this many tokens (count_tokens.py writes it; None: use train_epochs)")
+    train_tokens_counted_for: str | None = option(
+        None, "written by count_tokens.py beside train_tokens: the datasets and settings it counted; training "
+        "refuses a train_tokens counted for other data (None: train_tokens is a budget you chose)")
     train_epochs: float = option(1.0, "stop after this many passes over the train split, when train_tokens is null")
     train_iters: int | None = option(None, "hard cap on optimizer steps, for quick experiments (None: no cap)")
     lr: float = option(6.0e-4, "peak learning rate")
