@@ -1,4 +1,9 @@
-"""Stage 0: build data/corpus/corpus.jsonl from the sources in config.yaml.  Usage: python 0_prepare_corpus.py [--force] [key=value ...]"""
+"""Stage 0: build data/corpus/corpus.jsonl from the sources in config.yaml.
+
+    python 0_prepare_corpus.py [--config config.yaml] [--force] [key=value ...]
+
+The work: src/gptpipe/corpus/prepare.py (sources: corpus/sources.py, man pages: corpus/manpages.py).
+"""
 from gptpipe.cli import run_script
 
 run_script("prepare")

@@ -21,7 +21,7 @@ if [ -n "${NODE_RANK:-}" ]; then
   [ -n "${MASTER_ADDR:-}" ] || { echo "NODE_RANK is set: also set MASTER_ADDR (the first node's address)" >&2; exit 2; }
   NODE_ARGS=(--no_ssh --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR")
 fi
-# The launcher starts `python -m gptpipe train` on every node in this directory with LOCAL_RANK, RANK,
+# The work: src/gptpipe/train/train.py. The launcher starts `python -m gptpipe train` on every node in this directory with LOCAL_RANK, RANK,
 # WORLD_SIZE and MASTER_ADDR set (--no_local_rank: the rank goes in the environment, not the arguments);
 # gptpipe joins that process group (NCCL on GPUs, gloo on CPU).
 exec $PYTHON -m deepspeed.launcher.runner --hostfile "$HOSTFILE" --master_port "$MASTER_PORT" "${NODE_ARGS[@]}" \

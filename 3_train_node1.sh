@@ -6,6 +6,7 @@
 # It prints the plan first and refuses a run that will not fit. Rerunning resumes from the newest
 # complete checkpoint. Exit codes: 0 done, 1 failed, 2 refused before starting, 75 stopped by
 # SIGTERM/SIGINT after saving a checkpoint (run the same command again to continue).
+# The work: src/gptpipe/train/train.py (engine: train/engine.py, data: train/data.py, plan: train/plan.py).
 set -euo pipefail
 PYTHON=${PYTHON:-python}
 GPUS=$($PYTHON -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
