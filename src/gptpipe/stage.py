@@ -232,3 +232,59 @@ def run_stage(
 def say(message: str) -> None:
     """Status lines go to stderr so stdout stays clean for results a script may parse."""
     print(message, file=sys.stderr, flush=True)
+
+
+def check_input_files(patterns: list[Path], key: str, upstream_file: str, upstream: str,
+                      how_to_make: str) -> tuple[list[Path], dict[str, Any]]:
+    """The plain jsonl files that config key ``key`` lists, checked before any work, and their fingerprints
+    for the manifest's inputs. Every stage reading jsonl takes its input through here.
+
+    ``patterns`` are paths or glob patterns (each expanded in sorted order). Any readable file will do, a
+    user's own jsonl too, except an upstream stage's output that its manifest does not vouch for: a file
+    named ``upstream_file`` (the name that stage writes) or lying beside a manifest.json must be listed,
+    intact, by that complete manifest, because a killed run leaves the old file without one. Its
+    fingerprint then also holds the manifest's hash, so rerunning the upstream stage reruns this one.
+    """
+    files: list[Path] = []
+    problems: list[str] = []
+    for pattern in patterns:
+        if any(ch in str(pattern) for ch in "*?["):
+            matched = sorted(p for p in Path(pattern.anchor).glob(str(pattern.relative_to(pattern.anchor)))
+                             if p.is_file())
+            if not matched:
+                problems.append(f"{key}: {pattern} matches no file")
+            files += matched
+        else:
+            files.append(pattern)
+    fingerprints: dict[str, Any] = {}
+    for path in files:
+        manifest_path = path.parent / "manifest.json"
+        if path.name == upstream_file or manifest_path.is_file():
+            try:
+                manifest = require_manifest(manifest_path, upstream, how_to_make)
+            except StageInputError as exc:
+                why = f"named {upstream_file}" if path.name == upstream_file else f"beside {manifest_path}"
+                problems.append(f"{key}: {path} is {why}, so it is taken as an output of {upstream}, accepted "
+                                f"only with that run's complete manifest (your own jsonl? name it otherwise): {exc}")
+                continue
+            if path.name not in manifest.outputs:
+                problems.append(f"{key}: {path} is not an output of the {upstream} run recorded in {manifest_path} "
+                                f"(it lists {', '.join(manifest.outputs)}); keep your own files out of that folder")
+                continue
+            fingerprints[str(path)] = {**file_fingerprint(path), **manifest_fingerprint(manifest_path)}
+        elif not path.is_file():
+            problems.append(f"{key}: {path} not found. Run: {how_to_make} (or list your own jsonl files in {key})")
+            continue
+        else:
+            fingerprints[str(path)] = file_fingerprint(path)
+        try:
+            with open(path, "rb") as f:
+                if f.read(2) == b"\x1f\x8b":
+                    problems.append(f"{key}: {path} is gzip-compressed; this stage reads plain jsonl (stage 2 "
+                                    "splits it into byte ranges). Decompress it, or list it as a jsonl source of "
+                                    "stage 0")
+        except OSError as exc:
+            problems.append(f"{key}: {path} cannot be read ({exc.strerror})")
+    if problems:
+        raise StageInputError("\n  ".join(problems))
+    return files, fingerprints
