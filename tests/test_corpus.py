@@ -79,10 +79,10 @@ def test_local_sources_and_bad_records(tmp_path: Path) -> None:
     texts = read_corpus(out)
     assert texts == [good[0], good[1], good[2], good[3], "二つ目の段落です。"]
     dropped = Manifest.read(out / "manifest.json").counts["dropped"]
-    assert dropped == {"invalid JSON": 1, "invalid UTF-8": 1, "no 'text' field": 1, "'text' is not a string": 1,
+    assert dropped == {"invalid json": 1, "undecodable utf-8": 1, "missing key": 1, "not a string": 1,
                        "shorter than min_chars (5)": 1, "exact duplicate": 1}
     examples = Manifest.read(out / "manifest.json").counts["dropped_examples"]
-    assert examples["invalid JSON"] == [f"{raw / 'a.jsonl'}:2"]
+    assert examples["invalid json"] == [f"{raw / 'a.jsonl'}:2"]
 
 
 def test_hf_dataset_local_forms(tmp_path: Path) -> None:

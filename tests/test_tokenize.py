@@ -19,11 +19,11 @@ import sentencepiece as spm
 
 from conftest import run_cli
 from gptpipe.cli import main
-from gptpipe.stages import EXIT_BAD_INPUT
 from gptpipe.data.indexed import IndexedDataset, bin_path, idx_path
-from gptpipe.stages import TOKENIZE
+from gptpipe.data.jsonl import (BLANK, EMPTY, INVALID_JSON, LONE_SURROGATE, MISSING_KEY, NOT_A_STRING, NOT_AN_OBJECT,
+                                NUL_STRIPPED, TOO_LONG, UNDECODABLE)
 from gptpipe.stage import StageInputError
-from gptpipe.stages import read_tokenizer
+from gptpipe.stages import EXIT_BAD_INPUT, TOKENIZE, read_tokenizer
 
 
 def corpus_texts(corpus_dir: Path) -> list[str]:
@@ -102,27 +102,27 @@ def bad_corpus(tmp_path: Path, texts: list[str]) -> tuple[list[Path], list[str],
         return wrap(json.dumps({"text": text, **extra}, ensure_ascii=False).encode()), None, text
 
     a = [
-        good_line(), (b"", "blank_line", None), good_line(),
-        (b'{"text": "\xff\xfe broken"}', "invalid_utf8", None), good_line(),
-        (b'{"text": "unterminated', "invalid_json", None),
-        (b'{"text": "a\\ud800b"}', "invalid_unicode", None), good_line(),
-        (b'["not", "an", "object"]', "not_an_object", None),
-        (b'{"body": "no text key"}', "missing_text", None),
-        (b'{"text": 42}', "text_not_string", None), (b'{"text": null}', "text_not_string", None), good_line(),
-        (b'{"text": ""}', "empty_text", None), (b'{"text": "\\u0000\\u0000"}', "empty_text", None),
-        (b'{"text": "ab\\u0000cd"}', "nul_stripped", "abcd"), good_line(),
-        (json.dumps({"text": "あ" * (MAX_CHARS + 1)}).encode(), "too_long", None),  # over the character limit
-        (b'{"text": "' + b"x" * (12 * MAX_CHARS + 70_000) + b'"}', "too_long", None),  # over the line limit
-        good_line(), (b"  \t ", "blank_line", None),
+        good_line(), (b"", BLANK, None), good_line(),
+        (b'{"text": "\xff\xfe broken"}', UNDECODABLE, None), good_line(),
+        (b'{"text": "unterminated', INVALID_JSON, None),
+        (b'{"text": "a\\ud800b"}', LONE_SURROGATE, None), good_line(),
+        (b'["not", "an", "object"]', NOT_AN_OBJECT, None),
+        (b'{"body": "no text key"}', MISSING_KEY, None),
+        (b'{"text": 42}', NOT_A_STRING, None), (b'{"text": null}', NOT_A_STRING, None), good_line(),
+        (b'{"text": ""}', EMPTY, None), (b'{"text": "\\u0000\\u0000"}', EMPTY, None),
+        (b'{"text": "ab\\u0000cd"}', NUL_STRIPPED, "abcd"), good_line(),
+        (json.dumps({"text": "あ" * (MAX_CHARS + 1)}).encode(), TOO_LONG, None),  # over the character limit
+        (b'{"text": "' + b"x" * (12 * MAX_CHARS + 70_000) + b'"}', TOO_LONG, None),  # over the line limit
+        good_line(), (b"  \t ", BLANK, None),
         good_line(lambda line: line + b"\r"),  # CRLF line end
         good_line(score=float("nan")),  # NaN is not strict JSON; the document is still good
         good_line(),  # the file ends without a newline
     ]
     b = [
         good_line(lambda line: b"\xef\xbb\xbf" + line, id=10**30),  # a byte-order mark, a 100-bit integer
-        (b'{"text": "unterminated', "invalid_json", None), good_line(),
+        (b'{"text": "unterminated', INVALID_JSON, None), good_line(),
         (b'{"id": 1e400, "text": "huge number, good text"}', None, "huge number, good text"),
-        (b'{"text": 0.5}', "text_not_string", None), good_line(),
+        (b'{"text": 0.5}', NOT_A_STRING, None), good_line(),
     ]
     files, kept, reasons, examples = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"], [], Counter(), {}
     for path, lines, end in zip(files, (a, b), (b"", b"\n")):
@@ -148,15 +148,16 @@ def test_bad_lines_are_counted_and_good_documents_kept(workspace: Path, tokenize
     assert [dataset[i].tolist() for i in range(len(dataset))] == expected_ids(tokenizer_dir, kept)
 
     counts = TOKENIZE.require(prefix).counts
-    assert counts["skipped"] == {r: n for r, n in reasons.items() if r != "nul_stripped"}
-    assert counts["repaired"] == {"nul_stripped": 1}
+    assert counts["skipped"] == {r: n for r, n in reasons.items() if r != NUL_STRIPPED}
+    assert counts["repaired"] == {NUL_STRIPPED: 1}
     assert counts["examples"] == examples  # file:line, right across ranges and files
     assert counts["lines"] == sum(1 for f in files for _ in f.read_bytes().splitlines())
     err = capfd.readouterr().err
-    assert f"invalid_json: 2 line(s) skipped, e.g. {files[0]}:6, {files[1]}:2" in err
+    assert f"invalid json: 2 line(s) skipped, e.g. {files[0]}:6, {files[1]}:2" in err
 
-    # One worker, automatic ranges: the same bytes.
-    tokenize(workspace, inputs, f"tokenize.output_prefix={tmp_path / 'again'}", "tokenize.workers=1",
+    # One worker, automatic ranges, the files named by a glob pattern (sorted: a, b): the same bytes.
+    tokenize(workspace, f"tokenize.input={tmp_path / '*.jsonl'}", f"tokenize.output_prefix={tmp_path / 'again'}",
+             "tokenize.workers=1",
              f"tokenize.max_document_chars={MAX_CHARS}")
     assert same_dataset(tmp_path / "again_text_document", prefix)
 
@@ -174,6 +175,11 @@ def test_missing_input_is_refused_before_work(workspace: Path, tokenizer_dir: Pa
                  f"tokenize.output_prefix={tmp_path / 'out'}"])
     assert code == EXIT_BAD_INPUT
     assert "corpus.jsonl.gz is gzip-compressed" in capfd.readouterr().err
+
+    code = main(["tokenize", "--config", str(workspace / "config.yaml"), f"tokenize.input=[{tmp_path / '*.json'}]",
+                 f"tokenize.output_prefix={tmp_path / 'out'}"])
+    assert code == EXIT_BAD_INPUT
+    assert f"tokenize.input: {tmp_path / '*.json'} matches no file" in capfd.readouterr().err
 
 
 # ------------------------------------------------------------------------------------ killed runs, reruns

@@ -7,6 +7,7 @@ small sample (input_sentence_size) and mostly BPE, which trains in seconds, to k
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ from transformers import AutoTokenizer
 
 from gptpipe.cli import main
 from gptpipe.config.core import ConfigError, load_config
-from gptpipe.stage import Manifest, StageInputError
+from gptpipe.data.indexed import read_dataset_manifest
+from gptpipe.stage import Manifest, StageInputError, file_fingerprint, manifest_fingerprint
 from gptpipe.tokenizer import hf
 from gptpipe.tokenizer.config import TokenizerConfig
 from gptpipe.stages import read_tokenizer
@@ -214,7 +216,7 @@ def test_missing_input_is_a_clear_error(tmp_path: Path, capfd: pytest.CaptureFix
     err = capfd.readouterr().err
     assert str(tmp_path / "nowhere" / "manifest.json") in err and "0_prepare_corpus.py" in err
     assert not (tmp_path / "tok").exists()
-    # A jsonl that did not come from stage 0 (no manifest next to it) is refused the same way.
+    # A file named like stage 0's output but without its manifest (a killed stage 0) is refused the same way.
     (tmp_path / "nowhere").mkdir()
     (tmp_path / "nowhere" / "corpus.jsonl").write_text('{"text": "テスト"}\n', encoding="utf-8")
     assert main(["train-tokenizer", "--config", str(config)]) == 2
@@ -234,16 +236,107 @@ def test_sample_holds_out_documents_and_cuts_long_lines(tmp_path: Path) -> None:
     docs[7] += "\n" + "長" * 1000  # 3,000 bytes on one line
     corpus.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in docs), encoding="utf-8")
     out = tmp_path / "sample.txt"
-    sample = sample_corpus(corpus, scan_corpus(corpus), out, size=50, max_bytes=256, heldout_documents=5, seed=3)
+    sample = sample_corpus([corpus], scan_corpus([corpus]), out, size=50, max_bytes=256, heldout_documents=5, seed=3)
     lines = out.read_text(encoding="utf-8").splitlines()
     assert sample.lines == len(lines) == 50 and len(sample.heldout) == 5 and sample.training_documents == 25
     heldout_ids = {t.split(" ")[0] for t in sample.heldout}
     assert not any(line.split(" ")[0] in heldout_ids for line in lines)
     assert all(len(line.encode("utf-8")) <= 256 for line in lines)
     # Everything fits when the sample size exceeds the corpus: every line of every training document.
-    everything = sample_corpus(corpus, scan_corpus(corpus), out, size=10_000, max_bytes=256, heldout_documents=5,
+    everything = sample_corpus([corpus], scan_corpus([corpus]), out, size=10_000, max_bytes=256, heldout_documents=5,
                                seed=3)
     cut = 0 if any(t.startswith("doc7 ") for t in everything.heldout) else 12  # 3,000 bytes → 12 pieces
     assert everything.lines == 25 * 10 + cut and everything.lines_cut == (cut > 0)
     pieces = cut_utf8("長" * 1000, 256)
     assert "".join(pieces) == "長" * 1000 and max(len(p.encode()) for p in pieces) == 255
+
+
+# --- the user's own jsonl files ----------------------------------------------------------------------
+
+def write_jsonl(path: Path, texts: list[str], extra_lines: list[bytes] = ()) -> Path:
+    lines = [json.dumps({"text": t}, ensure_ascii=False).encode() for t in texts]
+    path.write_bytes(b"\n".join([*lines[:10], *extra_lines, *lines[10:]]) + b"\n")
+    return path
+
+
+def test_trains_on_the_users_own_jsonl_counting_bad_lines_like_stages_0_and_2(
+        corpus_dir: Path, workspace: Path, tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """A jsonl outside any stage-0 folder, with bad lines: skipped and counted with stage 0's and 2's names."""
+    bad = [b"", b'{"text": broken', b'{"text": "\xff\xfe"}', b'{"text": "a\\ud800b"}', b'["text"]',
+           b'{"body": "x"}', b'{"text": 42}', b'{"text": ""}', b'{"text": "nul\\u0000ok"}']
+    mine = write_jsonl(tmp_path / "my.jsonl", documents(corpus_dir)[:600], bad)
+    out = tmp_path / "tok"
+    assert train(workspace, out, f"input={mine}", "model_type=bpe") == 0
+    c = counts(out)
+    skipped = {"blank line": 1, "invalid json": 1, "undecodable utf-8": 1, "lone surrogate": 1, "not an object": 1,
+               "missing key": 1, "not a string": 1, "empty": 1}
+    assert c["skipped"] == skipped and c["repaired"] == {"nul stripped": 1}
+    assert c["examples"]["invalid json"] == [f"{mine}:12"]
+    assert c["corpus_documents"] == 609 and c["training_documents"] + c["heldout_documents_verified"] == 601
+    assert "invalid json: 1 line(s) skipped" in capfd.readouterr().err
+    assert Manifest.read(out / "manifest.json").inputs == {"files": {str(mine): file_fingerprint(mine)}}
+
+    # Stages 0 and 2 on the same file count the same reasons.
+    config = str(workspace / "config.yaml")
+    assert main(["prepare", "--config", config, "corpus.sources.0.type=jsonl", f"corpus.sources.0.path={mine}",
+                 "corpus.dedup=false", "corpus.min_chars=0", f"corpus.output_dir={tmp_path / 'c0'}"]) == 0
+    prepared = Manifest.read(tmp_path / "c0" / "manifest.json").counts
+    assert prepared["dropped"] == skipped and prepared["notes"] == {"nul stripped": 1}
+    assert main(["tokenize", "--config", config, f"tokenize.input=[{mine}]", f"tokenize.tokenizer_dir={out}",
+                 f"tokenize.output_prefix={tmp_path / 'ids'}"]) == 0
+    tokenized = read_dataset_manifest(tmp_path / "ids_text_document").counts
+    assert tokenized["skipped"] == skipped and tokenized["repaired"] == {"nul stripped": 1}
+
+    # A changed file makes the tokenizer stale.
+    capfd.readouterr()
+    assert train(workspace, out, f"input={mine}", "model_type=bpe") == 0
+    assert "up to date" in capfd.readouterr().err
+    with open(mine, "ab") as fh:
+        fh.write(json.dumps({"text": "追加の文書です。"}, ensure_ascii=False).encode() + b"\n")
+    assert train(workspace, out, f"input={mine}", "model_type=bpe") == 0
+    assert "up to date" not in capfd.readouterr().err and counts(out)["corpus_documents"] == 610
+
+
+def test_trains_on_several_files_and_glob_patterns(corpus_dir: Path, workspace: Path, tmp_path: Path,
+                                                   capfd: pytest.CaptureFixture) -> None:
+    texts = documents(corpus_dir)[:600]
+    own = tmp_path / "own"
+    own.mkdir()
+    a, b = write_jsonl(own / "a.jsonl", texts[:300]), write_jsonl(own / "b.jsonl", texts[300:])
+    for i, given in enumerate((f"[{b}, {a}]", str(own / "*.jsonl"))):
+        out = tmp_path / f"tok{i}"
+        assert train(workspace, out, f"input={given}", "model_type=bpe") == 0
+        assert counts(out)["corpus_documents"] == 600
+        files = list(Manifest.read(out / "manifest.json").inputs["files"])
+        assert files == ([str(b), str(a)] if i == 0 else [str(a), str(b)])  # patterns expand sorted
+
+    assert train(workspace, tmp_path / "none", f"input=[{a}, {own / 'c*.jsonl'}]") == 2
+    assert f"input: {own / 'c*.jsonl'} matches no file" in capfd.readouterr().err
+    assert not (tmp_path / "none").exists()
+
+
+def test_stage0_output_needs_its_complete_manifest(corpus_dir: Path, tokenizer_dir: Path, workspace: Path,
+                                                   tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    # The shipped run trained on stage 0's output: its input is fingerprinted with stage 0's manifest.
+    corpus = corpus_dir / "corpus.jsonl"
+    assert Manifest.read(tokenizer_dir / "manifest.json").inputs == {"files": {str(corpus): {
+        **file_fingerprint(corpus), **manifest_fingerprint(corpus_dir / "manifest.json")}}}
+
+    # A copy of that folder whose manifest is missing (a killed stage 0) or not complete is refused.
+    copy = tmp_path / "corpus"
+    copy.mkdir()
+    shutil.copy2(corpus, copy / "corpus.jsonl")
+    mine = write_jsonl(tmp_path / "mine.jsonl", documents(corpus_dir)[:20])
+    assert train(workspace, tmp_path / "tok", f"input=[{mine}, {copy / 'corpus.jsonl'}]") == 2
+    err = capfd.readouterr().err
+    assert f"{copy / 'manifest.json'} not found" in err and "0_prepare_corpus.py" in err
+    manifest = json.loads((corpus_dir / "manifest.json").read_text(encoding="utf-8"))
+    (copy / "manifest.json").write_text(json.dumps({**manifest, "complete": False}), encoding="utf-8")
+    assert train(workspace, tmp_path / "tok", f"input={copy / 'corpus.jsonl'}") == 2
+    assert "the manifest is not marked complete" in capfd.readouterr().err
+    # An own file put into a stage-0 folder is not mistaken for its output.
+    (copy / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    shutil.copy2(mine, copy / "mine.jsonl")
+    assert train(workspace, tmp_path / "tok", f"input={copy / 'mine.jsonl'}") == 2
+    assert "is not an output of the prepare (stage 0) run" in capfd.readouterr().err
+    assert not (tmp_path / "tok").exists()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from gptpipe.stage import Manifest, StageInputError, manifest_fingerprint, outputs_intact
+from gptpipe.stage import Manifest, StageInputError, file_fingerprint, manifest_fingerprint, outputs_intact
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -93,6 +93,62 @@ TRAIN_TOKENIZER = Stage("1", "train-tokenizer", "python 1_train_sentencepiece_to
 TOKENIZE = Stage("2", "tokenize", "bash 2_tokenize.sh", "gptpipe.data.tokenize", beside_prefix=True)
 TRAIN = Stage("3", "train", "bash 3_train_node1.sh", "gptpipe.train.train")  # checkpoints carry markers, no manifest
 CONVERT = Stage("4", "convert", "bash 4_convert_to_HF.sh", "gptpipe.export.convert", usable=_verified)
+
+
+def check_input_files(patterns: list[Path], key: str, upstream: Stage,
+                      upstream_file: str) -> tuple[list[Path], dict[str, Any]]:
+    """The plain jsonl files that config key ``key`` lists, checked before any work, and their fingerprints
+    for the manifest's inputs. Every stage reading jsonl takes its input through here.
+
+    ``patterns`` are paths or glob patterns (each expanded in sorted order). Any readable file will do, a
+    user's own jsonl too, except an upstream stage's output that its manifest does not vouch for: a file
+    named ``upstream_file`` (the name that stage writes) or lying beside its manifest must be listed,
+    intact, by that complete manifest, because a killed run leaves the old file without one. Its
+    fingerprint then also holds the manifest's hash, so rerunning the upstream stage reruns this one.
+    """
+    files: list[Path] = []
+    problems: list[str] = []
+    for pattern in patterns:
+        if any(ch in str(pattern) for ch in "*?["):
+            matched = sorted(p for p in Path(pattern.anchor).glob(str(pattern.relative_to(pattern.anchor)))
+                             if p.is_file())
+            if not matched:
+                problems.append(f"{key}: {pattern} matches no file")
+            files += matched
+        else:
+            files.append(pattern)
+    fingerprints: dict[str, Any] = {}
+    for path in files:
+        manifest_path = upstream.manifest_path(path.parent)
+        if path.name == upstream_file or manifest_path.is_file():
+            try:
+                manifest = upstream.require(path.parent)
+            except StageInputError as exc:
+                why = f"named {upstream_file}" if path.name == upstream_file else f"beside {manifest_path}"
+                problems.append(f"{key}: {path} is {why}, so it is taken as an output of {upstream.title}, accepted "
+                                f"only with that run's complete manifest (your own jsonl? name it otherwise): {exc}")
+                continue
+            if path.name not in manifest.outputs:
+                problems.append(f"{key}: {path} is not an output of the {upstream.title} run recorded in {manifest_path} "
+                                f"(it lists {', '.join(manifest.outputs)}); keep your own files out of that folder")
+                continue
+            fingerprints[str(path)] = {**file_fingerprint(path), **manifest_fingerprint(manifest_path)}
+        elif not path.is_file():
+            problems.append(f"{key}: {path} not found. {upstream.hint()} (or list your own jsonl files in {key})")
+            continue
+        else:
+            fingerprints[str(path)] = file_fingerprint(path)
+        try:
+            with open(path, "rb") as f:
+                if f.read(2) == b"\x1f\x8b":
+                    problems.append(f"{key}: {path} is gzip-compressed; this stage reads plain jsonl (stage 2 "
+                                    "splits it into byte ranges). Decompress it, or list it as a jsonl source of "
+                                    "stage 0")
+        except OSError as exc:
+            problems.append(f"{key}: {path} cannot be read ({exc.strerror})")
+    if problems:
+        raise StageInputError("\n  ".join(problems))
+    return files, fingerprints
 
 
 # --- typed outputs ----------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Readers for stage 0's sources. Each yields Record(origin, text, problem) and never raises on bad data:
-an unreadable record carries the reason instead of text, so the stage can count and report it."""
+an unreadable record carries the reason instead of text, so the stage can count and report it. jsonl
+records are checked as in stages 1 and 2, with the same reason names (data/jsonl.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any, Iterator
 
 from gptpipe.corpus.config import SourceConfig
 from gptpipe.corpus.manpages import find_manpages, read_manpage, roff_to_text
+from gptpipe.data.jsonl import INVALID_JSON, UNDECODABLE, object_text, record_text
 from gptpipe.stage import StageInputError, tree_fingerprint
 
 
@@ -87,39 +89,20 @@ def _jsonl(source: SourceConfig) -> Iterator[Record]:
                 yield from _json_array(path, fh.read(), source.text_key)
                 continue
             for lineno, raw in enumerate(fh, 1):
-                yield _json_record(f"{path}:{lineno}", raw, source.text_key)
-
-
-def _json_record(origin: str, raw: bytes, text_key: str) -> Record:
-    if not raw.strip():
-        return Record(origin, problem="blank line")
-    try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return Record(origin, problem="invalid UTF-8")
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError:
-        return Record(origin, problem="invalid JSON")
-    return _object_record(origin, obj, text_key)
-
-
-def _object_record(origin: str, obj: Any, text_key: str) -> Record:
-    if not isinstance(obj, dict) or text_key not in obj:
-        return Record(origin, problem=f"no '{text_key}' field")
-    if not isinstance(obj[text_key], str):
-        return Record(origin, problem=f"'{text_key}' is not a string")
-    return Record(origin, obj[text_key])
+                yield Record(f"{path}:{lineno}", *record_text(raw, source.text_key))
 
 
 def _json_array(path: Path, data: bytes, text_key: str) -> Iterator[Record]:
     try:
         items = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        yield Record(str(path), problem=f"invalid JSON file ({type(exc).__name__})")
+    except UnicodeDecodeError:
+        yield Record(str(path), problem=UNDECODABLE)
+        return
+    except json.JSONDecodeError:
+        yield Record(str(path), problem=INVALID_JSON)
         return
     for i, obj in enumerate(items):
-        yield _object_record(f"{path}[{i}]", obj, text_key)
+        yield Record(f"{path}[{i}]", *object_text(obj, text_key))
 
 
 def _text(source: SourceConfig) -> Iterator[Record]:
@@ -162,4 +145,4 @@ def _hf_dataset(source: SourceConfig) -> Iterator[Record]:
                 raise StageInputError(f"hf_dataset {path}: neither a save_to_disk folder nor .parquet files")
             ds = datasets.load_dataset("parquet", data_files=files, split="train")
     for i, row in enumerate(ds):
-        yield _object_record(f"{label}[{i}]", row, source.text_key)
+        yield Record(f"{label}[{i}]", *object_text(row, source.text_key))

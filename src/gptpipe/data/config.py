@@ -14,7 +14,8 @@ class TokenizeConfig:
     """Stage 2: jsonl → Megatron indexed dataset (<output_prefix>_text_document.bin/.idx)."""
 
     input: list[Path] = option(factory=lambda: [Path("data/corpus/corpus.jsonl")],
-                               doc="jsonl file(s) to tokenize, one {text_key: ...} object per line")
+                               doc="jsonl file(s) to tokenize, one {text_key: ...} object per line: paths or "
+                                   "glob patterns (data/*.jsonl), each expanded in sorted order")
     tokenizer_dir: Path = option(Path("tokenizers/ja_32k"), "stage-1 output folder (its tokenizer.model is used)")
     output_prefix: Path = option(Path("data/tokenized/ja"), "writes <output_prefix>_text_document.bin/.idx")
     text_key: str = option("text", "the field of each json object that holds the document")

@@ -13,7 +13,9 @@ from gptpipe.config.core import option
 class TokenizerConfig:
     """Stage 1: train a SentencePiece tokenizer and export it as a HuggingFace fast tokenizer."""
 
-    input: Path = option(Path("data/corpus/corpus.jsonl"), "training text: the stage-0 corpus (jsonl)")
+    input: Path | list[Path] = option(
+        Path("data/corpus/corpus.jsonl"), "training text: jsonl file(s) with a \"text\" string per line, e.g. the "
+        "stage-0 corpus or your own; a path, a list of paths, or glob patterns (data/*.jsonl)")
     output_dir: Path = option(Path("tokenizers/ja_32k"), "folder for tokenizer.model/.vocab, hf/ and the manifest")
     model_prefix: str = option("tokenizer", "file name stem of the .model/.vocab files")
     vocab_size: int = option(32000, "number of pieces, special tokens included")

@@ -1,16 +1,16 @@
 """Training text for SentencePiece with bounded host RAM: held-out documents and a reservoir sample of lines.
 
 The original pipeline loaded the whole corpus into the trainer (6 GB of text took ~30 GB of RAM). Here the
-corpus is streamed twice: a byte scan counts documents (and estimates lines) so held-out documents can be
-drawn up front, then every line of every other document goes through reservoir sampling, so at most
-``input_sentence_size`` lines are ever held, whatever the corpus size. Documents are split on newlines
-(the newline is a user-defined piece, never learned), and lines longer than ``max_sentence_length`` bytes
-are cut, because SentencePiece silently skips longer sentences.
+corpus (one or more jsonl files, taken as one stream) is read twice: a byte scan counts documents (and
+estimates lines) so held-out documents can be drawn up front, then every line of every other document goes
+through reservoir sampling, so at most ``input_sentence_size`` lines are ever held, whatever the corpus
+size. Documents are split on newlines (the newline is a user-defined piece, never learned), and lines
+longer than ``max_sentence_length`` bytes are cut, because SentencePiece silently skips longer sentences.
+jsonl records that hold no document are skipped and counted by reason, as in stages 0 and 2.
 """
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,16 +18,18 @@ from typing import Callable, Iterator
 
 from tqdm import tqdm
 
+from gptpipe.data.jsonl import Reasons, record_text
 from gptpipe.stage import StageInputError
 
 READ_CHUNK = 1 << 24
+TEXT_KEY = "text"  # the key stage 0 writes, and the original pipeline's
 
 
 @dataclass
 class CorpusScan:
     """What one fast byte pass over the jsonl tells before any parsing."""
 
-    documents: int
+    documents: int  # jsonl lines, bad ones included
     lines_estimate: int  # documents + escaped newlines inside them
     bytes: int
 
@@ -42,21 +44,24 @@ class Sample:
     lines_cut: int = 0  # lines longer than max_sentence_length bytes, cut into several
     training_documents: int = 0
     heldout: list[str] = field(default_factory=list)
+    reasons: Reasons = field(default_factory=Reasons)  # the jsonl lines skipped (or repaired), by reason
 
 
-def scan_corpus(path: Path) -> CorpusScan:
+def scan_corpus(files: list[Path]) -> CorpusScan:
     """Count documents (jsonl lines) and estimate text lines (each escaped "\\n" is one more) at disk speed."""
     documents = escaped_newlines = size = 0
-    last = b"\n"
-    with open(path, "rb") as fh, tqdm(total=path.stat().st_size, unit="B", unit_scale=True,
-                                      desc="stage 1: scanning corpus", mininterval=1.0) as bar:
-        while chunk := fh.read(READ_CHUNK):
-            documents += chunk.count(b"\n")
-            escaped_newlines += chunk.count(b"\\n")
-            size += len(chunk)
-            last = chunk[-1:]
-            bar.update(len(chunk))
-    documents += last != b"\n"  # a last line without its newline
+    with tqdm(total=sum(p.stat().st_size for p in files), unit="B", unit_scale=True,
+              desc="stage 1: scanning corpus", mininterval=1.0) as bar:
+        for path in files:
+            last = b"\n"
+            with open(path, "rb") as fh:
+                while chunk := fh.read(READ_CHUNK):
+                    documents += chunk.count(b"\n")
+                    escaped_newlines += chunk.count(b"\\n")
+                    size += len(chunk)
+                    last = chunk[-1:]
+                    bar.update(len(chunk))
+            documents += last != b"\n"  # a last line without its newline
     return CorpusScan(documents, documents + escaped_newlines, size)
 
 
@@ -75,25 +80,22 @@ def cut_utf8(line: str, max_bytes: int) -> list[str]:
     return pieces
 
 
-def _documents(path: Path, bar: tqdm) -> Iterator[tuple[int, str | None]]:
-    """(line number, text) of every document in the jsonl; a malformed line is a clear error."""
-    with open(path, "rb") as fh:
-        for number, raw in enumerate(fh, start=1):
-            bar.update(len(raw))
-            if not raw.strip():
-                yield number, None
-                continue
-            try:
-                text = json.loads(raw)["text"]
-                if not isinstance(text, str):
-                    raise TypeError
-            except (ValueError, KeyError, TypeError):
-                raise StageInputError(f"{path}:{number}: not a JSON object with a string \"text\" "
-                                      "(the corpus should come from stage 0)") from None
-            yield number, text
+def _documents(files: list[Path], bar: tqdm, reasons: Reasons) -> Iterator[tuple[int, str]]:
+    """(line number across all files, text) of every document; lines holding none are counted in ``reasons``."""
+    number = 0
+    for path in files:
+        with open(path, "rb") as fh:
+            for line_in_file, raw in enumerate(fh, start=1):
+                number += 1
+                bar.update(len(raw))
+                text, reason = record_text(raw, TEXT_KEY)
+                if reason:
+                    reasons.add(reason, f"{path}:{line_in_file}")
+                if text is not None:
+                    yield number, text
 
 
-def sample_corpus(path: Path, scan: CorpusScan, out_path: Path, size: int, max_bytes: int,
+def sample_corpus(files: list[Path], scan: CorpusScan, out_path: Path, size: int, max_bytes: int,
                   heldout_documents: int, seed: int, presplit: Callable[[str], str] | None = None) -> Sample:
     """Hold out ``heldout_documents`` random documents, reservoir-sample ``size`` lines of the rest into
     ``out_path`` (one per line), pre-split by ``presplit`` when given. Returns the counts and held-out texts."""
@@ -102,9 +104,7 @@ def sample_corpus(path: Path, scan: CorpusScan, out_path: Path, size: int, max_b
     sample = Sample()
     reservoir: list[str] = []
     with tqdm(total=scan.bytes, unit="B", unit_scale=True, desc="stage 1: sampling lines", mininterval=1.0) as bar:
-        for number, text in _documents(path, bar):
-            if text is None:
-                continue
+        for number, text in _documents(files, bar, sample.reasons):
             if number in heldout_lines:
                 sample.heldout.append(text)
                 continue
@@ -124,7 +124,9 @@ def sample_corpus(path: Path, scan: CorpusScan, out_path: Path, size: int, max_b
                         if slot < size:
                             reservoir[slot] = piece
     if not reservoir:
-        raise StageInputError(f"{path}: no training text left after holding out {len(sample.heldout)} documents")
+        skipped = f"; skipped lines: {sample.reasons.summary()}" if sample.reasons.counts else ""
+        raise StageInputError(f"{', '.join(map(str, files))}: no training text left after holding out "
+                              f"{len(sample.heldout)} documents{skipped}")
     lines = tqdm(reservoir, desc="stage 1: morpheme split" if presplit else "stage 1: writing sample",
                  unit=" line", mininterval=1.0)
     with open(out_path, "w", encoding="utf-8") as out:

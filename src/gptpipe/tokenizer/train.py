@@ -1,6 +1,6 @@
 """Stage 1: train the SentencePiece tokenizer on a bounded sample of the corpus, export and verify it.
 
-Steps: scan the stage-0 corpus; hold out documents and reservoir-sample training lines (sample.py); train
+Steps: scan the corpus (the stage-0 output or the user's own jsonl files); hold out documents and reservoir-sample training lines (sample.py); train
 SentencePiece (unigram or BPE, ids unk=0 <unk>, bos=1 <s>, eos=2 </s>, pad=3 <pad>, then the user-defined
 symbols); round its scores (hf.py explains why); write the HF fast tokenizer; check that HF and
 SentencePiece give identical ids on the held-out documents and the tricky strings (and, with identity
@@ -26,9 +26,9 @@ from typing import Any, Iterator
 
 from tqdm import tqdm
 
-from gptpipe.stage import (StageFailed, StageInputError, StageResult, atomic_dir, atomic_path, run_stage,
-                           say)
-from gptpipe.stages import PREPARE, TOKENIZER_HF_DIR, TRAIN_TOKENIZER
+from gptpipe.corpus.prepare import CORPUS_FILE
+from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_dir, atomic_path, run_stage, say
+from gptpipe.stages import PREPARE, TOKENIZER_HF_DIR, TRAIN_TOKENIZER, check_input_files
 from gptpipe.tokenizer import hf
 from gptpipe.tokenizer.config import TokenizerConfig
 from gptpipe.tokenizer.morpheme import DELIMITER, MorphemeSplitter, crossing_share
@@ -152,20 +152,22 @@ def verify(model_path: Path, hf_dir: Path, heldout: list[str], identity: bool) -
             "chars_per_token": round(chars / tokens, 4) if tokens else None}
 
 
-def _sampling(config: TokenizerConfig, splitter: MorphemeSplitter | None, text_path: Path) -> tuple[CorpusScan, Sample]:
-    scan = scan_corpus(config.input)
-    say(f"[{STAGE}] {config.input}: {scan.documents:,} documents, ~{scan.lines_estimate:,} lines, "
+def _sampling(config: TokenizerConfig, files: list[Path], splitter: MorphemeSplitter | None,
+              text_path: Path) -> tuple[CorpusScan, Sample]:
+    scan = scan_corpus(files)
+    say(f"[{STAGE}] {', '.join(map(str, files))}: {scan.documents:,} documents, ~{scan.lines_estimate:,} lines, "
         f"{scan.bytes / MIB:,.0f} MiB")
     expected_share = min(1.0, config.input_sentence_size / max(1, scan.lines_estimate))
     _log_ram_estimate(f"sampling up to {config.input_sentence_size:,} lines", scan.bytes * expected_share)
-    sample = sample_corpus(config.input, scan, text_path, config.input_sentence_size, config.max_sentence_length,
+    sample = sample_corpus(files, scan, text_path, config.input_sentence_size, config.max_sentence_length,
                            config.heldout_documents, config.seed, splitter.presplit if splitter else None)
     say(f"[{STAGE}] sampled {sample.lines:,} of {sample.lines_seen:,} lines from {sample.training_documents:,} "
         f"documents ({sample.lines_cut:,} long lines cut); held out {len(sample.heldout):,} documents")
+    sample.reasons.report(STAGE, scan.documents)
     return scan, sample
 
 
-def train_tokenizer(config: TokenizerConfig, splitter: MorphemeSplitter | None) -> StageResult:
+def train_tokenizer(config: TokenizerConfig, files: list[Path], splitter: MorphemeSplitter | None) -> StageResult:
     """The stage's work: returns its outputs and counts; raises VerificationError on any HF mismatch."""
     out = config.output_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -180,7 +182,7 @@ def train_tokenizer(config: TokenizerConfig, splitter: MorphemeSplitter | None) 
 
     with tempfile.TemporaryDirectory(prefix=".train-", dir=out) as tmp_name:
         tmp = Path(tmp_name)
-        scan, sample = _sampling(config, splitter, tmp / "sample.txt")
+        scan, sample = _sampling(config, files, splitter, tmp / "sample.txt")
         lap("sample_s")
         estimate = _log_ram_estimate("training", sample.bytes)
         train_sentencepiece(config, tmp / "sample.txt", tmp / config.model_prefix)
@@ -210,7 +212,8 @@ def train_tokenizer(config: TokenizerConfig, splitter: MorphemeSplitter | None) 
         "vocab_size": len(proto.pieces), **ids, "eod_id": ids[f"{EOD}_id"], "eod_piece": SPECIAL_PIECES[EOD][1],
         "user_defined_ids": {p.piece: i for i, p in enumerate(proto.pieces) if p.type == hf.Piece.USER_DEFINED},
         **report,
-        "corpus_documents": scan.documents, "training_documents": sample.training_documents,
+        "corpus_documents": scan.documents, **sample.reasons.manifest_counts(),
+        "training_documents": sample.training_documents,
         "corpus_lines": sample.lines_seen, "training_lines_sampled": sample.lines, "long_lines_cut": sample.lines_cut,
         "sample_mib": round(sample.bytes / MIB, 2),
         "estimated_peak_rss_mib": round(estimate), "peak_rss_mib": round(_peak_rss_mib()),
@@ -228,11 +231,8 @@ def _peak_rss_mib() -> float:
 
 
 def run(config: TokenizerConfig, args: argparse.Namespace) -> int:
-    upstream = PREPARE.require(config.input.parent)
-    if config.input.name not in upstream.outputs:
-        raise StageInputError(f"{config.input} is not an output of the stage-0 run recorded in "
-                              f"{PREPARE.manifest_path(config.input.parent)} "
-                              f"(it lists {', '.join(upstream.outputs)}). {PREPARE.hint()}")
+    files, fingerprints = check_input_files(config.input if isinstance(config.input, list) else [config.input],
+                                            "input", PREPARE, CORPUS_FILE)
     splitter = None
     if config.pretokenize == "morpheme":
         try:
@@ -240,7 +240,7 @@ def run(config: TokenizerConfig, args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise StageInputError(str(exc)) from None
     versions = ("sentencepiece", "tokenizers", "transformers") + (("fugashi", "unidic-lite") if splitter else ())
-    inputs = {"corpus": {"path": str(config.input), **PREPARE.fingerprint(config.input.parent)}}
-    run_stage(TRAIN_TOKENIZER, config.output_dir, config, inputs, lambda: train_tokenizer(config, splitter),
+    run_stage(TRAIN_TOKENIZER, config.output_dir, config, {"files": fingerprints},
+              lambda: train_tokenizer(config, files, splitter),
               force=args.force, versions=versions)
     return 0

@@ -1,0 +1,150 @@
+"""jsonl records → document texts, the same way in every stage, and the reasons a record gives none.
+
+Stages 0, 1 and 2 read a jsonl line with :func:`record_text` (stage 0 also reads whole .json arrays and
+dataset rows with :func:`object_text`). A line that cannot become a document is skipped and counted by
+reason in a :class:`Reasons`, with file:line examples; a stage fails only when nothing usable is left.
+The reasons:
+
+    blank line          only whitespace
+    undecodable utf-8   the bytes are not UTF-8
+    invalid json        not parseable as JSON
+    lone surrogate      JSON with lone surrogate escapes (\\ud800): no text sentencepiece could encode
+    not an object       JSON, but not an object
+    missing key         the object has no text key
+    not a string        the text key holds a number, list, null, ...
+    empty               the text is "" (also after removing NULs)
+    too long            over the stage's character limit (or a line too long to hold one)
+
+NUL characters are removed and the document kept (counted as "nul stripped", a repair): they come from
+binary junk or broken extraction and mean nothing to a language model.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from typing import Any, Mapping
+
+import orjson
+
+from gptpipe.stage import say
+
+BLANK = "blank line"
+UNDECODABLE = "undecodable utf-8"
+INVALID_JSON = "invalid json"
+LONE_SURROGATE = "lone surrogate"
+NOT_AN_OBJECT = "not an object"
+MISSING_KEY = "missing key"
+NOT_A_STRING = "not a string"
+EMPTY = "empty"
+TOO_LONG = "too long"
+NUL_STRIPPED = "nul stripped"
+REPAIRS = (NUL_STRIPPED,)  # reasons counted for documents that are kept
+NO_LIMIT = sys.maxsize
+EXAMPLES_PER_REASON = 5
+
+_MISSING = object()
+
+
+def record_text(line: bytes | None, text_key: str, max_chars: int = NO_LIMIT,
+                max_line_bytes: int = NO_LIMIT) -> tuple[str | None, str | None]:
+    """(text or None, reason or None): the document in one jsonl line, or why there is none (or what was
+    repaired). ``line`` is None for a line too long to have been read whole; a trailing newline is fine."""
+    # The length test also applies to lines that happened to be read whole, so stage 2's outcome never
+    # depends on where its blocks and ranges were cut.
+    if line is None or len(line) > max_line_bytes:
+        return None, TOO_LONG
+    try:
+        return object_text(orjson.loads(line), text_key, max_chars)  # also rejects bad UTF-8, lone surrogates
+    except orjson.JSONDecodeError:
+        return _record_text_slowly(line, text_key, max_chars)
+
+
+def object_text(obj: Any, text_key: str, max_chars: int = NO_LIMIT) -> tuple[str | None, str | None]:
+    """(text or None, reason or None) of one parsed record."""
+    if not isinstance(obj, dict):
+        return None, NOT_AN_OBJECT
+    text = obj.get(text_key, _MISSING)
+    if text is _MISSING:
+        return None, MISSING_KEY
+    if not isinstance(text, str):
+        return None, NOT_A_STRING
+    if len(text) > max_chars:
+        return None, TOO_LONG
+    reason = None
+    if "\x00" in text:
+        text, reason = text.replace("\x00", ""), NUL_STRIPPED
+    if not text:
+        return None, EMPTY
+    return text, reason
+
+
+def _record_text_slowly(line: bytes, text_key: str, max_chars: int) -> tuple[str | None, str | None]:
+    """The rare lines orjson refuses: name the problem, or accept what the stdlib reads (BOM, NaN, 1e400)."""
+    if not line.strip():
+        return None, BLANK
+    try:
+        decoded = line.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        return None, UNDECODABLE
+    try:
+        obj = json.loads(decoded)
+    except ValueError:
+        return None, INVALID_JSON
+    text, reason = object_text(obj, text_key, max_chars)
+    if text is not None:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return None, LONE_SURROGATE
+    return text, reason
+
+
+class Reasons:
+    """Skipped (and repaired) records counted by reason, with the first few places of each.
+
+    A place is "file:line"; inside a stage-2 worker it is the line number within its byte range, made
+    "file:line" by the main process (data/ranges.py LineNumbers) before the workers' counts are merged.
+    """
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.examples: dict[str, list[Any]] = {}
+
+    def add(self, reason: str, where: Any) -> None:
+        self.counts[reason] += 1
+        examples = self.examples.setdefault(reason, [])
+        if len(examples) < EXAMPLES_PER_REASON:
+            examples.append(where)
+
+    def merge(self, counts: Mapping[str, int], examples: Mapping[str, list[Any]]) -> None:
+        """Add another part's counts (a worker's range, a shard's manifest); examples stay in input order."""
+        self.counts.update(counts)
+        for reason, where in examples.items():
+            kept = self.examples.setdefault(reason, [])
+            kept.extend(where[:EXAMPLES_PER_REASON - len(kept)])
+
+    def merge_manifest(self, counts: Mapping[str, Any]) -> None:
+        """Add the reasons a stage's manifest counts hold (see :meth:`manifest_counts`)."""
+        self.merge({**counts["skipped"], **counts["repaired"]}, counts["examples"])
+
+    @property
+    def skipped(self) -> int:
+        return sum(n for reason, n in self.counts.items() if reason not in REPAIRS)
+
+    def manifest_counts(self) -> dict[str, Any]:
+        """The manifest's "skipped", "repaired" and "examples" counts, the same in every stage."""
+        return {"skipped": {r: n for r, n in sorted(self.counts.items()) if r not in REPAIRS},
+                "repaired": {r: n for r, n in sorted(self.counts.items()) if r in REPAIRS},
+                "examples": dict(self.examples)}
+
+    def summary(self) -> str:
+        return ", ".join(f"{reason}: {n:,}" for reason, n in self.counts.most_common())
+
+    def report(self, stage: str, lines: int) -> None:
+        for reason, n in self.counts.most_common():
+            what = "kept, repaired" if reason in REPAIRS else "skipped"
+            say(f"[{stage}]   {reason}: {n:,} line(s) {what}, e.g. {', '.join(map(str, self.examples.get(reason, [])))}")
+        if self.skipped:
+            say(f"[{stage}] skipped {self.skipped:,} of {lines:,} lines; every other line became a document")
