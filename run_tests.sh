@@ -8,4 +8,8 @@ bash scripts/setup_env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}
 export WANDB_MODE=${WANDB_MODE:-offline}
-exec .venv/bin/python -m pytest -q "$@"
+status=0
+.venv/bin/python -m pytest -q "$@" || status=$?
+# pytest's 5 is "no tests collected": a typo in -k or a path, never a pass.
+[ "$status" != 5 ] || echo "run_tests.sh: pytest collected no tests (exit 5): check the -k expression or paths" >&2
+exit "$status"

@@ -18,6 +18,7 @@ allocator-slack margin left out): the issue's target is within ±10%.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -79,8 +80,8 @@ def main() -> None:
                                  dist.device)
 
     generator = torch.Generator().manual_seed(0)
-    batch = torch.randint(0, VOCAB, (args.micro, args.seq + 1), generator=generator)
-    batch = {"input_ids": batch[:, :-1].contiguous().to(dist.device), "labels": batch[:, 1:].contiguous().to(dist.device)}
+    tokens = torch.randint(0, VOCAB, (args.micro, args.seq + 1), generator=generator).to(dist.device)
+    batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
     stop = _NeverStop()
     for _ in range(args.warmup):
         train_step(engine, [batch], stop)
@@ -108,6 +109,8 @@ def main() -> None:
               f"{' liger' if fused else ''} | {name} ×{dist.world_size} | {tokens_per_s:,.0f} tok/s | MFU {mfu} | "
               f"peak {measured:.1f} GiB (planned {planned:.1f}) | loss {loss:.3f} |")
         print(f"command: {os.path.basename(sys.executable)} {' '.join(sys.argv)}", file=sys.stderr)
+    if not math.isfinite(loss):  # CI runs --smoke: a diverged step is a broken training path, not a slow one
+        sys.exit(f"loss is {loss}: the training step is broken")
 
 
 if __name__ == "__main__":

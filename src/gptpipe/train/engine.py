@@ -25,7 +25,8 @@ from gptpipe.train.config import TrainConfig
 from gptpipe.train.model import build_model, parameter_groups
 from gptpipe.train.schedule import Schedule
 
-TEMPLATE = Path(__file__).resolve().parents[3] / "original_codes" / "ds_config_gpt_TEMPLATE.json"
+# Package data, so a plain `pip install .` has it too; original_codes/ds_config_gpt_TEMPLATE.json links here.
+TEMPLATE = Path(__file__).resolve().parent / "ds_config_gpt_TEMPLATE.json"
 # Keys config.yaml owns: the template must leave them "auto" (or agree), so precision and batch
 # size can never disagree between the two files as they did in the original (bf16 vs fp16).
 AUTO = "auto"
