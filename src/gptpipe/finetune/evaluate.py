@@ -40,7 +40,7 @@ class EvaluateConfig:
     limit: int | None = option(None, "evaluate only the first N documents of each task (None: all)")
     device: str = option("auto", "cpu, cuda, cuda:1, ... (auto: cuda when available)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
-        "auto", "weights' dtype while evaluating (auto: as saved)")
+        "auto", "weights' dtype while evaluating (auto: float32 on CPU, where bf16 is slow; as saved on GPU)")
     seed: int = option(1234, "seed of the few-shot example sampling")
     output_dir: Path | None = option(None, "where the results go (None: <model_dir>/evaluation)")
     demo_task: DemoTaskConfig = option(factory=DemoTaskConfig, doc="gptpipe make-demo-task")
@@ -202,12 +202,12 @@ def read_results(folder: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
-def _device(name: str) -> str:
-    if name != "auto":
-        return name
+def _device_and_dtype(config: EvaluateConfig) -> tuple[str, str]:
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    device = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = config.dtype if config.dtype != "auto" or device != "cpu" else "float32"
+    return device, dtype
 
 
 def evaluate(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
@@ -227,10 +227,11 @@ def evaluate(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
         import lm_eval
 
         manager = load_tasks(specs)
+        device, dtype = _device_and_dtype(config)
         started = time.time()
         raw = lm_eval.simple_evaluate(
-            model="hf", model_args={"pretrained": str(folder), "dtype": config.dtype},
-            tasks=specs, num_fewshot=config.num_fewshot, batch_size=config.batch_size, device=_device(config.device),
+            model="hf", model_args={"pretrained": str(folder), "dtype": dtype},
+            tasks=specs, num_fewshot=config.num_fewshot, batch_size=config.batch_size, device=device,
             limit=config.limit, task_manager=manager, log_samples=True, random_seed=config.seed,
             numpy_random_seed=config.seed, torch_random_seed=config.seed, fewshot_random_seed=config.seed)
         if raw is None:
@@ -238,7 +239,7 @@ def evaluate(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
         tasks = summarize(raw)
         for task, baseline in majority_baselines(raw).items():
             tasks[task]["majority_baseline"] = baseline
-        results = {"model": str(folder), "num_fewshot": config.num_fewshot, "limit": config.limit, "tasks": tasks,
+        results = {"model": str(folder), "device": device, "dtype": dtype, "num_fewshot": config.num_fewshot, "limit": config.limit, "tasks": tasks,
                    "versions": raw.get("versions", {}), "configs": raw.get("configs", {})}
         written = []
         for name, text in (("results.json", json.dumps(results, ensure_ascii=False, indent=2, default=str) + "\n"),
