@@ -124,3 +124,13 @@ def main(argv: list[str] | None = None) -> int:
 def run_script(command: str) -> None:
     """Entry point of the numbered top-level scripts: ``python 0_prepare_corpus.py [args]``."""
     raise SystemExit(main([command, *sys.argv[1:]]))
+
+
+# Stage 7 (fine-tune and evaluate): evaluate_config.yaml.
+EVALUATE = "gptpipe.finetune.evaluate:EvaluateConfig"
+COMMANDS += [
+    Command("make-demo-task", "stage 7 demo: build the man-page section task (description → section) as "
+            "train/validation/test TSV files", "gptpipe.finetune.demo_task:run", EVALUATE, "evaluate_config.yaml"),
+    Command("evaluate", "stage 7: zero/few-shot evaluation of an exported HF folder with lm-evaluation-harness",
+            "gptpipe.finetune.evaluate:run", EVALUATE, "evaluate_config.yaml"),
+]

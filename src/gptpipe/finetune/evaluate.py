@@ -1,0 +1,264 @@
+"""`gptpipe evaluate`: zero/few-shot evaluation of an exported HF folder with lm-evaluation-harness.
+
+Tasks are lm-eval registry names (their datasets come from the HuggingFace hub, so they need the network),
+local task YAMLs, or ``manpage_section``: the demo task `gptpipe make-demo-task` wrote, which runs offline.
+Results (every metric ± its standard error, and for multiple-choice tasks the majority-class baseline beside
+them) go to ``<model folder>/evaluation/``: results.json, results.md, manifest.json last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from gptpipe.config.core import load_config, option
+from gptpipe.finetune.demo_task import TASK_NAME, DemoTaskConfig
+from gptpipe.stage import (StageFailed, StageInputError, StageResult, atomic_path, manifest_fingerprint,
+                           require_manifest, run_stage, say, tree_fingerprint)
+
+STAGE = "evaluate"
+
+
+@dataclass
+class EvaluateConfig:
+    """`gptpipe evaluate` and `gptpipe make-demo-task` (its demo_task section): evaluate_config.yaml."""
+
+    model_dir: Path | None = option(
+        None, "HuggingFace folder to evaluate (None: output_tokenizer_and_model_dir of convert_config)")
+    convert_config: Path = option(Path("convert_config.yaml"), "stage 4's config, which names the exported folder")
+    tasks: list[str] = option(
+        factory=lambda: [TASK_NAME],
+        doc=f"lm-eval task or group names (hub datasets: need the network); {TASK_NAME}: the demo task")
+    task_yamls: list[Path] = option(
+        factory=list, doc="local lm-eval task YAMLs; relative data_files in them are relative to the YAML")
+    num_fewshot: int = option(0, "examples from the task's few-shot split put before each question")
+    batch_size: int = option(8, "documents per forward pass")
+    limit: int | None = option(None, "evaluate only the first N documents of each task (None: all)")
+    device: str = option("auto", "cpu, cuda, cuda:1, ... (auto: cuda when available)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+        "auto", "weights' dtype while evaluating (auto: float32 on CPU, where bf16 is slow; as saved on GPU)")
+    seed: int = option(1234, "seed of the few-shot example sampling")
+    output_dir: Path | None = option(None, "where the results go (None: <model_dir>/evaluation)")
+    demo_task: DemoTaskConfig = option(factory=DemoTaskConfig, doc="gptpipe make-demo-task")
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        if not self.tasks and not self.task_yamls:
+            problems.append(("tasks", "give at least one task name or task YAML"))
+        if self.num_fewshot < 0:
+            problems.append(("num_fewshot", "must be >= 0"))
+        if self.batch_size < 1:
+            problems.append(("batch_size", "must be >= 1"))
+        if self.limit is not None and self.limit < 1:
+            problems.append(("limit", "must be >= 1 or null"))
+        return problems
+
+
+def model_folder(config: EvaluateConfig) -> Path:
+    """model_dir, or the folder stage 4 exports to; it must hold a HF model."""
+    if config.model_dir is None:
+        from gptpipe.export.config import ConvertConfig
+
+        folder = load_config(ConvertConfig, config.convert_config).output_tokenizer_and_model_dir
+    else:
+        folder = config.model_dir
+    if not (folder / "config.json").is_file():
+        raise StageInputError(f"{folder} holds no HuggingFace model (config.json missing). Export one first: "
+                              "gptpipe convert, or set model_dir")
+    return folder
+
+
+def local_task(path: Path) -> dict[str, Any]:
+    """A task YAML as lm-eval reads it, with relative data_files/data_dir resolved against the YAML's folder
+    (as our configs resolve paths), so a task folder works from any current directory."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    if not path.is_file():
+        raise StageInputError(f"task YAML {path} not found")
+    task = load_yaml(path, resolve_func=True)
+    kwargs = task.get("dataset_kwargs") or {}
+
+    def resolve(files: Any) -> Any:
+        if isinstance(files, dict):
+            return {k: resolve(v) for k, v in files.items()}
+        if isinstance(files, list):
+            return [resolve(v) for v in files]
+        return str((path.parent / files).resolve()) if "://" not in str(files) else files
+
+    for key in ("data_files", "data_dir"):
+        if key in kwargs:
+            kwargs[key] = resolve(kwargs[key])
+    return task
+
+
+def task_specs(config: EvaluateConfig) -> tuple[list[str | dict], dict[str, Any]]:
+    """(what lm-eval is given, the inputs' fingerprints for the manifest)."""
+    specs: list[str | dict] = []
+    inputs: dict[str, Any] = {}
+    yamls = list(config.task_yamls)
+    for name in config.tasks:
+        if name == TASK_NAME:
+            folder = config.demo_task.output_dir
+            manifest = folder / "manifest.json"
+            require_manifest(manifest, "demo task", "gptpipe make-demo-task")
+            inputs[TASK_NAME] = manifest_fingerprint(manifest)
+            yamls.append(folder / f"{TASK_NAME}.yaml")
+        else:
+            specs.append(name)
+    for path in yamls:
+        task = local_task(path)
+        files = task.get("dataset_kwargs", {}).get("data_files")
+        local = [Path(f) for f in _flatten(files) if Path(f).is_file()]
+        inputs.setdefault(str(path), tree_fingerprint([path, *local]))
+        specs.append(task)
+    return specs, inputs
+
+
+def _flatten(files: Any) -> list[str]:
+    if isinstance(files, dict):
+        return [f for v in files.values() for f in _flatten(v)]
+    if isinstance(files, list):
+        return [f for v in files for f in _flatten(v)]
+    return [files] if files else []
+
+
+def _spec_name(spec: str | dict) -> str:
+    return spec if isinstance(spec, str) else str(spec.get("task") or spec.get("group"))
+
+
+def load_tasks(specs: list[str | dict]) -> Any:
+    """Build the tasks one by one (lm-eval fetches their datasets here), so a task whose hub dataset cannot
+    be fetched is named; the full registry is indexed only when a registry name is asked for (slow)."""
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_defaults=any(isinstance(s, str) for s in specs))
+    unknown = [s for s in specs if isinstance(s, str) and not manager.match_tasks([s])]
+    if unknown:
+        raise StageInputError(f"unknown lm-eval task(s): {', '.join(unknown)} (`lm-eval ls tasks` lists them; "
+                              "a local task goes in task_yamls)")
+    offline = any(os.environ.get(v, "0").lower() in ("1", "true", "yes")
+                  for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    for spec in specs:
+        try:
+            manager.load([spec])
+        except ConnectionError as exc:
+            why = ("HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set" if offline
+                   else "the HuggingFace hub cannot be reached from here")
+            raise StageInputError(
+                f"task {_spec_name(spec)}: its dataset is hosted on the HuggingFace hub and {why} ({exc}). "
+                "Run where the network allows (the dataset is then cached under ~/.cache/huggingface), or "
+                f"evaluate local tasks: tasks=[{TASK_NAME}] or task_yamls=[your_task.yaml]") from None
+    return manager
+
+
+def majority_baselines(raw: dict[str, Any]) -> dict[str, float]:
+    """Per multiple-choice task: the accuracy of always answering its most frequent gold label."""
+    baselines = {}
+    for task, rows in raw.get("samples", {}).items():
+        targets = [str(r["target"]) for r in rows]
+        if targets and raw["configs"].get(task, {}).get("output_type") == "multiple_choice":
+            baselines[task] = Counter(targets).most_common(1)[0][1] / len(targets)
+    return baselines
+
+
+def summarize(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """lm-eval's ``results`` ("acc,none": 0.5, "acc_stderr,none": 0.1) → {task: {metric: {value, stderr}}}."""
+    summary: dict[str, dict[str, Any]] = {}
+    for task, metrics in raw["results"].items():
+        row: dict[str, Any] = {"n_shot": raw.get("n-shot", {}).get(task),
+                               "samples": raw.get("n-samples", {}).get(task, {}).get("effective"), "metrics": {}}
+        for key, value in metrics.items():
+            name, _, filt = key.partition(",")
+            if not filt or "_stderr" in name or not isinstance(value, (int, float)):
+                continue
+            stderr = metrics.get(f"{name}_stderr,{filt}")
+            label = name if filt == "none" else f"{name} ({filt})"
+            row["metrics"][label] = {"value": value, "stderr": stderr if isinstance(stderr, (int, float)) else None}
+        summary[task] = row
+    return summary
+
+
+def results_markdown(results: dict[str, Any]) -> str:
+    """The table of results.json, for the terminal, results.md and the model card."""
+    lines = ["| task | shots | metric | value | ± stderr | majority baseline | documents |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for task, row in results["tasks"].items():
+        baseline = row.get("majority_baseline")
+        for metric, m in row["metrics"].items():
+            stderr = f"{m['stderr']:.4f}" if m["stderr"] is not None else "—"
+            base = f"{baseline:.4f}" if baseline is not None and metric.startswith("acc") else ""
+            lines.append(f"| {task} | {row['n_shot']} | {metric} | {m['value']:.4f} | {stderr} | {base} | "
+                         f"{row['samples'] or ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def read_results(folder: Path) -> dict[str, Any] | None:
+    """A model folder's evaluation results (for its model card), or None when it was never evaluated."""
+    path = folder / "evaluation" / "results.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def _device_and_dtype(config: EvaluateConfig) -> tuple[str, str]:
+    import torch
+
+    device = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = config.dtype if config.dtype != "auto" or device != "cpu" else "float32"
+    return device, dtype
+
+
+def evaluate(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
+    """Run the tasks on the model unless results for the same model, tasks and settings exist."""
+    folder = model_folder(config)
+    out = config.output_dir or folder / "evaluation"
+    specs, inputs = task_specs(config)
+    model_manifest = folder / "manifest.json"
+    inputs["model"] = (manifest_fingerprint(model_manifest) if model_manifest.is_file()
+                       else tree_fingerprint([p for p in folder.iterdir() if p.is_file()]))
+    settings = {k: getattr(config, k) for k in ("tasks", "task_yamls", "num_fewshot", "batch_size", "limit",
+                                                 "device", "dtype", "seed")}
+
+    def work() -> StageResult:
+        import time
+
+        import lm_eval
+
+        manager = load_tasks(specs)
+        device, dtype = _device_and_dtype(config)
+        started = time.time()
+        raw = lm_eval.simple_evaluate(
+            model="hf", model_args={"pretrained": str(folder), "dtype": dtype},
+            tasks=specs, num_fewshot=config.num_fewshot, batch_size=config.batch_size, device=device,
+            limit=config.limit, task_manager=manager, log_samples=True, random_seed=config.seed,
+            numpy_random_seed=config.seed, torch_random_seed=config.seed, fewshot_random_seed=config.seed)
+        if raw is None:
+            raise StageFailed("lm-eval returned no results")
+        tasks = summarize(raw)
+        for task, baseline in majority_baselines(raw).items():
+            tasks[task]["majority_baseline"] = baseline
+        results = {"model": str(folder), "device": device, "dtype": dtype, "num_fewshot": config.num_fewshot, "limit": config.limit, "tasks": tasks,
+                   "versions": raw.get("versions", {}), "configs": raw.get("configs", {})}
+        written = []
+        for name, text in (("results.json", json.dumps(results, ensure_ascii=False, indent=2, default=str) + "\n"),
+                           ("results.md", results_markdown(results))):
+            with atomic_path(out / name) as tmp:
+                tmp.write_text(text, encoding="utf-8")
+            written.append(out / name)
+        return StageResult(written, counts={t: {m: v["value"] for m, v in r["metrics"].items()}
+                                            for t, r in tasks.items()},
+                           timings={"evaluate_s": round(time.time() - started, 3)})
+
+    run_stage(STAGE, out / "manifest.json", settings, inputs, work, force=force,
+              versions=("lm_eval", "transformers", "torch", "datasets"))
+    results = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    say(f"[{STAGE}] {folder} → {out}\n{results_markdown(results)}")
+    return results
+
+
+def run(config: EvaluateConfig, args) -> int:
+    """`gptpipe evaluate`."""
+    evaluate(config, force=args.force)
+    return 0
