@@ -93,6 +93,8 @@ TRAIN_TOKENIZER = Stage("1", "train-tokenizer", "python 1_train_sentencepiece_to
 TOKENIZE = Stage("2", "tokenize", "bash 2_tokenize.sh", "gptpipe.data.tokenize", beside_prefix=True)
 TRAIN = Stage("3", "train", "bash 3_train_node1.sh", "gptpipe.train.train")  # checkpoints carry markers, no manifest
 CONVERT = Stage("4", "convert", "bash 4_convert_to_HF.sh", "gptpipe.export.convert", usable=_verified)
+DEMO_TASK = Stage("7", "make-demo-task", "gptpipe make-demo-task", "gptpipe.finetune.demo_task")
+EVALUATE = Stage("7", "evaluate", "gptpipe evaluate", "gptpipe.finetune.evaluate")
 
 
 def check_input_files(patterns: list[Path], key: str, upstream: Stage,

@@ -17,10 +17,10 @@ from typing import Any, Literal
 
 from gptpipe.config.core import load_config, option
 from gptpipe.finetune.demo_task import TASK_NAME, DemoTaskConfig
-from gptpipe.stage import (StageFailed, StageInputError, StageResult, atomic_path, manifest_fingerprint,
-                           require_manifest, run_stage, say, tree_fingerprint)
+from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_path, run_stage, say, tree_fingerprint
+from gptpipe.stages import CONVERT, DEMO_TASK, EVALUATE
 
-STAGE = "evaluate"
+STAGE = EVALUATE.name
 
 
 @dataclass
@@ -103,9 +103,8 @@ def task_specs(config: EvaluateConfig) -> tuple[list[str | dict], dict[str, Any]
     for name in config.tasks:
         if name == TASK_NAME:
             folder = config.demo_task.output_dir
-            manifest = folder / "manifest.json"
-            require_manifest(manifest, "demo task", "gptpipe make-demo-task")
-            inputs[TASK_NAME] = manifest_fingerprint(manifest)
+            DEMO_TASK.require(folder)
+            inputs[TASK_NAME] = DEMO_TASK.fingerprint(folder)
             yamls.append(folder / f"{TASK_NAME}.yaml")
         else:
             specs.append(name)
@@ -215,8 +214,7 @@ def evaluate(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
     folder = model_folder(config)
     out = config.output_dir or folder / "evaluation"
     specs, inputs = task_specs(config)
-    model_manifest = folder / "manifest.json"
-    inputs["model"] = (manifest_fingerprint(model_manifest) if model_manifest.is_file()
+    inputs["model"] = (CONVERT.fingerprint(folder) if CONVERT.has_manifest(folder)
                        else tree_fingerprint([p for p in folder.iterdir() if p.is_file()]))
     settings = {k: getattr(config, k) for k in ("tasks", "task_yamls", "num_fewshot", "batch_size", "limit",
                                                  "device", "dtype", "seed")}
@@ -251,7 +249,7 @@ def evaluate(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
                                             for t, r in tasks.items()},
                            timings={"evaluate_s": round(time.time() - started, 3)})
 
-    run_stage(STAGE, out / "manifest.json", settings, inputs, work, force=force,
+    run_stage(EVALUATE, out, settings, inputs, work, force=force,
               versions=("lm_eval", "transformers", "torch", "datasets"))
     results = json.loads((out / "results.json").read_text(encoding="utf-8"))
     say(f"[{STAGE}] {folder} → {out}\n{results_markdown(results)}")
