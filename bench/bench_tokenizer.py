@@ -11,6 +11,13 @@ rusage (os.wait4), so runs do not mask each other. Runs:
               does when the sampling limit is above the corpus size (slow: several minutes on 2 cores).
 Without --corpus, stage 0 builds the man-page corpus first (needs manpages-ja). Prints a table; the
 figures go in docs/benchmarks.md.
+
+    python bench/bench_tokenizer.py --calibrate [--sizes 300000,1000000,2000000,3000000] [--calibration-mib 1100]
+
+instead calibrates the stage's RAM estimate (RSS_BASE_MIB, RSS_PER_SAMPLE_BYTE in gptpipe/tokenizer/train.py):
+a ~1.1 GB corpus of new documents recombined from the man pages' lines (calibration.jsonl in the workdir, kept
+for reruns), then one training per input_sentence_size, each printing the sample size the stage expected
+before sampling and got, and its RSS estimate against the measured peak (slow: ~1 hour on 2 cores).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -27,6 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 REPEAT = 10
+CALIBRATION_SIZES = "300000,1000000,2000000,3000000"
 
 
 def gptpipe(*args: str, cwd: Path) -> tuple[float, float]:
@@ -56,7 +65,47 @@ def train(workdir: Path, corpus: str, label: str, *overrides: str) -> dict:
     return {"run": label, "corpus_mib": (workdir / "data" / corpus / "corpus.jsonl").stat().st_size / 2**20,
             "lines": counts["training_lines_sampled"], "sample_mib": counts["sample_mib"],
             "train_s": timings["train_s"], "wall_s": wall, "peak_rss_mib": rss,
-            "estimated_mib": counts["estimated_peak_rss_mib"], "chars_per_token": counts["chars_per_token"]}
+            "estimated_mib": counts["estimated_peak_rss_mib"], "chars_per_token": counts["chars_per_token"],
+            "expected_sample_mib": counts["expected_sample_mib"]}
+
+
+def recombined_corpus(source: Path, dest: Path, mib: int, seed: int = 0) -> None:
+    """A ``mib``-MiB jsonl of new documents made from the source's lines: paragraphs of random lines, half of
+    them spliced from two lines of different pages, so a large sample is not the same few lines repeated.
+    Line lengths, blank lines between paragraphs and the mix of Japanese and ASCII stay those of the source."""
+    rng = random.Random(seed)
+    with open(source, encoding="utf-8") as fh:
+        lines = [line for raw in fh for line in json.loads(raw)["text"].split("\n") if line]
+
+    def line() -> str:
+        a = rng.choice(lines)
+        if rng.random() < 0.5:
+            return a
+        b = rng.choice(lines)
+        return a[:rng.randint(1, len(a))] + b[rng.randint(0, len(b) - 1):]
+
+    size, limit = 0, mib << 20
+    with open(dest, "w", encoding="utf-8") as out:
+        while size < limit:
+            paragraphs = ("\n".join(line() for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 30)))
+            record = json.dumps({"text": "\n\n".join(paragraphs)}, ensure_ascii=False) + "\n"
+            out.write(record)
+            size += len(record.encode("utf-8"))
+
+
+def calibrate(workdir: Path, source: Path, mib: int, sizes: list[int]) -> None:
+    large = workdir / "calibration.jsonl"
+    if not large.exists():
+        print(f"recombining {source} into a {mib} MiB corpus ...", file=sys.stderr)
+        recombined_corpus(source, large, mib)
+    corpus_stage(workdir, large, "calibration")
+    print(f"{'lines':>10} {'expected sample MiB':>19} {'sample MiB':>10} {'estimated MiB':>13} "
+          f"{'peak RSS MiB':>12} {'train s':>8}", flush=True)
+    for size in sizes:
+        r = train(workdir, "calibration", f"calibration-{size}", f"input_sentence_size={size}")
+        print(f"{r['lines']:>10,} {r['expected_sample_mib']:>19.1f} {r['sample_mib']:>10.1f} "
+              f"{r['estimated_mib']:>13,} {r['peak_rss_mib']:>12,.0f} {r['train_s']:>8.0f}", flush=True)
+    print(f"(corpus {large.stat().st_size / 2**20:,.0f} MiB, outputs in {workdir}; {os.cpu_count()} CPUs)")
 
 
 def main() -> None:
@@ -64,6 +113,10 @@ def main() -> None:
     parser.add_argument("--corpus", type=Path, help="an existing corpus.jsonl (default: build it with stage 0)")
     parser.add_argument("--workdir", type=Path, help="keep outputs here (default: a temporary folder)")
     parser.add_argument("--unbounded", action="store_true", help="also train on all lines of the 10x corpus")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure peak RSS against the stage's estimate on a large recombined corpus")
+    parser.add_argument("--sizes", default=CALIBRATION_SIZES, help="input_sentence_size values for --calibrate")
+    parser.add_argument("--calibration-mib", type=int, default=1100, help="size of the --calibrate corpus")
     args = parser.parse_args()
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_tokenizer_"))
@@ -77,6 +130,9 @@ def main() -> None:
         source = workdir / "data" / "corpus" / "corpus.jsonl"
     else:
         corpus_stage(workdir, source, "corpus")
+    if args.calibrate:
+        calibrate(workdir, source, args.calibration_mib, [int(n) for n in args.sizes.split(",")])
+        return
     repeated = workdir / "repeated.jsonl"
     with open(repeated, "wb") as out:
         for _ in range(REPEAT):

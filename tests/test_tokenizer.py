@@ -21,6 +21,7 @@ from gptpipe.tokenizer.config import TokenizerConfig
 from gptpipe.tokenizer.info import read_tokenizer_info
 from gptpipe.tokenizer.morpheme import DELIMITER
 from gptpipe.tokenizer.sample import cut_utf8, sample_corpus, scan_corpus
+from gptpipe.tokenizer.train import expected_sample_bytes
 
 SMALL = ("vocab_size=2000", "input_sentence_size=20000", "heldout_documents=50")
 
@@ -247,3 +248,16 @@ def test_sample_holds_out_documents_and_cuts_long_lines(tmp_path: Path) -> None:
     assert everything.lines == 25 * 10 + cut and everything.lines_cut == (cut > 0)
     pieces = cut_utf8("長" * 1000, 256)
     assert "".join(pieces) == "長" * 1000 and max(len(p.encode()) for p in pieces) == 255
+
+
+def test_scan_predicts_the_sample_size(corpus_dir: Path, tmp_path: Path) -> None:
+    """The RAM estimate logged before sampling rests on the scan's prediction of the sampled text: on the man
+    pages (a third of their lines blank) it must match what sampling then writes, partial or whole."""
+    corpus = corpus_dir / "corpus.jsonl"
+    scan = scan_corpus(corpus)
+    texts = documents(corpus_dir)
+    assert scan.lines_estimate == pytest.approx(sum(1 for t in texts for line in t.split("\n") if line), rel=0.01)
+    for size in (20_000, 3_000_000):
+        sample = sample_corpus(corpus, scan, tmp_path / "sample.txt", size=size, max_bytes=16384,
+                               heldout_documents=200, seed=1)
+        assert expected_sample_bytes(scan, size, heldout_documents=200) == pytest.approx(sample.bytes, rel=0.05)

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from gptpipe.stage import StageInputError
 
 READ_CHUNK = 1 << 24
+RECORD_FRAMING = len(json.dumps({"text": ""}) + "\n")  # bytes of a stage-0 record that are not its text
 
 
 @dataclass
@@ -28,8 +29,9 @@ class CorpusScan:
     """What one fast byte pass over the jsonl tells before any parsing."""
 
     documents: int
-    lines_estimate: int  # documents + escaped newlines inside them
+    lines_estimate: int  # non-empty lines (what sampling counts): documents + escaped newlines - empty lines
     bytes: int
+    text_bytes_estimate: int  # UTF-8 bytes of those lines: the file less each record's JSON and the newlines
 
 
 @dataclass
@@ -45,8 +47,10 @@ class Sample:
 
 
 def scan_corpus(path: Path) -> CorpusScan:
-    """Count documents (jsonl lines) and estimate text lines (each escaped "\\n" is one more) at disk speed."""
-    documents = escaped_newlines = size = 0
+    """Count documents (jsonl lines) and estimate their non-empty text lines and text bytes at disk speed:
+    each escaped "\\n" starts one more line, an empty one when it follows another "\\n" (sampling skips those:
+    a third of the man pages' lines are blank). Other escapes (quotes, backslashes) are rare enough to ignore."""
+    documents = escaped_newlines = empty_lines = size = 0
     last = b"\n"
     with open(path, "rb") as fh, tqdm(total=path.stat().st_size, unit="B", unit_scale=True,
                                       desc="stage 1: scanning corpus", mininterval=1.0) as bar:
@@ -56,8 +60,15 @@ def scan_corpus(path: Path) -> CorpusScan:
             size += len(chunk)
             last = chunk[-1:]
             bar.update(len(chunk))
+            # A run of k newlines holds k - 1 empty lines; merging "\n\n" pairs until none is left counts
+            # exactly that for runs of any length.
+            while pairs := chunk.count(b"\\n\\n"):
+                empty_lines += pairs
+                chunk = chunk.replace(b"\\n\\n", b"\\n")
     documents += last != b"\n"  # a last line without its newline
-    return CorpusScan(documents, documents + escaped_newlines, size)
+    # Stage 0 writes {"text": ...} records; an escaped newline is 2 bytes, and sampled lines exclude it.
+    text_bytes = size - documents * RECORD_FRAMING - 2 * escaped_newlines
+    return CorpusScan(documents, documents + escaped_newlines - empty_lines, size, max(0, text_bytes))
 
 
 def cut_utf8(line: str, max_bytes: int) -> list[str]:

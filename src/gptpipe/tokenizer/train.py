@@ -55,6 +55,14 @@ def estimate_peak_mib(sample_bytes: float) -> float:
     return RSS_BASE_MIB + RSS_PER_SAMPLE_BYTE * sample_bytes / MIB
 
 
+def expected_sample_bytes(scan: CorpusScan, size: int, heldout_documents: int) -> float:
+    """What sampling ``size`` lines will write, from the scan alone: held-out documents are not sampled,
+    and every non-empty line has the same chance to be drawn."""
+    kept = 1 - min(heldout_documents, scan.documents) / max(1, scan.documents)
+    bytes_per_line = scan.text_bytes_estimate / max(1, scan.lines_estimate)
+    return bytes_per_line * min(size, scan.lines_estimate * kept)
+
+
 def _available_mib() -> float | None:
     try:
         with open("/proc/meminfo") as fh:
@@ -153,17 +161,18 @@ def verify(model_path: Path, hf_dir: Path, heldout: list[str], identity: bool) -
             "chars_per_token": round(chars / tokens, 4) if tokens else None}
 
 
-def _sampling(config: TokenizerConfig, splitter: MorphemeSplitter | None, text_path: Path) -> tuple[CorpusScan, Sample]:
+def _sampling(config: TokenizerConfig, splitter: MorphemeSplitter | None,
+              text_path: Path) -> tuple[CorpusScan, Sample, float]:
     scan = scan_corpus(config.input)
-    say(f"[{STAGE}] {config.input}: {scan.documents:,} documents, ~{scan.lines_estimate:,} lines, "
-        f"{scan.bytes / MIB:,.0f} MiB")
-    expected_share = min(1.0, config.input_sentence_size / max(1, scan.lines_estimate))
-    _log_ram_estimate(f"sampling up to {config.input_sentence_size:,} lines", scan.bytes * expected_share)
+    say(f"[{STAGE}] {config.input}: {scan.documents:,} documents, ~{scan.lines_estimate:,} non-empty lines, "
+        f"~{scan.text_bytes_estimate / MIB:,.0f} MiB of text")
+    expected = expected_sample_bytes(scan, config.input_sentence_size, config.heldout_documents)
+    _log_ram_estimate(f"sampling up to {config.input_sentence_size:,} lines (expected)", expected)
     sample = sample_corpus(config.input, scan, text_path, config.input_sentence_size, config.max_sentence_length,
                            config.heldout_documents, config.seed, splitter.presplit if splitter else None)
     say(f"[{STAGE}] sampled {sample.lines:,} of {sample.lines_seen:,} lines from {sample.training_documents:,} "
         f"documents ({sample.lines_cut:,} long lines cut); held out {len(sample.heldout):,} documents")
-    return scan, sample
+    return scan, sample, expected
 
 
 def train_tokenizer(config: TokenizerConfig, splitter: MorphemeSplitter | None) -> StageResult:
@@ -181,9 +190,9 @@ def train_tokenizer(config: TokenizerConfig, splitter: MorphemeSplitter | None) 
 
     with tempfile.TemporaryDirectory(prefix=".train-", dir=out) as tmp_name:
         tmp = Path(tmp_name)
-        scan, sample = _sampling(config, splitter, tmp / "sample.txt")
+        scan, sample, expected = _sampling(config, splitter, tmp / "sample.txt")
         lap("sample_s")
-        estimate = _log_ram_estimate("training", sample.bytes)
+        estimate = _log_ram_estimate(f"sampled {sample.lines:,} lines", sample.bytes)
         train_sentencepiece(config, tmp / "sample.txt", tmp / config.model_prefix)
         lap("train_s")
         hf.round_scores(tmp / model_name)
@@ -213,7 +222,7 @@ def train_tokenizer(config: TokenizerConfig, splitter: MorphemeSplitter | None) 
         **report,
         "corpus_documents": scan.documents, "training_documents": sample.training_documents,
         "corpus_lines": sample.lines_seen, "training_lines_sampled": sample.lines, "long_lines_cut": sample.lines_cut,
-        "sample_mib": round(sample.bytes / MIB, 2),
+        "sample_mib": round(sample.bytes / MIB, 2), "expected_sample_mib": round(expected / MIB, 2),
         "estimated_peak_rss_mib": round(estimate), "peak_rss_mib": round(_peak_rss_mib()),
     }
     say(f"[{STAGE}] {counts['vocab_size']:,} pieces; HF ids identical to SentencePiece on "
