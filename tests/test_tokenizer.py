@@ -21,7 +21,7 @@ from gptpipe.tokenizer.config import TokenizerConfig
 from gptpipe.tokenizer.info import read_tokenizer_info
 from gptpipe.tokenizer.morpheme import DELIMITER
 from gptpipe.tokenizer.sample import cut_utf8, sample_corpus, scan_corpus
-from gptpipe.tokenizer.train import expected_sample_bytes
+from gptpipe.tokenizer.train import expected_sample_share
 
 SMALL = ("vocab_size=2000", "input_sentence_size=20000", "heldout_documents=50")
 
@@ -255,9 +255,12 @@ def test_scan_predicts_the_sample_size(corpus_dir: Path, tmp_path: Path) -> None
     pages (a third of their lines blank) it must match what sampling then writes, partial or whole."""
     corpus = corpus_dir / "corpus.jsonl"
     scan = scan_corpus(corpus)
-    texts = documents(corpus_dir)
-    assert scan.lines_estimate == pytest.approx(sum(1 for t in texts for line in t.split("\n") if line), rel=0.01)
+    lines = [line for text in documents(corpus_dir) for line in text.split("\n") if line]
+    assert scan.lines_estimate == pytest.approx(len(lines), rel=0.01)
+    assert scan.text_chars_estimate == pytest.approx(sum(map(len, lines)), rel=0.01)
     for size in (20_000, 3_000_000):
         sample = sample_corpus(corpus, scan, tmp_path / "sample.txt", size=size, max_bytes=16384,
                                heldout_documents=200, seed=1)
-        assert expected_sample_bytes(scan, size, heldout_documents=200) == pytest.approx(sample.bytes, rel=0.05)
+        share = expected_sample_share(scan, size, heldout_documents=200)
+        assert share * scan.text_bytes_estimate == pytest.approx(sample.bytes, rel=0.05)
+        assert share * scan.text_chars_estimate == pytest.approx(sample.chars, rel=0.05)

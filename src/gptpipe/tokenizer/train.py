@@ -40,27 +40,34 @@ SPECIAL_PIECES = {"unk": (0, "<unk>"), "bos": (1, "<s>"), "eos": (2, "</s>"), "p
 EOD = "eos"  # the document separator: Megatron appends eos ("</s>") after every document
 MIB = 1 << 20
 
-# Peak RSS model, fitted with bench/bench_tokenizer.py on the man pages (32k unigram, 2 threads: 405 MiB for
-# 10.6 MiB of sampled text, 811 MiB for 43 MiB): a fixed base plus a factor per byte of sampled text
-# (SentencePiece's sentence copies, suffix array and lattices). The corpus size does not enter.
-RSS_BASE_MIB = 270
-RSS_PER_SAMPLE_BYTE = 12.5
+# Peak RSS model, fitted with `bench/bench_tokenizer.py --calibrate` (docs/benchmarks.md): 32k unigram, 2 threads.
+# The peak is SentencePiece's seed phase (suffix array and seed pieces of the whole sample), which grows with
+# both the bytes and the characters of the sampled text: man-page text recombined into a 1.1 GB corpus (~2 bytes
+# per character) peaked at 586 MiB for 29.6 MiB sampled, 1,778 for 98 MiB, 5,204 for 295 MiB (3M lines);
+# Japanese-only lines (2.6 bytes per character) at 687 MiB and ASCII-only lines at 882 MiB for 38 MiB each.
+# Least squares gives 67 MiB + 13.4 per byte + 8.0 per character (within 3 MiB of every point); the constants
+# round that up (5-10% above every point) so the estimate is not low. Below ~20 MiB the process's own floor
+# dominates (405 MiB for the 10.6 MiB of the man pages). The corpus size does not enter.
+RSS_FLOOR_MIB = 420
+RSS_BASE_MIB = 100
+RSS_PER_SAMPLE_BYTE = 14.0
+RSS_PER_SAMPLE_CHAR = 8.5
 
 
 class VerificationError(StageFailed):
     """The exported HF tokenizer does not reproduce SentencePiece: the stage fails and publishes nothing."""
 
 
-def estimate_peak_mib(sample_bytes: float) -> float:
-    return RSS_BASE_MIB + RSS_PER_SAMPLE_BYTE * sample_bytes / MIB
+def estimate_peak_mib(sample_bytes: float, sample_chars: float) -> float:
+    per_sample = RSS_PER_SAMPLE_BYTE * sample_bytes + RSS_PER_SAMPLE_CHAR * sample_chars
+    return max(RSS_FLOOR_MIB, RSS_BASE_MIB + per_sample / MIB)
 
 
-def expected_sample_bytes(scan: CorpusScan, size: int, heldout_documents: int) -> float:
-    """What sampling ``size`` lines will write, from the scan alone: held-out documents are not sampled,
-    and every non-empty line has the same chance to be drawn."""
+def expected_sample_share(scan: CorpusScan, size: int, heldout_documents: int) -> float:
+    """The share of the corpus's text that sampling ``size`` lines will write, from the scan alone: held-out
+    documents are not sampled, and every non-empty line has the same chance to be drawn."""
     kept = 1 - min(heldout_documents, scan.documents) / max(1, scan.documents)
-    bytes_per_line = scan.text_bytes_estimate / max(1, scan.lines_estimate)
-    return bytes_per_line * min(size, scan.lines_estimate * kept)
+    return min(size, scan.lines_estimate * kept) / max(1, scan.lines_estimate)
 
 
 def _available_mib() -> float | None:
@@ -74,10 +81,11 @@ def _available_mib() -> float | None:
     return None
 
 
-def _log_ram_estimate(what: str, sample_bytes: float) -> float:
-    estimate = estimate_peak_mib(sample_bytes)
+def _log_ram_estimate(what: str, sample_bytes: float, sample_chars: float) -> float:
+    estimate = estimate_peak_mib(sample_bytes, sample_chars)
     available = _available_mib()
-    say(f"[{STAGE}] {what}: {sample_bytes / MIB:,.0f} MiB of text to train on; estimated peak RAM "
+    say(f"[{STAGE}] {what}: {sample_bytes / MIB:,.0f} MiB of text ({sample_chars / 1e6:,.0f} M characters) to "
+        f"train on; estimated peak RAM "
         f"{estimate / 1024:,.1f} GiB" + (f" ({available / 1024:,.1f} GiB available)" if available else ""))
     if available and estimate > available:
         say(f"[{STAGE}] WARNING: that is more than the available memory; lower input_sentence_size "
@@ -166,8 +174,10 @@ def _sampling(config: TokenizerConfig, splitter: MorphemeSplitter | None,
     scan = scan_corpus(config.input)
     say(f"[{STAGE}] {config.input}: {scan.documents:,} documents, ~{scan.lines_estimate:,} non-empty lines, "
         f"~{scan.text_bytes_estimate / MIB:,.0f} MiB of text")
-    expected = expected_sample_bytes(scan, config.input_sentence_size, config.heldout_documents)
-    _log_ram_estimate(f"sampling up to {config.input_sentence_size:,} lines (expected)", expected)
+    share = expected_sample_share(scan, config.input_sentence_size, config.heldout_documents)
+    expected = share * scan.text_bytes_estimate
+    _log_ram_estimate(f"sampling up to {config.input_sentence_size:,} lines (expected)", expected,
+                      share * scan.text_chars_estimate)
     sample = sample_corpus(config.input, scan, text_path, config.input_sentence_size, config.max_sentence_length,
                            config.heldout_documents, config.seed, splitter.presplit if splitter else None)
     say(f"[{STAGE}] sampled {sample.lines:,} of {sample.lines_seen:,} lines from {sample.training_documents:,} "
@@ -192,7 +202,7 @@ def train_tokenizer(config: TokenizerConfig, splitter: MorphemeSplitter | None) 
         tmp = Path(tmp_name)
         scan, sample, expected = _sampling(config, splitter, tmp / "sample.txt")
         lap("sample_s")
-        estimate = _log_ram_estimate(f"sampled {sample.lines:,} lines", sample.bytes)
+        estimate = _log_ram_estimate(f"sampled {sample.lines:,} lines", sample.bytes, sample.chars)
         train_sentencepiece(config, tmp / "sample.txt", tmp / config.model_prefix)
         lap("train_s")
         hf.round_scores(tmp / model_name)
