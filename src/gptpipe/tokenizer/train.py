@@ -46,7 +46,7 @@ MIB = 1 << 20
 # per character) peaked at 586 MiB for 29.6 MiB sampled, 1,778 for 98 MiB, 5,204 for 295 MiB (3M lines);
 # Japanese-only lines (2.6 bytes per character) at 687 MiB and ASCII-only lines at 882 MiB for 38 MiB each.
 # Least squares gives 67 MiB + 13.4 per byte + 8.0 per character (within 3 MiB of every point); the constants
-# round that up (5-10% above every point) so the estimate is not low. Below ~20 MiB the process's own floor
+# round that up (4-10% above every point) so the estimate is not low. Below ~20 MiB the process's own floor
 # dominates (405 MiB for the 10.6 MiB of the man pages). The corpus size does not enter.
 RSS_FLOOR_MIB = 420
 RSS_BASE_MIB = 100
