@@ -11,6 +11,13 @@ rusage (os.wait4), so runs do not mask each other. Runs:
               does when the sampling limit is above the corpus size (slow: several minutes on 2 cores).
 Without --corpus, stage 0 builds the man-page corpus first (needs manpages-ja). Prints a table; the
 figures go in docs/benchmarks.md.
+
+    python bench/bench_tokenizer.py --calibrate [--sizes 300000,1000000,2000000,3000000] [--calibration-mib 1100]
+
+instead calibrates the stage's RAM estimate (RSS_BASE_MIB, RSS_PER_SAMPLE_BYTE in gptpipe/tokenizer/train.py):
+a ~1.1 GB corpus of new documents recombined from the man pages' lines (calibration.jsonl in the workdir, kept
+for reruns), then one training per input_sentence_size, each printing the sample size the stage expected
+before sampling and got, and its RSS estimate against the measured peak (slow: ~1 hour on 2 cores).
 """
 
 from __future__ import annotations
@@ -18,15 +25,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+from gptpipe.tokenizer.train import estimate_peak_mib
+
 REPO = Path(__file__).resolve().parent.parent
 REPEAT = 10
+CALIBRATION_SIZES = "300000,1000000,2000000,3000000"
 
 
 def gptpipe(*args: str, cwd: Path) -> tuple[float, float]:
@@ -59,11 +73,105 @@ def train(workdir: Path, corpus: str, label: str, *overrides: str) -> dict:
             "estimated_mib": counts["estimated_peak_rss_mib"], "chars_per_token": counts["chars_per_token"]}
 
 
+def recombined_corpus(source: Path, dest: Path, mib: int, seed: int = 0) -> None:
+    """A ``mib``-MiB jsonl of new documents made from the source's lines: paragraphs of random lines, half of
+    them spliced from two lines of different pages, so a large sample is not the same few lines repeated.
+    Line lengths, blank lines between paragraphs and the mix of Japanese and ASCII stay those of the source."""
+    rng = random.Random(seed)
+    with open(source, encoding="utf-8") as fh:
+        lines = [line for raw in fh for line in json.loads(raw)["text"].split("\n") if line]
+
+    def line() -> str:
+        a = rng.choice(lines)
+        if rng.random() < 0.5:
+            return a
+        b = rng.choice(lines)
+        return a[:rng.randint(1, len(a))] + b[rng.randint(0, len(b) - 1):]
+
+    size, limit = 0, mib << 20
+    with open(dest, "w", encoding="utf-8") as out:
+        while size < limit:
+            paragraphs = ("\n".join(line() for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 30)))
+            record = json.dumps({"text": "\n\n".join(paragraphs)}, ensure_ascii=False) + "\n"
+            out.write(record)
+            size += len(record.encode("utf-8"))
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1024
+
+
+def training_peak(workdir: Path, corpus: str, size: int, full: bool) -> dict:
+    """One stage-1 training at input_sentence_size ``size``; its peak RSS, and the sample sizes from its log.
+
+    Unless ``full``, the training is stopped once SentencePiece's seed phase is over (RSS 20% below its
+    high point after training started): the peak comes from that phase (suffix array and seed pieces of the
+    whole sample), and the EM rounds after it, most of the time, stay below it (traced: 586 MiB in the seed
+    phase at 300k lines, at most 391 MiB after it; 1,778 then 1,343 MiB at 1M). That saves hours per point."""
+    started = time.time()
+    child = subprocess.Popen([sys.executable, "-m", "gptpipe", "train-tokenizer", "--config",
+                              str(workdir / "sentence_piece_config.yaml"), f"input=data/{corpus}/corpus.jsonl",
+                              f"output_dir=tokenizers/calibration-{size}", f"input_sentence_size={size}", "--force"],
+                             cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: [log.append(line) for line in child.stderr], daemon=True)
+    reader.start()
+    stopped, high = False, 0.0
+    while not full and child.poll() is None:
+        time.sleep(1)
+        if any("training SentencePiece" in line for line in log):
+            try:
+                rss = _rss_mib(child.pid)
+            except (OSError, StopIteration):  # it just ended
+                break
+            high = max(high, rss)
+            if rss < 0.8 * high:
+                child.send_signal(signal.SIGTERM)
+                stopped = True
+                break
+    _, status, usage = os.wait4(child.pid, 0)
+    reader.join()
+    text = "".join(log)
+    if os.waitstatus_to_exitcode(status) != 0 and not stopped:
+        sys.exit(f"training at {size} lines failed:\n{text[-3000:]}")
+    sampled = re.search(r"sampled ([\d,]+) lines: ([\d,.]+) MiB of text \(([\d,.]+) M characters\)", text)
+    expected = re.search(r"\(expected\): ([\d,.]+) MiB", text)
+    if not (sampled and expected):
+        sys.exit(f"no sample sizes in the log of the training at {size} lines:\n{text[-3000:]}")
+    sample_mib, sample_mchars = float(sampled[2].replace(",", "")), float(sampled[3].replace(",", ""))
+    return {"lines": int(sampled[1].replace(",", "")), "expected_sample_mib": float(expected[1].replace(",", "")),
+            "sample_mib": sample_mib, "estimated_mib": estimate_peak_mib(sample_mib * 2**20, sample_mchars * 1e6),
+            "peak_rss_mib": usage.ru_maxrss / 1024, "wall_s": time.time() - started, "stopped": stopped}
+
+
+def calibrate(workdir: Path, source: Path, mib: int, sizes: list[int], full: bool) -> None:
+    large = workdir / "calibration.jsonl"
+    if not large.exists():
+        print(f"recombining {source} into a {mib} MiB corpus ...", file=sys.stderr)
+        recombined_corpus(source, large, mib)
+    corpus_stage(workdir, large, "calibration")
+    print(f"{'lines':>10} {'expected sample MiB':>19} {'sample MiB':>10} {'estimated MiB':>13} "
+          f"{'peak RSS MiB':>12} {'wall s':>7}", flush=True)
+    for size in sizes:
+        r = training_peak(workdir, "calibration", size, full)
+        print(f"{r['lines']:>10,} {r['expected_sample_mib']:>19,.0f} {r['sample_mib']:>10,.0f} "
+              f"{r['estimated_mib']:>13,.0f} {r['peak_rss_mib']:>12,.0f} {r['wall_s']:>7.0f}"
+              + (" (stopped after the seed phase)" if r["stopped"] else ""), flush=True)
+    print(f"(corpus {large.stat().st_size / 2**20:,.0f} MiB, outputs in {workdir}; {os.cpu_count()} CPUs)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", type=Path, help="an existing corpus.jsonl (default: build it with stage 0)")
     parser.add_argument("--workdir", type=Path, help="keep outputs here (default: a temporary folder)")
     parser.add_argument("--unbounded", action="store_true", help="also train on all lines of the 10x corpus")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure peak RSS against the stage's estimate on a large recombined corpus")
+    parser.add_argument("--sizes", default=CALIBRATION_SIZES, help="input_sentence_size values for --calibrate")
+    parser.add_argument("--full", action="store_true",
+                        help="--calibrate: let every training finish instead of stopping it after its peak")
+    parser.add_argument("--calibration-mib", type=int, default=1100, help="size of the --calibrate corpus")
     args = parser.parse_args()
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_tokenizer_"))
@@ -77,6 +185,9 @@ def main() -> None:
         source = workdir / "data" / "corpus" / "corpus.jsonl"
     else:
         corpus_stage(workdir, source, "corpus")
+    if args.calibrate:
+        calibrate(workdir, source, args.calibration_mib, [int(n) for n in args.sizes.split(",")], args.full)
+        return
     repeated = workdir / "repeated.jsonl"
     with open(repeated, "wb") as out:
         for _ in range(REPEAT):

@@ -16,13 +16,13 @@ from transformers import AutoTokenizer
 
 from gptpipe.cli import main
 from gptpipe.config.core import ConfigError, load_config
-from gptpipe.data.indexed import read_dataset_manifest
 from gptpipe.stage import Manifest, StageInputError, file_fingerprint, manifest_fingerprint
 from gptpipe.tokenizer import hf
 from gptpipe.tokenizer.config import TokenizerConfig
-from gptpipe.stages import read_tokenizer
+from gptpipe.stages import TOKENIZE, read_tokenizer
 from gptpipe.tokenizer.morpheme import DELIMITER
 from gptpipe.tokenizer.sample import cut_utf8, sample_corpus, scan_corpus
+from gptpipe.tokenizer.train import expected_sample_share
 
 SMALL = ("vocab_size=2000", "input_sentence_size=20000", "heldout_documents=50")
 
@@ -251,6 +251,22 @@ def test_sample_holds_out_documents_and_cuts_long_lines(tmp_path: Path) -> None:
     assert "".join(pieces) == "長" * 1000 and max(len(p.encode()) for p in pieces) == 255
 
 
+def test_scan_predicts_the_sample_size(corpus_dir: Path, tmp_path: Path) -> None:
+    """The RAM estimate logged before sampling rests on the scan's prediction of the sampled text: on the man
+    pages (a third of their lines blank) it must match what sampling then writes, partial or whole."""
+    corpus = corpus_dir / "corpus.jsonl"
+    scan = scan_corpus([corpus])
+    lines = [line for text in documents(corpus_dir) for line in text.split("\n") if line]
+    assert scan.lines_estimate == pytest.approx(len(lines), rel=0.01)
+    assert scan.text_chars_estimate == pytest.approx(sum(map(len, lines)), rel=0.01)
+    for size in (20_000, 3_000_000):
+        sample = sample_corpus([corpus], scan, tmp_path / "sample.txt", size=size, max_bytes=16384,
+                               heldout_documents=200, seed=1)
+        share = expected_sample_share(scan, size, heldout_documents=200)
+        assert share * scan.text_bytes_estimate == pytest.approx(sample.bytes, rel=0.05)
+        assert share * scan.text_chars_estimate == pytest.approx(sample.chars, rel=0.05)
+
+
 # --- the user's own jsonl files ----------------------------------------------------------------------
 
 def write_jsonl(path: Path, texts: list[str], extra_lines: list[bytes] = ()) -> Path:
@@ -284,7 +300,7 @@ def test_trains_on_the_users_own_jsonl_counting_bad_lines_like_stages_0_and_2(
     assert prepared["dropped"] == skipped and prepared["notes"] == {"nul stripped": 1}
     assert main(["tokenize", "--config", config, f"tokenize.input=[{mine}]", f"tokenize.tokenizer_dir={out}",
                  f"tokenize.output_prefix={tmp_path / 'ids'}"]) == 0
-    tokenized = read_dataset_manifest(tmp_path / "ids_text_document").counts
+    tokenized = TOKENIZE.require(tmp_path / "ids_text_document").counts
     assert tokenized["skipped"] == skipped and tokenized["repaired"] == {"nul stripped": 1}
 
     # A changed file makes the tokenizer stale.

@@ -11,6 +11,7 @@ jsonl records that hold no document are skipped and counted by reason, as in sta
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,8 @@ from gptpipe.stage import StageInputError
 
 READ_CHUNK = 1 << 24
 TEXT_KEY = "text"  # the key stage 0 writes, and the original pipeline's
+RECORD_FRAMING = len(json.dumps({TEXT_KEY: ""}) + "\n")  # bytes of a stage-0 record that are not its text
+UTF8_CONTINUATION = bytes(range(0x80, 0xC0))  # every other byte starts a character
 
 
 @dataclass
@@ -30,8 +33,10 @@ class CorpusScan:
     """What one fast byte pass over the jsonl tells before any parsing."""
 
     documents: int  # jsonl lines, bad ones included
-    lines_estimate: int  # documents + escaped newlines inside them
+    lines_estimate: int  # non-empty lines (what sampling counts): documents + escaped newlines - empty lines
     bytes: int
+    text_bytes_estimate: int  # UTF-8 bytes of those lines: the file less each record's JSON and the newlines
+    text_chars_estimate: int  # their characters: the same, counting UTF-8 lead bytes only
 
 
 @dataclass
@@ -40,6 +45,7 @@ class Sample:
 
     lines: int = 0  # training lines written (after cutting long ones)
     bytes: int = 0  # their UTF-8 size, before any morpheme pre-splitting
+    chars: int = 0  # their characters (SentencePiece's memory grows with both)
     lines_seen: int = 0  # lines of the training documents, all of which had an equal chance
     lines_cut: int = 0  # lines longer than max_sentence_length bytes, cut into several
     training_documents: int = 0
@@ -48,8 +54,10 @@ class Sample:
 
 
 def scan_corpus(files: list[Path]) -> CorpusScan:
-    """Count documents (jsonl lines) and estimate text lines (each escaped "\\n" is one more) at disk speed."""
-    documents = escaped_newlines = size = 0
+    """Count documents (jsonl lines) and estimate their non-empty text lines and text bytes at disk speed:
+    each escaped "\\n" starts one more line, an empty one when it follows another "\\n" (sampling skips those:
+    a third of the man pages' lines are blank). Other escapes (quotes, backslashes) are rare enough to ignore."""
+    documents = escaped_newlines = empty_lines = size = continuation_bytes = 0
     with tqdm(total=sum(p.stat().st_size for p in files), unit="B", unit_scale=True,
               desc="stage 1: scanning corpus", mininterval=1.0) as bar:
         for path in files:
@@ -59,10 +67,17 @@ def scan_corpus(files: list[Path]) -> CorpusScan:
                     documents += chunk.count(b"\n")
                     escaped_newlines += chunk.count(b"\\n")
                     size += len(chunk)
+                    continuation_bytes += len(chunk) - len(chunk.translate(None, UTF8_CONTINUATION))
                     last = chunk[-1:]
                     bar.update(len(chunk))
+                    # A run of k newlines holds k - 1 empty lines: non-overlapping pairs plus triples count that
+                    # exactly up to k = 4 (and k = 6), at the speed of a count; longer runs are rare.
+                    empty_lines += chunk.count(b"\\n\\n") + chunk.count(b"\\n\\n\\n")
             documents += last != b"\n"  # a last line without its newline
-    return CorpusScan(documents, documents + escaped_newlines, size)
+    # Stage 0 writes {"text": ...} records; an escaped newline is 2 bytes, and sampled lines exclude it.
+    text_bytes = max(0, size - documents * RECORD_FRAMING - 2 * escaped_newlines)
+    return CorpusScan(documents, documents + escaped_newlines - empty_lines, size, text_bytes,
+                      max(0, text_bytes - continuation_bytes))
 
 
 def cut_utf8(line: str, max_bytes: int) -> list[str]:
@@ -132,6 +147,7 @@ def sample_corpus(files: list[Path], scan: CorpusScan, out_path: Path, size: int
     with open(out_path, "w", encoding="utf-8") as out:
         for line in lines:
             sample.bytes += len(line.encode("utf-8"))
+            sample.chars += len(line)
             out.write((presplit(line) if presplit else line) + "\n")
     sample.lines = len(reservoir)
     return sample

@@ -39,38 +39,44 @@ SPECIAL_PIECES = {"unk": (0, "<unk>"), "bos": (1, "<s>"), "eos": (2, "</s>"), "p
 EOD = "eos"  # the document separator: Megatron appends eos ("</s>") after every document
 MIB = 1 << 20
 
-# Peak RSS model, fitted with bench/bench_tokenizer.py on the man pages (32k unigram, 2 threads: 405 MiB for
-# 10.6 MiB of sampled text, 811 MiB for 43 MiB): a fixed base plus a factor per byte of sampled text
-# (SentencePiece's sentence copies, suffix array and lattices). The corpus size does not enter.
-RSS_BASE_MIB = 270
-RSS_PER_SAMPLE_BYTE = 12.5
+# Peak RSS model, fitted with `bench/bench_tokenizer.py --calibrate` (docs/benchmarks.md): 32k unigram, 2 threads.
+# The peak is SentencePiece's seed phase (suffix array and seed pieces of the whole sample), which grows with
+# both the bytes and the characters of the sampled text: man-page text recombined into a 1.1 GB corpus (~2 bytes
+# per character) peaked at 586 MiB for 29.6 MiB sampled, 1,778 for 98 MiB, 5,204 for 295 MiB (3M lines);
+# Japanese-only lines (2.6 bytes per character) at 687 MiB and ASCII-only lines at 882 MiB for 38 MiB each.
+# Least squares gives 67 MiB + 13.4 per byte + 8.0 per character (within 3 MiB of every point); the constants
+# round that up (4-10% above every point) so the estimate is not low. Below ~20 MiB the process's own floor
+# dominates (405 MiB for the 10.6 MiB of the man pages). The corpus size does not enter.
+RSS_FLOOR_MIB = 420
+RSS_BASE_MIB = 100
+RSS_PER_SAMPLE_BYTE = 14.0
+RSS_PER_SAMPLE_CHAR = 8.5
 
 
 class VerificationError(StageFailed):
     """The exported HF tokenizer does not reproduce SentencePiece: the stage fails and publishes nothing."""
 
 
-def estimate_peak_mib(sample_bytes: float) -> float:
-    return RSS_BASE_MIB + RSS_PER_SAMPLE_BYTE * sample_bytes / MIB
+def estimate_peak_mib(sample_bytes: float, sample_chars: float) -> float:
+    per_sample = RSS_PER_SAMPLE_BYTE * sample_bytes + RSS_PER_SAMPLE_CHAR * sample_chars
+    return max(RSS_FLOOR_MIB, RSS_BASE_MIB + per_sample / MIB)
 
 
-def _available_mib() -> float | None:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
+def expected_sample_share(scan: CorpusScan, size: int, heldout_documents: int) -> float:
+    """The share of the corpus's text that sampling ``size`` lines will write, from the scan alone: held-out
+    documents are not sampled, and every non-empty line has the same chance to be drawn."""
+    kept = 1 - min(heldout_documents, scan.documents) / max(1, scan.documents)
+    return min(size, scan.lines_estimate * kept) / max(1, scan.lines_estimate)
 
 
-def _log_ram_estimate(what: str, sample_bytes: float) -> float:
-    estimate = estimate_peak_mib(sample_bytes)
-    available = _available_mib()
-    say(f"[{STAGE}] {what}: {sample_bytes / MIB:,.0f} MiB of text to train on; estimated peak RAM "
-        f"{estimate / 1024:,.1f} GiB" + (f" ({available / 1024:,.1f} GiB available)" if available else ""))
-    if available and estimate > available:
+def _log_ram_estimate(what: str, sample_bytes: float, sample_chars: float) -> float:
+    from gptpipe.train.data import available_host_ram
+
+    estimate = estimate_peak_mib(sample_bytes, sample_chars)
+    available = available_host_ram() / MIB
+    say(f"[{STAGE}] {what}: {sample_bytes / MIB:,.0f} MiB of text ({sample_chars / 1e6:,.0f} M characters) to "
+        f"train on; estimated peak RAM {estimate / 1024:,.1f} GiB ({available / 1024:,.1f} GiB available)")
+    if estimate > available:
         say(f"[{STAGE}] WARNING: that is more than the available memory; lower input_sentence_size "
             "(the RAM is bounded by it, not by the corpus size)")
     return estimate
@@ -153,18 +159,20 @@ def verify(model_path: Path, hf_dir: Path, heldout: list[str], identity: bool) -
 
 
 def _sampling(config: TokenizerConfig, files: list[Path], splitter: MorphemeSplitter | None,
-              text_path: Path) -> tuple[CorpusScan, Sample]:
+              text_path: Path) -> tuple[CorpusScan, Sample, float]:
     scan = scan_corpus(files)
-    say(f"[{STAGE}] {', '.join(map(str, files))}: {scan.documents:,} documents, ~{scan.lines_estimate:,} lines, "
-        f"{scan.bytes / MIB:,.0f} MiB")
-    expected_share = min(1.0, config.input_sentence_size / max(1, scan.lines_estimate))
-    _log_ram_estimate(f"sampling up to {config.input_sentence_size:,} lines", scan.bytes * expected_share)
+    say(f"[{STAGE}] {', '.join(map(str, files))}: {scan.documents:,} documents, ~{scan.lines_estimate:,} non-empty lines, "
+        f"~{scan.text_bytes_estimate / MIB:,.0f} MiB of text")
+    share = expected_sample_share(scan, config.input_sentence_size, config.heldout_documents)
+    expected = share * scan.text_bytes_estimate
+    _log_ram_estimate(f"sampling up to {config.input_sentence_size:,} lines (expected)", expected,
+                      share * scan.text_chars_estimate)
     sample = sample_corpus(files, scan, text_path, config.input_sentence_size, config.max_sentence_length,
                            config.heldout_documents, config.seed, splitter.presplit if splitter else None)
     say(f"[{STAGE}] sampled {sample.lines:,} of {sample.lines_seen:,} lines from {sample.training_documents:,} "
         f"documents ({sample.lines_cut:,} long lines cut); held out {len(sample.heldout):,} documents")
     sample.reasons.report(STAGE, scan.documents)
-    return scan, sample
+    return scan, sample, expected
 
 
 def train_tokenizer(config: TokenizerConfig, files: list[Path], splitter: MorphemeSplitter | None) -> StageResult:
@@ -182,9 +190,9 @@ def train_tokenizer(config: TokenizerConfig, files: list[Path], splitter: Morphe
 
     with tempfile.TemporaryDirectory(prefix=".train-", dir=out) as tmp_name:
         tmp = Path(tmp_name)
-        scan, sample = _sampling(config, files, splitter, tmp / "sample.txt")
+        scan, sample, expected = _sampling(config, files, splitter, tmp / "sample.txt")
         lap("sample_s")
-        estimate = _log_ram_estimate("training", sample.bytes)
+        estimate = _log_ram_estimate(f"sampled {sample.lines:,} lines", sample.bytes, sample.chars)
         train_sentencepiece(config, tmp / "sample.txt", tmp / config.model_prefix)
         lap("train_s")
         hf.round_scores(tmp / model_name)
@@ -215,7 +223,7 @@ def train_tokenizer(config: TokenizerConfig, files: list[Path], splitter: Morphe
         "corpus_documents": scan.documents, **sample.reasons.manifest_counts(),
         "training_documents": sample.training_documents,
         "corpus_lines": sample.lines_seen, "training_lines_sampled": sample.lines, "long_lines_cut": sample.lines_cut,
-        "sample_mib": round(sample.bytes / MIB, 2),
+        "sample_mib": round(sample.bytes / MIB, 2), "expected_sample_mib": round(expected / MIB, 2),
         "estimated_peak_rss_mib": round(estimate), "peak_rss_mib": round(_peak_rss_mib()),
     }
     say(f"[{STAGE}] {counts['vocab_size']:,} pieces; HF ids identical to SentencePiece on "
