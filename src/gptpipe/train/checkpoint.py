@@ -5,6 +5,8 @@ Layout under `<run>/checkpoints/`:
                       rank, hf_config.json (the transformers config), gptpipe_state.json (step, consumed
                       samples, tokens, tokenizer and dataset paths, final validation loss) and `complete`
     latest            the tag of the newest complete checkpoint (DeepSpeed's own format)
+    best              (fine-tuning) the tag of the best checkpoint by the validation metric; keep-last-N
+                      never removes it
 
 A save goes to `.tmp-global_step{N}/`, is renamed into place, then gets its `complete` marker, then
 `latest` moves to it and the oldest checkpoints beyond `keep_checkpoints` go. A folder without the marker
@@ -30,6 +32,7 @@ COMPLETE_MARKER = "complete"
 HF_CONFIG = "hf_config.json"
 STATE = "gptpipe_state.json"
 LATEST = "latest"
+BEST = "best"
 EXIT_PREEMPTED = 75  # saved on SIGTERM/SIGINT; run the same command again to resume (EX_TEMPFAIL)
 _TAG = re.compile(r"^global_step(\d+)$")
 
@@ -48,6 +51,17 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
         if match and folder.is_dir() and (folder / COMPLETE_MARKER).is_file():
             found.append((int(match.group(1)), folder))
     return sorted(found)
+
+
+def best_tag(root: Path) -> str | None:
+    """The tag `best` names (fine-tuning marks it), or None."""
+    marker = root / BEST
+    return marker.read_text(encoding="utf-8").split()[0] if marker.is_file() else None
+
+
+def mark_best(root: Path, step: int) -> None:
+    """Name global_step{step} (already saved and complete) the best checkpoint (main rank)."""
+    write_text_atomic(root / BEST, f"{tag_of(step)}\n")
 
 
 def newest_checkpoint(root: Path) -> Path | None:
@@ -97,7 +111,8 @@ def save(engine: Any, root: Path, step: int, state: dict[str, Any], hf_config_js
         write_text_atomic(final / COMPLETE_MARKER, f"{tag}\n")
         write_text_atomic(root / LATEST, tag)
         for _, old in complete_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old.name != best_tag(root):
+                shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
 
