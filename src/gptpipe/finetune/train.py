@@ -224,6 +224,10 @@ class FineTuner:
                                   f"set train.output_model_dir to a new folder")
         state = checkpoint.load(self.engine, folder, self.dist)
         self.step, self.best, self.last_eval = state["step"], state.get("best"), state.get("last_eval")
+        best_folder = self.ckpt_root / checkpoint.tag_of(self.best["step"]) if self.best else None
+        if self.dist.is_main and best_folder and best_folder.is_dir() and \
+                checkpoint.best_tag(self.ckpt_root) != best_folder.name:  # killed between its save and its mark
+            checkpoint.mark_best(self.ckpt_root, self.best["step"], self.train_cfg.keep_checkpoints)
         if self.dist.is_main:
             say(f"[finetune] resumed from {folder} (step {self.step})")
 
@@ -324,7 +328,7 @@ class FineTuner:
             return None
         saved = self._save()
         if saved is not None and self.dist.is_main:
-            checkpoint.mark_best(self.ckpt_root, saved)
+            checkpoint.mark_best(self.ckpt_root, saved, self.train_cfg.keep_checkpoints)
         return saved
 
     def _eval_console(self, m: dict[str, Any], improved: bool) -> str:

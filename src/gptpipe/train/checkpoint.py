@@ -59,9 +59,18 @@ def best_tag(root: Path) -> str | None:
     return marker.read_text(encoding="utf-8").split()[0] if marker.is_file() else None
 
 
-def mark_best(root: Path, step: int) -> None:
-    """Name global_step{step} (already saved and complete) the best checkpoint (main rank)."""
+def mark_best(root: Path, step: int, keep: int) -> None:
+    """Name global_step{step} (already saved and complete) the best checkpoint, and drop the previous best
+    if keep-last-N no longer holds it (main rank)."""
     write_text_atomic(root / BEST, f"{tag_of(step)}\n")
+    prune(root, keep)
+
+
+def prune(root: Path, keep: int) -> None:
+    """Remove complete checkpoints older than the newest `keep`, except the one `best` names."""
+    for _, old in complete_checkpoints(root)[:-keep]:
+        if old.name != best_tag(root):
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def newest_checkpoint(root: Path) -> Path | None:
@@ -110,9 +119,7 @@ def save(engine: Any, root: Path, step: int, state: dict[str, Any], hf_config_js
         shutil.rmtree(staging, ignore_errors=True)  # DeepSpeed's zero_to_fp32.py copy
         write_text_atomic(final / COMPLETE_MARKER, f"{tag}\n")
         write_text_atomic(root / LATEST, tag)
-        for _, old in complete_checkpoints(root)[:-keep]:
-            if old.name != best_tag(root):
-                shutil.rmtree(old, ignore_errors=True)
+        prune(root, keep)
     _barrier()
     return final
 
