@@ -3,9 +3,10 @@
 #   bash 7_finetune.sh [--config finetune_config.yaml] [key=value ...]   e.g. bash 7_finetune.sh train.lr=1e-4
 # Ranks: every local GPU (torchrun); on a machine without GPU, NPROC CPU ranks over gloo (default 1),
 # each with OMP_NUM_THREADS = cores / NPROC. Override with NPROC=N.
-# It evaluates on the validation rows every train.eval_interval steps and marks the best checkpoint. Rerunning resumes from the newest
-# complete checkpoint. Exit codes: 0 done, 1 failed, 2 refused before starting, 75 stopped by
-# SIGTERM/SIGINT after saving a checkpoint (run the same command again to continue).
+# It evaluates on the validation rows every train.eval_interval steps and at the end, and marks the best
+# checkpoint (checkpoints/best). Rerunning resumes from the newest complete checkpoint. Exit codes: 0 done,
+# 1 failed, 2 refused before starting, 75 stopped by SIGTERM/SIGINT after saving a checkpoint (run the same
+# command again to continue).
 set -euo pipefail
 PYTHON=${PYTHON:-python}
 GPUS=$($PYTHON -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)

@@ -206,9 +206,15 @@ def test_loss_is_normalised_by_the_label_tokens_of_the_whole_global_batch(tiny_l
 
     from gptpipe.finetune.model import target_logprobs
 
+    import numpy as np
+
     rows = manpage_rows(("1",), per_section=8)
-    pairs = [(f"{a}", b) for (a, _), (b, _) in zip(rows, rows[1:] + rows[:1])]
-    pairs = [(a, b if i % 2 else b[:2]) for i, (a, b) in enumerate(pairs)]  # long and short labels
+    pairs = [(a, b) for (a, _), (b, _) in zip(rows, rows[1:] + rows[:1])]  # "translate" to the next description
+    order = np.random.default_rng([1234, 0]).permutation(len(pairs))  # the run's first epoch (train.seed 1234)
+    # The first micro-batch of each step gets 1-character labels, the second long ones.
+    for position, i in enumerate(order):
+        if position % 4 < 2:
+            pairs[i] = (pairs[i][0], pairs[i][1][:1])
     train = write_tsv(tmp_path / "gen.tsv", pairs)
     common = ("task.kind=generation", "train.best_metric=val_loss", "train.global_batch_size=4", "train.train_iters=2",
               "train.lr_schedule=constant", "train.eval_interval=1000", "predict.max_new_tokens=4")
@@ -224,9 +230,7 @@ def test_loss_is_normalised_by_the_label_tokens_of_the_whole_global_batch(tiny_l
     # Step 1's loss is that of the pretrained model on the first global batch of the seeded order.
     tokenizer = AutoTokenizer.from_pretrained(tiny_lm)
     model = AutoModelForCausalLM.from_pretrained(tiny_lm).eval()
-    import numpy as np
-
-    first = np.random.default_rng([1234, 0]).permutation(len(pairs))[:4]
+    first = order[:4]
     encoder = Encoder(tokenizer, "{input}\n答え:", 48, seq2seq=False)
     items = [encoder.encode(Row(*pairs[i], "f"), Skipped()) for i in first]
     with torch.no_grad():
@@ -368,7 +372,7 @@ def test_t5_with_byt5_tokenizer_finetunes_and_predicts(tiny_t5: Path, task_files
                                                        tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = finetune_args(tiny_t5, task_files, run, "train.global_batch_size=8", "train.train_iters=3",
-                         "train.eval_interval=1000", "train.seq_len=64", "task.prompt={input}")
+                         "train.eval_interval=1000", "train.seq_len=64", "task.prompt='入力: {input}'")
     done = gptpipe("finetune", *args)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "(encoder-decoder)" in done.stderr

@@ -10,7 +10,12 @@ def classification_metrics(gold: list[str], predicted: list[str], labels: list[s
                            majority: str) -> dict[str, Any]:
     """accuracy, macro-F1, per-class precision/recall/F1/support, the confusion matrix (rows: gold, in
     `labels` order) and the same two figures for always predicting `majority`."""
-    from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, precision_recall_fscore_support
+    from sklearn.metrics import (
+        accuracy_score,
+        confusion_matrix,
+        f1_score,
+        precision_recall_fscore_support,
+    )
 
     present = labels + sorted({g for g in gold if g not in labels})  # a validation label unseen in training
     precision, recall, f1, support = precision_recall_fscore_support(gold, predicted, labels=present,

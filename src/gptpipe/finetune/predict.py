@@ -23,9 +23,29 @@ import torch
 
 from gptpipe.cli import EXIT_BAD_INPUT
 from gptpipe.finetune.config import FinetuneConfig
-from gptpipe.finetune.data import Encoder, Row, Skipped, label_set, map_to_label, pad_id, read_lines, read_rows
-from gptpipe.finetune.metrics import classification_metrics, format_classification, generation_metrics
-from gptpipe.finetune.model import as_scored, decode, generate, is_seq2seq, model_class, score
+from gptpipe.finetune.data import (
+    Encoder,
+    Row,
+    Skipped,
+    label_set,
+    map_to_label,
+    pad_id,
+    read_lines,
+    read_rows,
+)
+from gptpipe.finetune.metrics import (
+    classification_metrics,
+    format_classification,
+    generation_metrics,
+)
+from gptpipe.finetune.model import (
+    as_scored,
+    decode,
+    generate,
+    is_seq2seq,
+    model_class,
+    score,
+)
 from gptpipe.finetune.train import TASK_FILE, TOKENIZER_DIR, gather, shard
 from gptpipe.stage import StageInputError, say, write_text_atomic
 from gptpipe.train import checkpoint
@@ -43,8 +63,8 @@ class Predictor:
 
     @property
     def encoder(self) -> Encoder:
-        return Encoder(self.tokenizer, self.task["prompt"], self.task["seq_len"], self.task["seq2seq"],
-                       self.task.get("too_long", "truncate"))
+        # Every input gets a prediction: a long one is cut (at its end), never dropped.
+        return Encoder(self.tokenizer, self.task["prompt"], self.task["seq_len"], self.task["seq2seq"], "truncate")
 
 
 def resolve_checkpoint(path: Path) -> Path | None:
@@ -61,7 +81,7 @@ def resolve_checkpoint(path: Path) -> Path | None:
 
 def load_predictor(config: FinetuneConfig, source: Path, device: torch.device) -> Predictor:
     """The fine-tuned model (fp32) and its task from a checkpoint, run folder or exported folder."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if not source.exists():
         raise StageInputError(f"predict.model {source} does not exist. Fine-tune first: bash 7_finetune.sh")
@@ -214,6 +234,9 @@ def predict_rows(model: Any, predictor: Predictor, rows: list[Row], config: Fine
                 result["label"] = row.label
             result["score"] = lp
             results.append((i, result))
+    if scratch.truncated:
+        say(f"[predict] rank {dist.rank}: {scratch.truncated} inputs cut to leave max_new_tokens within seq_len "
+            f"{task['seq_len']}")
     return gather(results, dist)
 
 

@@ -40,12 +40,31 @@ from gptpipe.finetune.data import (
     read_rows,
     split_validation,
 )
-from gptpipe.finetune.metrics import classification_metrics, format_classification, generation_metrics
-from gptpipe.finetune.model import decode, generate, is_seq2seq, pretrained_factory, score, target_logprobs
+from gptpipe.finetune.metrics import (
+    classification_metrics,
+    format_classification,
+    generation_metrics,
+)
+from gptpipe.finetune.model import (
+    decode,
+    generate,
+    is_seq2seq,
+    pretrained_factory,
+    score,
+    target_logprobs,
+)
 from gptpipe.stage import StageInputError, say, write_text_atomic
 from gptpipe.train import checkpoint
 from gptpipe.train.data import sample_positions
-from gptpipe.train.engine import Dist, EngineConfigError, StopFlag, build_engine, deepspeed_config, setup_distributed, train_step
+from gptpipe.train.engine import (
+    Dist,
+    EngineConfigError,
+    StopFlag,
+    build_engine,
+    deepspeed_config,
+    setup_distributed,
+    train_step,
+)
 from gptpipe.train.logging import RunLogger
 from gptpipe.train.schedule import Schedule
 from gptpipe.train.train import seed_everything
