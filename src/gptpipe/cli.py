@@ -45,6 +45,14 @@ def _merge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shards", type=int, required=True, help="number of shards to merge (N of --shard I/N)")
 
 
+def _predict_arguments(parser: argparse.ArgumentParser) -> None:
+    from gptpipe.finetune.config import predict_arguments
+
+    predict_arguments(parser)
+
+
+FINETUNE = "gptpipe.finetune.config:FinetuneConfig"
+EVALUATE = "gptpipe.finetune.evaluate:EvaluateConfig"
 PIPELINE = "gptpipe.config.pipeline:PipelineConfig"
 CONVERT = "gptpipe.export.config:ConvertConfig"
 COMMANDS = [
@@ -69,6 +77,16 @@ COMMANDS = [
             "gptpipe.export.generate:run", CONVERT, "convert_config.yaml", generate_arguments),
     Command("upload", "stage 6: upload the verified folder to the HuggingFace hub (token: HF_TOKEN or `hf auth login`)",
             "gptpipe.export.upload:run", CONVERT, "convert_config.yaml", upload_arguments),
+    Command("finetune", "stage 7: fine-tune the exported model on labelled TSV/jsonl rows, keeping the best checkpoint "
+            "by the validation metric (resumes; exit 75 = saved on SIGTERM/SIGINT, rerun to continue)",
+            "gptpipe.finetune.train:run", FINETUNE, "finetune_config.yaml"),
+    Command("predict", "stage 7: greedy or beam-search predictions of a fine-tuned model on a TSV/jsonl file or stdin "
+            "(jsonl out; metrics when labels are present)", "gptpipe.finetune.predict:run", FINETUNE,
+            "finetune_config.yaml", _predict_arguments),
+    Command("make-demo-task", "stage 7 demo: build the man-page section task (description → section) as "
+            "train/validation/test TSV files", "gptpipe.finetune.demo_task:run", EVALUATE, "evaluate_config.yaml"),
+    Command("evaluate", "stage 7: zero/few-shot evaluation of an exported HF folder with lm-evaluation-harness",
+            "gptpipe.finetune.evaluate:run", EVALUATE, "evaluate_config.yaml"),
 ]
 
 
@@ -124,13 +142,3 @@ def main(argv: list[str] | None = None) -> int:
 def run_script(command: str) -> None:
     """Entry point of the numbered top-level scripts: ``python 0_prepare_corpus.py [args]``."""
     raise SystemExit(main([command, *sys.argv[1:]]))
-
-
-# Stage 7 (fine-tune and evaluate): evaluate_config.yaml.
-EVALUATE = "gptpipe.finetune.evaluate:EvaluateConfig"
-COMMANDS += [
-    Command("make-demo-task", "stage 7 demo: build the man-page section task (description → section) as "
-            "train/validation/test TSV files", "gptpipe.finetune.demo_task:run", EVALUATE, "evaluate_config.yaml"),
-    Command("evaluate", "stage 7: zero/few-shot evaluation of an exported HF folder with lm-evaluation-harness",
-            "gptpipe.finetune.evaluate:run", EVALUATE, "evaluate_config.yaml"),
-]

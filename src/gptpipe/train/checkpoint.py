@@ -6,6 +6,8 @@ Layout under `<run>/checkpoints/`:
                       samples, tokens, final validation loss, and the run record: the whole resolved
                       config.yaml the run trained with) and `complete`
     latest            the tag of the newest complete checkpoint (DeepSpeed's own format)
+    best              (fine-tuning) the tag of the best checkpoint by the validation metric; keep-last-N
+                      never removes it
 
 A save goes to `.tmp-global_step{N}/`, is renamed into place, then gets its `complete` marker, then
 `latest` moves to it and the oldest checkpoints beyond `keep_checkpoints` go. A folder without the marker
@@ -31,6 +33,7 @@ COMPLETE_MARKER = "complete"
 HF_CONFIG = "hf_config.json"
 STATE = "gptpipe_state.json"
 LATEST = "latest"
+BEST = "best"
 _TAG = re.compile(r"^global_step(\d+)$")
 
 
@@ -48,6 +51,26 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
         if match and folder.is_dir() and (folder / COMPLETE_MARKER).is_file():
             found.append((int(match.group(1)), folder))
     return sorted(found)
+
+
+def best_tag(root: Path) -> str | None:
+    """The tag `best` names (fine-tuning marks it), or None."""
+    marker = root / BEST
+    return marker.read_text(encoding="utf-8").split()[0] if marker.is_file() else None
+
+
+def mark_best(root: Path, step: int, keep: int) -> None:
+    """Name global_step{step} (already saved and complete) the best checkpoint, and drop the previous best
+    if keep-last-N no longer holds it (main rank)."""
+    write_text_atomic(root / BEST, f"{tag_of(step)}\n")
+    prune(root, keep)
+
+
+def prune(root: Path, keep: int) -> None:
+    """Remove complete checkpoints older than the newest `keep`, except the one `best` names."""
+    for _, old in complete_checkpoints(root)[:-keep]:
+        if old.name != best_tag(root):
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def newest_checkpoint(root: Path) -> Path | None:
@@ -96,8 +119,7 @@ def save(engine: Any, root: Path, step: int, state: dict[str, Any], hf_config_js
         shutil.rmtree(staging, ignore_errors=True)  # DeepSpeed's zero_to_fp32.py copy
         write_text_atomic(final / COMPLETE_MARKER, f"{tag}\n")
         write_text_atomic(root / LATEST, tag)
-        for _, old in complete_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune(root, keep)
     _barrier()
     return final
 

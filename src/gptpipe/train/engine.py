@@ -17,7 +17,7 @@ import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -184,17 +184,19 @@ def apply_liger(arch: str) -> bool:
 
 
 def build_engine(train: TrainConfig, arch: str, hf_config: Any, ds_config: dict[str, Any], schedule: Schedule,
-                 device: torch.device) -> tuple[Any, bool]:
-    """The model (freshly initialized from the current RNG state) inside a DeepSpeed engine, and whether
-    Liger's fused linear cross-entropy computes its loss (then evaluation must ask for `skip_logits` too).
+                 device: torch.device, make_model: Callable[[], Any] | None = None) -> tuple[Any, bool]:
+    """The model (freshly initialized from the current RNG state, or `make_model()`'s, e.g. pretrained
+    weights for fine-tuning) inside a DeepSpeed engine, and whether Liger's fused linear cross-entropy
+    computes its loss (then evaluation must ask for `skip_logits` too).
 
-    The LR scheduler goes into `deepspeed.initialize`, so DeepSpeed checkpoints it.
+    The LR scheduler goes into `deepspeed.initialize`, so DeepSpeed checkpoints it. `make_model` is called
+    after Liger has patched the model classes, so its model gets the fused kernels too.
     """
     import deepspeed
 
     on_gpu = device.type == "cuda"
     fused_loss = on_gpu and train.liger_kernels and apply_liger(arch)
-    model = build_model(hf_config, device)
+    model = make_model() if make_model else build_model(hf_config, device)
     if fused_loss and train.zero_stage == 3:
         # Liger reads lm_head.weight outside lm_head's forward: ZeRO-3 must gather it for the whole model.
         deepspeed.zero.register_external_parameter(model, model.lm_head.weight)
@@ -248,8 +250,11 @@ class StepResult:
     applied: bool  # False: DeepSpeed found non-finite gradients and skipped the update
 
 
-def train_step(engine: Any, batches: Iterable[dict[str, torch.Tensor]], stop: StopFlag) -> StepResult | None:
-    """One optimizer step over `batches` (the micro-batches of one global batch on this rank).
+def train_step(engine: Any, batches: Iterable[dict[str, torch.Tensor]], stop: StopFlag,
+               forward: Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor | None]]
+               = forward_loss) -> StepResult | None:
+    """One optimizer step over `batches` (the micro-batches of one global batch on this rank); `forward`
+    gives each micro-batch's (loss, aux loss): pretraining's by default, fine-tuning passes its own.
 
     Returns None when a stop was requested before the step finished: the model and optimizer are then
     exactly as after the previous step, and that is what gets saved.
@@ -260,7 +265,7 @@ def train_step(engine: Any, batches: Iterable[dict[str, torch.Tensor]], stop: St
     for batch in batches:
         if stop.agreed():
             return None
-        loss, aux = forward_loss(engine, batch)
+        loss, aux = forward(engine, batch)
         engine.backward(loss)
         engine.step()  # DeepSpeed applies the update only at the accumulation boundary
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()

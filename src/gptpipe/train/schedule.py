@@ -1,7 +1,7 @@
 """Learning-rate schedule derived from the run's actual length (the original's was fixed at 300B tokens).
 
 Optimizer step s (0-based) of a run of T steps uses `lr_at(s)`: a linear warmup over the first W steps,
-then cosine (or warmup-stable-decay) down to exactly min_lr at s = T-1, the last step. The schedule is a
+then cosine, linear (fine-tuning) or warmup-stable-decay down to exactly min_lr at s = T-1, the last step. The schedule is a
 `LambdaLR` handed to `deepspeed.initialize`, so DeepSpeed saves and restores its position.
 """
 
@@ -21,7 +21,7 @@ class Schedule:
     warmup_steps: int
     peak_lr: float
     min_lr: float
-    kind: str = "cosine"  # cosine | wsd | constant
+    kind: str = "cosine"  # cosine | linear | wsd | constant
     decay_steps: int = 0  # wsd: steps of the final decay
 
     @classmethod
@@ -30,7 +30,8 @@ class Schedule:
         warmup = min(round(train_cfg.warmup_fraction * total_steps), total_steps - 1)
         if train_cfg.warmup_fraction > 0 and total_steps > 1:
             warmup = max(warmup, 1)
-        decay = max(1, round(train_cfg.lr_decay_fraction * total_steps))
+        # Fine-tuning's config has no wsd schedule, hence no lr_decay_fraction.
+        decay = max(1, round(getattr(train_cfg, "lr_decay_fraction", 0.0) * total_steps))
         return cls(total_steps=total_steps, warmup_steps=warmup, peak_lr=train_cfg.lr, min_lr=train_cfg.min_lr,
                    kind=train_cfg.lr_schedule, decay_steps=min(decay, total_steps - warmup))
 
@@ -50,6 +51,8 @@ class Schedule:
             return self.peak_lr + (self.min_lr - self.peak_lr) * min(progress, 1.0)  # linear to min_lr
         span = last - self.warmup_steps
         progress = 1.0 if span <= 0 else min((step - self.warmup_steps) / span, 1.0)
+        if self.kind == "linear":
+            return self.peak_lr + (self.min_lr - self.peak_lr) * progress
         return self.min_lr + (self.peak_lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def scheduler_factory(self):

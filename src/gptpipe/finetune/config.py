@@ -1,0 +1,181 @@
+"""Stage 7 settings: finetune_config.yaml, read by `gptpipe finetune` and `gptpipe predict`.
+
+The `train:` section reuses stage 3's key names where they mean the same thing (output_model_dir, seq_len,
+global_batch_size, micro_batch_size, train_epochs, train_iters, lr, min_lr, lr_schedule, warmup_fraction,
+precision, zero_stage, log/eval/save_interval, keep_checkpoints), so the same DeepSpeed template, schedule and
+checkpoint code serve both stages; `logging:` is stage 3's section unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from gptpipe.config.core import option
+from gptpipe.train.config import LoggingConfig
+
+# Metrics a classification / generation run can select its best checkpoint by; all higher-is-better but val_loss.
+CLASSIFICATION_METRICS = ("accuracy", "macro_f1", "val_loss")
+GENERATION_METRICS = ("exact_match", "chrf", "val_loss")
+
+
+@dataclass
+class FinetuneModelConfig:
+    """The pretrained model to start from: the stage-4 folder or any local HuggingFace folder."""
+
+    path: Path = option(Path("models/hf/demo"), "HF folder with the model and its tokenizer (stage 4 writes "
+                                                "models/hf/demo)")
+    kind: Literal["auto", "causal", "seq2seq"] = option(
+        "auto", "causal LM (llama, gpt2, ...) or encoder-decoder (T5, ByT5, BART); auto: from the folder's config")
+
+
+@dataclass
+class FinetuneDataConfig:
+    """Labelled rows: `input<TAB>label` TSV or jsonl objects; bad rows are counted and skipped."""
+
+    train: Path = option(Path("data/finetune/manpage_section/train.tsv"), "training rows (.tsv or .jsonl)")
+    validation: Path | None = option(
+        Path("data/finetune/manpage_section/validation.tsv"),
+        "validation rows (null: split validation_proportion of the training rows off, seeded)")
+    validation_proportion: float = option(0.1, "share of the training rows held out when validation is null")
+    test: Path | None = option(Path("data/finetune/manpage_section/test.tsv"),
+                               "test rows: `gptpipe predict`'s default input (null: none)")
+    format: Literal["auto", "tsv", "jsonl"] = option("auto", "file format (auto: by suffix, .jsonl/.json is jsonl)")
+    input_key: str = option("input", "jsonl key of the input text; a TSV first line `input_key<TAB>label_key` "
+                                     "is a header and skipped")
+    label_key: str = option("label", "jsonl key of the label")
+    seed: int = option(1234, "seed of the validation split")
+    too_long: Literal["truncate", "drop"] = option(
+        "truncate", "rows longer than train.seq_len tokens: cut the input's end or drop the row (counted)")
+
+
+@dataclass
+class TaskConfig:
+    """What the model learns to produce after the prompt."""
+
+    kind: Literal["classification", "generation"] = option(
+        "classification", "classification: the label set comes from the training rows and evaluation scores "
+                          "every label; generation: free-form output scored by exact match and chrF")
+    prompt: str = option("{input}\n答え:", "prompt template; {input} is the row's input, the label follows it")
+    generate_labels: bool = option(
+        False, "classification: also generate the label at evaluation and map it onto the nearest label by "
+               "edit distance (reported with how many needed mapping)")
+
+
+@dataclass
+class FinetuneTrainConfig:
+    """How long and how fast to fine-tune, on the same engine settings as stage 3."""
+
+    output_model_dir: Path = option(Path("runs/finetune-demo"),
+                                    "run folder: checkpoints, metrics.jsonl, tokenizer, summary, predictions")
+    seq_len: int = option(128, "max tokens of prompt + label + EOS (longer rows: data.too_long)")
+    global_batch_size: int = option(16, "rows per optimizer step, over all ranks and accumulation steps")
+    micro_batch_size: int | None = option(None, "rows per rank per forward pass (null: global_batch_size / ranks)")
+    train_epochs: float = option(3.0, "passes over the training rows")
+    train_iters: int | None = option(None, "hard cap on optimizer steps (null: from train_epochs)")
+    lr: float = option(1.0e-4, "peak learning rate")
+    min_lr: float = option(0.0, "learning rate at the last step")
+    lr_schedule: Literal["linear", "cosine", "constant"] = option("linear", "decay after warmup")
+    warmup_fraction: float = option(0.06, "share of the run spent warming up linearly from 0")
+    weight_decay: float = option(0.01, "AdamW weight decay (not on norms, biases, embeddings)")
+    adam_beta1: float = option(0.9, "AdamW beta1")
+    adam_beta2: float = option(0.999, "AdamW beta2")
+    adam_eps: float = option(1.0e-8, "AdamW epsilon")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)")
+    precision: Literal["bf16", "fp16", "fp32"] = option("bf16", "one precision for model, engine and logs")
+    zero_stage: int = option(1, "DeepSpeed ZeRO stage 0-3")
+    offload_optimizer: bool = option(False, "ZeRO: keep optimizer states in host RAM")
+    activation_checkpointing: bool = option(False, "recompute activations in backward (less memory, slower)")
+    compile: bool = option(False, "torch.compile the model (CUDA)")
+    liger_kernels: bool = option(True, "Liger's fused norm/RoPE/SwiGLU kernels on CUDA when installed")
+    ds_config_template: Path | None = option(
+        None, "DeepSpeed config template (None: gptpipe's original_codes/ds_config_gpt_TEMPLATE.json)")
+    seed: int = option(1234, "seed of the data order and dropout")
+    log_interval: int = option(10, "optimizer steps between console/metrics lines")
+    eval_interval: int = option(100, "steps between validation runs (and one at the end)")
+    save_interval: int = option(100, "steps between checkpoints")
+    keep_checkpoints: int = option(2, "keep this many newest checkpoints (the best one is kept besides)")
+    best_metric: str = option("macro_f1", "validation metric that picks the best checkpoint: classification "
+                                          "accuracy | macro_f1 | val_loss; generation exact_match | chrf | val_loss")
+    max_bad_steps: int = option(5, "stop after this many consecutive non-finite steps")
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        positive = ("seq_len", "global_batch_size", "log_interval", "eval_interval", "save_interval",
+                    "keep_checkpoints", "max_bad_steps")
+        problems += [(name, "must be >= 1") for name in positive if getattr(self, name) < 1]
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            problems.append(("micro_batch_size", "must be >= 1 (or null)"))
+        if self.micro_batch_size and self.global_batch_size % self.micro_batch_size:
+            problems.append(("micro_batch_size", f"{self.micro_batch_size} does not divide global_batch_size "
+                                                 f"{self.global_batch_size}"))
+        if self.train_epochs <= 0:
+            problems.append(("train_epochs", "must be > 0"))
+        if self.train_iters is not None and self.train_iters < 1:
+            problems.append(("train_iters", "must be >= 1 (or null)"))
+        if self.lr <= 0:
+            problems.append(("lr", "must be > 0"))
+        if not 0 <= self.min_lr <= self.lr:
+            problems.append(("min_lr", f"must be between 0 and lr ({self.lr}), got {self.min_lr}"))
+        if not 0 <= self.warmup_fraction < 1:
+            problems.append(("warmup_fraction", "must be in [0, 1)"))
+        if self.zero_stage not in (0, 1, 2, 3):
+            problems.append(("zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}"))
+        if self.offload_optimizer and self.zero_stage == 0:
+            problems.append(("offload_optimizer", "needs zero_stage >= 1"))
+        return problems
+
+
+@dataclass
+class PredictConfig:
+    """`gptpipe predict`: which model, which rows, how to search."""
+
+    model: Path | None = option(
+        None, "a fine-tune run folder (its best checkpoint), one checkpoint folder, or an exported HF folder "
+              "(null: the best checkpoint of train.output_model_dir)")
+    input: Path | None = option(None, "rows to predict, TSV/jsonl; labels optional (null: data.test; "
+                                      "--input - reads stdin, one input per line)")
+    output: Path | None = option(None, "predictions jsonl (null: <run>/predictions/<input name>.jsonl)")
+    num_beams: int = option(1, "1: greedy; more: beam search")
+    max_new_tokens: int = option(32, "tokens generated per input at most")
+    length_penalty: float = option(1.0, "beam search: score / length**length_penalty (0: plain log-likelihood)")
+    batch_size: int = option(8, "inputs generated together per rank (left-padded)")
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = [(n, "must be >= 1") for n in ("num_beams", "max_new_tokens", "batch_size") if getattr(self, n) < 1]
+        return problems
+
+
+@dataclass
+class FinetuneConfig:
+    """finetune_config.yaml: stage 7 (fine-tune and predict)."""
+
+    model: FinetuneModelConfig = option(factory=FinetuneModelConfig, doc="pretrained model")
+    data: FinetuneDataConfig = option(factory=FinetuneDataConfig, doc="labelled rows")
+    task: TaskConfig = option(factory=TaskConfig, doc="task kind and prompt")
+    train: FinetuneTrainConfig = option(factory=FinetuneTrainConfig, doc="schedule and engine")
+    logging: LoggingConfig = option(factory=LoggingConfig, doc="wandb and TensorBoard")
+    predict: PredictConfig = option(factory=PredictConfig, doc="gptpipe predict")
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        if "{input}" not in self.task.prompt:
+            problems.append(("task.prompt", "must contain {input}"))
+        allowed = CLASSIFICATION_METRICS if self.task.kind == "classification" else GENERATION_METRICS
+        if self.train.best_metric not in allowed:
+            problems.append(("train.best_metric", f"must be one of {', '.join(allowed)} for a {self.task.kind} "
+                                                  f"task, got {self.train.best_metric!r}"))
+        if self.data.validation is None and not 0 < self.data.validation_proportion < 1:
+            problems.append(("data.validation_proportion", "must be in (0, 1) when data.validation is null"))
+        return problems
+
+
+def predict_arguments(parser: argparse.ArgumentParser) -> None:
+    """`gptpipe predict` options beside the config keys."""
+    parser.add_argument("--input", default=None, metavar="PATH",
+                        help="rows to predict (TSV/jsonl), or - for stdin (one input per line); "
+                             "default: predict.input, else data.test")
+    parser.add_argument("--output", type=Path, default=None, metavar="PATH",
+                        help="predictions jsonl (default: predict.output, else <run>/predictions/<input>.jsonl)")

@@ -1,0 +1,291 @@
+"""Labelled rows for fine-tuning: reading TSV/jsonl, the validation split, prompt masking, padded batches.
+
+Bad rows never stop a run: each is skipped and counted by reason, with the first file:line examples, and
+the counts are printed and kept in the run's summary. Prompt and label are tokenized separately and their
+ids concatenated, so the loss mask is exact whatever the tokenizer does at their boundary (searching for
+the label inside the tokenized whole fails with SentencePiece, whose pieces depend on context).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+IGNORE = -100  # label id the loss skips (prompt tokens, padding)
+EXAMPLES_PER_REASON = 3
+
+
+@dataclass(frozen=True)
+class Row:
+    input: str
+    label: str | None  # None: an unlabelled row (prediction input)
+    where: str  # "file:line", for messages
+
+
+@dataclass
+class Skipped:
+    """Rows left out, by reason, with a few file:line examples each; truncations are counted apart."""
+
+    counts: Counter = field(default_factory=Counter)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+    truncated: int = 0
+
+    def add(self, reason: str, where: str, detail: str = "") -> None:
+        self.counts[reason] += 1
+        shown = self.examples.setdefault(reason, [])
+        if len(shown) < EXAMPLES_PER_REASON:
+            shown.append(f"{where}{': ' + detail if detail else ''}")
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def report(self) -> str:
+        """Lines for the console; empty when nothing was skipped or cut."""
+        lines = [f"  {n:,} skipped: {reason} (e.g. {'; '.join(self.examples[reason])})"
+                 for reason, n in self.counts.most_common()]
+        if self.truncated:
+            lines.append(f"  {self.truncated:,} inputs cut to fit train.seq_len")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"skipped": dict(self.counts), "examples": self.examples, "truncated": self.truncated}
+
+
+def file_format(path: Path, configured: str) -> str:
+    if configured != "auto":
+        return configured
+    return "jsonl" if path.suffix.lower() in (".jsonl", ".json") else "tsv"
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def read_rows(path: Path, fmt: str, input_key: str = "input", label_key: str = "label",
+              skipped: Skipped | None = None, need_label: bool = True) -> tuple[list[Row], Skipped]:
+    """The good rows of a TSV (`input<TAB>label`, header optional) or jsonl file, and what was skipped.
+
+    With need_label=False a TSV line may hold the input alone and a jsonl object may lack the label.
+    """
+    skipped = skipped if skipped is not None else Skipped()
+    fmt = file_format(path, fmt)
+    return list(_rows(path.read_bytes().split(b"\n"), str(path), fmt, input_key, label_key, skipped,
+                      need_label)), skipped
+
+
+def read_lines(lines: Iterable[str], source: str = "stdin") -> list[Row]:
+    """Unlabelled inputs, one a line (blank lines skipped)."""
+    return [Row(line.strip(), None, f"{source}:{n}") for n, line in enumerate(lines, 1) if line.strip()]
+
+
+def _rows(lines: list[bytes], name: str, fmt: str, input_key: str, label_key: str, skipped: Skipped,
+          need_label: bool) -> Iterable[Row]:
+    for number, raw in enumerate(lines, 1):
+        where = f"{name}:{number}"
+        raw = raw.rstrip(b"\r")
+        if not raw.strip():
+            continue  # blank lines (and the end of the last line) hold no row
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            skipped.add("undecodable bytes (not UTF-8)", where, f"byte {exc.start}")
+            continue
+        if fmt == "tsv":
+            columns = line.split("\t")
+            if number == 1 and [c.strip() for c in columns] == [input_key, label_key]:
+                continue  # header
+            if len(columns) == 1 and not need_label:
+                columns.append("")
+            if len(columns) != 2:
+                skipped.add("wrong column count", where, f"{len(columns)} columns, expected input<TAB>label")
+                continue
+            text, label = columns
+        else:
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                skipped.add("not valid JSON", where, str(exc))
+                continue
+            if not isinstance(obj, dict):
+                skipped.add("not a JSON object", where, _short(line))
+                continue
+            missing = [k for k in (input_key, label_key) if k not in obj and (need_label or k == input_key)]
+            if missing:
+                skipped.add(f"missing key {missing[0]!r}", where, _short(line))
+                continue
+            text, label = obj[input_key], obj.get(label_key, "")
+            if isinstance(label, (int, float)) and not isinstance(label, bool):
+                label = str(label)  # numeric class ids are common in jsonl
+            if not isinstance(text, str) or not isinstance(label, str):
+                skipped.add("input or label not a string", where, _short(line))
+                continue
+        text, label = text.strip(), label.strip()
+        if not text:
+            skipped.add("empty input", where)
+            continue
+        if not label and need_label:
+            skipped.add("empty label", where)
+            continue
+        yield Row(text, label or None, where)
+
+
+def split_validation(rows: list[Row], proportion: float, seed: int) -> tuple[list[Row], list[Row]]:
+    """(train, validation): a seeded random `proportion` of the rows (at least one) held out."""
+    order = np.random.default_rng(seed).permutation(len(rows))
+    count = max(1, round(proportion * len(rows)))
+    held = set(order[:count].tolist())
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
+
+
+def label_set(rows: list[Row]) -> list[str]:
+    """Labels of the training rows, most frequent first (ties: alphabetical), so ties in mapping favour
+    the more common label."""
+    counts = Counter(r.label for r in rows)
+    return sorted(counts, key=lambda label: (-counts[label], label))
+
+
+# --- tokenization ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Encoded:
+    """One row as ids. Causal: prompt + label + EOS in `input_ids`, `labels` = IGNORE on the prompt.
+    Seq2seq: the prompt alone in `input_ids`, label + EOS as decoder `labels`."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+    @property
+    def label_tokens(self) -> int:
+        return sum(1 for t in self.labels if t != IGNORE)
+
+
+class Encoder:
+    """Prompt template + tokenizer + length limit → Encoded rows."""
+
+    def __init__(self, tokenizer: Any, template: str, seq_len: int, seq2seq: bool, too_long: str = "truncate"):
+        self.tokenizer, self.template, self.seq_len, self.seq2seq = tokenizer, template, seq_len, seq2seq
+        self.too_long = too_long
+        self.eos = tokenizer.eos_token_id
+        if self.eos is None:
+            raise ValueError("the tokenizer has no EOS token: the label's end cannot be marked")
+
+    def prompt_ids(self, text: str) -> list[int]:
+        # The prompt gets the tokenizer's own special tokens (e.g. BOS); the label never does.
+        return self.tokenizer(self.template.format(input=text))["input_ids"]
+
+    def label_ids(self, label: str) -> list[int]:
+        return self.tokenizer(label, add_special_tokens=False)["input_ids"] + [self.eos]
+
+    def _budget(self, label_len: int) -> int:
+        """Tokens the prompt may take."""
+        return self.seq_len if self.seq2seq else self.seq_len - label_len
+
+    def fit_prompt(self, text: str, label_len: int, where: str, skipped: Skipped) -> list[int] | None:
+        """The prompt's ids within the budget: the input cut at its end (the template's tail, which tells the
+        model where to answer, stays) or None when dropped."""
+        budget = self._budget(label_len)
+        ids = self.prompt_ids(text)
+        if len(ids) <= budget:
+            return ids
+        if self.too_long == "drop" or budget < len(self.prompt_ids("")):
+            skipped.add("too long for train.seq_len", where, f"{len(ids) + (0 if self.seq2seq else label_len)} "
+                                                             f"tokens, limit {self.seq_len}")
+            return None
+        low, high = 0, len(text)  # the longest prefix of the input whose prompt fits
+        while low < high:
+            mid = (low + high + 1) // 2
+            if len(self.prompt_ids(text[:mid])) <= budget:
+                low = mid
+            else:
+                high = mid - 1
+        skipped.truncated += 1
+        return self.prompt_ids(text[:low])
+
+    def encode(self, row: Row, skipped: Skipped, label: str | None = None) -> Encoded | None:
+        """The row (or `label` in place of its own, for scoring candidates) as ids; None when dropped."""
+        label_ids = self.label_ids(label if label is not None else row.label)
+        limit = self.seq_len if self.seq2seq else self.seq_len - 1
+        if len(label_ids) > limit:
+            skipped.add("label too long for train.seq_len", row.where, f"{len(label_ids)} tokens")
+            return None
+        prompt = self.fit_prompt(row.input, len(label_ids), row.where, skipped)
+        if prompt is None:
+            return None
+        if self.seq2seq:
+            return Encoded(prompt, label_ids)
+        return Encoded(prompt + label_ids, [IGNORE] * len(prompt) + label_ids)
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The tokenizer's pad token (ours is distinct from EOS); EOS for tokenizers that have none."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def collate(items: list[Encoded], pad: int, seq2seq: bool, device: "torch.device | str" = "cpu") -> dict[str, Any]:
+    """A right-padded training/scoring batch. `targets` are aligned with the model's logits: for a causal
+    LM the next token's label (shifted here, so no token is lost to the model's own shift), for seq2seq
+    the decoder labels themselves."""
+    import torch
+
+    width = max(len(e.input_ids) for e in items)
+    input_ids = torch.full((len(items), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(items), width), dtype=torch.long)
+    for i, e in enumerate(items):
+        input_ids[i, :len(e.input_ids)] = torch.tensor(e.input_ids)
+        mask[i, :len(e.input_ids)] = 1
+    label_width = max(len(e.labels) for e in items)
+    labels = torch.full((len(items), label_width), IGNORE, dtype=torch.long)
+    for i, e in enumerate(items):
+        labels[i, :len(e.labels)] = torch.tensor(e.labels)
+    if seq2seq:
+        targets = labels
+    else:
+        targets = torch.full_like(labels, IGNORE)
+        targets[:, :-1] = labels[:, 1:]
+    batch = {"input_ids": input_ids, "attention_mask": mask, "targets": targets}
+    if seq2seq:
+        batch["labels"] = labels
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def left_padded(prompts: list[list[int]], pad: int, device: "torch.device | str" = "cpu") -> dict[str, Any]:
+    """Prompts for batched generation: left padding, so every row's next token comes at the same position."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if p:
+            input_ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+    return {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
+
+
+# --- label mapping --------------------------------------------------------------------------------------
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions of characters)."""
+    previous = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        current = [i]
+        for j, cb in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
+        previous = current
+    return previous[-1]
+
+
+def map_to_label(text: str, labels: list[str]) -> tuple[str, bool]:
+    """(the label nearest to the generated `text` by edit distance, whether it needed mapping).
+    Ties go to the label listed first (label_set lists the most frequent first)."""
+    text = text.strip()
+    if text in labels:
+        return text, False
+    return min(labels, key=lambda label: edit_distance(text, label)), True

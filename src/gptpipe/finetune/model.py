@@ -1,0 +1,107 @@
+"""The fine-tuned model's three uses, shared by training, evaluation and `gptpipe predict`: loading a
+pretrained HF folder, teacher-forced log-likelihoods of label tokens, and batched generation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from gptpipe.finetune.data import IGNORE, Encoded, Encoder, collate, left_padded, pad_id
+
+
+def is_seq2seq(folder: Path, kind: str) -> bool:
+    """Whether the model in `folder` is an encoder-decoder (kind auto: its config says)."""
+    if kind != "auto":
+        return kind == "seq2seq"
+    from transformers import AutoConfig
+
+    return bool(getattr(AutoConfig.from_pretrained(folder), "is_encoder_decoder", False))
+
+
+def model_class(seq2seq: bool) -> Any:
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    return AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+
+
+def pretrained_factory(folder: Path, seq2seq: bool, device: torch.device) -> Callable[[], Any]:
+    """A callable loading the pretrained weights in fp32 (DeepSpeed casts for bf16/fp16 itself)."""
+
+    def make() -> Any:
+        return model_class(seq2seq).from_pretrained(folder, dtype=torch.float32).to(device)
+
+    return make
+
+
+def logits(model: Any, batch: dict[str, torch.Tensor], seq2seq: bool) -> torch.Tensor:
+    """Logits aligned with batch["targets"] (see data.collate)."""
+    if seq2seq:
+        module = getattr(model, "module", model)  # a DeepSpeed engine or the bare model
+        decoder_input_ids = module.prepare_decoder_input_ids_from_labels(labels=batch["labels"])
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     decoder_input_ids=decoder_input_ids, use_cache=False).logits
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+
+
+def target_logprobs(model: Any, batch: dict[str, torch.Tensor], seq2seq: bool) -> torch.Tensor:
+    """Per-token log-probabilities of the targets, [batch, length], 0 where the target is IGNORE."""
+    out = logits(model, batch, seq2seq).float()
+    targets = batch["targets"]
+    token = -torch.nn.functional.cross_entropy(out.transpose(1, 2), targets.clamp(min=0), reduction="none")
+    return token.masked_fill(targets == IGNORE, 0.0)
+
+
+@torch.no_grad()
+def score(model: Any, items: list[Encoded], pad: int, seq2seq: bool, device: torch.device,
+          batch_size: int) -> list[float]:
+    """Sum of the label tokens' log-probabilities of each item (label + EOS given the prompt)."""
+    sums: list[float] = []
+    for start in range(0, len(items), batch_size):
+        batch = collate(items[start:start + batch_size], pad, seq2seq, device)
+        sums += target_logprobs(model, batch, seq2seq).sum(dim=1).tolist()
+    return sums
+
+
+@torch.no_grad()
+def generate(model: Any, encoder: Encoder, prompts: list[list[int]], device: torch.device, *, num_beams: int = 1,
+             max_new_tokens: int = 32, length_penalty: float = 1.0, synced_gpus: bool = False) -> list[list[int]]:
+    """Generated ids for each prompt (EOS included when produced, padding removed). Causal prompts are
+    left-padded; `synced_gpus` keeps ZeRO-3 ranks in step (each must run the same number of forwards)."""
+    tokenizer, seq2seq = encoder.tokenizer, encoder.seq2seq
+    module = getattr(model, "module", model)
+    pad = pad_id(tokenizer)
+    batch = left_padded(prompts, pad, device)
+    vocab = module.config.get_text_config().vocab_size
+    # The embedding may be padded beyond the tokenizer (stage 3 pads to a multiple of 128): never emit those ids.
+    unused = list(range(len(tokenizer), vocab)) or None
+    out = module.generate(**batch, max_new_tokens=max_new_tokens, num_beams=num_beams, do_sample=False,
+                          length_penalty=length_penalty, early_stopping=num_beams > 1 or None,
+                          eos_token_id=encoder.eos, pad_token_id=pad, suppress_tokens=unused,
+                          synced_gpus=synced_gpus)
+    new = out if seq2seq else out[:, batch["input_ids"].shape[1]:]
+    results = []
+    for row in new.tolist():
+        if seq2seq and row and row[0] == module.config.decoder_start_token_id:
+            row = row[1:]
+        ids = []
+        for t in row:
+            ids.append(t)
+            if t == encoder.eos:
+                break
+        while ids and ids[-1] == pad and pad != encoder.eos:
+            ids.pop()
+        results.append(ids)
+    return results
+
+
+def decode(tokenizer: Any, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def as_scored(prompt: list[int], continuation: list[int], seq2seq: bool) -> Encoded:
+    """A prompt and a generated continuation as an item for `score` (its log-likelihood)."""
+    if seq2seq:
+        return Encoded(prompt, continuation or [IGNORE])
+    return Encoded(prompt + continuation, [IGNORE] * len(prompt) + continuation)

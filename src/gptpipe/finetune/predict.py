@@ -1,0 +1,254 @@
+"""`gptpipe predict`: greedy or beam-search outputs of a fine-tuned model, one jsonl line per input row.
+
+The model is a fine-tune run folder (its best checkpoint), one of its checkpoint folders, or an exported HF
+folder. Each line holds the input, the prediction, the label when the row has one, and the score: the
+prediction's log-likelihood given the prompt (a teacher-forced pass, comparable between greedy and beam).
+For classification the generated text is mapped onto the nearest label by edit distance and the line says
+whether it had to be. With labels present the metrics go to the console and beside the output
+(`<output>.metrics.json`). Several ranks split the rows; under ZeRO-3 they hold one partitioned model and
+generate in lockstep (synced_gpus), since every rank must run the same number of forward passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gptpipe.stages import EXIT_BAD_INPUT
+from gptpipe.finetune.config import FinetuneConfig
+from gptpipe.finetune.data import (
+    Encoder,
+    Row,
+    Skipped,
+    label_set,
+    map_to_label,
+    pad_id,
+    read_lines,
+    read_rows,
+)
+from gptpipe.finetune.metrics import (
+    classification_metrics,
+    format_classification,
+    generation_metrics,
+)
+from gptpipe.finetune.model import (
+    as_scored,
+    decode,
+    generate,
+    is_seq2seq,
+    model_class,
+    score,
+)
+from gptpipe.finetune.train import TASK_FILE, TOKENIZER_DIR, gather, shard
+from gptpipe.stage import StageInputError, say, write_text_atomic
+from gptpipe.train import checkpoint
+from gptpipe.train.engine import Dist, setup_distributed
+
+
+@dataclass
+class Predictor:
+    """A model ready to generate, with the task it was fine-tuned for."""
+
+    model: Any
+    tokenizer: Any
+    task: dict[str, Any]  # task.json's facts: kind, prompt, labels, seq2seq, seq_len, too_long
+    source: str
+
+    @property
+    def encoder(self) -> Encoder:
+        # Every input gets a prediction: a long one is cut (at its end), never dropped.
+        return Encoder(self.tokenizer, self.task["prompt"], self.task["seq_len"], self.task["seq2seq"], "truncate")
+
+
+def resolve_checkpoint(path: Path) -> Path | None:
+    """The checkpoint folder `path` names: itself, or a run folder's best (else newest) checkpoint; None
+    for anything else (an exported HF folder)."""
+    if (path / checkpoint.STATE).is_file():
+        return path
+    root = path / "checkpoints"
+    best = checkpoint.best_tag(root)
+    if best and (root / best / checkpoint.COMPLETE_MARKER).is_file():
+        return root / best
+    return checkpoint.newest_checkpoint(root)
+
+
+def load_predictor(config: FinetuneConfig, source: Path, device: torch.device) -> Predictor:
+    """The fine-tuned model (fp32) and its task from a checkpoint, run folder or exported folder."""
+    from transformers import AutoTokenizer
+
+    if not source.exists():
+        raise StageInputError(f"predict.model {source} does not exist. Fine-tune first: bash 7_finetune.sh")
+    folder = resolve_checkpoint(source)
+    if folder is None:
+        if not (source / "config.json").is_file():
+            raise StageInputError(f"{source} is neither a fine-tune run/checkpoint nor a HF model folder")
+        task_file = source / TASK_FILE
+        task = json.loads(task_file.read_text(encoding="utf-8")) if task_file.is_file() else _task_from_config(
+            config, source)
+        model = model_class(task["seq2seq"]).from_pretrained(source, dtype=torch.float32)
+        return Predictor(model.to(device).eval(), AutoTokenizer.from_pretrained(source), task, str(source))
+
+    from gptpipe.export.checkpoint import consolidate, find_checkpoint, hf_config_object
+
+    found = find_checkpoint(folder)
+    task = found.state["task"]
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # every weight comes from the checkpoint
+        model = model_class(task["seq2seq"]).from_config(hf_config_object(found.hf_config), dtype=torch.float32)
+    state = consolidate(found)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in _tied_names(model)]
+    if missing or unexpected:
+        raise StageInputError(f"checkpoint {folder} does not fit its config: missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}")
+    model.tie_weights()
+    tokenizer = AutoTokenizer.from_pretrained(found.run_dir / TOKENIZER_DIR)
+    return Predictor(model.to(device).eval(), tokenizer, task, str(folder))
+
+
+def _tied_names(model: Any) -> set[str]:
+    """Parameter names that share storage with another (tied embeddings); DeepSpeed saves one of them."""
+    seen: dict[int, str] = {}
+    tied = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            tied |= {name, seen[id(tensor)]}
+        seen[id(tensor)] = name
+    return tied
+
+
+def _task_from_config(config: FinetuneConfig, folder: Path) -> dict[str, Any]:
+    """An exported folder without task.json: the task as finetune_config.yaml describes it."""
+    labels = None
+    if config.task.kind == "classification":
+        if not config.data.train.is_file():
+            raise StageInputError(f"{folder} has no {TASK_FILE} and data.train {config.data.train} (the label set) "
+                                  f"does not exist")
+        rows, _ = read_rows(config.data.train, config.data.format, config.data.input_key, config.data.label_key)
+        labels = label_set(rows)
+    return {"kind": config.task.kind, "prompt": config.task.prompt, "labels": labels,
+            "seq2seq": is_seq2seq(folder, config.model.kind), "seq_len": config.train.seq_len,
+            "too_long": config.data.too_long}
+
+
+def read_input(config: FinetuneConfig, args: argparse.Namespace) -> tuple[list[Row], Skipped, str]:
+    """(rows, skipped rows, name for the output file) from --input, predict.input or data.test."""
+    chosen = getattr(args, "input", None)
+    if chosen == "-":
+        return read_lines(sys.stdin), Skipped(), "stdin"
+    path = Path(chosen) if chosen else (config.predict.input or config.data.test)
+    if path is None or not path.is_file():
+        raise StageInputError(f"no input to predict: {path} does not exist (give --input PATH, or - for stdin)")
+    rows, skipped = read_rows(path, config.data.format, config.data.input_key, config.data.label_key,
+                              need_label=False)
+    return rows, skipped, path.stem
+
+
+def run(config: FinetuneConfig, args: argparse.Namespace) -> int:
+    dist = setup_distributed()
+    code = _predict(config, args, dist)
+    exit_file = os.environ.get("GPTPIPE_EXIT_FILE")
+    if exit_file and dist.is_main:
+        Path(exit_file).write_text(str(code), encoding="utf-8")
+    return code
+
+
+def _predict(config: FinetuneConfig, args: argparse.Namespace, dist: Dist) -> int:
+    settings = config.predict
+    try:
+        rows, skipped, name = read_input(config, args)
+        if not rows:
+            raise StageInputError(f"no usable rows to predict in {name}:\n{skipped.report()}")
+        predictor = load_predictor(config, settings.model or config.train.output_model_dir, dist.device)
+    except StageInputError as exc:
+        if dist.is_main:
+            say(f"gptpipe predict: refused: {exc}")
+        return EXIT_BAD_INPUT
+    output = getattr(args, "output", None) or settings.output or (
+        config.train.output_model_dir / "predictions" / f"{name}.jsonl")
+    if dist.is_main:
+        say(f"[predict] {predictor.source}: {len(rows):,} rows, {'beam ' + str(settings.num_beams) if settings.num_beams > 1 else 'greedy'}"
+            + (f"\n{skipped.report()}" if skipped.total else ""))
+    model, synced = predictor.model, config.train.zero_stage == 3 and dist.world_size > 1
+    if synced:
+        model = _zero3(model, config, dist)
+    results = predict_rows(model, predictor, rows, config, dist, synced)
+    if not dist.is_main:
+        return 0
+    lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(output, lines)
+    say(f"[predict] wrote {len(results):,} predictions to {output}")
+    metrics = prediction_metrics(results, predictor.task)
+    if metrics:
+        write_text_atomic(output.with_suffix(".metrics.json"), json.dumps(metrics, ensure_ascii=False, indent=2))
+        say("[predict] " + (format_classification(metrics) if "macro_f1" in metrics else
+                            f"exact match {metrics['exact_match']:.4f}  chrF {metrics['chrf']:.2f}"))
+    return 0
+
+
+def _zero3(model: Any, config: FinetuneConfig, dist: Dist) -> Any:
+    """The model partitioned over the ranks by ZeRO-3 (no optimizer): each rank holds a share of it."""
+    import deepspeed
+
+    ds_config = {"train_micro_batch_size_per_gpu": config.predict.batch_size, "zero_optimization": {"stage": 3},
+                 "bf16": {"enabled": config.train.precision == "bf16" and dist.device.type == "cuda"}}
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+    engine.eval()
+    return engine
+
+
+@torch.no_grad()
+def predict_rows(model: Any, predictor: Predictor, rows: list[Row], config: FinetuneConfig, dist: Dist,
+                 synced: bool) -> list[dict[str, Any]]:
+    """One result per row, in input order, on the main rank (every rank gets them)."""
+    settings, encoder, task = config.predict, predictor.encoder, predictor.task
+    pad = pad_id(predictor.tokenizer)
+    scratch = Skipped()
+    mine = shard(rows, dist)
+    results = []
+    for start in range(0, len(mine), settings.batch_size):
+        chunk = mine[start:start + settings.batch_size]
+        prompts = [encoder.fit_prompt(row.input, settings.max_new_tokens, row.where, scratch) or [encoder.eos]
+                   for _, row in chunk]
+        generated = generate(model, encoder, prompts, dist.device, num_beams=settings.num_beams,
+                             max_new_tokens=settings.max_new_tokens, length_penalty=settings.length_penalty,
+                             synced_gpus=synced)
+        scores = score(model, [as_scored(p, g, encoder.seq2seq) for p, g in zip(prompts, generated)], pad,
+                       encoder.seq2seq, dist.device, settings.batch_size)
+        for (i, row), ids, lp in zip(chunk, generated, scores):
+            text = decode(predictor.tokenizer, ids)
+            result: dict[str, Any] = {"input": row.input, "prediction": text}
+            if task.get("labels"):
+                result["prediction"], result["mapped"] = map_to_label(text, task["labels"])
+                result["generated"] = text
+            if row.label is not None:
+                result["label"] = row.label
+            result["score"] = lp
+            results.append((i, result))
+    if scratch.truncated:
+        say(f"[predict] rank {dist.rank}: {scratch.truncated} inputs cut to leave max_new_tokens within seq_len "
+            f"{task['seq_len']}")
+    return gather(results, dist)
+
+
+def prediction_metrics(results: list[dict[str, Any]], task: dict[str, Any]) -> dict[str, Any] | None:
+    """Metrics over the rows that have a label (None when none has)."""
+    labelled = [r for r in results if "label" in r]
+    if not labelled:
+        return None
+    gold, predicted = [r["label"] for r in labelled], [r["prediction"] for r in labelled]
+    if task.get("labels"):
+        metrics = classification_metrics(gold, predicted, task["labels"], task.get("majority_label") or task["labels"][0])
+        metrics["mapped"] = sum(r["mapped"] for r in labelled)
+        metrics["generated_accuracy"] = sum(r["generated"] == r["label"] for r in labelled) / len(labelled)
+        return metrics
+    return generation_metrics(gold, predicted)

@@ -1,0 +1,419 @@
+"""Stage 7: fine-tune rows (bad rows counted, never fatal), prompt masking, loss normalisation over gradient
+accumulation, label mapping, evaluation and the best checkpoint, resume after SIGKILL, beam vs greedy, a
+ByT5-tokenized T5, and `gptpipe predict` on one and two (ZeRO-3) ranks. Labelled rows come from the man
+pages: a page's NAME description → its manual section."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import require_manpages, train_env
+
+from gptpipe.finetune.data import (
+    IGNORE,
+    Encoder,
+    Row,
+    Skipped,
+    collate,
+    edit_distance,
+    map_to_label,
+    read_rows,
+    split_validation,
+)
+from gptpipe.train.checkpoint import BEST, EXIT_PREEMPTED, complete_checkpoints
+
+QUICK = ("train.seq_len=48", "train.precision=fp32", "train.log_interval=1", "train.warmup_fraction=0",
+         "logging.wandb=false", "logging.tensorboard=false", "train.lr=1e-3")
+
+
+# --- labelled rows from the man pages -------------------------------------------------------------------
+def manpage_rows(sections: tuple[str, ...] = ("1", "2", "3"), per_section: int = 24) -> list[tuple[str, str]]:
+    """(NAME description, section) of the first man pages of each section that have one."""
+    require_manpages()
+    rows = []
+    for section in sections:
+        found = 0
+        for page in sorted(Path("/usr/share/man/ja").glob(f"man{section}/*.gz")):
+            text = gzip.decompress(page.read_bytes()).decode("utf-8", errors="replace")
+            match = re.search(r'^\.SH\s+"?(?:名前|NAME)"?\s*\n(.+)$', text, re.M)
+            if not match or "\\-" not in match.group(1):
+                continue
+            description = re.sub(r"\\f[BIRP]", "", match.group(1).split("\\-", 1)[1]).strip()
+            if description and "\t" not in description:
+                rows.append((description, section))
+                found += 1
+            if found == per_section:
+                break
+    return rows
+
+
+def write_tsv(path: Path, rows: list[tuple[str, str]]) -> Path:
+    path.write_text("".join(f"{a}\t{b}\n" for a, b in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def task_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """train.tsv (48 rows) and validation.tsv (12 rows) over sections 1, 2, 3, interleaved."""
+    rows = manpage_rows(per_section=20)
+    rows = [rows[i + k * 20] for i in range(20) for k in range(3)]  # interleave the sections
+    folder = tmp_path_factory.mktemp("task")
+    return write_tsv(folder / "train.tsv", rows[:48]), write_tsv(folder / "validation.tsv", rows[48:])
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A HF folder: the stage-1 tokenizer (SentencePiece, Japanese) and a small random Llama."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-lm")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir / "hf")
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=64, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def gptpipe(command: str, *argv: object, ranks: int = 1, stdin: str | None = None,
+            timeout: float = 900) -> subprocess.CompletedProcess:
+    """A gptpipe subcommand in a subprocess (its process group must not leak into the test process)."""
+    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                   "--nproc_per_node", str(ranks)]
+    return subprocess.run([*launcher, "-m", "gptpipe", command, *map(str, argv)], env=train_env(ranks), input=stdin,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def finetune_args(model: Path, task_files: tuple[Path, Path], run: Path, *overrides: str) -> list[str]:
+    train, validation = task_files
+    return [f"model.path={model}", f"data.train={train}", f"data.validation={validation}", "data.test=null",
+            f"train.output_model_dir={run}", *QUICK, *overrides]
+
+
+def metrics_rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+# --- readers ------------------------------------------------------------------------------------------
+def test_tsv_reader_counts_every_bad_row_and_keeps_the_rest(tmp_path: Path) -> None:
+    path = tmp_path / "rows.tsv"
+    path.write_bytes(b"input\tlabel\n"  # header: skipped
+                     b"\xe3\x83\x95\xe3\x82\xa1\xe3\x82\xa4\xe3\x83\xab\xe3\x82\x92\xe3\x82\xb3\xe3\x83\x94\xe3\x83\xbc\t1\n"
+                     b"three\tcolumns\there\n"
+                     b"no tab at all\n"
+                     b"\t2\n"
+                     b"empty label\t \n"
+                     b"bad \xff\xfe bytes\t3\n"
+                     b"\n"  # blank: no row, not a problem
+                     b"windows line\t8\r\n"
+                     b"last line without newline\t5")
+    rows, skipped = read_rows(path, "auto")
+    assert [(r.input, r.label) for r in rows] == [("ファイルをコピー", "1"), ("windows line", "8"),
+                                                  ("last line without newline", "5")]
+    assert rows[0].where == f"{path}:2"
+    assert dict(skipped.counts) == {"wrong column count": 2, "empty input": 1, "empty label": 1,
+                                    "undecodable bytes (not UTF-8)": 1}
+    assert skipped.examples["wrong column count"][0].startswith(f"{path}:3: 3 columns")
+    assert skipped.examples["undecodable bytes (not UTF-8)"] == [f"{path}:7: byte 4"]
+    assert "2 skipped: wrong column count" in skipped.report()
+
+
+def test_jsonl_reader_with_custom_keys(tmp_path: Path) -> None:
+    path = tmp_path / "rows.jsonl"
+    lines = ['{"text": "ディレクトリを作る", "section": 1}', '{"text": "x"', '["a", "b"]', '{"text": "no label"}',
+             '{"text": ["list"], "section": "1"}', '{"text": "", "section": "2"}', '{"text": "ok", "section": "3"}']
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    rows, skipped = read_rows(path, "auto", input_key="text", label_key="section")
+    assert [(r.input, r.label) for r in rows] == [("ディレクトリを作る", "1"), ("ok", "3")]
+    assert dict(skipped.counts) == {"not valid JSON": 1, "not a JSON object": 1, "missing key 'section'": 1,
+                                    "input or label not a string": 1, "empty input": 1}
+    unlabelled, skipped = read_rows(path, "jsonl", input_key="text", label_key="section", need_label=False)
+    assert ("no label", None) in [(r.input, r.label) for r in unlabelled]
+
+
+def test_validation_split_is_seeded() -> None:
+    rows = [Row(str(i), "a", f"f:{i}") for i in range(50)]
+    train, validation = split_validation(rows, 0.2, seed=7)
+    assert len(validation) == 10 and len(train) == 40 and not set(train) & set(validation)
+    assert split_validation(rows, 0.2, seed=7) == (train, validation)
+    assert split_validation(rows, 0.2, seed=8)[1] != validation
+
+
+def test_too_long_rows_are_truncated_or_dropped_and_counted() -> None:
+    from transformers import ByT5Tokenizer
+
+    tokenizer = ByT5Tokenizer()  # bytes: one token per UTF-8 byte, needs no files
+    row = Row("x" * 100, "label", "f:1")
+    skipped = Skipped()
+    cut = Encoder(tokenizer, "{input} =>", 32, seq2seq=False, too_long="truncate").encode(row, skipped)
+    assert len(cut.input_ids) <= 32 and skipped.truncated == 1 and not skipped.counts
+    assert tokenizer.decode(cut.input_ids[:-7]).endswith("x =>")  # the template's tail survives the cut
+    dropped = Encoder(tokenizer, "{input} =>", 32, seq2seq=False, too_long="drop").encode(row, skipped)
+    assert dropped is None and skipped.counts["too long for train.seq_len"] == 1
+    assert Encoder(tokenizer, "{input}", 4, seq2seq=False).encode(Row("a", "long label", "f:2"), skipped) is None
+    assert skipped.counts["label too long for train.seq_len"] == 1
+
+
+# --- prompt masking and the loss --------------------------------------------------------------------------
+def test_prompt_masking_puts_the_loss_on_label_tokens_only(tiny_lm: Path, task_files: tuple[Path, Path]) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gptpipe.finetune.model import target_logprobs
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm)
+    encoder = Encoder(tokenizer, "{input}\n答え:", 64, seq2seq=False)
+    rows, _ = read_rows(task_files[0], "tsv")
+    rows = rows[:4] + [Row("長い説明" * 3, "generation label", "f:1")]
+    batch = collate([encoder.encode(r, Skipped()) for r in rows], tokenizer.pad_token_id, seq2seq=False)
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    for i, row in enumerate(rows):
+        prompt = tokenizer(f"{row.input}\n答え:")["input_ids"]
+        label = tokenizer(row.label, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        length = len(prompt) + len(label)
+        assert batch["input_ids"][i, :length].tolist() == prompt + label  # right padding after the row
+        assert (batch["input_ids"][i, length:] == tokenizer.pad_token_id).all()
+        assert batch["attention_mask"][i].sum() == length
+        targets = batch["targets"][i]
+        # position t predicts token t+1: exactly the label and its EOS are targets
+        assert targets[len(prompt) - 1:length - 1].tolist() == label
+        assert (targets[:len(prompt) - 1] == IGNORE).all() and (targets[length - 1:] == IGNORE).all()
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm).eval()
+    with torch.no_grad():
+        token_lp = target_logprobs(model, batch, seq2seq=False)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert (token_lp[batch["targets"] == IGNORE] == 0).all()
+    on_labels = batch["targets"] != IGNORE
+    expected = torch.nn.functional.cross_entropy(logits[on_labels], batch["targets"][on_labels], reduction="sum")
+    torch.testing.assert_close(-token_lp.sum(), expected)
+
+
+def test_loss_is_normalised_by_the_label_tokens_of_the_whole_global_batch(tiny_lm: Path, tmp_path: Path,
+                                                                          task_files: tuple[Path, Path]) -> None:
+    """Labels of very different lengths (generation): 2 micro-batches of 2 rows train exactly like one of 4,
+    and the logged loss is sum(token losses) / tokens, not the mean of per-micro-batch means."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gptpipe.finetune.model import target_logprobs
+
+    import numpy as np
+
+    rows = manpage_rows(("1",), per_section=8)
+    pairs = [(a, b) for (a, _), (b, _) in zip(rows, rows[1:] + rows[:1])]  # "translate" to the next description
+    order = np.random.default_rng([1234, 0]).permutation(len(pairs))  # the run's first epoch (train.seed 1234)
+    # The first micro-batch of each step gets 1-character labels, the second long ones.
+    for position, i in enumerate(order):
+        if position % 4 < 2:
+            pairs[i] = (pairs[i][0], pairs[i][1][:1])
+    train = write_tsv(tmp_path / "gen.tsv", pairs)
+    common = ("task.kind=generation", "train.best_metric=val_loss", "train.global_batch_size=4", "train.train_iters=2",
+              "train.lr_schedule=constant", "train.eval_interval=1000", "predict.max_new_tokens=4")
+    losses = {}
+    for micro in (2, 4):
+        run = tmp_path / f"micro{micro}"
+        done = gptpipe("finetune", *finetune_args(tiny_lm, (train, train), run, *common,
+                                                  f"train.micro_batch_size={micro}"))
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses[micro] = [r["loss"] for r in metrics_rows(run) if "loss" in r]
+    assert losses[2] == pytest.approx(losses[4], rel=1e-4)  # the second step too: same gradients
+
+    # Step 1's loss is that of the pretrained model on the first global batch of the seeded order.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm)
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm).eval()
+    first = order[:4]
+    encoder = Encoder(tokenizer, "{input}\n答え:", 48, seq2seq=False)
+    items = [encoder.encode(Row(*pairs[i], "f"), Skipped()) for i in first]
+    with torch.no_grad():
+        lp = [-target_logprobs(model, collate(items[k:k + 2], tokenizer.pad_token_id, False), False) for k in (0, 2)]
+    tokens = [sum(e.label_tokens for e in items[k:k + 2]) for k in (0, 2)]
+    assert losses[2][0] == pytest.approx(float(lp[0].sum() + lp[1].sum()) / sum(tokens), rel=1e-5)
+    mean_of_means = float(lp[0].sum() / tokens[0] + lp[1].sum() / tokens[1]) / 2
+    assert abs(losses[2][0] - mean_of_means) > 1e-3
+
+
+# --- label mapping ------------------------------------------------------------------------------------
+def test_generated_text_is_mapped_onto_the_nearest_label() -> None:
+    assert edit_distance("kitten", "sitting") == 3 and edit_distance("", "abc") == 3 and edit_distance("同じ", "同じ") == 0
+    labels = ["ポジティブ", "ネガティブ", "中立"]
+    assert map_to_label(" ポジティブ ", labels) == ("ポジティブ", False)
+    assert map_to_label("ネガティ", labels) == ("ネガティブ", True)
+    assert map_to_label("中", labels) == ("中立", True)
+    assert map_to_label("xyz", ["1", "2"]) == ("1", True)  # a tie goes to the label listed first
+
+
+# --- training, evaluation, best checkpoint ------------------------------------------------------------
+def test_finetune_evaluates_and_keeps_the_best_checkpoint_beyond_keep_last_n(
+        tiny_lm: Path, task_files: tuple[Path, Path], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    done = gptpipe("finetune", *finetune_args(tiny_lm, task_files, run, "train.global_batch_size=8",
+                                              "train.train_iters=5", "train.eval_interval=1", "train.save_interval=1",
+                                              "train.keep_checkpoints=1", "train.best_metric=accuracy"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    evals = [r for r in metrics_rows(run) if "val_accuracy" in r]
+    assert [r["step"] for r in evals] == [1, 2, 3, 4, 5]
+    for r in evals:
+        assert {"val_macro_f1", "val_majority_accuracy", "val_majority_macro_f1", "val_loss"} <= set(r)
+        assert len(r["val_confusion_matrix"]) == len(r["val_labels"]) == 3
+        assert sum(map(sum, r["val_confusion_matrix"])) == 12
+    best_value = max(r["val_accuracy"] for r in evals)
+    best_step = next(r["step"] for r in evals if r["val_accuracy"] == best_value)  # the first to reach it
+    root = run / "checkpoints"
+    assert (root / BEST).read_text().split()[0] == f"global_step{best_step}"
+    assert {step for step, _ in complete_checkpoints(root)} == {best_step, 5}  # keep 1 newest + the best
+    assert f"best checkpoint: step {best_step} (accuracy {best_value:.4f})" in done.stderr
+    summary = json.loads((run / "finetune_summary.json").read_text(encoding="utf-8"))
+    assert summary["best"]["step"] == best_step and summary["task"]["labels"] == ["1", "2", "3"]
+
+    # predict on the run folder uses the best checkpoint; rows from stdin have no label, hence no metrics
+    out = tmp_path / "stdin.jsonl"
+    done = gptpipe("predict", "--input", "-", "--output", out, *finetune_args(tiny_lm, task_files, run),
+                   "predict.max_new_tokens=3", stdin="ファイルを削除する\n\nメモリを割り当てる\n")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [r["input"] for r in lines] == ["ファイルを削除する", "メモリを割り当てる"]
+    assert all(r["prediction"] in ("1", "2", "3") and "label" not in r for r in lines)
+    assert f"global_step{best_step}" in done.stderr and not out.with_suffix(".metrics.json").exists()
+
+
+def test_sigkilled_finetune_resumes_with_identical_losses(tiny_lm: Path, task_files: tuple[Path, Path],
+                                                          tmp_path: Path) -> None:
+    common = ("train.global_batch_size=8", "train.micro_batch_size=4", "train.train_iters=6", "train.save_interval=2",
+              "train.eval_interval=1000")
+
+    def losses(run: Path) -> dict[int, float]:
+        seen: dict[int, float] = {}
+        for row in metrics_rows(run):
+            if "loss" in row:
+                assert seen.setdefault(row["step"], row["loss"]) == row["loss"], f"step {row['step']} differs"
+        return seen
+
+    full = gptpipe("finetune", *finetune_args(tiny_lm, task_files, tmp_path / "full", *common))
+    assert full.returncode == 0, full.stderr[-3000:]
+    killed = tmp_path / "killed"
+    process = subprocess.Popen([sys.executable, "-m", "gptpipe", "finetune",
+                                *finetune_args(tiny_lm, task_files, killed, *common)],
+                               env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not ((killed / "metrics.jsonl").is_file() and '"step": 3,' in (killed / "metrics.jsonl").read_text()):
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert max(step for step, _ in complete_checkpoints(killed / "checkpoints")) < 6
+    resumed = gptpipe("finetune", *finetune_args(tiny_lm, task_files, killed, *common))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    assert losses(killed) == losses(tmp_path / "full")
+
+
+def test_sigterm_saves_and_exits_75(tiny_lm: Path, task_files: tuple[Path, Path], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "gptpipe", "finetune",
+                                *finetune_args(tiny_lm, task_files, run, "train.global_batch_size=8",
+                                               "train.micro_batch_size=2", "train.train_iters=1000",
+                                               "train.eval_interval=1000", "train.save_interval=1000")],
+                               env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    while not (run / "metrics.jsonl").is_file() or '"step": 1,' not in (run / "metrics.jsonl").read_text():
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    assert complete_checkpoints(run / "checkpoints")
+
+
+# --- generation -----------------------------------------------------------------------------------------
+def test_beam_search_scores_at_least_greedy(tiny_lm: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gptpipe.finetune.model import as_scored, generate, score
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm)
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm).eval()
+    encoder = Encoder(tokenizer, "{input}\n答え:", 64, seq2seq=False)
+    prompts = [encoder.prompt_ids(text) for text in ("ファイルをコピーする", "シグナルを送る", "文字列の長さを計算する")]
+    cpu = torch.device("cpu")
+    found = {}
+    for beams in (1, 4):  # length_penalty 0: beam search ranks by plain log-likelihood
+        ids = generate(model, encoder, prompts, cpu, num_beams=beams, max_new_tokens=6, length_penalty=0.0)
+        found[beams] = score(model, [as_scored(p, g, False) for p, g in zip(prompts, ids)], tokenizer.pad_token_id,
+                             False, cpu, 8)
+    assert all(b >= g - 1e-4 for g, b in zip(found[1], found[4])), found
+    assert any(b > g + 1e-4 for g, b in zip(found[1], found[4])) or found[1] == pytest.approx(found[4])
+
+
+# --- encoder-decoder ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_t5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small random T5 with the ByT5 tokenizer: both built offline."""
+    from transformers import ByT5Tokenizer, T5Config, T5ForConditionalGeneration
+
+    folder = tmp_path_factory.mktemp("tiny-t5")
+    tokenizer = ByT5Tokenizer()
+    config = T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                      pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_t5_with_byt5_tokenizer_finetunes_and_predicts(tiny_t5: Path, task_files: tuple[Path, Path],
+                                                       tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = finetune_args(tiny_t5, task_files, run, "train.global_batch_size=8", "train.train_iters=3",
+                         "train.eval_interval=1000", "train.seq_len=64", "task.prompt='入力: {input}'")
+    done = gptpipe("finetune", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "(encoder-decoder)" in done.stderr
+    assert [r for r in metrics_rows(run) if "val_macro_f1" in r]
+    out = tmp_path / "pred.jsonl"
+    done = gptpipe("predict", "--input", task_files[1], "--output", out, *args, "predict.num_beams=2",
+                   "predict.max_new_tokens=3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert len(lines) == 12 and all(r["prediction"] in ("1", "2", "3") for r in lines)
+    metrics = json.loads(out.with_suffix(".metrics.json").read_text(encoding="utf-8"))
+    assert metrics["mapped"] == sum(r["mapped"] for r in lines) and "majority_accuracy" in metrics
+
+
+def test_two_rank_zero3_predict_finishes(tiny_lm: Path, task_files: tuple[Path, Path], tmp_path: Path) -> None:
+    """Ranks stop generating at different lengths; with synced_gpus the ZeRO-3 gathers stay in step."""
+    run = tmp_path / "run"
+    args = finetune_args(tiny_lm, task_files, run, "train.global_batch_size=8", "train.train_iters=2",
+                         "train.eval_interval=1000", "train.zero_stage=3")
+    done = gptpipe("finetune", *args, ranks=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "pred.jsonl"
+    done = gptpipe("predict", "--input", task_files[1], "--output", out, *args, "predict.max_new_tokens=5",
+                   "predict.batch_size=5", ranks=2, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    validation, _ = read_rows(task_files[1], "tsv")
+    assert [r["input"] for r in lines] == [r.input for r in validation]  # every row once, in order
+
+
+# --- the pretrained demo model --------------------------------------------------------------------------
+def test_finetuned_demo_model_trains_and_beats_the_majority_baseline(exported_model: Path, tmp_path: Path) -> None:
+    """The stage-4 model fine-tuned on NAME descriptions → sections 1/2/3 for a few epochs on CPU."""
+    rows = manpage_rows(per_section=60)
+    rows = [rows[i + k * 60] for i in range(60) for k in range(3)]
+    train, validation = write_tsv(tmp_path / "train.tsv", rows[:150]), write_tsv(tmp_path / "val.tsv", rows[150:])
+    run = tmp_path / "run"
+    done = gptpipe("finetune", *finetune_args(exported_model, (train, validation), run, "train.global_batch_size=16",
+                                              "train.train_epochs=4", "train.eval_interval=10", "train.lr=1e-3"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [r["loss"] for r in metrics_rows(run) if "loss" in r]
+    assert losses[-1] < losses[0]
+    best = json.loads((run / "finetune_summary.json").read_text(encoding="utf-8"))["best"]["metrics"]
+    assert best["macro_f1"] > best["majority_macro_f1"]
