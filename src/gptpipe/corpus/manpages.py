@@ -11,10 +11,11 @@ from pathlib import Path
 
 from gptpipe.stage import StageInputError
 
-# Read after the macro package, before the page. One paragraph must come out as one line, so the line length
-# is huge (-rLL); then the page header and footer (the only three-part titles, .tl, that man and mdoc print)
-# would span it, and so would centred or boxed tables: the titles print nothing, tables get a terminal's width
-# (the length before the table is kept in a register: tbl's own code changes the line length too).
+# Read after the macro package, before the page. One space ends a sentence (.ss), not two. One paragraph must
+# come out as one line, so the line length is huge (-rLL); then the page header and footer (the only
+# three-part titles, .tl, that man and mdoc print) would span it, and so would centred or boxed tables: the
+# titles print nothing, tables get a terminal's width (the length before the table is kept in a register:
+# tbl's own code changes the line length too).
 _PRELUDE = r""".ss 12 0
 .de tl
 ..
@@ -27,7 +28,8 @@ _PRELUDE = r""".ss 12 0
 ..
 .lf 1
 """
-_GROFF = ["groff", "-Tutf8", "-Kutf8", "-t", "-rLL=10000n", "-rHY=0", "-P-c", "-P-b", "-P-u"]  # no overstrikes
+# UTF-8 in and out, tables (tbl), no hyphenation, no bold/underline overstrikes.
+_GROFF = ["groff", "-Tutf8", "-Kutf8", "-t", "-rLL=10000n", "-rHY=0", "-P-c", "-P-b", "-P-u"]
 _MDOC = re.compile(r"^\.Dd\b", re.MULTILINE)
 _ALIAS = re.compile(r"^\.so\s", re.MULTILINE)
 # groff turns every line break of filled text into a space, but Japanese puts none between its characters
