@@ -11,14 +11,16 @@ from pathlib import Path
 
 from gptpipe.stage import StageInputError
 
-# Read after the macro package, before the page. One space ends a sentence (.ss), not two. One paragraph must
-# come out as one line, so the line length is huge (-rLL); then the page header and footer (the only
-# three-part titles, .tl, that man and mdoc print) would span it, and so would centred or boxed tables: the
-# titles print nothing, tables get a terminal's width (the length before the table is kept in a register:
-# tbl's own code changes the line length too).
-_PRELUDE = r""".ss 12 0
-.de tl
+# One paragraph must come out as one line, so the line length is huge (-rLL); then the page header and footer
+# would span it, and so would centred or boxed tables. The header and footer are the only three-part titles
+# (.tl) that man and mdoc print: before the page, .tl becomes a macro that prints nothing.
+_BEFORE = r""".de tl
 ..
+"""
+# Right after the page's .TH (man) or .Dd (mdoc) line, where -mandoc has just loaded that macro package: one
+# space ends a sentence (.ss), not two; tables get a terminal's width (the length before the table is kept in a
+# register: tbl's own code changes the line length too).
+_AFTER_TITLE = r""".ss 12 0
 .am1 TS
 .nr gptpipe-ll \\n[.l]
 .ll 78n
@@ -26,11 +28,10 @@ _PRELUDE = r""".ss 12 0
 .am1 TE
 .ll \\n[gptpipe-ll]u
 ..
-.lf 1
 """
+_FIRST_TITLE = re.compile(r"^\.\s*(TH|Dd)\b.*\n?", re.MULTILINE)
 # UTF-8 in and out, tables (tbl), no hyphenation, no bold/underline overstrikes.
-_GROFF = ["groff", "-Tutf8", "-Kutf8", "-t", "-rLL=10000n", "-rHY=0", "-P-c", "-P-b", "-P-u"]
-_MDOC = re.compile(r"^\.Dd\b", re.MULTILINE)
+_GROFF = ["groff", "-Tutf8", "-Kutf8", "-t", "-mandoc", "-rLL=10000n", "-rHY=0", "-P-c", "-P-b", "-P-u", "-"]
 _ALIAS = re.compile(r"^\.so\s", re.MULTILINE)
 # groff turns every line break of filled text into a space, but Japanese puts none between its characters
 # (hiragana, katakana, CJK ideographs and punctuation, full-width forms: all from U+2E80 on).
@@ -51,10 +52,14 @@ def roff_to_text(source: str, page: str = "<page>") -> str:
     Raises GroffError when groff fails on the page, StageInputError (naming `page`) when groff is missing."""
     if _ALIAS.search(source):
         return ""
-    # The macro package itself, not -man's (Debian: -mandoc's) loader, which would read it after the prelude.
-    command = [*_GROFF, "-mdoc" if _MDOC.search(source) else "-man-old", "-"]
+    title = _FIRST_TITLE.search(source)
+    head, rest = (source[:title.end()], source[title.end():]) if title else ("", source)
+    if head and not head.endswith("\n"):
+        head += "\n"
+    lines_before = head.count("\n")  # .lf: groff's warnings keep the page's line numbers
+    text = f"{_BEFORE}.lf 1\n{head}{_AFTER_TITLE}.lf {lines_before + 1}\n{rest}"
     try:
-        done = subprocess.run(command, input=(_PRELUDE + source).encode("utf-8"), capture_output=True,
+        done = subprocess.run(_GROFF, input=text.encode("utf-8"), capture_output=True,
                               env={**os.environ, "LC_ALL": "C.UTF-8", "LANG": "C.UTF-8"}, timeout=TIMEOUT_S)
     except FileNotFoundError:
         raise StageInputError(f"{page}: man pages are formatted with groff, which is not installed "
