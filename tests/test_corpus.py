@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
 from conftest import run_cli
-from gptpipe.corpus.manpages import roff_to_text, unescape
-from gptpipe.stage import Manifest
+from gptpipe.corpus.manpages import roff_to_text
+from gptpipe.stage import Manifest, StageInputError
 
 
 def read_corpus(out_dir: Path) -> list[str]:
@@ -31,10 +32,17 @@ def test_manpages_become_japanese_documents(corpus_dir: Path) -> None:
     manifest = Manifest.read(corpus_dir / "manifest.json")
     assert len(texts) == manifest.counts["documents"] > 1500
     ls_page = next(t for t in texts if t.startswith("名前\nls - "))
-    assert "ディレクトリの内容をリスト表示する" in ls_page
-    assert "--all" in ls_page and "\\f" not in ls_page  # options kept, font escapes gone
+    assert "ls - ディレクトリの内容をリスト表示する\n" in ls_page
+    assert "-a, --all\n" in ls_page and "\\f" not in ls_page  # options kept, font escapes gone
+    # netrc(5) is an mdoc page (.Dd/.Sh/.Nm/.Nd), not a man one.
+    assert any(t.startswith("名前\nnetrc, .netrc — ftp のためのユーザー設定ファイル\n") for t in texts)
+    # No page header or footer: every document starts with its NAME heading (a few pages lack one).
+    assert sum(t.split("\n", 1)[0] in ("名前", "名称", "NAME") for t in texts) >= len(texts) - 3
     joined = "\n".join(texts)
-    # Only pages about roff itself (grn(1), man-pages(7)) may still show a font escape, quoted.
+    assert "\b" not in joined and "\x1b" not in joined  # no overstrikes, no terminal colours
+    # Roff is left only where the pages about roff quote it: groff(7), groff_man(7), groff_mdoc(7), groff_me(7), man(7).
+    leftover = [t for t in texts if re.search(r"^\.(TH|SH|Sh|Dd|PP|Pp|TP|IP|nf|fi) ", t, re.MULTILINE)]
+    assert len(leftover) <= 5
     assert joined.count("\\fB") + joined.count("\\fI") <= 3
     assert manifest.counts["dropped"].get("alias page (.so)", 0) >= 1
     assert len(set(texts)) == len(texts)
@@ -42,16 +50,35 @@ def test_manpages_become_japanese_documents(corpus_dir: Path) -> None:
 
 def test_roff_conversion_details() -> None:
     source = ('.TH X 1\n.SH 名前\nfoo \\- バー\n.SH 書式\n.B foo\n[\n.BI \\-o " file"\n]\n'
-              '.PP\n日本語の\n文章です。\nEnglish\nwords \\(em ok\n.nf\n  keep   spaces\n.fi\n'
-              '.TS\nl l.\nA\tB\n.TE\n')
+              '.PP\n日本語の\n文章です。\nEnglish\nwords \\(em ok. Next\n.nf\n  keep   spaces\n.fi\n'
+              '.TS\ncenter box tab(@);\nl l.\nA@B\n.TE\n.TP\n.B \\-a\nall of them\n')
     text = roff_to_text(source)
-    assert "foo - バー" in text
-    assert "foo [ -o file ]" in text
-    assert "日本語の文章です。 English words — ok" in text  # CJK lines join without a space
-    assert "  keep   spaces" in text  # no-fill text is kept verbatim
-    assert "A  B" in text
-    assert unescape(r"\fBbold\fR \e \(lqq\(rq") == "bold \\ “q”"
+    assert text.startswith("名前\nfoo - バー\n\n書式\nfoo [ -o file ]\n")  # no header, body indent removed
+    assert "\n日本語の文章です。 English words — ok. Next\n" in text  # CJK lines join without a space
+    assert "\n  keep   spaces\n" in text  # no-fill text is kept verbatim
+    assert "│A   B │" in text and max(map(len, text.splitlines())) < 80  # tables keep a terminal's width
+    assert text.endswith("\n-a     all of them")
+    assert "X(1)" not in text
+    mdoc = ".Dd May 1, 2020\n.Dt FOO 1\n.Os\n.Sh 名前\n.Nm foo\n.Nd ふうを表示\n.Sh 書式\n.Nm\n.Op Fl a Ar file\n"
+    assert roff_to_text(mdoc) == "名前\nfoo — ふうを表示\n\n書式\nfoo [-a file]"
     assert roff_to_text(".so man1/other.1\n") == ""
+
+
+def test_manpage_groff_fails_or_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    man1 = tmp_path / "man" / "man1"
+    man1.mkdir(parents=True)
+    (man1 / "good.1").write_text(".TH GOOD 1\n.SH 名前\ngood \\- 良いページです\n", encoding="utf-8")
+    (man1 / "bad.1").write_text(".TH BAD 1\n.SH 名前\n.ab broken page\n", encoding="utf-8")
+    (man1 / "alias.1").write_text(".so man1/good.1\n", encoding="utf-8")
+    config = write_config(tmp_path, [{"type": "manpages", "path": "man"}])
+    run_cli("prepare", "--config", config)
+    assert read_corpus(tmp_path / "out") == ["名前\ngood - 良いページです"]
+    counts = Manifest.read(tmp_path / "out" / "manifest.json").counts
+    assert counts["dropped"] == {"groff failed (exit 1)": 1, "alias page (.so)": 1}
+    assert counts["dropped_examples"]["groff failed (exit 1)"] == ["man1/bad.1"]
+    monkeypatch.setenv("PATH", str(tmp_path))  # no groff on it
+    with pytest.raises(StageInputError, match=r"good\.1: .*apt-get install groff-base"):
+        roff_to_text(".TH GOOD 1\n", "man1/good.1")
 
 
 def test_local_sources_and_bad_records(tmp_path: Path) -> None:

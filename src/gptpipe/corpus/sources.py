@@ -8,12 +8,14 @@ import glob
 import gzip
 import io
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 from gptpipe.corpus.config import SourceConfig
-from gptpipe.corpus.manpages import find_manpages, read_manpage, roff_to_text
+from gptpipe.corpus.manpages import GroffError, find_manpages, read_manpage, roff_to_text
 from gptpipe.data.jsonl import INVALID_JSON, UNDECODABLE, object_text, record_text
 from gptpipe.stage import StageInputError, tree_fingerprint
 
@@ -67,14 +69,23 @@ def read_source(source: SourceConfig) -> Iterator[Record]:
 
 def _manpages(source: SourceConfig) -> Iterator[Record]:
     root = source.path
-    for page in source_files(source):
+
+    def convert(page: Path) -> Record:
         origin = str(page.relative_to(root)) if root else str(page)
         try:
-            text = roff_to_text(read_manpage(page))
+            text = roff_to_text(read_manpage(page), str(page))
         except (OSError, UnicodeDecodeError, EOFError) as exc:
-            yield Record(origin, problem=f"unreadable ({type(exc).__name__})")
-            continue
-        yield Record(origin, text) if text else Record(origin, problem="alias page (.so)")
+            return Record(origin, problem=f"unreadable ({type(exc).__name__})")
+        except GroffError as exc:
+            return Record(origin, problem=str(exc))
+        return Record(origin, text) if text else Record(origin, problem="alias page (.so)")
+
+    # One groff process per page: a thread per core keeps them all busy; records stay in page order.
+    pool = ThreadPoolExecutor(os.cpu_count() or 1)
+    try:
+        yield from pool.map(convert, source_files(source))
+    finally:  # also when the reader stops early (max_documents): pages not started are not converted
+        pool.shutdown(cancel_futures=True)
 
 
 def _open_bytes(path: Path) -> io.BufferedIOBase:
