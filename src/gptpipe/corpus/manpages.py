@@ -44,6 +44,15 @@ class GroffError(RuntimeError):
     """groff could not format one page; the message says how it failed."""
 
 
+def formatter_version() -> str:
+    """groff's version line: man pages are re-formatted (stage 0 reruns) when it changes."""
+    try:
+        done = subprocess.run(["groff", "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return "groff not found"
+    return done.stdout.splitlines()[0] if done.stdout else "groff (unknown version)"
+
+
 def roff_to_text(source: str, page: str = "<page>") -> str:
     """Plain text of one man page's roff source ('' when it is only an alias: `.so other.1`).
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from gptpipe.corpus.config import SourceConfig
-from gptpipe.corpus.manpages import GroffError, find_manpages, read_manpage, roff_to_text
+from gptpipe.corpus.manpages import GroffError, find_manpages, formatter_version, read_manpage, roff_to_text
 from gptpipe.data.jsonl import INVALID_JSON, UNDECODABLE, object_text, record_text
 from gptpipe.stage import StageInputError, tree_fingerprint
 
@@ -55,6 +55,8 @@ def fingerprint(source: SourceConfig) -> dict[str, Any]:
     """What identifies a source's content: file names/sizes/mtimes, or the hub coordinates."""
     if source.type == "hf_dataset" and source.name:
         return {"hub": source.name, "subset": source.subset, "split": source.split}
+    if source.type == "manpages":  # the text is groff's: another groff, another corpus
+        return {**tree_fingerprint(source_files(source)), "formatter": formatter_version()}
     return tree_fingerprint(source_files(source))
 
 
