@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import yaml
 
 from gptpipe.config.core import to_plain
+from gptpipe.log import get_logger
 
 if TYPE_CHECKING:
     from gptpipe.stages import Stage
@@ -168,7 +169,6 @@ def run_stage(
     work: Callable[[], StageResult],
     force: bool = False,
     versions: tuple[str, ...] = (),
-    log: Callable[[str], None] | None = None,
 ) -> Manifest:
     """Run ``work`` unless ``stage``'s outputs at ``location`` are current for these inputs and this config.
 
@@ -177,7 +177,6 @@ def run_stage(
     may be in the software). ``work`` must write its outputs atomically; this function then writes the
     resolved config and, last, the manifest. Returns the manifest (the existing one when nothing had to be done).
     """
-    log = log or say
     plain_config = to_plain(config)
     manifest_path = stage.manifest_path(location)
     root = manifest_path.parent
@@ -187,8 +186,8 @@ def run_stage(
         except (json.JSONDecodeError, TypeError):
             old = None
         if old and old.config == plain_config and old.inputs == inputs and not stage.problems(old, root):
-            log(f"[{stage.name}] outputs in {root} are up to date (same inputs and config); nothing to do. "
-                "Use --force to redo.")
+            get_logger(stage.name).info(f"outputs in {root} are up to date (same inputs and config); nothing "
+                                        "to do. Use --force to redo.")
             return old
     # The old manifest goes first, so a run killed from here on leaves no manifest that vouches for anything.
     manifest_path.unlink(missing_ok=True)

@@ -12,8 +12,11 @@ from tqdm import tqdm
 from gptpipe.config.pipeline import PipelineConfig
 from gptpipe.corpus.config import CorpusConfig
 from gptpipe.corpus.sources import fingerprint, read_source
-from gptpipe.stage import StageFailed, StageResult, atomic_path, run_stage, say
+from gptpipe.log import get_logger
+from gptpipe.stage import StageFailed, StageResult, atomic_path, run_stage
 from gptpipe.stages import PREPARE
+
+log = get_logger("prepare")
 
 CORPUS_FILE = "corpus.jsonl"
 EXAMPLES_PER_REASON = 3
@@ -65,10 +68,10 @@ def build_corpus(config: CorpusConfig) -> StageResult:
     if kept == 0:
         raise StageFailed("stage 0 kept no documents: see the drop reasons above")
     for reason, n in dropped.most_common():
-        say(f"[prepare] dropped {n:>7,} {reason}: e.g. {', '.join(examples[reason])}")
+        log.info(f"dropped {n:>7,} {reason}: e.g. {', '.join(examples[reason])}")
     for note, n in notes.items():
-        say(f"[prepare] kept {n:>7,} with {note}")
-    say(f"[prepare] kept {kept:,} documents, {chars:,} characters → {output}")
+        log.info(f"kept {n:>7,} with {note}")
+    log.info(f"kept {kept:,} documents, {chars:,} characters → {output}")
     return StageResult(outputs=[output],
                        counts={"documents": kept, "characters": chars, "dropped": dict(dropped), "notes": dict(notes),
                                "dropped_examples": examples})

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 import orjson
 
-from gptpipe.stage import say
+from gptpipe.log import get_logger
 
 BLANK = "blank line"
 UNDECODABLE = "undecodable utf-8"
@@ -145,6 +145,7 @@ class Reasons:
     def report(self, stage: str, lines: int) -> None:
         for reason, n in self.counts.most_common():
             what = "kept, repaired" if reason in REPAIRS else "skipped"
-            say(f"[{stage}]   {reason}: {n:,} line(s) {what}, e.g. {', '.join(map(str, self.examples.get(reason, [])))}")
+            get_logger(stage).info(f"  {reason}: {n:,} line(s) {what}, e.g. "
+                                   f"{', '.join(map(str, self.examples.get(reason, [])))}")
         if self.skipped:
-            say(f"[{stage}] skipped {self.skipped:,} of {lines:,} lines; every other line became a document")
+            get_logger(stage).info(f"skipped {self.skipped:,} of {lines:,} lines; every other line became a document")

@@ -36,10 +36,13 @@ from gptpipe.data.jsonl import Reasons
 from gptpipe.data.ranges import BLOCK_BYTES, LineNumbers, plan_tasks
 from gptpipe.data.shards import parse_shard, read_shards, shard_prefix
 from gptpipe.data.worker import WorkerSettings, encode_task, init_worker
-from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_path, run_stage, say
+from gptpipe.log import get_logger
+from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_path, run_stage
 from gptpipe.stages import PREPARE, TOKENIZE, TRAIN_TOKENIZER, check_input_files, read_tokenizer
 
 STAGE = TOKENIZE.name
+log = get_logger(STAGE)
+merge_log = get_logger("merge")
 # Settings that change how fast the output is made, never the output: left out of the manifest's config,
 # so changing them does not make a finished dataset look stale.
 OUTPUT_NEUTRAL = ("workers", "task_bytes")
@@ -110,7 +113,7 @@ def tokenize_files(files: list[Path], prefix: Path, settings: WorkerSettings, wo
         else:  # one worker: no processes to start, no results to pass around
             init_worker(settings)
             results = map(encode_task, tasks)
-        say(f"[{STAGE}] {total_bytes / 1e6:,.1f} MB in {len(tasks)} range(s), {workers} worker(s) → {prefix}")
+        log.info(f"{total_bytes / 1e6:,.1f} MB in {len(tasks)} range(s), {workers} worker(s) → {prefix}")
         with atomic_path(bin_path(prefix)) as tmp_bin, atomic_path(idx_path(prefix)) as tmp_idx, \
                 tqdm(total=total_bytes, unit="B", unit_scale=True, desc=STAGE, file=sys.stderr) as bar:
             writer = IndexedDatasetWriter(tmp_bin, dtype)
@@ -139,8 +142,8 @@ def tokenize_files(files: list[Path], prefix: Path, settings: WorkerSettings, wo
             pool.shutdown(cancel_futures=True)
         shutil.rmtree(parts_dir, ignore_errors=True)
     elapsed = time.perf_counter() - started
-    say(f"[{STAGE}] {documents:,} documents, {tokens:,} tokens ({dtype.name}) in {elapsed:.1f} s "
-        f"({total_bytes / 1e6 / elapsed:,.1f} MB/s, {documents / elapsed:,.0f} docs/s)")
+    log.info(f"{documents:,} documents, {tokens:,} tokens ({dtype.name}) in {elapsed:.1f} s "
+             f"({total_bytes / 1e6 / elapsed:,.1f} MB/s, {documents / elapsed:,.0f} docs/s)")
     reasons.report(STAGE, lines)
     return StageResult(
         outputs=[bin_path(prefix), idx_path(prefix)],
@@ -202,7 +205,7 @@ def merge(config: PipelineConfig, args: argparse.Namespace) -> int:
             if index.documents == 0:
                 raise StageInputError(f"the {count} shards hold no documents")
         total = {k: sum(m.counts[k] for m in manifests) for k in ("lines", "input_bytes")}
-        say(f"[merge] {count} shards → {prefix}: {index.documents:,} documents, {index.tokens:,} tokens")
+        merge_log.info(f"{count} shards → {prefix}: {index.documents:,} documents, {index.tokens:,} tokens")
         return StageResult(outputs=[bin_path(prefix), idx_path(prefix)],
                            counts=_counts(index.documents, index.tokens, dtype, total["lines"],
                                           total["input_bytes"], reasons, merged_shards=count))

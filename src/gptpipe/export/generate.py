@@ -8,8 +8,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gptpipe.export.config import ConvertConfig
-from gptpipe.stage import StageInputError, say
+from gptpipe.log import get_logger
+from gptpipe.stage import StageInputError
 from gptpipe.stages import EXIT_OK, export_problems
+
+log = get_logger("generate")
 
 
 @dataclass
@@ -40,7 +43,7 @@ def load(model_dir: str | Path) -> tuple[Any, Any]:
 
     note = verification_note(Path(model_dir))
     if note:
-        say(f"[generate] warning: {note}")
+        log.warning(note)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
     return model, AutoTokenizer.from_pretrained(model_dir)
 
@@ -78,8 +81,8 @@ def run(config: ConvertConfig, args: Any) -> int:
                               "or name one with --model")
     model, tokenizer = load(model_dir)
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p)
-    say(f"[generate] {model_dir}: max_new_tokens={sampling.max_new_tokens} temperature={sampling.temperature} "
-        f"top_p={sampling.top_p}" + ("" if args.seed is None else f" seed={args.seed}"))
+    log.info(f"{model_dir}: max_new_tokens={sampling.max_new_tokens} temperature={sampling.temperature} "
+             f"top_p={sampling.top_p}" + ("" if args.seed is None else f" seed={args.seed}"))
     if args.seed is not None:
         torch.manual_seed(args.seed)
 
@@ -92,7 +95,7 @@ def run(config: ConvertConfig, args: Any) -> int:
         for prompt in args.prompt or [config.test_prompt_text]:
             answer(prompt)
         return EXIT_OK
-    say("[generate] type a prompt and press Enter; an empty line repeats the last prompt; Ctrl-D quits")
+    log.info("type a prompt and press Enter; an empty line repeats the last prompt; Ctrl-D quits")
     last = (args.prompt or [config.test_prompt_text])[-1]
     while True:
         try:

@@ -16,14 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from gptpipe.export.config import ConvertConfig
-from gptpipe.stage import StageFailed, StageInputError, say
+from gptpipe.log import get_logger
+from gptpipe.stage import StageFailed, StageInputError
 from gptpipe.stages import EXIT_OK, read_export
+
+log = get_logger("upload")
 
 
 def repo_name(config: ConvertConfig) -> str:
     if config.hugging_face_name and not config.huggingface_name:
-        say("[upload] note: `hugging_face_name` is the deprecated spelling (the original README's); "
-            "rename the key to `huggingface_name` in convert_config.yaml")
+        log.info("note: `hugging_face_name` is the deprecated spelling (the original README's); "
+                 "rename the key to `huggingface_name` in convert_config.yaml")
     if not config.repo_name:
         raise StageInputError("no repository name: set huggingface_name in convert_config.yaml")
     return config.repo_name
@@ -75,7 +78,7 @@ def run(config: ConvertConfig, args: Any) -> int:
         raise StageInputError("no HuggingFace token: set HF_TOKEN or run `hf auth login` (a token is never read "
                               "from convert_config.yaml or the command line)")
     api = HfApi(endpoint=endpoint, token=token)
-    say(f"[upload] {len(files)} files from {folder} → {where}")
+    log.info(f"{len(files)} files from {folder} → {where}")
     try:
         repo_url = api.create_repo(f"{config.organization}/{name}" if config.organization else name,
                                    private=config.private, exist_ok=True)
@@ -88,7 +91,7 @@ def run(config: ConvertConfig, args: Any) -> int:
         commit = api.upload_folder(repo_id=repo_id, folder_path=folder, allow_patterns=files,
                                    revision=config.revision,
                                    commit_message=f"gptpipe export of step {export.step} ({export.dtype}, verified)")
-        say(f"[upload] uploaded as commit {commit.oid}; downloading it back to check it")
+        log.info(f"uploaded as commit {commit.oid}; downloading it back to check it")
         with tempfile.TemporaryDirectory(prefix="gptpipe-upload-check-") as tmp:
             downloaded = Path(snapshot_download(repo_id, revision=config.revision, local_dir=tmp,
                                                 endpoint=endpoint, token=token))
@@ -103,6 +106,6 @@ def run(config: ConvertConfig, args: Any) -> int:
     if problems:
         raise StageFailed(f"the hub copy at {url} does not match the verified folder:\n  - "
                           + "\n  - ".join(problems))
-    say(f"[upload] the hub copy is byte-identical, loads and generates: {sample!r}")
+    log.info(f"the hub copy is byte-identical, loads and generates: {sample!r}")
     print(url)
     return EXIT_OK

@@ -21,10 +21,12 @@ import yaml
 
 from gptpipe.config.core import option
 from gptpipe.corpus.manpages import find_manpages, read_manpage
-from gptpipe.stage import StageInputError, StageResult, atomic_path, run_stage, say, tree_fingerprint
+from gptpipe.log import get_logger
+from gptpipe.stage import StageInputError, StageResult, atomic_path, run_stage, tree_fingerprint
 from gptpipe.stages import DEMO_TASK
 
 TASK_NAME = "manpage_section"
+log = get_logger(TASK_NAME)
 # Label strings: short Japanese names of the sections, as the Japanese man(1) describes them.
 SECTION_LABELS = {
     "1": "コマンド", "2": "システムコール", "3": "ライブラリ関数", "4": "特殊ファイル",
@@ -297,7 +299,7 @@ def make_demo_task(config: DemoTaskConfig, force: bool = False) -> Path:
     pages = [p for p in config.man_dir.glob("man*/*") if p.is_file()]
     manifest = run_stage(DEMO_TASK, config.output_dir, config,
                          {"man_pages": tree_fingerprint(pages)}, lambda: build(config), force=force)
-    say(f"[{TASK_NAME}] {config.output_dir}\n{report(manifest.counts)}")
+    log.info(f"{config.output_dir}\n{report(manifest.counts)}")
     return config.output_dir
 
 

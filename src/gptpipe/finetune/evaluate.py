@@ -17,10 +17,12 @@ from typing import Any, Literal
 
 from gptpipe.config.core import load_config, option
 from gptpipe.finetune.demo_task import TASK_NAME, DemoTaskConfig
-from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_path, run_stage, say, tree_fingerprint
+from gptpipe.log import get_logger
+from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_path, run_stage, tree_fingerprint
 from gptpipe.stages import CONVERT, DEMO_TASK, EVALUATE
 
 STAGE = EVALUATE.name
+log = get_logger(STAGE)
 
 
 @dataclass
@@ -252,7 +254,7 @@ def evaluate(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
     run_stage(EVALUATE, out, settings, inputs, work, force=force,
               versions=("lm_eval", "transformers", "torch", "datasets"))
     results = json.loads((out / "results.json").read_text(encoding="utf-8"))
-    say(f"[{STAGE}] {folder} → {out}\n{results_markdown(results)}")
+    log.info(f"{folder} → {out}\n{results_markdown(results)}")
     return results
 
 

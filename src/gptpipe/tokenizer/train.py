@@ -27,7 +27,8 @@ from typing import Any, Iterator
 from tqdm import tqdm
 
 from gptpipe.corpus.prepare import CORPUS_FILE
-from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_dir, atomic_path, run_stage, say
+from gptpipe.log import get_logger
+from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_dir, atomic_path, run_stage
 from gptpipe.stages import PREPARE, TOKENIZER_HF_DIR, TRAIN_TOKENIZER, check_input_files
 from gptpipe.tokenizer import hf
 from gptpipe.tokenizer.config import TokenizerConfig
@@ -35,6 +36,7 @@ from gptpipe.tokenizer.morpheme import DELIMITER, MorphemeSplitter, crossing_sha
 from gptpipe.tokenizer.sample import CorpusScan, Sample, sample_corpus, scan_corpus
 
 STAGE = TRAIN_TOKENIZER.name
+log = get_logger(STAGE)
 SPECIAL_PIECES = {"unk": (0, "<unk>"), "bos": (1, "<s>"), "eos": (2, "</s>"), "pad": (3, "<pad>")}
 EOD = "eos"  # the document separator: Megatron appends eos ("</s>") after every document
 MIB = 1 << 20
@@ -74,11 +76,11 @@ def _log_ram_estimate(what: str, sample_bytes: float, sample_chars: float) -> fl
 
     estimate = estimate_peak_mib(sample_bytes, sample_chars)
     available = available_host_ram() / MIB
-    say(f"[{STAGE}] {what}: {sample_bytes / MIB:,.0f} MiB of text ({sample_chars / 1e6:,.0f} M characters) to "
-        f"train on; estimated peak RAM {estimate / 1024:,.1f} GiB ({available / 1024:,.1f} GiB available)")
+    log.info(f"{what}: {sample_bytes / MIB:,.0f} MiB of text ({sample_chars / 1e6:,.0f} M characters) to "
+             f"train on; estimated peak RAM {estimate / 1024:,.1f} GiB ({available / 1024:,.1f} GiB available)")
     if estimate > available:
-        say(f"[{STAGE}] WARNING: that is more than the available memory; lower input_sentence_size "
-            "(the RAM is bounded by it, not by the corpus size)")
+        log.warning("that is more than the available memory; lower input_sentence_size "
+                    "(the RAM is bounded by it, not by the corpus size)")
     return estimate
 
 
@@ -112,8 +114,8 @@ def train_sentencepiece(config: TokenizerConfig, text_path: Path, prefix: Path) 
     spm.set_random_generator_seed(config.seed)
     ids = {f"{name}_id": i for name, (i, _) in SPECIAL_PIECES.items()}
     pieces = {f"{name}_piece": piece for name, (_, piece) in SPECIAL_PIECES.items()}
-    say(f"[{STAGE}] training SentencePiece {config.model_type}, {config.vocab_size:,} pieces, "
-        f"{_threads(config)} threads")
+    log.info(f"training SentencePiece {config.model_type}, {config.vocab_size:,} pieces, "
+             f"{_threads(config)} threads")
     try:
         with _elapsed_bar("stage 1: training SentencePiece"):
             spm.SentencePieceTrainer.train(
@@ -161,16 +163,16 @@ def verify(model_path: Path, hf_dir: Path, heldout: list[str], identity: bool) -
 def _sampling(config: TokenizerConfig, files: list[Path], splitter: MorphemeSplitter | None,
               text_path: Path) -> tuple[CorpusScan, Sample, float]:
     scan = scan_corpus(files)
-    say(f"[{STAGE}] {', '.join(map(str, files))}: {scan.documents:,} documents, ~{scan.lines_estimate:,} non-empty lines, "
-        f"~{scan.text_bytes_estimate / MIB:,.0f} MiB of text")
+    log.info(f"{', '.join(map(str, files))}: {scan.documents:,} documents, ~{scan.lines_estimate:,} non-empty lines, "
+             f"~{scan.text_bytes_estimate / MIB:,.0f} MiB of text")
     share = expected_sample_share(scan, config.input_sentence_size, config.heldout_documents)
     expected = share * scan.text_bytes_estimate
     _log_ram_estimate(f"sampling up to {config.input_sentence_size:,} lines (expected)", expected,
                       share * scan.text_chars_estimate)
     sample = sample_corpus(files, scan, text_path, config.input_sentence_size, config.max_sentence_length,
                            config.heldout_documents, config.seed, splitter.presplit if splitter else None)
-    say(f"[{STAGE}] sampled {sample.lines:,} of {sample.lines_seen:,} lines from {sample.training_documents:,} "
-        f"documents ({sample.lines_cut:,} long lines cut); held out {len(sample.heldout):,} documents")
+    log.info(f"sampled {sample.lines:,} of {sample.lines_seen:,} lines from {sample.training_documents:,} "
+             f"documents ({sample.lines_cut:,} long lines cut); held out {len(sample.heldout):,} documents")
     sample.reasons.report(STAGE, scan.documents)
     return scan, sample, expected
 
@@ -226,10 +228,10 @@ def train_tokenizer(config: TokenizerConfig, files: list[Path], splitter: Morphe
         "sample_mib": round(sample.bytes / MIB, 2), "expected_sample_mib": round(expected / MIB, 2),
         "estimated_peak_rss_mib": round(estimate), "peak_rss_mib": round(_peak_rss_mib()),
     }
-    say(f"[{STAGE}] {counts['vocab_size']:,} pieces; HF ids identical to SentencePiece on "
-        f"{report['heldout_documents_verified']:,} held-out documents and {report['tricky_strings_verified']} "
-        f"tricky strings; {report['chars_per_token']} characters per token; peak RSS {counts['peak_rss_mib']:,} MiB "
-        f"→ {out}")
+    log.info(f"{counts['vocab_size']:,} pieces; HF ids identical to SentencePiece on "
+             f"{report['heldout_documents_verified']:,} held-out documents and {report['tricky_strings_verified']} "
+             f"tricky strings; {report['chars_per_token']} characters per token; peak RSS {counts['peak_rss_mib']:,} MiB "
+             f"→ {out}")
     files = [out / model_name, out / vocab_name] + [out / TOKENIZER_HF_DIR / name for name in hf.HF_FILES]
     return StageResult(outputs=files, counts=counts, timings=timings)
 
