@@ -27,10 +27,10 @@ import torch
 
 from gptpipe.config.core import load_config
 from gptpipe.config.pipeline import PipelineConfig
-from gptpipe.train.engine import build_engine, deepspeed_config, setup_distributed, train_step
-from gptpipe.train.model import build_model_config, count_parameters, flops_per_token, resolve_shape
 from gptpipe.train.devices import peak_flops
+from gptpipe.train.engine import build_engine, deepspeed_config, setup_distributed, train_step
 from gptpipe.train.memory import EngineSettings, estimate_memory
+from gptpipe.train.model import build_model_config, count_parameters, flops_per_token, resolve_shape
 from gptpipe.train.schedule import Schedule
 
 VOCAB = 32000  # the shipped tokenizer's size (padded to 32,000 already)

@@ -160,7 +160,7 @@ def test_count_tokens_epoch_is_the_epoch_megatron_builds(dataset_prefix: Path, t
     import numpy as np
 
     from gptpipe.data.config import DataConfig
-    from gptpipe.data.count import count_dataset, document_order, split_bounds, epoch_schedule
+    from gptpipe.data.count import count_dataset, document_order, epoch_schedule, split_bounds
     from gptpipe.data.indexed import idx_path, read_index
     from gptpipe.train.data import build_datasets
 

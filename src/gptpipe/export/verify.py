@@ -141,11 +141,12 @@ def _check_generation(report: dict[str, Any], model: Any, reference: Any, tokeni
     gaps = logits.max(dim=-1).values - logits.gather(-1, ids[0, len(prompt_ids):, None])[:, 0]
     tolerance = GREEDY_GAP_FACTOR * _tolerance(logits, dtype)
     step = int(gaps.argmax())
-    report.update(greedy_max_gap=gaps[step].item(), greedy_gap_tolerance=tolerance)
-    if gaps[step] <= tolerance:
+    worst = gaps[step].item()
+    report.update(greedy_max_gap=worst, greedy_gap_tolerance=tolerance)
+    if worst <= tolerance:
         return []
     return [f"greedy generation is not greedy under the checkpoint's model: new token {step + 1} "
-            f"({tokenizer.decode([generated[step]])!r}) is {gaps[step]:.3g} below its best logit (> {tolerance:.3g}); "
+            f"({tokenizer.decode([generated[step]])!r}) is {worst:.3g} below its best logit (> {tolerance:.3g}); "
             "check generation_config.json"]
 
 
