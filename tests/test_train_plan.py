@@ -84,8 +84,9 @@ def test_a_run_that_cannot_fit_is_refused_with_a_fix_that_fits(dataset_prefix: P
     assert code == 0 and "micro_batch_size=" in err, err
 
 
-ONE_B_ON_H100 = ["--gpu-name", "H100", "--gpu-memory", "80", "model.preset=1b", "train.seq_len=2048",
-                 "train.precision=bf16", "train.zero_stage=1", "train.train_tokens=null", "data.split=90,9,1"]
+ONE_B_ON_8_H100 = ["--gpu-name", "H100", "--gpu-memory", "80", "--gpus", "8", "model.preset=1b", "train.seq_len=2048",
+                   "train.precision=bf16", "train.zero_stage=1", "train.global_batch_size=128",
+                   "train.train_tokens=null", "data.split=90,9,1"]
 
 
 def test_the_1b_preset_on_8_h100_leaves_headroom(dataset_prefix: Path, workspace: Path, capsys: pytest.CaptureFixture,
@@ -94,7 +95,7 @@ def test_the_1b_preset_on_8_h100_leaves_headroom(dataset_prefix: Path, workspace
     import re
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one GPU per node: this machine's host RAM is not a GPU node's
-    code, err = _plan(workspace, capsys, *ONE_B_ON_H100, "--gpus", "8", "train.global_batch_size=128")
+    code, err = _plan(workspace, capsys, *ONE_B_ON_8_H100)
     assert code == 0, err
     total, budget, device, headroom = map(float, re.search(
         r"total +~([.0-9]+) GiB on H100: budget ([.0-9]+) of ([.0-9]+) GiB, headroom ([.0-9]+) GiB", err).groups())
@@ -108,7 +109,7 @@ def test_a_run_that_fits_only_without_headroom_is_refused_with_a_fix(dataset_pre
     import re
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    too_full = [*ONE_B_ON_H100, "--gpus", "8", "train.global_batch_size=128", "train.micro_batch_size=16"]
+    too_full = [*ONE_B_ON_8_H100, "train.micro_batch_size=16"]
     code, err = _plan(workspace, capsys, *too_full)
     assert code == 2 and "does not fit" in err and "headroom" in err, err
     needed = float(re.search(r"it needs ~([.0-9]+) GiB per device", err).group(1))
