@@ -11,8 +11,8 @@ docs/benchmarks.md.
 
 MFU = FLOPs per token (6·N + 12·L·h·s, N without the embedding lookup) × tokens/s ÷ the GPU's dense peak
 (H100/H200 989 TFLOP/s bf16; override with --peak-tflops). The memory column compares torch's peak
-allocation with the planner's weights + gradients + optimizer + activations + logits (its CUDA-context and
-allocator-slack margin left out): the issue's target is within ±10%.
+allocation with the planner's weights + gradients + optimizer + activations + logits (the headroom it leaves
+for the CUDA context, NCCL and fragmentation is not part of it): the issue's target is within ±10%.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ import torch
 
 from gptpipe.config.core import load_config
 from gptpipe.config.pipeline import PipelineConfig
+from gptpipe.train.devices import peak_flops
 from gptpipe.train.engine import build_engine, deepspeed_config, setup_distributed, train_step
+from gptpipe.train.memory import EngineSettings, estimate_memory
 from gptpipe.train.model import build_model_config, count_parameters, flops_per_token, resolve_shape
-from gptpipe.train.plan import Engine, estimate_memory, peak_flops
 from gptpipe.train.schedule import Schedule
 
 VOCAB = 32000  # the shipped tokenizer's size (padded to 32,000 already)
@@ -99,11 +100,11 @@ def main() -> None:
     name = torch.cuda.get_device_name(0) if on_gpu else "CPU"
     peak = peak_flops(name, args.precision, args.peak_tflops) if on_gpu else None
     predicted = estimate_memory(shape, count_parameters(shape, args.seq), args.seq, args.precision, dist.world_size,
-                                Engine(args.micro, args.zero, args.checkpointing, False), on_gpu, fused)
+                                EngineSettings(args.micro, args.zero, args.checkpointing, False), fused)
     if dist.is_main:
         mfu = f"{flops * tokens_per_s / (peak * dist.world_size):.1%}" if peak else "n/a (CPU)"
         measured = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else float("nan")
-        planned = (predicted.total - predicted.overhead) / 2**30  # what the allocator hands out, as planned
+        planned = predicted.total / 2**30  # what the allocator hands out, as planned
         print(f"| {args.arch} {args.preset} | seq {args.seq} | micro {args.micro} | {args.precision} ZeRO-{args.zero}"
               f"{' ckpt' if args.checkpointing else ''}{' compile' if args.compile else ''}"
               f"{' liger' if fused else ''} | {name} ×{dist.world_size} | {tokens_per_s:,.0f} tok/s | MFU {mfu} | "

@@ -44,6 +44,7 @@ def test_export_gate_passes_for_every_architecture(tiny_run, workspace, tokenize
     report = counts(out)
     assert report["verified"] is True and report["failures"] == []
     assert report["logits_max_abs_diff"] <= report["logits_tolerance"]
+    assert report["greedy_max_gap"] <= report["greedy_gap_tolerance"]
     if dtype == "fp32":
         assert report["logits_tolerance"] == FP32_TOLERANCE
     assert report["tokenizer_mismatches"] == 0 and report["tokenizer_texts"] > HELDOUT_DOCUMENTS // 2
@@ -205,6 +206,26 @@ def test_gate_fails_on_weights_mapped_to_the_wrong_layer(exported_model, trained
     report = run_gate(folder, trained_run, tokenizer_dir, dataset_prefix)
     assert report["verified"] is False
     assert any("logits differ" in f for f in report["failures"])
+
+
+def test_gate_fails_on_generation_settings_that_change_greedy_decoding(exported_model, trained_run, tokenizer_dir,
+                                                                      dataset_prefix, tmp_path):
+    """Right weights, wrong generation_config.json: what a user generates is not the trained model's choice."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gptpipe.export.verify import greedy_continuation
+
+    folder = tmp_path / "tampered"
+    shutil.copytree(exported_model, folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+    greedy, _ = greedy_continuation(model, AutoTokenizer.from_pretrained(folder), "こんにちは。")
+    path = folder / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "suppress_tokens": sorted(set(greedy))}))
+    report = run_gate(folder, trained_run, tokenizer_dir, dataset_prefix)
+    assert report["verified"] is False
+    assert any("not greedy under the checkpoint's model" in f for f in report["failures"]), report["failures"]
+    assert report["greedy_max_gap"] > report["greedy_gap_tolerance"]
+    assert report["logits_max_abs_diff"] <= report["logits_tolerance"]  # the weights themselves are still right
 
 
 def test_failed_folder_is_marked_and_redone(tiny_run, workspace, tokenizer_dir, tmp_path, capsys):

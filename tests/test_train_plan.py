@@ -84,6 +84,41 @@ def test_a_run_that_cannot_fit_is_refused_with_a_fix_that_fits(dataset_prefix: P
     assert code == 0 and "micro_batch_size=" in err, err
 
 
+ONE_B_ON_8_H100 = ["--gpu-name", "H100", "--gpu-memory", "80", "--gpus", "8", "model.preset=1b", "train.seq_len=2048",
+                   "train.precision=bf16", "train.zero_stage=1", "train.global_batch_size=128",
+                   "train.train_tokens=null", "data.split=90,9,1"]
+
+
+def test_the_1b_preset_on_8_h100_leaves_headroom(dataset_prefix: Path, workspace: Path, capsys: pytest.CaptureFixture,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner used to fill an 80 GB GPU to 98% (micro-batch 16, ~78 GiB): no room for a few % of error."""
+    import re
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one GPU per node: this machine's host RAM is not a GPU node's
+    code, err = _plan(workspace, capsys, *ONE_B_ON_8_H100)
+    assert code == 0, err
+    total, budget, device, headroom = map(float, re.search(
+        r"total +~([.0-9]+) GiB on H100: budget ([.0-9]+) of ([.0-9]+) GiB, headroom ([.0-9]+) GiB", err).groups())
+    assert device == 80 and budget == device - headroom and headroom >= 0.1 * device
+    assert total <= budget and "micro_batch_size=8 " in err, err
+
+
+def test_a_run_that_fits_only_without_headroom_is_refused_with_a_fix(dataset_prefix: Path, workspace: Path,
+                                                                     capsys: pytest.CaptureFixture,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import re
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    too_full = [*ONE_B_ON_8_H100, "train.micro_batch_size=16"]
+    code, err = _plan(workspace, capsys, *too_full)
+    assert code == 2 and "does not fit" in err and "headroom" in err, err
+    needed = float(re.search(r"it needs ~([.0-9]+) GiB per device", err).group(1))
+    assert needed < 80  # the device itself would hold it: only the headroom refuses it
+    fix = err.split("Fix: set ", 1)[1].split(" (~", 1)[0].split()
+    code, err = _plan(workspace, capsys, *too_full, *fix)
+    assert code == 0, err
+
+
 def test_empty_split_is_refused_instead_of_hanging(dataset_prefix: Path, workspace: Path,
                                                    capsys: pytest.CaptureFixture) -> None:
     from gptpipe.data.indexed import idx_path, read_index
@@ -95,6 +130,23 @@ def test_empty_split_is_refused_instead_of_hanging(dataset_prefix: Path, workspa
     # The same through `gptpipe train`: it must fail fast, not loop in megatron's GPTDataset.
     done = run_train("--config", workspace / "config.yaml", *QUICK_TRAIN, split, timeout=300)
     assert done.returncode == 2 and "valid split gets 0 documents" in done.stderr, done.stderr[-2000:]
+
+
+def test_training_starts_without_library_notices(dataset_prefix: Path, workspace: Path, tmp_path: Path) -> None:
+    """megatron-core's four "Transformer Engine and Apex are not installed" warnings and DeepSpeed's "Setting
+    accelerator to CPU" said nothing about the run and were printed on every start."""
+    import subprocess
+
+    from conftest import train_command, train_env
+
+    env = {**train_env(), "PYTHONWARNINGS": "default"}  # run_train ignores all warnings; this run must not
+    done = subprocess.run(train_command("--config", workspace / "config.yaml", *QUICK_TRAIN, "train.train_iters=2",
+                                        f"train.output_model_dir={tmp_path / 'run'}"),
+                          env=env, capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0 and "step 2/2" in output, output[-3000:]
+    for notice in ("Transformer Engine and Apex are not installed", "Setting accelerator to CPU"):
+        assert notice not in output, output[-3000:]
 
 
 def test_an_index_larger_than_host_ram_is_refused(dataset_prefix: Path, workspace: Path,
@@ -109,14 +161,14 @@ def test_count_tokens_epoch_is_the_epoch_megatron_builds(dataset_prefix: Path, t
     import numpy as np
 
     from gptpipe.data.config import DataConfig
-    from gptpipe.data.count import count_dataset, train_plan
+    from gptpipe.data.count import count_dataset, epoch_schedule
     from gptpipe.data.split import document_order, split_bounds
     from gptpipe.data.indexed import idx_path, read_index
     from gptpipe.train.data import build_datasets
 
     seq_len, split, seed = 128, "969,30,1", 1234
     counts = count_dataset(dataset_prefix, split, seed)
-    epoch = train_plan([counts], seq_len, 8, 1.0).samples_per_epoch
+    epoch = epoch_schedule([counts], seq_len, 8, 1.0).samples_per_epoch
     data_cfg = DataConfig(prefixes=[dataset_prefix], split=split, seed=seed)
     train, valid, _ = build_datasets(data_cfg, [counts], seq_len, [epoch, 8, 8], tmp_path, 32000, 2)
     assert len(train) == epoch  # exactly one epoch: count_tokens' train_tokens trains on each token once

@@ -46,7 +46,7 @@ def count_dataset(prefix: Path, split: str, seed: int) -> DatasetCounts:
 
 
 @dataclass
-class TrainPlan:
+class EpochSchedule:
     """What config.yaml's schedule makes of the counted train split (the rule training uses too)."""
 
     seq_len: int
@@ -69,11 +69,12 @@ class TrainPlan:
         return self.train_samples * self.seq_len
 
 
-def train_plan(counts: list[DatasetCounts], seq_len: int, global_batch_size: int, train_epochs: float) -> TrainPlan:
+def epoch_schedule(counts: list[DatasetCounts], seq_len: int, global_batch_size: int,
+                   train_epochs: float) -> EpochSchedule:
     # GPTDataset makes (tokens - 1) // seq_len samples per pass: each sample reads one extra token (the last
     # target), and every prefix is sampled on its own.
     samples = sum(max(0, c.split_tokens[0] - 1) // seq_len for c in counts)
-    return TrainPlan(seq_len, global_batch_size, samples, train_epochs, int(train_epochs * samples))
+    return EpochSchedule(seq_len, global_batch_size, samples, train_epochs, int(train_epochs * samples))
 
 
 def counted_for(config: PipelineConfig) -> str:
@@ -138,7 +139,7 @@ def write_train_tokens(config_path: Path, value: int, record: str) -> object:
     return old
 
 
-def format_report(counts: list[DatasetCounts], split: str, plan: TrainPlan) -> str:
+def format_report(counts: list[DatasetCounts], split: str, plan: EpochSchedule) -> str:
     lines = []
     for c in counts:
         lines.append(f"{c.prefix}: {c.documents:,} documents, {c.tokens:,} tokens ({c.dtype})")
@@ -165,7 +166,7 @@ def run(config: PipelineConfig, args: argparse.Namespace) -> int:
     """`gptpipe count` / count_tokens.py."""
     counts = [count_dataset(p, config.data.split, config.data.seed) for p in config.data.prefixes]
     train = config.train
-    plan = train_plan(counts, train.seq_len, train.global_batch_size, train.train_epochs)
+    plan = epoch_schedule(counts, train.seq_len, train.global_batch_size, train.train_epochs)
     print(format_report(counts, config.data.split, plan), flush=True)
     for c in counts:
         for problem in split_problems(str(c.prefix), config.data.split, c.split_documents, c.split_tokens,

@@ -6,7 +6,10 @@ model did not train on (documents of its validation/test split, cut from the see
 2. logits: against the model rebuilt from the checkpoint, both in the export dtype (ANCHORS §5: bf16
    compares like with like), max |Δ| within a tolerance;
 3. tokenizer: the same ids as the SentencePiece model the training data was encoded with;
-4. generation: greedy decoding runs and decodes to text.
+4. generation: greedy decoding through `generate` (the folder's generation_config.json, its KV cache) picks,
+   at every step, a token the checkpoint's model also ranks first, up to a near-tie (`GREEDY_GAP_FACTOR`).
+The report also records, as information only, the greedy text and whether it equals the checkpoint's own
+greedy text: after a near-tie the two may legitimately continue differently.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BATCH_ROWS = 4
 BATCH_TOKENS = 256
 GREEDY_TOKENS = 24
+# Logits that agree within a tolerance t can swap their argmax only where the best two are within 2·t of each
+# other (a near-tie); the generation check allows that gap between the reference's best logit and its logit of
+# the token the folder chose.
+GREEDY_GAP_FACTOR = 2.0
 
 
 @dataclass
@@ -83,6 +90,11 @@ def _check_ids(model: Any, tokenizer: Any, tokenizer_info: Any, dtype: str) -> l
     return failures
 
 
+def _tolerance(expected: torch.Tensor, dtype: str) -> float:
+    """Largest |Δ| allowed between the folder's logits and the reference's `expected` ones (see FP32_TOLERANCE)."""
+    return FP32_TOLERANCE + (BF16_RELATIVE * expected.abs().max().item() if dtype == "bf16" else 0.0)
+
+
 def _check_logits(report: dict[str, Any], model: Any, reference: Any, reference_fp32: Any, heldout: HeldOut,
                   separator: int, dtype: str) -> list[str]:
     batch = heldout.batch(separator, model.config.max_position_embeddings)
@@ -91,7 +103,7 @@ def _check_logits(report: dict[str, Any], model: Any, reference: Any, reference_
     exported = _logits(model, batch, vocab)
     expected = _logits(reference, batch, vocab)
     diff = (exported - expected).abs().max().item()
-    tolerance = FP32_TOLERANCE + (BF16_RELATIVE * expected.abs().max().item() if dtype == "bf16" else 0.0)
+    tolerance = _tolerance(expected, dtype)
     report.update(logits_max_abs_diff=diff, logits_tolerance=tolerance, heldout_batch=list(batch.shape),
                   heldout_source=heldout.source)
     if reference_fp32 is not reference:  # how far rounding to bf16 moved the logits, for the record
@@ -114,11 +126,28 @@ def _check_tokenizer(report: dict[str, Any], tokenizer: Any, sp_model_path: Path
             + "; ".join(examples)]
 
 
-def _check_generation(report: dict[str, Any], model: Any, reference: Any, tokenizer: Any, prompt: str) -> list[str]:
+def _check_generation(report: dict[str, Any], model: Any, reference: Any, tokenizer: Any, prompt: str,
+                      dtype: str) -> list[str]:
+    """The folder's greedy continuation must be greedy under the checkpoint's model, step by step: a
+    generation_config.json that changes the choice (a penalty, suppressed tokens) or a broken cached decoding
+    fails. The reference reads the folder's own continuation, so a near-tie can never derail the comparison."""
     say("[convert] greedy generation from the test prompt")
     generated, report["greedy_sample"] = greedy_continuation(model, tokenizer, prompt)
     report["greedy_matches_checkpoint"] = generated == greedy_continuation(reference, tokenizer, prompt)[0]
-    return []
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([prompt_ids + generated], dtype=torch.long)
+    # The reference's logits at the positions that chose each generated token.
+    logits = _logits(reference, ids, model.config.vocab_size)[0, len(prompt_ids) - 1:-1]
+    gaps = logits.max(dim=-1).values - logits.gather(-1, ids[0, len(prompt_ids):, None])[:, 0]
+    tolerance = GREEDY_GAP_FACTOR * _tolerance(logits, dtype)
+    step = int(gaps.argmax())
+    worst = gaps[step].item()
+    report.update(greedy_max_gap=worst, greedy_gap_tolerance=tolerance)
+    if worst <= tolerance:
+        return []
+    return [f"greedy generation is not greedy under the checkpoint's model: new token {step + 1} "
+            f"({tokenizer.decode([generated[step]])!r}) is {worst:.3g} below its best logit (> {tolerance:.3g}); "
+            "check generation_config.json"]
 
 
 def verify_export(folder: Path, reference: Any, reference_fp32: Any, tokenizer_info: Any, heldout: HeldOut,
@@ -143,7 +172,7 @@ def verify_export(folder: Path, reference: Any, reference_fp32: Any, tokenizer_i
         "logits": lambda: _check_logits(report, model, reference, reference_fp32, heldout, tokenizer_info.eod_id,
                                         dtype),
         "tokenizer": lambda: _check_tokenizer(report, tokenizer, tokenizer_info.model_path, heldout, prompt),
-        "generation": lambda: _check_generation(report, model, reference, tokenizer, prompt),
+        "generation": lambda: _check_generation(report, model, reference, tokenizer, prompt, dtype),
     }
     failures = []
     for name, check in checks.items():

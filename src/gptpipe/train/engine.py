@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import socket
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -30,6 +32,25 @@ TEMPLATE = Path(__file__).resolve().parent / "ds_config_gpt_TEMPLATE.json"
 # Keys config.yaml owns: the template must leave them "auto" (or agree), so precision and batch
 # size can never disagree between the two files as they did in the original (bf16 vs fp16).
 AUTO = "auto"
+
+
+# Start-up notices of the libraries under training that say nothing about this run, silenced here because
+# train.py imports this module before either library is loaded (each is filtered by its exact text, so the
+# libraries' other warnings still show):
+# - megatron-core (train/data.py's datasets) warns four times on import that Transformer Engine and Apex are
+#   missing; gptpipe uses neither (the model is transformers', the optimizer torch's AdamW through DeepSpeed);
+# - DeepSpeed logs "Setting accelerator to CPU" as a warning on every CPU run; the printed plan already names
+#   the device it plans for.
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning,
+                        module=r"megatron\.core")
+
+
+class _NoCpuAcceleratorNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Setting accelerator to CPU.")
+
+
+logging.getLogger("DeepSpeed").addFilter(_NoCpuAcceleratorNotice())
 
 
 class EngineConfigError(ValueError):

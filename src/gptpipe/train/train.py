@@ -38,7 +38,8 @@ from gptpipe.train.engine import (
 )
 from gptpipe.train.logging import RunLogger
 from gptpipe.train.model import build_model_config
-from gptpipe.train.plan import Plan, PlanError, check_parameter_count, format_plan, make_plan
+from gptpipe.train.plan import Plan, PlanError, check_parameter_count, make_plan
+from gptpipe.train.plan_report import format_plan
 
 
 def seed_everything(seed: int) -> None:
@@ -62,7 +63,7 @@ def _train(config: PipelineConfig, dist: Dist) -> int:
     tokenizer = read_tokenizer(config.tokenize.tokenizer_dir)
     try:
         plan = make_plan(config, tokenizer.vocab_size, dp=dist.world_size)
-        ds_config, wandb_block = deepspeed_config(config.train, plan.engine.micro_batch, plan.accumulation,
+        ds_config, wandb_block = deepspeed_config(config.train, plan.settings.micro_batch, plan.accumulation,
                                                   dist.world_size, dist.device.type == "cuda")
     except (PlanError, DataError, EngineConfigError) as exc:
         if dist.is_main:
@@ -141,7 +142,7 @@ class Trainer:
     def _batches(self):
         plan = self.plan
         for micro_step in range(plan.accumulation):
-            positions = sample_positions(self.consumed, micro_step, plan.engine.micro_batch, self.dist.rank,
+            positions = sample_positions(self.consumed, micro_step, plan.settings.micro_batch, self.dist.rank,
                                          self.dist.world_size)
             yield collate(self.train_data, positions, self.dist.device)
 
@@ -252,7 +253,7 @@ class Trainer:
         extra = {"output_router_logits": False} if hasattr(self.hf_config, "output_router_logits") else {}
         if self.fused_loss:  # Liger skips the logits only in training mode unless told: they would not fit
             extra["skip_logits"] = True
-        for batch in eval_batches(self.valid_data, plan.eval_samples, plan.engine.micro_batch, self.dist.rank,
+        for batch in eval_batches(self.valid_data, plan.eval_samples, plan.settings.micro_batch, self.dist.rank,
                                   self.dist.world_size, self.dist.device):
             out = engine(input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["labels"],
                          use_cache=False, **extra)

@@ -1,0 +1,56 @@
+"""The plan as the table `gptpipe plan` and `gptpipe train` print before training."""
+
+from __future__ import annotations
+
+from gptpipe.config.pipeline import PipelineConfig
+from gptpipe.train.memory import GIB
+from gptpipe.train.plan import ASSUMED_MFU, Plan
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h" if seconds < 48 * 3600 else f"{seconds / 86400:.1f} days"
+
+
+def format_plan(plan: Plan, config: PipelineConfig) -> str:
+    """The plan as the table printed before training."""
+    s, train = plan.shape, config.train
+    g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+    m, c = plan.memory, plan.memory_checkpointed
+    rows = [
+        ("model", f"{s.arch} {config.model.preset}: {s.num_layers} layers, hidden {s.hidden_size}, "
+                  f"{s.num_attn_heads} heads ({s.num_kv_heads} KV), FFN {s.ffn_hidden_size}"
+                  + (f", {s.num_experts} experts top-{s.experts_top_k}" if s.num_experts > 1 else "")),
+        ("parameters", f"{plan.parameters:,} (vocab {s.vocab_size:,} padded to a multiple of 128)"),
+        ("FLOPs per token", f"{plan.flops_per_token:.3g} (6·N + 12·L·h·s, training)"),
+        ("data", ", ".join(f"{st.prefix.name}: {st.documents:,} docs, {st.tokens:,} tokens" for st in plan.stats)
+         + (f"; weights {[round(w / sum(plan.weights), 3) for w in plan.weights]}" if plan.weights else "")),
+        ("split", f"{config.data.split}: train/valid/test documents "
+                  f"{'/'.join(str(sum(st.split_documents[i] for st in plan.stats)) for i in range(3))}"),
+        ("batch", f"global {train.global_batch_size} = micro {plan.settings.micro_batch} × accumulation "
+                  f"{plan.accumulation} × {plan.dp} data-parallel ranks; {plan.tokens_per_step:,} tokens/step"),
+        ("run", f"{plan.steps:,} steps, {plan.train_tokens:,} tokens"
+                + (f" (capped by train.train_iters={train.train_iters})" if train.train_iters else "")),
+        ("lr", f"{plan.schedule.kind}: warmup {plan.schedule.warmup_steps} steps to {train.lr:g}, "
+               f"{train.min_lr:g} at step {plan.steps}" if plan.schedule.kind != "constant" else f"constant {train.lr:g}"),
+        ("engine", f"{train.precision}, {plan.settings.describe(plan.dp, train.global_batch_size)}"),
+        (f"memory/{'GPU' if plan.on_gpu else 'process'}",
+         f"weights {g(m.weights)}, gradients {g(m.gradients)}, optimizer {g(m.optimizer)}, logits {g(m.logits)}"),
+        ("activations", f"{g(m.activations)} without checkpointing, {g(c.activations)} with"),
+        ("total", f"~{g(plan.planned_memory.total)} on {plan.device_name}: {plan.budget.describe()}"),
+        ("host RAM", f"dataset index {g(plan.index_ram)}; ~{g(plan.host_ram_needed)} needed of "
+                     f"{g(plan.host_ram)} available"),
+        ("disk", f"~{g(plan.checkpoint_bytes)} per checkpoint, keeping {train.keep_checkpoints}"),
+    ]
+    speed = plan.expected_tokens_per_s
+    if speed:
+        source = (f"measured: median of the last log steps in {train.output_model_dir / 'metrics.jsonl'}"
+                  if plan.measured_tokens_per_s else
+                  f"assumed {ASSUMED_MFU:.0%} MFU of {plan.peak_flops / 1e12:.0f} TFLOP/s per GPU; no measured figure yet")
+        rows.append(("expected speed", f"~{speed:,.0f} tokens/s ({source}); the whole run "
+                                       f"≈ {_duration(plan.train_tokens / speed)}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
