@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gptpipe.config.pipeline import PipelineConfig
-from gptpipe.data.count import DatasetCounts, count_dataset, epoch_schedule
+from gptpipe.data.count import DatasetCounts, count_dataset, epoch_schedule, stale_train_tokens
 from gptpipe.stage import say
 from gptpipe.stages import EXIT_BAD_INPUT
 from gptpipe.train.data import DataError, available_host_ram, blend_weights, check_splits, index_bytes
@@ -63,6 +63,7 @@ class Plan:
     weights: list[float] | None
     tokens_per_step: int
     steps: int
+    run_length: str  # where the number of steps comes from (train_tokens counted or chosen, or train_epochs)
     schedule: Schedule
     train_samples: int
     eval_samples: int
@@ -143,12 +144,18 @@ def make_plan(config: PipelineConfig, vocab_size: int, dp: int | None = None, de
     tokens_per_step = train.global_batch_size * train.seq_len
     by_epochs = epoch_schedule(stats, train.seq_len, train.global_batch_size, train.train_epochs)  # count_tokens' rule
     epoch_samples = by_epochs.samples_per_epoch
+    stale = stale_train_tokens(config)
+    if stale:
+        raise PlanError(stale)
     if train.train_tokens is not None:
         wanted_samples = train.train_tokens // train.seq_len
         how = f"train.train_tokens={train.train_tokens:,}"
+        run_length = how + (" (counted by count_tokens.py for these data)" if train.train_tokens_counted_for
+                            else " (a token budget set in the config)")
     else:
         wanted_samples = by_epochs.train_samples
         how = f"train.train_epochs={train.train_epochs:g} of {epoch_samples:,} samples"
+        run_length = how
     full_steps = wanted_samples // train.global_batch_size
     if full_steps < 1:
         raise PlanError(f"{how} is less than one global batch ({train.global_batch_size} × {train.seq_len} "
@@ -192,7 +199,7 @@ def make_plan(config: PipelineConfig, vocab_size: int, dp: int | None = None, de
                 accumulation=per_rank // settings.micro_batch,
                 memory=memory_of(replace(settings, checkpointing=False)),
                 memory_checkpointed=memory_of(replace(settings, checkpointing=True)), stats=stats, weights=weights,
-                tokens_per_step=tokens_per_step, steps=steps, schedule=schedule, train_samples=sizes[0],
+                tokens_per_step=tokens_per_step, steps=steps, run_length=run_length, schedule=schedule, train_samples=sizes[0],
                 eval_samples=eval_samples, index_ram=index_ram, host_ram_needed=host_needed, host_ram=host_ram,
                 checkpoint_bytes=checkpoint_bytes,
                 peak_flops=peak_flops(name, train.precision, train.peak_tflops) if on_gpu else None,

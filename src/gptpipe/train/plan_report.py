@@ -32,8 +32,8 @@ def format_plan(plan: Plan, config: PipelineConfig) -> str:
                   f"{'/'.join(str(sum(st.split_documents[i] for st in plan.stats)) for i in range(3))}"),
         ("batch", f"global {train.global_batch_size} = micro {plan.settings.micro_batch} × accumulation "
                   f"{plan.accumulation} × {plan.dp} data-parallel ranks; {plan.tokens_per_step:,} tokens/step"),
-        ("run", f"{plan.steps:,} steps, {plan.train_tokens:,} tokens"
-                + (f" (capped by train.train_iters={train.train_iters})" if train.train_iters else "")),
+        ("run", f"{plan.steps:,} steps, {plan.train_tokens:,} tokens, from {plan.run_length}"
+                + (f"; capped by train.train_iters={train.train_iters}" if train.train_iters else "")),
         ("lr", f"{plan.schedule.kind}: warmup {plan.schedule.warmup_steps} steps to {train.lr:g}, "
                f"{train.min_lr:g} at step {plan.steps}" if plan.schedule.kind != "constant" else f"constant {train.lr:g}"),
         ("engine", f"{train.precision}, {plan.settings.describe(plan.dp, train.global_batch_size)}"),
