@@ -100,8 +100,8 @@ def main() -> None:
           f", longest line: {max(len(line) for t in all_text for line in t.splitlines())}")
     if args.save:
         with open(args.save, "w", encoding="utf-8") as fh:
-            for page, text in texts.items():
-                fh.write(json.dumps({"page": page, "text": text}, ensure_ascii=False) + "\n")
+            fh.writelines(json.dumps({"page": page, "text": text}, ensure_ascii=False) + "\n"
+                          for page, text in texts.items())
     if args.compare:
         compare(texts, args.compare)
 

@@ -122,9 +122,10 @@ def main() -> None:
         reference = tmp_dir / "gptpipe_w1"
         for workers in args.workers:
             prefix = tmp_dir / f"gptpipe_w{workers}"
-            seconds = best_time(lambda: tokenize_files(files, prefix, settings, workers, 0, None), args.repeat)
+            seconds = best_time(lambda prefix=prefix, workers=workers: tokenize_files(
+                files, prefix, settings, workers, 0, None), args.repeat)
             assert same_files(prefix, reference), "the output depends on the number of workers"
-            whole = best_time(lambda: subprocess.run(
+            whole = best_time(lambda workers=workers: subprocess.run(
                 [sys.executable, "-m", "gptpipe", "tokenize", "--config", str(args.config), "--force",
                  f"tokenize.output_prefix={tmp_dir / 'whole'}", f"tokenize.workers={workers}"],
                 check=True, capture_output=True), args.repeat)

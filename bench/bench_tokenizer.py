@@ -190,8 +190,7 @@ def main() -> None:
         return
     repeated = workdir / "repeated.jsonl"
     with open(repeated, "wb") as out:
-        for _ in range(REPEAT):
-            out.write(source.read_bytes())
+        out.writelines(source.read_bytes() for _ in range(REPEAT))
     corpus_stage(workdir, repeated, "corpus10x")
 
     rows = [train(workdir, "corpus", "1x")]

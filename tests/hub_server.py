@@ -247,6 +247,6 @@ class HubServer:
         self.thread.start()
         return self.hub
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.server.shutdown()
         self.server.server_close()

@@ -44,7 +44,8 @@ def test_count_prints_the_plan_and_rewrites_only_train_tokens(workspace: Path, d
     sizes = index.sizes.astype("int64")
     bounds = split_bounds("969,30,1", index.documents)
     shipped_yaml = YAML().load(original)
-    train_documents = document_order(index.documents, shipped_yaml["data"].get("seed", DataConfig().seed))[bounds[0][0]:bounds[0][1]]
+    seed = shipped_yaml["data"].get("seed", DataConfig().seed)
+    train_documents = document_order(index.documents, seed)[bounds[0][0]:bounds[0][1]]
     train_tokens = int(sizes[train_documents].sum())  # the split training cuts from the seeded shuffle
     shipped = shipped_yaml["train"]
     seq_len, batch = shipped["seq_len"], shipped["global_batch_size"]

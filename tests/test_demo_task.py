@@ -82,7 +82,8 @@ def test_known_pages_land_in_their_section(demo_task: Path) -> None:
 def test_same_seed_same_files_other_seed_other_split(demo_task: Path, tmp_path: Path) -> None:
     config = REPO / "evaluate_config.yaml"
     for seed, name in ((1234, "same"), (7, "other")):
-        run_cli("make-demo-task", "--config", config, f"demo_task.output_dir={tmp_path / name}", f"demo_task.seed={seed}")
+        run_cli("make-demo-task", "--config", config, f"demo_task.output_dir={tmp_path / name}",
+                f"demo_task.seed={seed}")
     for split in ("train", "validation", "test"):
         assert (tmp_path / "same" / f"{split}.tsv").read_bytes() == (demo_task / f"{split}.tsv").read_bytes()
     assert (tmp_path / "other" / "test.tsv").read_bytes() != (demo_task / "test.tsv").read_bytes()
@@ -92,7 +93,8 @@ def test_same_seed_same_files_other_seed_other_split(demo_task: Path, tmp_path: 
 
 
 @pytest.mark.parametrize("source, description", [
-    ('.TH LS 1\n.SH 名前\nls \\- ディレクトリの内容を\nリスト表示する\n.SH 書式\n', "ディレクトリの内容をリスト表示する"),
+    ('.TH LS 1\n.SH 名前\nls \\- ディレクトリの内容を\nリスト表示する\n.SH 書式\n',
+     "ディレクトリの内容をリスト表示する"),
     ('.SH "NAME"\n.B iso_8859\\-11\n\\- ISO 8859\\-11 文字集合\n.SH X\n', "ISO 8859-11 文字集合"),
     ('.de XX\n.SH "\\\\$1"\n..\n.SH\n名称\nfoo \\- \\fB太字\\fP の説明\n', "太字 の説明"),
     (".Sh 名前\n.Nm ping\n.Nd\n.Tn ICMP\nパケットを送る\n.Sh 書式\n", "ICMP パケットを送る"),

@@ -87,7 +87,8 @@ def test_hub_task_without_network_says_so(tmp_path: Path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "gptpipe", "evaluate", "--config", str(REPO / "evaluate_config.yaml"),
-                           f"model_dir={tmp_path}", "tasks=[arc_easy]"], check=False, env=env, capture_output=True, text=True,
+                           f"model_dir={tmp_path}", "tasks=[arc_easy]"], check=False, env=env, capture_output=True,
+                          text=True,
                           timeout=600)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "task arc_easy: its dataset is hosted on the HuggingFace hub and HF_HUB_OFFLINE" in done.stderr

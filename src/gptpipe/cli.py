@@ -12,7 +12,8 @@ import importlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from gptpipe.config.core import ConfigError, describe, load_config
 from gptpipe.export.config import generate_arguments, upload_arguments
@@ -67,7 +68,8 @@ COMMANDS = [
             "gptpipe.data.tokenize:merge", PIPELINE, "config.yaml", _merge_arguments),
     Command("count", "count documents and tokens from the .idx and write train_tokens into config.yaml",
             "gptpipe.data.count:run", PIPELINE, "config.yaml", _count_arguments),
-    Command("plan", "stage 3 preflight: parameters, FLOPs, memory per GPU, steps and LR schedule; refuses what won't fit",
+    Command("plan", "stage 3 preflight: parameters, FLOPs, memory per GPU, steps and LR schedule; refuses what "
+            "won't fit",
             "gptpipe.train.plan:run", PIPELINE, "config.yaml", plan_arguments),
     Command("train", "stage 3: pretrain the GPT with DeepSpeed (resumes from the newest checkpoint; exit 75 = "
             "saved on SIGTERM/SIGINT, rerun to continue)", "gptpipe.train.train:run", PIPELINE, "config.yaml"),

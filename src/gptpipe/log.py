@@ -20,7 +20,7 @@ class _StderrHandler(logging.Handler):
             from tqdm import tqdm
 
             tqdm.write(self.format(record), file=sys.stderr)
-        except Exception:  # noqa: BLE001 - logging must never take a stage down
+        except Exception:
             self.handleError(record)
 
 

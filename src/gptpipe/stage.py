@@ -2,8 +2,9 @@
 
 A stage's outputs are accepted by later stages only through its entry in :mod:`gptpipe.stages`
 (``Stage.require``), which checks that the manifest exists, says ``complete``, and that every output file it
-lists still has the recorded size and modification time. A run killed at any point therefore leaves nothing a later stage would accept:
-outputs are written under temporary names and renamed, and the manifest is written after the renames.
+lists still has the recorded size and modification time. A run killed at any point therefore leaves nothing a
+later stage would accept: outputs are written under temporary names and renamed, and the manifest is written
+after the renames.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
 
 import yaml
 
@@ -91,7 +93,7 @@ class Manifest:
     version: int = MANIFEST_VERSION
 
     @classmethod
-    def read(cls, path: Path) -> "Manifest":
+    def read(cls, path: Path) -> Manifest:
         return cls(**json.loads(path.read_text(encoding="utf-8")))
 
 

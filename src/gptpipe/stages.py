@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from gptpipe.stage import Manifest, StageInputError, file_fingerprint, manifest_fingerprint, outputs_intact
 
@@ -33,7 +34,7 @@ class Stage:
     name: str  # the `gptpipe` subcommand
     script: str  # what a user runs
     module: str  # where the work lives: the numbered script calls it through the CLI
-    beside_prefix: bool = False  # manifest at <prefix>.manifest.json (a dataset prefix) instead of <folder>/manifest.json
+    beside_prefix: bool = False  # manifest at <prefix>.manifest.json (a dataset) instead of <folder>/manifest.json
     usable: Callable[[Manifest], list[str]] | None = None  # the stage's own acceptance rule, beyond completeness
 
     @property
@@ -131,7 +132,8 @@ def check_input_files(patterns: list[Path], key: str, upstream: Stage,
                                 f"only with that run's complete manifest (your own jsonl? name it otherwise): {exc}")
                 continue
             if path.name not in manifest.outputs:
-                problems.append(f"{key}: {path} is not an output of the {upstream.title} run recorded in {manifest_path} "
+                problems.append(f"{key}: {path} is not an output of the {upstream.title} run recorded in "
+                                f"{manifest_path} "
                                 f"(it lists {', '.join(manifest.outputs)}); keep your own files out of that folder")
                 continue
             fingerprints[str(path)] = {**file_fingerprint(path), **manifest_fingerprint(manifest_path)}

@@ -12,7 +12,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from gptpipe.corpus.config import SourceConfig
 from gptpipe.corpus.manpages import GroffError, find_manpages, formatter_version, read_manpage, roff_to_text

@@ -24,7 +24,8 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import orjson
 

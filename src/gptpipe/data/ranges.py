@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
+from collections.abc import Iterator
 
 BLOCK_BYTES = 4 << 20  # a worker reads and encodes this much at a time
 MIN_TASK_BYTES, MAX_TASK_BYTES = 1 << 20, 64 << 20

@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from gptpipe.export.config import ConvertConfig
 from gptpipe.log import get_logger

@@ -239,7 +239,8 @@ def evaluate(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
         tasks = summarize(raw)
         for task, baseline in majority_baselines(raw).items():
             tasks[task]["majority_baseline"] = baseline
-        results = {"model": str(folder), "device": device, "dtype": dtype, "num_fewshot": config.num_fewshot, "limit": config.limit, "tasks": tasks,
+        results = {"model": str(folder), "device": device, "dtype": dtype, "num_fewshot": config.num_fewshot,
+                   "limit": config.limit, "tasks": tasks,
                    "versions": raw.get("versions", {}), "configs": raw.get("configs", {})}
         written = []
         for name, text in (("results.json", json.dumps(results, ensure_ascii=False, indent=2, default=str) + "\n"),

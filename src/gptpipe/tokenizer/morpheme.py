@@ -12,7 +12,8 @@ boundary of a new sentence; :func:`crossing_share` measures how often (the stage
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 # U+2063 INVISIBLE SEPARATOR: practically absent from real text; removed from training lines if present.
 DELIMITER = "\u2063"

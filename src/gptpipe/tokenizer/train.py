@@ -1,9 +1,9 @@
 """Stage 1: train the SentencePiece tokenizer on a bounded sample of the corpus, export and verify it.
 
-Steps: scan the corpus (the stage-0 output or the user's own jsonl files); hold out documents and reservoir-sample training lines (sample.py); train
-SentencePiece (unigram or BPE, ids unk=0 <unk>, bos=1 <s>, eos=2 </s>, pad=3 <pad>, then the user-defined
-symbols); round its scores (hf.py explains why); write the HF fast tokenizer; check that HF and
-SentencePiece give identical ids on the held-out documents and the tricky strings (and, with identity
+Steps: scan the corpus (the stage-0 output or the user's own jsonl files); hold out documents and
+reservoir-sample training lines (sample.py); train SentencePiece (unigram or BPE, ids unk=0 <unk>, bos=1 <s>,
+eos=2 </s>, pad=3 <pad>, then the user-defined symbols); round its scores (hf.py explains why); write the HF
+fast tokenizer; check that HF and SentencePiece give identical ids on the held-out documents and the tricky strings (and, with identity
 normalization, that decoding gives the text back). Everything is built in a temporary folder inside
 output_dir and published only after the checks pass; the manifest comes last (run_stage).
 
@@ -22,7 +22,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from tqdm import tqdm
 
@@ -230,8 +231,8 @@ def train_tokenizer(config: TokenizerConfig, files: list[Path], splitter: Morphe
     }
     log.info(f"{counts['vocab_size']:,} pieces; HF ids identical to SentencePiece on "
              f"{report['heldout_documents_verified']:,} held-out documents and {report['tricky_strings_verified']} "
-             f"tricky strings; {report['chars_per_token']} characters per token; peak RSS {counts['peak_rss_mib']:,} MiB "
-             f"→ {out}")
+             f"tricky strings; {report['chars_per_token']} characters per token; "
+             f"peak RSS {counts['peak_rss_mib']:,} MiB → {out}")
     files = [out / model_name, out / vocab_name] + [out / TOKENIZER_HF_DIR / name for name in hf.HF_FILES]
     return StageResult(outputs=files, counts=counts, timings=timings)
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
 
 from gptpipe.data.config import DataConfig
 from gptpipe.data.count import DatasetCounts
@@ -132,7 +133,7 @@ def sample_positions(consumed: int, micro_step: int, micro_batch: int, dp_rank: 
     return range(start, start + micro_batch)
 
 
-def collate(dataset: Any, positions: range, device: "torch.device") -> dict[str, "torch.Tensor"]:
+def collate(dataset: Any, positions: range, device: torch.device) -> dict[str, torch.Tensor]:
     """Input ids and next-token labels (-100 where megatron masks padding), on `device`."""
     import torch
 
@@ -146,7 +147,7 @@ def collate(dataset: Any, positions: range, device: "torch.device") -> dict[str,
 
 
 def eval_batches(dataset: Any, samples: int, micro_batch: int, dp_rank: int, dp_size: int,
-                 device: "torch.device") -> Iterator[dict[str, "torch.Tensor"]]:
+                 device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
     """This rank's share of the first `samples` validation samples: the same set at every evaluation."""
     mine = list(range(dp_rank, samples, dp_size))
     for i in range(0, len(mine), micro_batch):

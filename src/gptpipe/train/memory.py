@@ -81,7 +81,8 @@ class Budget:
         return self.device - self.headroom
 
     def describe(self) -> str:
-        return (f"budget {self.usable / GIB:.2f} of {self.device / GIB:.2f} GiB, headroom {self.headroom / GIB:.2f} GiB "
+        return (f"budget {self.usable / GIB:.2f} of {self.device / GIB:.2f} GiB, "
+                f"headroom {self.headroom / GIB:.2f} GiB "
                 f"({self.reserve / GIB:.2f} for {self.reserved_for}, {self.fragmentation / GIB:.2f} for fragmentation "
                 "and estimate error)")
 

@@ -147,7 +147,7 @@ def flops_per_token(shape: Shape, seq_len: int) -> float:
     return 6 * active_matmul_parameters(shape, seq_len) + 12 * shape.num_layers * shape.hidden_size * seq_len
 
 
-def build_model_config(model_cfg: ModelConfig, tokenizer_info: Any, seq_len: int) -> "PretrainedConfig":
+def build_model_config(model_cfg: ModelConfig, tokenizer_info: Any, seq_len: int) -> PretrainedConfig:
     """The transformers config of the model trained with `model_cfg` on `tokenizer_info`'s vocabulary.
 
     `tokenizer_info` is a `gptpipe.tokenizer.info.TokenizerInfo` (vocab_size, bos_id, eos_id, pad_id).
@@ -178,7 +178,7 @@ def build_model_config(model_cfg: ModelConfig, tokenizer_info: Any, seq_len: int
     return LlamaConfig(**common)
 
 
-def build_model(hf_config: "PretrainedConfig", device: "torch.device | str" = "cpu") -> "PreTrainedModel":
+def build_model(hf_config: PretrainedConfig, device: torch.device | str = "cpu") -> PreTrainedModel:
     """A freshly initialized model (weights drawn with initializer_range), in fp32 on `device`.
 
     Every rank builds the whole model from the same seed; under ZeRO-3 `deepspeed.initialize` then
@@ -191,7 +191,7 @@ def build_model(hf_config: "PretrainedConfig", device: "torch.device | str" = "c
         return AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
 
 
-def parameter_groups(model: "torch.nn.Module", weight_decay: float) -> list[dict[str, Any]]:
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """AdamW groups: decay on weight matrices only, never on norms, biases or embedding tables."""
     import torch
 

@@ -14,7 +14,8 @@ import os
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from gptpipe.config.pipeline import PipelineConfig
 from gptpipe.data.count import DatasetCounts, count_dataset, epoch_schedule, stale_train_tokens
@@ -189,7 +190,8 @@ def make_plan(config: PipelineConfig, vocab_size: int, dp: int | None = None, de
     if host_needed > 0.9 * host_ram:
         raise PlanError(
             f"host RAM: this run needs ~{host_needed / GIB:.1f} GiB (dataset index {index_ram / GIB:.1f} GiB for "
-            f"{sizes[0]:,} samples = {sizes[0] / max(epoch_samples, 1):,.1f} epochs) but {host_ram / GIB:.1f} GiB is available. Fix: lower train.train_tokens or train.train_epochs"
+            f"{sizes[0]:,} samples = {sizes[0] / max(epoch_samples, 1):,.1f} epochs) but {host_ram / GIB:.1f} GiB "
+            "is available. Fix: lower train.train_tokens or train.train_epochs"
             + (", or set train.offload_optimizer=false" if settings.offload else ""))
 
     p = bytes_per_value(train.precision)
@@ -199,7 +201,8 @@ def make_plan(config: PipelineConfig, vocab_size: int, dp: int | None = None, de
                 accumulation=per_rank // settings.micro_batch,
                 memory=memory_of(replace(settings, checkpointing=False)),
                 memory_checkpointed=memory_of(replace(settings, checkpointing=True)), stats=stats, weights=weights,
-                tokens_per_step=tokens_per_step, steps=steps, run_length=run_length, schedule=schedule, train_samples=sizes[0],
+                tokens_per_step=tokens_per_step, steps=steps, run_length=run_length, schedule=schedule,
+                train_samples=sizes[0],
                 eval_samples=eval_samples, index_ram=index_ram, host_ram_needed=host_needed, host_ram=host_ram,
                 checkpoint_bytes=checkpoint_bytes,
                 peak_flops=peak_flops(name, train.precision, train.peak_tflops) if on_gpu else None,

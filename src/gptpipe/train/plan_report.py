@@ -18,7 +18,7 @@ def _duration(seconds: float) -> str:
 def format_plan(plan: Plan, config: PipelineConfig) -> str:
     """The plan as the table printed before training."""
     s, train = plan.shape, config.train
-    g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+    g = lambda b: f"{b / GIB:.2f} GiB"
     m, c = plan.memory, plan.memory_checkpointed
     rows = [
         ("model", f"{s.arch} {config.model.preset}: {s.num_layers} layers, hidden {s.hidden_size}, "
@@ -35,7 +35,8 @@ def format_plan(plan: Plan, config: PipelineConfig) -> str:
         ("run", f"{plan.steps:,} steps, {plan.train_tokens:,} tokens, from {plan.run_length}"
                 + (f"; capped by train.train_iters={train.train_iters}" if train.train_iters else "")),
         ("lr", f"{plan.schedule.kind}: warmup {plan.schedule.warmup_steps} steps to {train.lr:g}, "
-               f"{train.min_lr:g} at step {plan.steps}" if plan.schedule.kind != "constant" else f"constant {train.lr:g}"),
+               f"{train.min_lr:g} at step {plan.steps}" if plan.schedule.kind != "constant"
+         else f"constant {train.lr:g}"),
         ("engine", f"{train.precision}, {plan.settings.describe(plan.dp, train.global_batch_size)}"),
         (f"memory/{'GPU' if plan.on_gpu else 'process'}",
          f"weights {g(m.weights)}, gradients {g(m.gradients)}, optimizer {g(m.optimizer)}, logits {g(m.logits)}"),
@@ -49,7 +50,8 @@ def format_plan(plan: Plan, config: PipelineConfig) -> str:
     if speed:
         source = (f"measured: median of the last log steps in {train.output_model_dir / 'metrics.jsonl'}"
                   if plan.measured_tokens_per_s else
-                  f"assumed {ASSUMED_MFU:.0%} MFU of {plan.peak_flops / 1e12:.0f} TFLOP/s per GPU; no measured figure yet")
+                  f"assumed {ASSUMED_MFU:.0%} MFU of {plan.peak_flops / 1e12:.0f} TFLOP/s per GPU; "
+                  "no measured figure yet")
         rows.append(("expected speed", f"~{speed:,.0f} tokens/s ({source}); the whole run "
                                        f"≈ {_duration(plan.train_tokens / speed)}"))
     width = max(len(k) for k, _ in rows)
