@@ -1,11 +1,11 @@
 """Stage 1: train the SentencePiece tokenizer on a bounded sample of the corpus, export and verify it.
 
-Steps: scan the corpus (the stage-0 output or the user's own jsonl files); hold out documents and
-reservoir-sample training lines (sample.py); train SentencePiece (unigram or BPE, ids unk=0 <unk>, bos=1 <s>,
-eos=2 </s>, pad=3 <pad>, then the user-defined symbols); round its scores (hf.py explains why); write the HF
-fast tokenizer; check that HF and SentencePiece give identical ids on the held-out documents and the tricky strings (and, with identity
-normalization, that decoding gives the text back). Everything is built in a temporary folder inside
-output_dir and published only after the checks pass; the manifest comes last (run_stage).
+Steps: scan the corpus (the stage-0 output or the user's own jsonl files); hold out documents and reservoir-sample
+training lines (sample.py); train SentencePiece (unigram or BPE, ids unk=0 <unk>, bos=1 <s>, eos=2 </s>, pad=3
+<pad>, then the user-defined symbols); round its scores (hf.py explains why); write the HF fast tokenizer; check
+that HF and SentencePiece give identical ids on the held-out documents and the tricky strings (and, with identity
+normalization, that decoding gives the text back). Everything is built in a temporary folder inside output_dir and
+published only after the checks pass; the manifest comes last (run_stage).
 
 The document separator (eod) is eos "</s>", as in Megatron's SentencePiece tokenizer; "<EOD>" stays an
 ordinary user-defined symbol of the original pipeline's vocabulary.
