@@ -333,7 +333,7 @@ def to_plain(config: Any) -> Any:
         return [to_plain(v) for v in config]
     if isinstance(config, dict):
         return {str(k): to_plain(v) for k, v in config.items()}
-    if isinstance(config, Path):
+    if isinstance(config, (Path, Url)):
         return str(config)
     return config
 

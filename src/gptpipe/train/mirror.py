@@ -265,6 +265,17 @@ class RunMirror:
             self._side_synced[path.relative_to(self.local).as_posix()] = _stamp(path)
         self.start()
 
+    def check_shared(self) -> None:
+        """Collective, after restore: every rank must see the staging folder rank 0 prepared, since rank 0
+        uploads all ranks' files from it (nodes without a shared disk are not supported)."""
+        import torch
+
+        seen = torch.tensor([1 if (self.local / RECORD).is_file() else 0], dtype=torch.int32)
+        torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MIN)
+        if not seen.item():
+            raise StageInputError(f"some ranks do not see the staging folder {self.local}: with the run folder in "
+                                  f"a bucket, set train.local_dir to a folder every node shares")
+
     @staticmethod
     def _matches(folder: Path, files: dict[str, int]) -> bool:
         return all((folder / name).is_file() and (folder / name).stat().st_size == size for name, size in files.items())
@@ -419,3 +430,55 @@ def _link_or_copy(src: str, dst: str) -> None:
 def open_mirror(train: Any, storage: Any, is_main: bool) -> RunMirror:
     return RunMirror(str(train.output_model_dir), train.local_dir, storage.endpoint_url, train.keep_checkpoints,
                      train.preempt_grace_seconds, is_main)
+
+
+def fetch_checkpoint(url: str, step: int | None = None, endpoint_url: str | None = None) -> Path:
+    """A complete checkpoint of the bucket run `url` (the newest, or `step`) in a local cache, downloaded once
+    (a cached copy is reused when every file matches the marker's sizes), with the run's metrics.jsonl beside
+    it as in a local run folder. For readers such as stage 4; the run's own staging folder is left alone."""
+    bucket = Bucket(url, endpoint_url)
+    if step is None:
+        found = bucket.newest()
+        if found is None:
+            raise StageInputError(f"no complete checkpoint in {url} (an upload that was interrupted has no "
+                                  f"'{checkpoint.COMPLETE_MARKER}' marker)")
+        step, files = found
+    else:
+        files = bucket.verified(step)
+        if files is None:
+            raise StageInputError(f"no complete checkpoint for step {step} in {url} (complete steps: "
+                                  f"{', '.join(str(s) for s in bucket.steps() if bucket.marker(s)) or 'none'})")
+    digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:10]
+    run = Path(tempfile.gettempdir()) / "gptpipe-cache" / digest / local_name(url)
+    folder = run / "checkpoints" / checkpoint.tag_of(step)
+    if not ((folder / checkpoint.COMPLETE_MARKER).is_file() and RunMirror._matches(folder, files)):
+        started = time.monotonic()
+        bucket.download_checkpoint(step, files, run / "checkpoints")
+        log.info(f"downloaded {join(bucket.checkpoints, checkpoint.tag_of(step))} to {folder} "
+                 f"({sum(files.values()) / 2**20:,.1f} MiB in {time.monotonic() - started:.1f} s)")
+    try:
+        bucket.fs.get_file(join(bucket.url, "metrics.jsonl"), str(run / "metrics.jsonl"))
+    except FileNotFoundError:
+        pass
+    return folder
+
+
+ASSUMED_UPLOAD_BYTES_PER_S = 100e6  # one machine to its region's bucket, a few parallel streams
+
+
+def describe_run_folder(url: str, local_dir: Path | None, checkpoint_bytes: float, save_interval: int,
+                        step_seconds: float | None) -> tuple[str, str | None]:
+    """The plan's line for a bucket run (where it lives, how long a checkpoint upload takes) and a warning
+    when checkpoints would be saved faster than they upload."""
+    upload_s = checkpoint_bytes / ASSUMED_UPLOAD_BYTES_PER_S
+    line = (f"{url}, staged in {staging_folder(url.rstrip('/'), local_dir)}; a checkpoint uploads in ~{upload_s:.0f} s "
+            f"at an assumed {ASSUMED_UPLOAD_BYTES_PER_S / 1e6:.0f} MB/s")
+    if step_seconds is None:
+        return line, None
+    between = save_interval * step_seconds
+    line += f", saves every ~{between:.0f} s"
+    if between >= upload_s:
+        return line, None
+    return line, (f"checkpoints would come every ~{between:.0f} s but take ~{upload_s:.0f} s to upload: saves would "
+                  f"replace each other while they wait; raise train.save_interval to at least "
+                  f"{int(upload_s / step_seconds) + 1}")

@@ -103,6 +103,7 @@ class Trainer:
                 (self.run_dir / "plan.txt").write_text(format_plan(plan, config) + "\n", encoding="utf-8")
         if self.mirror:
             torch.distributed.barrier()
+            self.mirror.check_shared()
 
         seed_everything(train.seed)
         self.engine, self.fused_loss = build_engine(train, config.model.arch, hf_config, ds_config, plan.schedule,
