@@ -166,6 +166,8 @@ class Bucket:
             self.fs.rm_file(join(remote, checkpoint.COMPLETE_MARKER))
         files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
                  if p.is_file() and p.name != checkpoint.COMPLETE_MARKER}
+        if checkpoint.STATE not in files or checkpoint.HF_CONFIG not in files:
+            raise OSError(f"{folder} is not a whole checkpoint (no {checkpoint.STATE}); not uploaded")
         for name in files:
             self.fs.put_file(str(folder / name), join(remote, name))
         present = self._listing(remote)
@@ -318,17 +320,17 @@ class RunMirror:
                 job, self._waiting = self._waiting, None
                 self._busy = job
                 closing = self._closing
-            ok = self._upload(job) if job else True
-            ok = self._sync_side_files() and ok
+            uploaded = self._upload(job) if job else True
+            ok = self._sync_side_files() and uploaded
             with self._cv:
                 self._busy = None
                 if ok:
                     self._failures, self._last_error = 0, ""
                 else:
                     self._failures += 1
-                    if job and self._waiting is None:
+                    if not uploaded and self._waiting is None:
                         self._waiting = job  # retry it, unless a newer save replaced it meanwhile
-                    elif job:
+                    elif not uploaded:
                         shutil.rmtree(job.folder, ignore_errors=True)
                         log.info(f"upload: gave up global_step{job.step} for the newer global_step"
                                  f"{self._waiting.step}")
