@@ -41,6 +41,7 @@ from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.storage import filesystem, join, local_name, strip_protocol
 from gptpipe.train import checkpoint
+from gptpipe.train.logging import read_metrics
 
 log = get_logger("train")
 
@@ -265,6 +266,11 @@ class RunMirror:
                      f"({sum(files.values()) / 2**20:,.1f} MiB in {time.monotonic() - started:.1f} s)")
         for path in self.bucket.download_side_files(self.local):
             self._side_synced[path.relative_to(self.local).as_posix()] = _stamp(path)
+        logged = max((row.get("step", 0) for row in read_metrics(self.local / "metrics.jsonl")), default=0)
+        if remote is not None and logged > remote[0]:
+            log.info(f"steps {remote[0] + 1}-{logged} were logged by the stopped process after its last complete "
+                     f"checkpoint and are redone now: metrics.jsonl keeps both (equal) copies; wandb drops the "
+                     f"re-logged steps below its last one")
         self.start()
 
     def check_shared(self) -> None:
