@@ -18,12 +18,12 @@ for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "
                    "LOCAL_RANK": "0"}.items():  # one rank without a launcher
     os.environ.setdefault(key, value)
 
-import deepspeed  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import deepspeed
+import numpy as np
+import torch
+import transformers
 
-from gptpipe.train.checkpoint import COMPLETE_MARKER, HF_CONFIG, STATE  # noqa: E402
+from gptpipe.train.checkpoint import COMPLETE_MARKER, HF_CONFIG, STATE
 
 SEQ = 64
 

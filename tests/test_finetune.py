@@ -44,7 +44,7 @@ def manpage_rows(sections: tuple[str, ...] = ("1", "2", "3"), per_section: int =
         found = 0
         for page in sorted(Path("/usr/share/man/ja").glob(f"man{section}/*.gz")):
             text = gzip.decompress(page.read_bytes()).decode("utf-8", errors="replace")
-            match = re.search(r'^\.SH\s+"?(?:名前|NAME)"?\s*\n(.+)$', text, re.M)
+            match = re.search(r'^\.SH\s+"?(?:名前|NAME)"?\s*\n(.+)$', text, re.MULTILINE)
             if not match or "\\-" not in match.group(1):
                 continue
             description = re.sub(r"\\f[BIRP]", "", match.group(1).split("\\-", 1)[1]).strip()

@@ -5,19 +5,41 @@ doc used by ``--help``. Loading is strict: unknown keys, wrong types, impossible
 contradictions are all collected and raised once, as a :class:`ConfigError` naming file, line and key.
 
 Paths (fields typed ``Path``) written in a YAML file are relative to that file's folder; paths given as
-command-line overrides are relative to the current directory, like any other shell argument.
+command-line overrides are relative to the current directory, like any other shell argument. A field typed
+``Url | Path`` also takes an object-storage URL (``s3://…``, ``gs://…``, any fsspec protocol), kept exactly as
+written (gptpipe.storage reads and writes it); a URL in a ``Path``-only field is an error, never a mangled path.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
+
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def has_scheme(value: Any) -> bool:
+    """True for a string written as ``scheme://…`` (a URL), False for a local path."""
+    return isinstance(value, str) and bool(_SCHEME.match(value))
+
+
+class Url(str):
+    """A config value written as ``scheme://…``, kept as written; ``url / "name"`` joins like a Path."""
+
+    def __truediv__(self, part: str) -> Url:
+        return Url(f"{self.rstrip('/')}/{str(part).lstrip('/')}")
+
+    @property
+    def name(self) -> str:
+        return self.rstrip("/").rsplit("/", 1)[-1]
 
 
 class ConfigError(ValueError):
@@ -244,9 +266,17 @@ class _Builder:
                 self.problem(key, f"expected a string, got {value!r}")
                 return value
             return str(value)
+        if tp is Url:
+            if not has_scheme(value):
+                self.problem(key, f"expected a URL (scheme://...), got {value!r}")
+                return value
+            return Url(value)
         if tp is Path:
             if not isinstance(value, (str, Path)):
                 self.problem(key, f"expected a path, got {value!r}")
+                return value
+            if has_scheme(value):
+                self.problem(key, f"{value!r} is a URL, but this key takes a local path only")
                 return value
             path = Path(value).expanduser()
             base = Path.cwd() if self.from_override(key) else self.base_dir
@@ -303,7 +333,7 @@ def to_plain(config: Any) -> Any:
         return [to_plain(v) for v in config]
     if isinstance(config, dict):
         return {str(k): to_plain(v) for k, v in config.items()}
-    if isinstance(config, Path):
+    if isinstance(config, (Path, Url)):
         return str(config)
     return config
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from gptpipe.config.core import option
 from gptpipe.corpus.config import CorpusConfig
 from gptpipe.data.config import DataConfig, TokenizeConfig
+from gptpipe.storage import StorageConfig
 from gptpipe.train.config import LoggingConfig, ModelConfig, TrainConfig
 
 
@@ -20,3 +21,4 @@ class PipelineConfig:
     model: ModelConfig = option(factory=ModelConfig, doc="stage 3 model")
     train: TrainConfig = option(factory=TrainConfig, doc="stage 3 schedule and engine")
     logging: LoggingConfig = option(factory=LoggingConfig, doc="stage 3 logging")
+    storage: StorageConfig = option(factory=StorageConfig, doc="object storage (bucket URLs in any section)")

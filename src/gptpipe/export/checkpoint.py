@@ -18,6 +18,7 @@ from gptpipe.config.core import ConfigError, config_from_plain
 from gptpipe.config.pipeline import PipelineConfig
 from gptpipe.stage import StageInputError, say
 from gptpipe.stages import TRAIN
+from gptpipe.storage import is_url
 from gptpipe.train.checkpoint import COMPLETE_MARKER, HF_CONFIG, LATEST, STATE, complete_checkpoints
 
 
@@ -51,8 +52,13 @@ class Checkpoint:
 def find_checkpoint(input_dir: Path, step: int | None = None) -> Checkpoint:
     """The checkpoint to export: ``input_dir`` itself, ``global_step{step}``, or the newest complete one.
 
-    ``input_dir`` may be the run folder, its checkpoints/ folder or one checkpoint folder.
+    ``input_dir`` may be the run folder, its checkpoints/ folder or one checkpoint folder, or the URL of a run
+    folder in a bucket (s3://..., gs://...).
     """
+    if is_url(input_dir):  # a run folder in a bucket: its complete checkpoint, fetched into a local cache
+        from gptpipe.train.mirror import fetch_checkpoint
+
+        input_dir = fetch_checkpoint(str(input_dir), step)
     if not input_dir.exists():
         raise StageInputError(f"input_model_dir {input_dir} does not exist. {TRAIN.hint()}")
     if (input_dir / HF_CONFIG).is_file() or (input_dir / STATE).is_file():

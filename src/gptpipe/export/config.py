@@ -8,15 +8,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from gptpipe.config.core import option
+from gptpipe.config.core import Url, option
 
 
 @dataclass
 class ConvertConfig:
     """Stage 4 (export to HuggingFace), stage 5 (play) and stage 6 (upload to the hub)."""
 
-    input_model_dir: Path = option(
-        Path("runs/demo"), "stage-3 run folder (its newest complete checkpoint is used) or one checkpoint folder")
+    input_model_dir: Url | Path = option(
+        Path("runs/demo"), "stage-3 run folder (its newest complete checkpoint is used) or one checkpoint folder; "
+                           "or a run folder in a bucket (s3://..., gs://...; credentials from the environment)")
     checkpoint_step: int | None = option(None, "export this step instead of the newest complete checkpoint")
     output_tokenizer_and_model_dir: Path = option(Path("models/hf/demo"), "HuggingFace folder to write")
     dtype: Literal["bf16", "fp32"] = option("bf16", "dtype of the exported weights")

@@ -12,7 +12,8 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -229,7 +230,7 @@ def pad_id(tokenizer: Any) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def collate(items: list[Encoded], pad: int, seq2seq: bool, device: "torch.device | str" = "cpu") -> dict[str, Any]:
+def collate(items: list[Encoded], pad: int, seq2seq: bool, device: torch.device | str = "cpu") -> dict[str, Any]:
     """A right-padded training/scoring batch. `targets` are aligned with the model's logits: for a causal
     LM the next token's label (shifted here, so no token is lost to the model's own shift), for seq2seq
     the decoder labels themselves."""
@@ -256,7 +257,7 @@ def collate(items: list[Encoded], pad: int, seq2seq: bool, device: "torch.device
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def left_padded(prompts: list[list[int]], pad: int, device: "torch.device | str" = "cpu") -> dict[str, Any]:
+def left_padded(prompts: list[list[int]], pad: int, device: torch.device | str = "cpu") -> dict[str, Any]:
     """Prompts for batched generation: left padding, so every row's next token comes at the same position."""
     import torch
 

@@ -4,7 +4,8 @@ pretrained HF folder, teacher-forced log-likelihoods of label tokens, and batche
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 

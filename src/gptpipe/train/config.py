@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from gptpipe.config.core import option
+from gptpipe.config.core import Url, option
 
 
 @dataclass
@@ -62,7 +62,14 @@ class ModelConfig:
 class TrainConfig:
     """How long, how fast and on what engine settings to train."""
 
-    output_model_dir: Path = option(Path("runs/demo"), "run folder: checkpoints, logs, metrics.jsonl, data cache")
+    output_model_dir: Url | Path = option(
+        Path("runs/demo"), "run folder: checkpoints, logs, metrics.jsonl, data cache; or a bucket URL (s3://..., "
+                           "gs://...): trained in train.local_dir and mirrored there, resumable on any machine")
+    local_dir: Path | None = option(
+        None, "with a bucket output_model_dir: the local staging folder (None: under the system temp folder)")
+    preempt_grace_seconds: float = option(
+        25.0, "with a bucket output_model_dir: how long a SIGTERM save may wait for its upload before exit 75 "
+              "(GCE spot and Kubernetes give ~30 s, AWS spot 120 s)")
     seq_len: int = option(2048, "tokens per sample")
     global_batch_size: int = option(128, "samples per optimizer step, over all GPUs and accumulation steps")
     micro_batch_size: int | None = option(
@@ -143,6 +150,12 @@ class TrainConfig:
             problems.append(("offload_optimizer", "needs zero_stage >= 1"))
         if self.gpu_memory_gib is not None and self.gpu_memory_gib <= 0:
             problems.append(("gpu_memory_gib", "must be > 0 (or null to detect)"))
+        if self.preempt_grace_seconds < 0:
+            problems.append(("preempt_grace_seconds", "must be >= 0"))
+        if isinstance(self.output_model_dir, Url):
+            from gptpipe.storage import check_url
+
+            problems += [("output_model_dir", p) for p in check_url(self.output_model_dir)]
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             problems.append(("peak_tflops", "must be > 0 (or null)"))
         return problems

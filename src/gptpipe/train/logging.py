@@ -9,6 +9,7 @@ import json
 import math
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,11 @@ class RunLogger:
     """One run's outputs; every method is a no-op on ranks other than 0."""
 
     def __init__(self, run_dir: Path, config: Any, total_steps: int, start_step: int, wandb_block: dict[str, Any],
-                 enabled: bool):
+                 enabled: bool, rotate_tensorboard_s: float | None = None):
         self.enabled = enabled
+        # A mirrored run uploads finished event files: the writer is closed (a new file begun) this often.
+        self.rotate_tensorboard_s = rotate_tensorboard_s
+        self.tensorboard_opened = time.monotonic()
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -85,6 +89,11 @@ class RunLogger:
             for key, value in numbers.items():
                 self.tensorboard.add_scalar(key, value, step)
             self.tensorboard.flush()
+            if self.rotate_tensorboard_s is not None and \
+                    time.monotonic() - self.tensorboard_opened >= self.rotate_tensorboard_s:
+                self.tensorboard.close()
+                self.tensorboard = type(self.tensorboard)(self.tensorboard.log_dir)
+                self.tensorboard_opened = time.monotonic()
         if self.wandb:
             self.wandb.log(numbers, step=step)
         self.say(console if console is not None else "  ".join(f"{k} {_format(v)}" for k, v in row.items()))

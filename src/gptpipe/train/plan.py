@@ -21,6 +21,7 @@ from gptpipe.config.pipeline import PipelineConfig
 from gptpipe.data.count import DatasetCounts, count_dataset, epoch_schedule, stale_train_tokens
 from gptpipe.stage import say
 from gptpipe.stages import EXIT_BAD_INPUT
+from gptpipe.storage import is_url
 from gptpipe.train.data import DataError, available_host_ram, blend_weights, check_splits, index_bytes
 from gptpipe.train.devices import detect_device, liger_available, peak_flops
 from gptpipe.train.logging import read_metrics
@@ -206,7 +207,8 @@ def make_plan(config: PipelineConfig, vocab_size: int, dp: int | None = None, de
                 eval_samples=eval_samples, index_ram=index_ram, host_ram_needed=host_needed, host_ram=host_ram,
                 checkpoint_bytes=checkpoint_bytes,
                 peak_flops=peak_flops(name, train.precision, train.peak_tflops) if on_gpu else None,
-                measured_tokens_per_s=measured_tokens_per_s(train.output_model_dir, tokens_per_step))
+                measured_tokens_per_s=None if is_url(train.output_model_dir) else
+                measured_tokens_per_s(train.output_model_dir, tokens_per_step))
 
 
 def _ranks_per_node(dp: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gptpipe.config.pipeline import PipelineConfig
 from gptpipe.train.memory import GIB
+from gptpipe.storage import is_url
 from gptpipe.train.plan import ASSUMED_MFU, Plan
 
 
@@ -54,5 +55,13 @@ def format_plan(plan: Plan, config: PipelineConfig) -> str:
                   "no measured figure yet")
         rows.append(("expected speed", f"~{speed:,.0f} tokens/s ({source}); the whole run "
                                        f"≈ {_duration(plan.train_tokens / speed)}"))
+    if is_url(train.output_model_dir):
+        from gptpipe.train.mirror import describe_run_folder
+
+        line, warning = describe_run_folder(str(train.output_model_dir), train.local_dir, plan.checkpoint_bytes,
+                                            train.save_interval, plan.tokens_per_step / speed if speed else None)
+        rows.append(("run folder", line))
+        if warning:
+            rows.append(("warning", warning))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -25,7 +25,7 @@ class Schedule:
     decay_steps: int = 0  # wsd: steps of the final decay
 
     @classmethod
-    def for_run(cls, train_cfg, total_steps: int) -> "Schedule":
+    def for_run(cls, train_cfg, total_steps: int) -> Schedule:
         """Warmup and decay as fractions of `total_steps` (what the run will really do)."""
         warmup = min(round(train_cfg.warmup_fraction * total_steps), total_steps - 1)
         if train_cfg.warmup_fraction > 0 and total_steps > 1:
@@ -60,7 +60,7 @@ class Schedule:
         when DeepSpeed builds the optimizer itself."""
         from torch.optim.lr_scheduler import LambdaLR
 
-        def make(optimizer: "torch.optim.Optimizer") -> LambdaLR:
+        def make(optimizer: torch.optim.Optimizer) -> LambdaLR:
             # The optimizer's lr is the peak (DeepSpeed config), so the lambda is a multiplier of it.
             return LambdaLR(optimizer, lambda step: self.lr_at(step) / self.peak_lr)
 

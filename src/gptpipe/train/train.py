@@ -20,11 +20,13 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
 from gptpipe.config.core import to_plain
 from gptpipe.config.pipeline import PipelineConfig
 from gptpipe.stage import StageInputError, say
 from gptpipe.stages import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_PREEMPTED, read_tokenizer
+from gptpipe.storage import is_url
 from gptpipe.train import checkpoint
 from gptpipe.train.data import DataError, build_datasets, collate, eval_batches, sample_positions
 from gptpipe.train.engine import (
@@ -37,6 +39,7 @@ from gptpipe.train.engine import (
     train_step,
 )
 from gptpipe.train.logging import RunLogger
+from gptpipe.train.mirror import SIDE_SYNC_SECONDS, open_mirror
 from gptpipe.train.model import build_model_config
 from gptpipe.train.plan import Plan, PlanError, check_parameter_count, make_plan
 from gptpipe.train.plan_report import format_plan
@@ -83,14 +86,25 @@ class Trainer:
                  hf_config: Any, tokenizer: Any, dist: Dist):
         self.config, self.plan, self.dist, self.tokenizer = config, plan, dist, tokenizer
         self.train_cfg = train = config.train
-        self.run_dir: Path = train.output_model_dir
+        # A bucket run trains in a local staging folder that the mirror keeps in step with the bucket.
+        self.mirror = open_mirror(train, config.storage, dist.is_main) if is_url(train.output_model_dir) else None
+        self.run_dir: Path = self.mirror.local if self.mirror else train.output_model_dir
         self.ckpt_root = self.run_dir / "checkpoints"
         self.hf_config = hf_config
         self.on_gpu = dist.device.type == "cuda"
         if dist.is_main:
+            if self.mirror:
+                self.mirror.restore()  # the bucket's newest complete checkpoint, before anyone looks for one
             checkpoint.remove_stale(self.ckpt_root)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
+            if self.mirror:  # the record of this run beside its checkpoints, in the bucket
+                (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_plain(config), allow_unicode=True,
+                                                                         sort_keys=False), encoding="utf-8")
+                (self.run_dir / "plan.txt").write_text(format_plan(plan, config) + "\n", encoding="utf-8")
+        if self.mirror:
+            torch.distributed.barrier()
+            self.mirror.check_shared()
 
         seed_everything(train.seed)
         self.engine, self.fused_loss = build_engine(train, config.model.arch, hf_config, ds_config, plan.schedule,
@@ -106,7 +120,8 @@ class Trainer:
         self.final_loss_saved = False  # the checkpoint resumed from already records the final val loss
         self._resume()
         self.stop = StopFlag(dist.world_size)
-        self.log = RunLogger(self.run_dir, config, plan.steps, self.step, wandb_block, enabled=dist.is_main)
+        self.log = RunLogger(self.run_dir, config, plan.steps, self.step, wandb_block, enabled=dist.is_main,
+                             rotate_tensorboard_s=SIDE_SYNC_SECONDS if self.mirror else None)
 
     # --- resume -------------------------------------------------------------------------------------
     def _resume(self) -> None:
@@ -130,11 +145,12 @@ class Trainer:
     def fit(self) -> int:
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            return self._loop()
+            code = self._loop()
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
             self.log.close()
+        return self.mirror.finish(code, EXIT_PREEMPTED) if self.mirror else code
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.stop.set(signal.Signals(signum).name)
@@ -232,7 +248,8 @@ class Trainer:
             f"grad-norm {row['grad_norm'] if row['grad_norm'] is None else format(row['grad_norm'], '.3f')}"
             + (f"  router-aux {row['aux_loss']:.3f}" if "aux_loss" in row else "")
             + f"  {tokens_per_s:,.0f} tok/s" + (f"  MFU {row['mfu']:.1%}" if "mfu" in row else "")
-            + f"  mem {row['mem_gib']:.2f} GiB" + (f"  skipped {self.skipped}" if self.skipped else "")))
+            + f"  mem {row['mem_gib']:.2f} GiB" + (f"  skipped {self.skipped}" if self.skipped else "")
+            + (self.mirror.status() if self.mirror else "")))
 
     def _memory_gib(self) -> float:
         """Peak device memory since the last log step on GPU (evaluation included); the process's RSS on CPU."""
@@ -308,4 +325,6 @@ class Trainer:
         folder = checkpoint.save(self.engine, self.ckpt_root, self.step, state, self.hf_config.to_json_string(),
                                  self.dist, self.train_cfg.keep_checkpoints)
         self.log.say(f"[train] saved {folder}")
+        if self.mirror:
+            self.mirror.submit(self.step, folder)
         return self.step

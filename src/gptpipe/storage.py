@@ -1,0 +1,103 @@
+"""Object storage: which config values are URLs, and the fsspec filesystem that reads and writes them.
+
+A config key typed ``Url | Path`` (config/core.py) holds either a local path or a URL such as
+``s3://bucket/runs/ja-350m`` or ``gs://bucket/runs/ja-350m`` (any fsspec protocol whose package is installed:
+s3fs for s3://, gcsfs for gs://). Credentials come only from the environment and each cloud's standard chain
+(AWS_* variables and profiles, GOOGLE_APPLICATION_CREDENTIALS, the metadata servers); nothing here reads,
+stores or prints one, and a URL carrying ``user:secret@`` is refused. S3-compatible stores (MinIO, R2, a
+test server) are reached through ``storage.endpoint_url`` in config.yaml or the standard
+``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` variables, which boto3 and s3fs read themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from gptpipe.config.core import Url, has_scheme, option
+
+# The package that serves each common protocol, for the "pip install" hint.
+PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+
+
+@dataclass
+class StorageConfig:
+    """How gptpipe reaches object storage (the credentials never go here: they come from the environment)."""
+
+    endpoint_url: str | None = option(
+        None, "S3-compatible endpoint (MinIO, R2...), e.g. http://127.0.0.1:9000 (None: AWS_ENDPOINT_URL_S3 / "
+              "AWS_ENDPOINT_URL, else AWS itself)")
+
+    def check(self) -> list[tuple[str, str]]:
+        if self.endpoint_url is None:
+            return []
+        parts = urlsplit(self.endpoint_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            return [("endpoint_url", f"expected http(s)://host[:port], got {self.endpoint_url!r}")]
+        if parts.username or parts.password:
+            return [("endpoint_url", "must not carry credentials: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
+                                     "in the environment instead")]
+        return []
+
+
+def is_url(value: Any) -> bool:
+    """True for a config value naming object storage (``scheme://…``), False for a local path."""
+    return isinstance(value, Url) or has_scheme(value)
+
+
+def protocol(url: str) -> str:
+    return url.split("://", 1)[0].lower()
+
+
+def check_url(url: str) -> list[str]:
+    """Problems with ``url`` as a place to read or write (empty: usable), found before any work starts."""
+    import fsspec
+
+    problems = []
+    parts = urlsplit(url)
+    if "@" in parts.netloc:  # the URL itself is not repeated: it holds a secret
+        return ["the URL carries credentials (user:secret@); put them in the environment (AWS_*, "
+                "GOOGLE_APPLICATION_CREDENTIALS) and write the URL without them"]
+    if not parts.netloc:
+        problems.append(f"{url!r} names no bucket")
+    proto = protocol(url)
+    if proto not in fsspec.available_protocols():
+        problems.append(f"{proto}:// is not a storage protocol fsspec knows")
+    else:
+        try:
+            fsspec.get_filesystem_class(proto)
+        except ImportError:
+            problems.append(f"{proto}:// needs the package {PACKAGES.get(proto, 'that serves it')}: "
+                            f"pip install {PACKAGES.get(proto, '')}".rstrip())
+    return problems
+
+
+def filesystem(url: str, endpoint_url: str | None = None) -> Any:
+    """The fsspec filesystem for ``url``; ``endpoint_url`` (storage.endpoint_url) points s3:// elsewhere."""
+    import fsspec
+
+    proto = protocol(url)
+    options: dict[str, Any] = {}
+    if proto in ("s3", "s3a"):
+        # Fail fast and let the caller's retry loop (with its log lines) do the waiting.
+        options["config_kwargs"] = {"connect_timeout": 10, "read_timeout": 120,
+                                    "retries": {"max_attempts": 3, "mode": "standard"}}
+        if endpoint_url:
+            options["endpoint_url"] = endpoint_url
+    return fsspec.filesystem(proto, **options)
+
+
+def strip_protocol(url: str) -> str:
+    """``s3://bucket/key`` → ``bucket/key``, the form fsspec's listings return."""
+    return url.split("://", 1)[1].rstrip("/")
+
+
+def join(url: str, *parts: str) -> str:
+    return "/".join([url.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+def local_name(url: str) -> str:
+    """The last component of ``url`` (a run's name), for local folders that stand in for it."""
+    return Path(strip_protocol(url)).name or "run"

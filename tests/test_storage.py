@@ -1,0 +1,280 @@
+"""A run folder in a bucket, on real object-storage servers on 127.0.0.1: moto's S3 server (s3fs) and
+gcp-storage-emulator (gcsfs). The preemption drill: SIGTERM and SIGKILL at random steps, the local disk wiped
+each time (a new machine), and the per-step losses still equal an uninterrupted local run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import QUICK_TRAIN, run_train, train_command, train_env
+
+from gptpipe.config.core import ConfigError, Url, load_config
+from gptpipe.config.pipeline import PipelineConfig
+from gptpipe.stages import EXIT_PREEMPTED
+
+STEPS = 8
+# Fake credentials: the servers accept anything, and none of these may ever be written or printed.
+FAKE_KEY_ID = "AKIAGPTPIPEFAKE7Q2X"
+FAKE_SECRET = "gptpipe-fake-secret-9f3Kq2LmVx"
+FAKE_TOKEN = "gptpipe-fake-session-token-Zr81"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class S3Store:
+    """moto's standalone S3 server in a thread; its objects survive stop() and start() (a store outage)."""
+
+    scheme = "s3"
+
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.port = free_port()
+        self._server_class = ThreadedMotoServer
+        self.env = {"AWS_ACCESS_KEY_ID": FAKE_KEY_ID, "AWS_SECRET_ACCESS_KEY": FAKE_SECRET,
+                    "AWS_SESSION_TOKEN": FAKE_TOKEN, "AWS_DEFAULT_REGION": "us-east-1",
+                    "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{self.port}"}
+
+    def start(self) -> None:
+        self.server = self._server_class(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+        self.running = True
+
+    def stop(self) -> None:
+        if self.running:
+            self.server.stop()
+            self.running = False
+
+
+class GCSStore:
+    """gcp-storage-emulator (in memory) in a thread."""
+
+    scheme = "gs"
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{self.port}",
+                    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}  # else each bucket call stalls ~60 s
+
+    def start(self) -> None:
+        from gcp_storage_emulator.server import create_server
+
+        self.server = create_server("127.0.0.1", self.port, in_memory=True)
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@pytest.fixture(params=["s3", "gs"])
+def store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """A running store with an empty bucket `runs-<n>`, its env set for this process and its children."""
+    store = S3Store() if request.param == "s3" else GCSStore()
+    for key, value in store.env.items():
+        monkeypatch.setenv(key, value)
+    store.start()
+    import fsspec
+
+    store.fs = fsspec.filesystem(store.scheme, skip_instance_cache=True)
+    store.bucket = f"runs-{random.randrange(10**6)}"
+    store.fs.mkdir(store.bucket)
+    yield store
+    store.stop()
+
+
+def bucket_losses(store, url: str) -> dict[int, float]:
+    """Per-step losses from the metrics.jsonl in the bucket; a repeated step must repeat its loss exactly."""
+    seen: dict[int, float] = {}
+    for line in store.fs.cat_file(f"{url}/metrics.jsonl").decode().splitlines():
+        row = json.loads(line)
+        if "loss" in row:
+            assert seen.setdefault(row["step"], row["loss"]) == row["loss"], f"step {row['step']} differs"
+    return seen
+
+
+def local_losses(run: Path) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if "loss" in row}
+
+
+def bucket_steps(store, url: str) -> dict[int, bool]:
+    """{step: has its marker} for every checkpoint folder in the bucket."""
+    store.fs.invalidate_cache()
+    found: dict[int, bool] = {}
+    for name in store.fs.find(f"{url}/checkpoints"):
+        parts = name.split("/")
+        if parts[-2].startswith("global_step"):
+            step = int(parts[-2].removeprefix("global_step"))
+            found[step] = found.get(step, False) or parts[-1] == "complete"
+    return found
+
+
+def start(config: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(train_command("--config", config, *QUICK_TRAIN, *overrides), env=train_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(run: Path, step: int, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = run / "metrics.jsonl"
+        if metrics.is_file() and any(f'"step": {step},' in line for line in metrics.read_text().splitlines()):
+            return
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        time.sleep(0.02)
+    raise AssertionError(f"step {step} not logged within {timeout} s")
+
+
+def assert_no_secret(texts: list[str], folders: list[Path], store, url: str) -> None:
+    """No fake credential in any output, local file or object of the run."""
+    blobs = [t.encode() for t in texts]
+    blobs += [p.read_bytes() for folder in folders if folder.is_dir() for p in folder.rglob("*") if p.is_file()]
+    store.fs.invalidate_cache()
+    blobs += [store.fs.cat_file(name) for name in store.fs.find(url)]
+    for secret in (FAKE_KEY_ID, FAKE_SECRET, FAKE_TOKEN):
+        assert not any(secret.encode() in blob for blob in blobs), f"{secret} leaked"
+
+
+def test_url_values_stay_urls_and_secrets_stay_out(tmp_path: Path) -> None:
+    yaml = tmp_path / "config.yaml"
+    yaml.write_text("train:\n  output_model_dir: gs://bucket/runs/ja\n  local_dir: staging\n"
+                    "storage:\n  endpoint_url: http://127.0.0.1:9000\n")
+    config = load_config(PipelineConfig, yaml)
+    assert config.train.output_model_dir == "gs://bucket/runs/ja" and isinstance(config.train.output_model_dir, Url)
+    assert config.train.local_dir == tmp_path / "staging"  # a path beside it still resolves against its folder
+    with pytest.raises(ConfigError) as err:
+        load_config(PipelineConfig, yaml, [f"train.output_model_dir=s3://{FAKE_KEY_ID}:{FAKE_SECRET}@bucket/x",
+                                           "tokenize.tokenizer_dir=gs://bucket/tok",
+                                           "storage.endpoint_url=ftp://host"])
+    message = str(err.value)
+    assert "carries credentials" in message and FAKE_SECRET not in message
+    assert "tokenize.tokenizer_dir: 'gs://bucket/tok' is a URL, but this key takes a local path only" in message
+    assert "storage.endpoint_url: expected http(s)://host[:port]" in message
+
+
+def test_preemption_drill_resumes_exactly_on_fresh_machines(store, dataset_prefix: Path, workspace: Path,
+                                                            tmp_path: Path) -> None:
+    config = workspace / "config.yaml"
+    common = (f"train.train_iters={STEPS}", "train.save_interval=2", "train.keep_checkpoints=2")
+    full = run_train("--config", config, *QUICK_TRAIN, *common, f"train.output_model_dir={tmp_path / 'full'}")
+    assert full.returncode == 0, full.stderr[-3000:]
+    reference = local_losses(tmp_path / "full")
+
+    url = f"{store.scheme}://{store.bucket}/runs/drill"
+    bucket_run = (*common, f"train.output_model_dir={url}")
+    outputs: list[str] = []
+    rng = random.Random(os.getpid())
+
+    # 1. SIGTERM at a random step on machine 1: a save within one step, its upload, exit 75.
+    machine = tmp_path / "machine1"
+    process = start(config, *bucket_run, f"train.local_dir={machine}")
+    wait_for_step(machine, rng.randint(1, 4), process)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=300)
+    outputs.append(stderr)
+    assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    assert f"the run is mirrored in {url}" in stderr
+    first = max(step for step, done in bucket_steps(store, url).items() if done)
+    shutil.rmtree(machine)  # the preempted VM's disk is gone
+
+    # 2. A new machine resumes from the bucket; SIGKILL it while a newer checkpoint is half uploaded.
+    machine = tmp_path / "machine2"
+    process = start(config, *bucket_run, f"train.local_dir={machine}")
+    mid_upload = False
+    deadline = time.monotonic() + 300
+    while not mid_upload and process.poll() is None and time.monotonic() < deadline:
+        mid_upload = any(step > first and not done for step, done in bucket_steps(store, url).items())
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    _, stderr = process.communicate(timeout=60)
+    outputs.append(stderr)
+    assert f"downloaded {url}/checkpoints/global_step{first}" in stderr
+    assert mid_upload, "no upload was caught in flight"
+    shutil.rmtree(machine)
+
+    # 3. A third machine (TensorBoard and wandb on): the half-uploaded checkpoint does not exist for it.
+    complete = max(step for step, done in bucket_steps(store, url).items() if done)
+    machine = tmp_path / "machine3"
+    done = run_train("--config", config, *QUICK_TRAIN, *bucket_run, f"train.local_dir={machine}",
+                     "logging.tensorboard=true", "logging.wandb=true")
+    outputs.append(done.stderr)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"downloaded {url}/checkpoints/global_step{complete}" in done.stderr
+    assert bucket_losses(store, url) == reference
+    steps = bucket_steps(store, url)
+    # keep-last-2 (a save that waited behind an upload may have been replaced by a newer one), no leftovers
+    assert max(steps) == STEPS and len(steps) <= 2 and all(steps.values()), steps
+    assert store.fs.cat_file(f"{url}/checkpoints/latest") == f"global_step{STEPS}".encode()
+    for name in ("config.yaml", "plan.txt", "ds_config.json", "wandb_run_id"):
+        assert store.fs.exists(f"{url}/{name}"), name
+    assert store.fs.glob(f"{url}/tensorboard/events.out.tfevents.*") and store.fs.glob(f"{url}/wandb/*/*.wandb")
+
+    # 4. A checkpoint missing one file in the bucket is never resumed from: the run redoes the last steps.
+    store.fs.rm_file(f"{url}/checkpoints/global_step{STEPS}/rng_state_rank0.pt")
+    machine = tmp_path / "machine4"
+    done = run_train("--config", config, *QUICK_TRAIN, *bucket_run, f"train.local_dir={machine}")
+    outputs.append(done.stderr)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"global_step{STEPS} is not used: its marker lists 1 file(s) missing" in done.stderr
+    assert f"downloaded {url}/checkpoints/global_step{sorted(steps)[-2]}" in done.stderr
+    assert bucket_losses(store, url) == reference
+    assert_no_secret(outputs, [tmp_path], store, url)
+
+
+def test_store_outage_training_goes_on_and_the_bucket_catches_up(dataset_prefix: Path, workspace: Path,
+                                                                 tmp_path: Path, monkeypatch) -> None:
+    s3 = S3Store()
+    for key, value in s3.env.items():
+        monkeypatch.setenv(key, value)
+    s3.start()
+    import fsspec
+
+    s3.fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    s3.fs.mkdir("outage")
+    url = "s3://outage/runs/x"
+    machine = tmp_path / "machine"
+    run = (f"train.output_model_dir={url}", f"train.local_dir={machine}", "train.save_interval=2",
+           "train.preempt_grace_seconds=3")
+    config = workspace / "config.yaml"
+    try:
+        # The store goes down after the first upload; training goes on and the failures are reported.
+        process = start(config, "train.train_iters=1000", *run)
+        deadline = time.monotonic() + 300
+        while not any(bucket_steps(s3, url).values()):
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
+            time.sleep(0.1)
+        s3.stop()
+        step = max(local_losses(machine))
+        wait_for_step(machine, step + 6, process)
+        # Stopping with the store down: a clear message, exit 75, the local staging folder intact.
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
+        assert "upload of global_step" in stderr and "failing" in stderr  # on the console line
+        assert f"the upload to {url} did not finish within 3 s" in stderr
+        saved = max(int(p.name.removeprefix("global_step")) for p in (machine / "checkpoints").glob("global_step*"))
+        assert (machine / "checkpoints" / f"global_step{saved}" / "complete").is_file()
+
+        # Back up: the same command on the same machine uploads what the bucket missed, then goes on.
+        s3.start()
+        done = run_train("--config", config, *QUICK_TRAIN, f"train.train_iters={saved + 2}", *run)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert f"holds global_step{saved}, newer than the bucket's" in done.stderr
+        assert f"uploaded global_step{saved} to {url}" in done.stderr
+        assert bucket_steps(s3, url)[saved + 2] is True
+        assert_no_secret([stderr, done.stderr], [tmp_path], s3, url)
+    finally:
+        s3.stop()
