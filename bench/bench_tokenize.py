@@ -40,7 +40,7 @@ import orjson
 import sentencepiece as spm
 
 from gptpipe.config.core import load_config
-from gptpipe.config.pipeline import PipelineConfig
+from gptpipe.pipeline import PipelineConfig
 from gptpipe.data.indexed import bin_path, idx_path, token_dtype
 from gptpipe.data.tokenize import default_workers, tokenize_files
 from gptpipe.data.worker import WorkerSettings

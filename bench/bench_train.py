@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import torch
 
 from gptpipe.config.core import load_config
-from gptpipe.config.pipeline import PipelineConfig
+from gptpipe.pipeline import PipelineConfig
 from gptpipe.train.devices import peak_flops
 from gptpipe.train.engine import build_engine, deepspeed_config, setup_distributed, train_step
 from gptpipe.train.memory import EngineSettings, estimate_memory

@@ -9,7 +9,7 @@ import pytest
 from conftest import REPO
 from gptpipe.cli import COMMANDS, build_parser, main
 from gptpipe.config.core import ConfigError, describe, load_config
-from gptpipe.config.pipeline import PipelineConfig
+from gptpipe.pipeline import PipelineConfig
 from gptpipe.export.config import ConvertConfig
 from gptpipe.tokenizer.config import TokenizerConfig
 

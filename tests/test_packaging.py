@@ -18,7 +18,7 @@ TEMPLATE_IN_WHEEL = "gptpipe/train/ds_config_gpt_TEMPLATE.json"
 FILL_TEMPLATE = """
 import json, gptpipe
 from gptpipe.config.core import load_config
-from gptpipe.config.pipeline import PipelineConfig
+from gptpipe.pipeline import PipelineConfig
 from gptpipe.train.engine import TEMPLATE, deepspeed_config
 config, _ = deepspeed_config(load_config(PipelineConfig, None, []).train, 2, 1, 1, False)
 print(json.dumps({"package": gptpipe.__file__, "template": str(TEMPLATE), "batch": config["train_batch_size"]}))

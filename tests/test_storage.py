@@ -18,7 +18,7 @@ import pytest
 from conftest import QUICK_TRAIN, run_train, train_command, train_env
 
 from gptpipe.config.core import ConfigError, Url, load_config
-from gptpipe.config.pipeline import PipelineConfig
+from gptpipe.pipeline import PipelineConfig
 from gptpipe.stages import EXIT_PREEMPTED
 
 STEPS = 8

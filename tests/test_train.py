@@ -11,7 +11,7 @@ import pytest
 from conftest import QUICK_TRAIN, TRAINED_RUN, run_train
 
 from gptpipe.config.core import load_config, to_plain
-from gptpipe.config.pipeline import PipelineConfig
+from gptpipe.pipeline import PipelineConfig
 from gptpipe.data.indexed import IndexedDataset
 from gptpipe.data.split import document_order, split_bounds
 from gptpipe.stages import read_tokenizer

@@ -54,7 +54,7 @@ def _predict_arguments(parser: argparse.ArgumentParser) -> None:
 
 FINETUNE = "gptpipe.finetune.config:FinetuneConfig"
 EVALUATE = "gptpipe.finetune.evaluate:EvaluateConfig"
-PIPELINE = "gptpipe.config.pipeline:PipelineConfig"
+PIPELINE = "gptpipe.pipeline:PipelineConfig"
 CONVERT = "gptpipe.export.config:ConvertConfig"
 COMMANDS = [
     Command("prepare", "stage 0: build the jsonl corpus from the sources in config.yaml",

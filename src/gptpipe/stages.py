@@ -34,6 +34,7 @@ class Stage:
     name: str  # the `gptpipe` subcommand
     script: str  # what a user runs
     module: str  # where the work lives: the numbered script calls it through the CLI
+    output_file: str | None = None  # the file name it writes, where a later stage reads one file
     beside_prefix: bool = False  # manifest at <prefix>.manifest.json (a dataset) instead of <folder>/manifest.json
     usable: Callable[[Manifest], list[str]] | None = None  # the stage's own acceptance rule, beyond completeness
 
@@ -89,7 +90,7 @@ def _verified(manifest: Manifest) -> list[str]:
     return [f"it did not pass verification ({reasons})"]
 
 
-PREPARE = Stage("0", "prepare", "python 0_prepare_corpus.py", "gptpipe.corpus.prepare")
+PREPARE = Stage("0", "prepare", "python 0_prepare_corpus.py", "gptpipe.corpus.prepare", output_file="corpus.jsonl")
 TRAIN_TOKENIZER = Stage("1", "train-tokenizer", "python 1_train_sentencepiece_tokenizer.py", "gptpipe.tokenizer.train")
 TOKENIZE = Stage("2", "tokenize", "bash 2_tokenize.sh", "gptpipe.data.tokenize", beside_prefix=True)
 TRAIN = Stage("3", "train", "bash 3_train_node1.sh", "gptpipe.train.train")  # checkpoints carry markers, no manifest
@@ -98,14 +99,13 @@ DEMO_TASK = Stage("7", "make-demo-task", "gptpipe make-demo-task", "gptpipe.fine
 EVALUATE = Stage("7", "evaluate", "gptpipe evaluate", "gptpipe.finetune.evaluate")
 
 
-def check_input_files(patterns: list[Path], key: str, upstream: Stage,
-                      upstream_file: str) -> tuple[list[Path], dict[str, Any]]:
+def check_input_files(patterns: list[Path], key: str, upstream: Stage) -> tuple[list[Path], dict[str, Any]]:
     """The plain jsonl files that config key ``key`` lists, checked before any work, and their fingerprints
     for the manifest's inputs. Every stage reading jsonl takes its input through here.
 
     ``patterns`` are paths or glob patterns (each expanded in sorted order). Any readable file will do, a
     user's own jsonl too, except an upstream stage's output that its manifest does not vouch for: a file
-    named ``upstream_file`` (the name that stage writes) or lying beside its manifest must be listed,
+    named ``upstream.output_file`` (the name that stage writes) or lying beside its manifest must be listed,
     intact, by that complete manifest, because a killed run leaves the old file without one. Its
     fingerprint then also holds the manifest's hash, so rerunning the upstream stage reruns this one.
     """
@@ -123,11 +123,11 @@ def check_input_files(patterns: list[Path], key: str, upstream: Stage,
     fingerprints: dict[str, Any] = {}
     for path in files:
         manifest_path = upstream.manifest_path(path.parent)
-        if path.name == upstream_file or manifest_path.is_file():
+        if path.name == upstream.output_file or manifest_path.is_file():
             try:
                 manifest = upstream.require(path.parent)
             except StageInputError as exc:
-                why = f"named {upstream_file}" if path.name == upstream_file else f"beside {manifest_path}"
+                why = f"named {upstream.output_file}" if path.name == upstream.output_file else f"beside {manifest_path}"
                 problems.append(f"{key}: {path} is {why}, so it is taken as an output of {upstream.title}, accepted "
                                 f"only with that run's complete manifest (your own jsonl? name it otherwise): {exc}")
                 continue

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import argparse
 import hashlib
 import json
@@ -9,22 +11,23 @@ from collections import Counter
 
 from tqdm import tqdm
 
-from gptpipe.config.pipeline import PipelineConfig
 from gptpipe.corpus.config import CorpusConfig
 from gptpipe.corpus.sources import fingerprint, read_source
 from gptpipe.log import get_logger
 from gptpipe.stage import StageFailed, StageResult, atomic_path, run_stage
 from gptpipe.stages import PREPARE
 
+if TYPE_CHECKING:
+    from gptpipe.pipeline import PipelineConfig
+
 log = get_logger("prepare")
 
-CORPUS_FILE = "corpus.jsonl"
 EXAMPLES_PER_REASON = 3
 
 
 def build_corpus(config: CorpusConfig) -> StageResult:
     """Read all sources in order, drop what is unusable, write corpus.jsonl atomically; count everything."""
-    output = config.output_dir / CORPUS_FILE
+    output = config.output_dir / PREPARE.output_file
     dropped: Counter[str] = Counter()
     notes: Counter[str] = Counter()  # kept, but worth knowing
     examples: dict[str, list[str]] = {}

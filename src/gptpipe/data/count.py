@@ -8,17 +8,21 @@ only its header and sizes with numpy (no torch, no megatron import): instant at 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from gptpipe.config.pipeline import PipelineConfig
 from gptpipe.data.indexed import idx_path, read_index
 from gptpipe.data.split import SPLITS, split_documents, split_problems
 from gptpipe.stage import say, write_text_atomic
 from gptpipe.stages import TOKENIZE
+
+if TYPE_CHECKING:
+    from gptpipe.pipeline import PipelineConfig
 
 
 @dataclass

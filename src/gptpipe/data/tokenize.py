@@ -13,6 +13,8 @@ prefix, byte-for-byte what a single run writes (data/shards.py).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import argparse
 import glob
 import multiprocessing
@@ -28,8 +30,6 @@ import numpy as np
 from tqdm import tqdm
 
 from gptpipe.config.core import to_plain
-from gptpipe.config.pipeline import PipelineConfig
-from gptpipe.corpus.prepare import CORPUS_FILE
 from gptpipe.data.config import TokenizeConfig
 from gptpipe.data.indexed import IndexedDatasetWriter, bin_path, idx_path, token_dtype
 from gptpipe.data.jsonl import Reasons
@@ -39,6 +39,9 @@ from gptpipe.data.worker import WorkerSettings, encode_task, init_worker
 from gptpipe.log import get_logger
 from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_path, run_stage
 from gptpipe.stages import PREPARE, TOKENIZE, TRAIN_TOKENIZER, check_input_files, read_tokenizer
+
+if TYPE_CHECKING:
+    from gptpipe.pipeline import PipelineConfig
 
 STAGE = TOKENIZE.name
 log = get_logger(STAGE)
@@ -157,7 +160,7 @@ def run(config: PipelineConfig, args: argparse.Namespace) -> int:
     """`gptpipe tokenize [--shard I/N]`."""
     cfg = config.tokenize
     shard = parse_shard(getattr(args, "shard", None))
-    files, fingerprints = check_input_files(cfg.input, "tokenize.input", PREPARE, CORPUS_FILE)
+    files, fingerprints = check_input_files(cfg.input, "tokenize.input", PREPARE)
     info = read_tokenizer(cfg.tokenizer_dir)
     dtype = token_dtype(info.vocab_size)
     if not 0 <= info.eod_id < info.vocab_size:

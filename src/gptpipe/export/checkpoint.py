@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gptpipe.config.core import ConfigError, config_from_plain
-from gptpipe.config.pipeline import PipelineConfig
+from gptpipe.pipeline import PipelineConfig
 from gptpipe.stage import StageInputError, say
 from gptpipe.stages import TRAIN
 from gptpipe.storage import is_url

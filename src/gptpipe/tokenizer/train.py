@@ -27,7 +27,6 @@ from collections.abc import Iterator
 
 from tqdm import tqdm
 
-from gptpipe.corpus.prepare import CORPUS_FILE
 from gptpipe.log import get_logger
 from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_dir, atomic_path, run_stage
 from gptpipe.stages import PREPARE, TOKENIZER_HF_DIR, TRAIN_TOKENIZER, check_input_files
@@ -243,7 +242,7 @@ def _peak_rss_mib() -> float:
 
 def run(config: TokenizerConfig, args: argparse.Namespace) -> int:
     files, fingerprints = check_input_files(config.input if isinstance(config.input, list) else [config.input],
-                                            "input", PREPARE, CORPUS_FILE)
+                                            "input", PREPARE)
     splitter = None
     if config.pretokenize == "morpheme":
         try:

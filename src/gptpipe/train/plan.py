@@ -14,10 +14,9 @@ import os
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
 
-from gptpipe.config.pipeline import PipelineConfig
 from gptpipe.data.count import DatasetCounts, count_dataset, epoch_schedule, stale_train_tokens
 from gptpipe.stage import say
 from gptpipe.stages import EXIT_BAD_INPUT
@@ -38,6 +37,9 @@ from gptpipe.train.memory import (
 )
 from gptpipe.train.model import Shape, count_parameters, flops_per_token, resolve_shape
 from gptpipe.train.schedule import Schedule
+
+if TYPE_CHECKING:
+    from gptpipe.pipeline import PipelineConfig
 
 ASSUMED_MFU = 0.40  # for the expected tokens/s before anything was measured on this setup
 

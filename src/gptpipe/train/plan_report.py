@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from gptpipe.config.pipeline import PipelineConfig
+from typing import TYPE_CHECKING
+
 from gptpipe.train.memory import GIB
 from gptpipe.storage import is_url
 from gptpipe.train.plan import ASSUMED_MFU, Plan
+
+if TYPE_CHECKING:
+    from gptpipe.pipeline import PipelineConfig
 
 
 def _duration(seconds: float) -> str:

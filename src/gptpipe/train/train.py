@@ -16,14 +16,13 @@ import random
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import yaml
 
 from gptpipe.config.core import to_plain
-from gptpipe.config.pipeline import PipelineConfig
 from gptpipe.stage import StageInputError, say
 from gptpipe.stages import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_PREEMPTED, read_tokenizer
 from gptpipe.storage import is_url
@@ -43,6 +42,9 @@ from gptpipe.train.mirror import SIDE_SYNC_SECONDS, open_mirror
 from gptpipe.train.model import build_model_config
 from gptpipe.train.plan import Plan, PlanError, check_parameter_count, make_plan
 from gptpipe.train.plan_report import format_plan
+
+if TYPE_CHECKING:
+    from gptpipe.pipeline import PipelineConfig
 
 
 def seed_everything(seed: int) -> None:

@@ -1,0 +1,67 @@
+"""The package's import graph: no cycle between its packages, and no library module imports the CLI."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "gptpipe"
+
+
+def _modules() -> dict[str, Path]:
+    return {"gptpipe." + ".".join(f.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__"): f
+            for f in sorted(SRC.rglob("*.py"))}
+
+
+def _imports(path: Path) -> set[str]:
+    """gptpipe modules imported at run time (anywhere in the file, but not under `if TYPE_CHECKING:`)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gptpipe"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("gptpipe")}
+    return found
+
+
+def _package(module: str) -> str:
+    """gptpipe.train.plan → gptpipe.train; a top-level module is its own package."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_packages_import_each_other_without_a_cycle() -> None:
+    edges: dict[str, set[str]] = {}
+    for module, path in _modules().items():
+        for target in _imports(path):
+            if _package(target) != _package(module):
+                edges.setdefault(_package(module), set()).add(_package(target))
+
+    def reachable(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in edges.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    cycles = sorted(f"{a} → {b}" for a, targets in edges.items() for b in targets if a in reachable(b))
+    assert not cycles, f"package import cycles through: {cycles}"
+
+
+def test_only_the_cli_entry_points_import_the_cli() -> None:
+    users = [m for m, path in _modules().items() if "gptpipe.cli" in _imports(path) and m != "gptpipe.__main__"]
+    assert users == []
+
+
+@pytest.mark.parametrize("module", sorted(m for m in _modules() if m != "gptpipe.__main__"))
+def test_every_module_imports(module: str) -> None:
+    importlib.import_module(module)
