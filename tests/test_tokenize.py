@@ -13,20 +13,14 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-import orjson
 import pytest
 import sentencepiece as spm
 
-from conftest import run_cli
+from conftest import corpus_texts, run_cli
 from gptpipe.cli import EXIT_BAD_INPUT, main
 from gptpipe.data.indexed import IndexedDataset, bin_path, idx_path, manifest_path, read_dataset_manifest
 from gptpipe.stage import StageInputError
 from gptpipe.tokenizer.info import read_tokenizer_info
-
-
-def corpus_texts(corpus_dir: Path) -> list[str]:
-    with open(corpus_dir / "corpus.jsonl", "rb") as f:
-        return [orjson.loads(line)["text"] for line in f]
 
 
 def expected_ids(tokenizer_dir: Path, texts: list[str]) -> list[list[int]]:
