@@ -38,7 +38,8 @@ def test_zero2_two_ranks_via_3_train_node1(one_rank: dict[int, float], workspace
     assert len(list(folder.glob("*optim_states.pt"))) == 2 and len(list(folder.glob("rng_state_rank*.pt"))) == 2
 
 
-def test_two_ranks_sigterm_to_3_train_node1_saves_and_exits_75(workspace: Path, tmp_path: Path) -> None:
+def test_two_ranks_sigterm_to_3_train_node1_saves_and_exits_75(dataset_prefix: Path, workspace: Path,
+                                                              tmp_path: Path) -> None:
     """torchrun turns the ranks' 75 into 1; the script must still say "saved, run again"."""
     import signal
     import time
