@@ -203,7 +203,8 @@ def tiny_run(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytest.Tem
 def trained_run(dataset_prefix: Path, workspace: Path) -> Path:
     """Stage 3: the tiny preset trained TRAINED.train_iters steps on the man pages (fp32, ZeRO-1, wandb
     offline and TensorBoard on) → the run folder <workspace>/runs/demo with a checkpoint every save_interval."""
-    done = run_train("--config", workspace / "config.yaml", *TRAINED_RUN)
+    # ~2 min on a quiet 2-core machine (docs/benchmarks.md); the generous limit is for one shared with other work.
+    done = run_train("--config", workspace / "config.yaml", *TRAINED_RUN, timeout=2700)
     assert done.returncode == 0, done.stderr[-3000:]
     return workspace / "runs" / "demo"
 
