@@ -10,14 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import corpus_texts as read_corpus
 from conftest import run_cli
 from gptpipe.corpus.manpages import roff_to_text
 from gptpipe.stage import Manifest, StageInputError
-
-
-def read_corpus(out_dir: Path) -> list[str]:
-    with open(out_dir / "corpus.jsonl", encoding="utf-8") as fh:
-        return [json.loads(line)["text"] for line in fh]
 
 
 def write_config(folder: Path, sources: list[dict], **corpus) -> Path:

@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SHIPPED
 from ruamel.yaml import YAML
 
 from gptpipe.cli import main
-from gptpipe.data.config import DataConfig
 from gptpipe.data.indexed import bin_path, idx_path, read_index
 from gptpipe.data.split import document_order, split_bounds
 from gptpipe.stages import EXIT_BAD_INPUT, TOKENIZE
@@ -42,13 +42,11 @@ def test_count_prints_the_plan_and_rewrites_only_train_tokens(workspace: Path, d
     out = capsys.readouterr().out
     index = read_index(idx_path(dataset_prefix))
     sizes = index.sizes.astype("int64")
-    bounds = split_bounds("969,30,1", index.documents)
-    shipped_yaml = YAML().load(original)
-    seed = shipped_yaml["data"].get("seed", DataConfig().seed)
-    train_documents = document_order(index.documents, seed)[bounds[0][0]:bounds[0][1]]
+    bounds = split_bounds(SHIPPED.data.split, index.documents)
+    train_documents = document_order(index.documents, SHIPPED.data.seed)[bounds[0][0]:bounds[0][1]]
     train_tokens = int(sizes[train_documents].sum())  # the split training cuts from the seeded shuffle
-    shipped = shipped_yaml["train"]
-    seq_len, batch = shipped["seq_len"], shipped["global_batch_size"]
+    seq_len, batch = SHIPPED.train.seq_len, SHIPPED.train.global_batch_size
+    assert SHIPPED.train.train_epochs == 1
     samples = (train_tokens - 1) // seq_len  # 1 epoch, as in the shipped config.yaml
     assert f"{index.documents:,} documents, {int(sizes.sum()):,} tokens (uint16)" in out
     assert f"train {bounds[0][1] - bounds[0][0]:>12,} documents {train_tokens:>16,} tokens" in out
@@ -66,7 +64,7 @@ def test_count_prints_the_plan_and_rewrites_only_train_tokens(workspace: Path, d
     assert before.split("#")[1] == after.split("#")[1]  # the user's comment is kept
     train_section = YAML().load(rewritten)["train"]
     assert train_section["train_tokens"] == samples * seq_len
-    assert f"split={shipped_yaml['data']['split']}" in train_section["train_tokens_counted_for"]
+    assert f"split={SHIPPED.data.split}" in train_section["train_tokens_counted_for"]
 
     assert count(config, "--no-write", "train.train_epochs=2") == 0
     assert config.read_text(encoding="utf-8") == rewritten

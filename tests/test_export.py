@@ -10,6 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from conftest import SHIPPED, TINY_STEPS
+from conftest import manifest_counts as counts
 from gptpipe.cli import main
 from gptpipe.export.checkpoint import consolidate, find_checkpoint
 from gptpipe.export.convert import HELDOUT_DOCUMENTS, heldout_documents, reference_models
@@ -22,10 +24,6 @@ from gptpipe.train.checkpoint import COMPLETE_MARKER, HF_CONFIG, STATE, complete
 def convert(workspace: Path, run: Path, out: Path, *overrides: str) -> int:
     return main(["convert", "--config", str(workspace / "convert_config.yaml"), f"input_model_dir={run}",
                  f"output_tokenizer_and_model_dir={out}", *overrides])
-
-
-def counts(folder: Path) -> dict:
-    return json.loads((folder / "manifest.json").read_text())["counts"]
 
 
 @pytest.mark.parametrize("arch,zero,bf16,ranks,dtype", [
@@ -57,7 +55,6 @@ def test_export_gate_passes_for_every_architecture(tiny_run, workspace, tokenize
     assert config["vocab_size"] == info.vocab_size  # the 128-padding rows are gone
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (
         info.bos_id, info.eos_id, info.pad_id)
-    assert 50256 not in (config["bos_token_id"], config["eos_token_id"])
     positions = "n_positions" if arch == "gpt2" else "max_position_embeddings"
     assert config[positions] == trained[positions]
     generation = json.loads((out / "generation_config.json").read_text())
@@ -103,17 +100,18 @@ def _copy_run(run: Path, dest: Path) -> Path:
 def test_checkpoint_choice(tiny_run, tmp_path):
     run = _copy_run(tiny_run(), tmp_path / "run")
     newest = find_checkpoint(run).path
-    assert newest.name == "global_step3"
+    assert newest.name == f"global_step{TINY_STEPS}"
     # An interrupted later save (no completion marker), even when `latest` names it, is never picked.
-    partial = run / "checkpoints" / "global_step6"
+    later = 2 * TINY_STEPS
+    partial = run / "checkpoints" / f"global_step{later}"
     shutil.copytree(newest, partial)
     (partial / COMPLETE_MARKER).unlink()
-    (run / "checkpoints" / "latest").write_text("global_step6")
+    (run / "checkpoints" / "latest").write_text(f"global_step{later}")
     assert find_checkpoint(run).path == newest
-    assert find_checkpoint(run / "checkpoints", step=3).path == newest
-    assert find_checkpoint(newest).step == 3
-    with pytest.raises(StageInputError, match="no complete checkpoint for step 6 .*complete steps: 3"):
-        find_checkpoint(run, step=6)
+    assert find_checkpoint(run / "checkpoints", step=TINY_STEPS).path == newest
+    assert find_checkpoint(newest).step == TINY_STEPS
+    with pytest.raises(StageInputError, match=f"no complete checkpoint for step {later} .*steps: {TINY_STEPS}"):
+        find_checkpoint(run, step=later)
     with pytest.raises(StageInputError, match="incomplete"):
         find_checkpoint(partial)
 
@@ -164,7 +162,8 @@ def run_gate(folder: Path, run: Path, tokenizer_dir: Path, dataset_prefix: Path)
     dtype = counts(folder)["dtype"]
     reference, reference_fp32 = reference_models(checkpoint, consolidate(checkpoint), dtype)
     info = read_tokenizer(tokenizer_dir)
-    heldout = heldout_documents(dataset_prefix, HELDOUT_DOCUMENTS, info.eod_id, "969,30,1", 1234)
+    heldout = heldout_documents(dataset_prefix, HELDOUT_DOCUMENTS, info.eod_id, SHIPPED.data.split,
+                                 SHIPPED.data.seed)
     return verify_export(folder, reference, reference_fp32, info, heldout, "こんにちは。", dtype)
 
 
@@ -173,10 +172,11 @@ def test_gate_compares_on_documents_training_never_saw(dataset_prefix, tokenizer
     from gptpipe.data.indexed import IndexedDataset
 
     eod = read_tokenizer(tokenizer_dir).eod_id
-    heldout = heldout_documents(dataset_prefix, HELDOUT_DOCUMENTS, eod, "969,30,1", 1234)
+    split, seed = SHIPPED.data.split, SHIPPED.data.seed
+    heldout = heldout_documents(dataset_prefix, HELDOUT_DOCUMENTS, eod, split, seed)
     reader = IndexedDataset(dataset_prefix)
-    begin, end = split_bounds("969,30,1", len(reader))[0]
-    train = {tuple(t for t in reader[int(i)].tolist() if t != eod) for i in document_order(len(reader), 1234)[begin:end]}
+    begin, end = split_bounds(split, len(reader))[0]
+    train = {tuple(t for t in reader[int(i)].tolist() if t != eod) for i in document_order(len(reader), seed)[begin:end]}
     assert len(heldout.documents) == HELDOUT_DOCUMENTS
     assert not any(tuple(doc) in train for doc in heldout.documents)  # stage 0 removed duplicate documents
 

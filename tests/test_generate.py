@@ -7,10 +7,11 @@ import json
 import shutil
 from pathlib import Path
 
+from conftest import REPO
+
 from gptpipe.cli import main
 from gptpipe.export.generate import Sampling, generate, load
 
-REPO = Path(__file__).resolve().parent.parent
 GREEDY = ["--temperature", "0", "--max-new-tokens", "12"]
 
 

@@ -13,22 +13,16 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-import orjson
 import pytest
 import sentencepiece as spm
 
-from conftest import run_cli
+from conftest import corpus_texts, run_cli
 from gptpipe.cli import main
 from gptpipe.data.indexed import IndexedDataset, bin_path, idx_path
 from gptpipe.data.jsonl import (BLANK, EMPTY, INVALID_JSON, LONE_SURROGATE, MISSING_KEY, NOT_A_STRING, NOT_AN_OBJECT,
                                 NUL_STRIPPED, TOO_LONG, UNDECODABLE)
 from gptpipe.stage import StageInputError
 from gptpipe.stages import EXIT_BAD_INPUT, TOKENIZE, read_tokenizer
-
-
-def corpus_texts(corpus_dir: Path) -> list[str]:
-    with open(corpus_dir / "corpus.jsonl", "rb") as f:
-        return [orjson.loads(line)["text"] for line in f]
 
 
 def expected_ids(tokenizer_dir: Path, texts: list[str]) -> list[list[int]]:

@@ -14,6 +14,9 @@ import pytest
 import sentencepiece as spm
 from transformers import AutoTokenizer
 
+from conftest import SHIPPED_TOKENIZER
+from conftest import corpus_texts as documents
+from conftest import manifest_counts as counts
 from gptpipe.cli import main
 from gptpipe.config.core import ConfigError, load_config
 from gptpipe.stage import Manifest, StageInputError, file_fingerprint, manifest_fingerprint
@@ -27,20 +30,11 @@ from gptpipe.tokenizer.train import expected_sample_share
 SMALL = ("vocab_size=2000", "input_sentence_size=20000", "heldout_documents=50")
 
 
-def documents(corpus_dir: Path) -> list[str]:
-    with open(corpus_dir / "corpus.jsonl", encoding="utf-8") as fh:
-        return [json.loads(line)["text"] for line in fh]
-
-
 def train(workspace: Path, out: Path, *overrides: str, force: bool = False) -> int:
     """Stage 1 through the CLI on the workspace corpus with the small settings; the exit code."""
     argv = ["train-tokenizer", "--config", str(workspace / "sentence_piece_config.yaml"), f"output_dir={out}",
             *SMALL, *overrides]
     return main(argv + (["--force"] if force else []))
-
-
-def counts(folder: Path) -> dict:
-    return Manifest.read(folder / "manifest.json").counts
 
 
 def assert_identical_ids(folder: Path, texts: list[str]) -> None:
@@ -66,8 +60,8 @@ def small_bpe(corpus_dir: Path, workspace: Path, tmp_path_factory: pytest.TempPa
 # --- the shipped 32k unigram tokenizer ---------------------------------------------------------------
 
 def test_hf_ids_equal_sentencepiece_on_every_document(tokenizer_dir: Path, corpus_dir: Path) -> None:
-    """Every document of the corpus (the 200 held out and all the others), not just the stage's own check."""
-    assert counts(tokenizer_dir)["heldout_documents_verified"] == 200
+    """Every document of the corpus (the held-out ones and all the others), not just the stage's own check."""
+    assert counts(tokenizer_dir)["heldout_documents_verified"] == SHIPPED_TOKENIZER.heldout_documents
     assert_identical_ids(tokenizer_dir, documents(corpus_dir))
 
 
@@ -91,18 +85,19 @@ def test_tricky_strings(tokenizer_dir: Path) -> None:
 
 def test_manifest_ids_and_info(tokenizer_dir: Path) -> None:
     c = counts(tokenizer_dir)
-    assert (c["vocab_size"], c["unk_id"], c["bos_id"], c["eos_id"], c["pad_id"]) == (32000, 0, 1, 2, 3)
+    vocab = SHIPPED_TOKENIZER.vocab_size
+    assert (c["vocab_size"], c["unk_id"], c["bos_id"], c["eos_id"], c["pad_id"]) == (vocab, 0, 1, 2, 3)
     assert c["eod_id"] == c["eos_id"] and c["eod_piece"] == "</s>"
     assert list(c["user_defined_ids"]) == ["<CLS>", "<SEP>", "<EOD>", "<MASK>", "\n"]
     assert c["chars_per_token"] > 2.0 and c["heldout_tokens"] > 0
     assert c["training_lines_sampled"] == c["corpus_lines"]  # the man pages are below input_sentence_size
     info = read_tokenizer(tokenizer_dir)
-    assert (info.vocab_size, info.eod_id, info.pad_id) == (32000, 2, 3) and info.model_path.is_file()
+    assert (info.vocab_size, info.eod_id, info.pad_id) == (vocab, 2, 3) and info.model_path.is_file()
     sp = spm.SentencePieceProcessor(model_file=str(info.model_path))
     assert [sp.id_to_piece(i) for i in range(4)] == ["<unk>", "<s>", "</s>", "<pad>"]
     tok = AutoTokenizer.from_pretrained(info.hf_dir)
     assert (tok.unk_token_id, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 1, 2, 3)
-    assert len(tok) == 32000
+    assert len(tok) == vocab
     special_map = json.loads((info.hf_dir / "special_tokens_map.json").read_text(encoding="utf-8"))
     assert special_map["eos_token"] == "</s>"
 

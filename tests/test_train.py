@@ -8,18 +8,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import QUICK_TRAIN, TRAINED_RUN, run_train
+from conftest import QUICK_TRAIN, SHIPPED, TRAINED, TRAINED_RUN, metrics, run_train, train_env
 
 from gptpipe.config.core import load_config, to_plain
-from gptpipe.pipeline import PipelineConfig
 from gptpipe.data.indexed import IndexedDataset
 from gptpipe.data.split import document_order, split_bounds
+from gptpipe.pipeline import PipelineConfig
 from gptpipe.stages import read_tokenizer
 from gptpipe.train.checkpoint import COMPLETE_MARKER, HF_CONFIG, STATE, complete_checkpoints
 
-
-def _rows(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+# What TRAINED_RUN (conftest) makes: an evaluation and a checkpoint every eval/save interval and at the end,
+# the newest keep_checkpoints kept.
+LAST = TRAINED.train_iters
+EVALUATIONS = len(range(TRAINED.eval_interval, LAST, TRAINED.eval_interval)) + 1
+SAVED_STEPS = [*range(TRAINED.save_interval, LAST, TRAINED.save_interval), LAST][-TRAINED.keep_checkpoints:]
+SAMPLES_PER_STEP, TOKENS_PER_STEP = TRAINED.global_batch_size, TRAINED.global_batch_size * TRAINED.seq_len
 
 
 def unigram_entropy(prefix: Path, split: str, seed: int) -> float:
@@ -33,37 +36,39 @@ def unigram_entropy(prefix: Path, split: str, seed: int) -> float:
 
 
 def test_tiny_model_learns_more_than_token_frequencies(trained_run: Path, dataset_prefix: Path) -> None:
-    entropy = unigram_entropy(dataset_prefix, "969,30,1", seed=1234)
-    val = [r["val_loss"] for r in _rows(trained_run) if "val_loss" in r]
-    assert len(val) == 2  # at eval_interval and at the end
+    entropy = unigram_entropy(dataset_prefix, SHIPPED.data.split, seed=SHIPPED.data.seed)
+    val = [r["val_loss"] for r in metrics(trained_run) if "val_loss" in r]
+    assert len(val) == EVALUATIONS  # every eval_interval, the last at the end
     assert val[-1] < entropy - 0.4, f"validation loss {val[-1]:.3f} vs unigram entropy {entropy:.3f}"
     assert val[-1] < val[0]
 
 
 def test_lr_is_min_lr_at_the_last_step_of_the_real_run(trained_run: Path) -> None:
-    train = [r for r in _rows(trained_run) if "loss" in r]
-    assert [r["step"] for r in train] == list(range(10, 251, 10))
-    assert math.isclose(train[-1]["lr"], 3e-4, rel_tol=1e-9)
+    train = [r for r in metrics(trained_run) if "loss" in r]
+    log = TRAINED.log_interval
+    assert [r["step"] for r in train] == list(range(log, LAST + 1, log))
+    assert math.isclose(train[-1]["lr"], TRAINED.min_lr, rel_tol=1e-9)
     assert train[0]["lr"] > train[-1]["lr"]
-    assert all(r["tokens"] == r["step"] * 8 * 128 for r in train)
+    assert all(r["tokens"] == r["step"] * TOKENS_PER_STEP for r in train)
     assert all(math.isfinite(r[k]) for r in train for k in ("loss", "grad_norm", "tokens_per_s", "mem_gib"))
 
 
 def test_checkpoints_hold_what_export_needs(trained_run: Path, tokenizer_dir: Path, dataset_prefix: Path,
                                             workspace: Path) -> None:
     root = trained_run / "checkpoints"
-    assert [step for step, _ in complete_checkpoints(root)] == [125, 250]
-    assert (root / "latest").read_text() == "global_step250"
-    folder = root / "global_step250"
+    assert [step for step, _ in complete_checkpoints(root)] == SAVED_STEPS
+    assert (root / "latest").read_text() == f"global_step{LAST}"
+    folder = root / f"global_step{LAST}"
     assert (folder / COMPLETE_MARKER).is_file() and not list(root.glob(".tmp-*"))
     state = json.loads((folder / STATE).read_text(encoding="utf-8"))
-    assert state["step"] == 250 and state["consumed_samples"] == 250 * 8 and state["tokens"] == 250 * 8 * 128
+    assert (state["step"], state["consumed_samples"], state["tokens"]) == (LAST, LAST * SAMPLES_PER_STEP,
+                                                                          LAST * TOKENS_PER_STEP)
     # The run record is the whole resolved config.yaml of the run, overrides included: stage 4 reads only this.
     resolved = to_plain(load_config(PipelineConfig, workspace / "config.yaml", list(TRAINED_RUN)))
     assert state["config"] == resolved
     assert Path(state["config"]["tokenize"]["tokenizer_dir"]) == tokenizer_dir
     assert [Path(p) for p in state["config"]["data"]["prefixes"]] == [dataset_prefix]
-    val = [r["val_loss"] for r in _rows(trained_run) if "val_loss" in r]
+    val = [r["val_loss"] for r in metrics(trained_run) if "val_loss" in r]
     assert state["final_val_loss"] == val[-1]
     hf = json.loads((folder / HF_CONFIG).read_text(encoding="utf-8"))
     tokenizer = read_tokenizer(tokenizer_dir)
@@ -73,12 +78,13 @@ def test_checkpoints_hold_what_export_needs(trained_run: Path, tokenizer_dir: Pa
 
 
 def test_run_is_observable(trained_run: Path) -> None:
-    rows = _rows(trained_run)
-    samples = [r for r in rows if "samples" in r]
-    assert len(samples) == 2 and all(s["prompt"] for r in samples for s in r["samples"])
+    samples = [r for r in metrics(trained_run) if "samples" in r]
+    assert len(samples) == EVALUATIONS  # generated at each evaluation
+    assert all([s["prompt"] for s in r["samples"]] == TRAINED.sample_prompts for r in samples)
     assert list((trained_run / "tensorboard").glob("events.out.tfevents.*"))
     assert list((trained_run / "wandb").glob("offline-run-*"))  # no API key in tests: offline, in the run folder
-    assert json.loads((trained_run / "ds_config.json").read_text())["zero_optimization"]["stage"] == 1
+    ds_config = json.loads((trained_run / "ds_config.json").read_text())
+    assert ds_config["zero_optimization"]["stage"] == TRAINED.zero_stage
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "mixtral"])
@@ -86,7 +92,7 @@ def test_other_architectures_train(arch: str, dataset_prefix: Path, workspace: P
     done = run_train("--config", workspace / "config.yaml", *QUICK_TRAIN, f"model.arch={arch}", "train.train_iters=2",
                      f"train.output_model_dir={tmp_path}")
     assert done.returncode == 0, done.stderr[-3000:]
-    train = [r for r in _rows(tmp_path) if "loss" in r]
+    train = [r for r in metrics(tmp_path) if "loss" in r]
     assert len(train) == 2 and all(math.isfinite(r["loss"]) for r in train)
     if arch == "mixtral":  # the router's load-balancing loss is logged
         assert all(r["aux_loss"] > 0 for r in train) and "router-aux" in done.stderr
@@ -114,13 +120,12 @@ print(engine.module.model.embed_tokens.weight.dtype, trained.dtype, torch.equal(
 """
 
 
+@pytest.mark.slow  # a DeepSpeed engine in a subprocess: about a minute on 2 cores
 def test_bf16_training_keeps_rope_frequencies_fp32() -> None:
     """A blanket bf16 cast of the model (DeepSpeed before 0.19.2) rounds RoPE's inv_freq: positions far
     into the sequence then rotate differently in training than in the exported fp32-buffer model."""
     import subprocess
     import sys
-
-    from conftest import train_env
 
     done = subprocess.run([sys.executable, "-c", BF16_ENGINE], env=train_env(), capture_output=True, text=True,
                           timeout=300)

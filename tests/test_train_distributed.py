@@ -3,32 +3,28 @@ split over two ranks gives the losses of one rank, and every rank's shard is che
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import QUICK_TRAIN, REPO, run_train, train_env
+from conftest import QUICK_TRAIN, REPO, free_port, run_train, train_env, train_losses
 
 STEPS = 4
 
 
-def losses(run: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
-
-
 @pytest.fixture(scope="module")
-def one_rank(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+def one_rank(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     run = tmp_path_factory.mktemp("one-rank")
     done = run_train("--config", workspace / "config.yaml", *QUICK_TRAIN, f"train.train_iters={STEPS}",
                      f"train.output_model_dir={run}")
     assert done.returncode == 0, done.stderr[-3000:]
-    return losses(run)
+    losses = train_losses(run)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return losses
 
 
-def test_zero2_two_ranks_via_3_train_node1(one_rank: list[float], workspace: Path, tmp_path: Path) -> None:
+def test_zero2_two_ranks_via_3_train_node1(one_rank: dict[int, float], workspace: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     env = {**train_env(2), "NPROC": "2", "PYTHON": sys.executable}
     env.pop("OMP_NUM_THREADS")  # the script sets it: cores / ranks
@@ -37,12 +33,13 @@ def test_zero2_two_ranks_via_3_train_node1(one_rank: list[float], workspace: Pat
                            f"train.output_model_dir={run}"], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "× 2 data-parallel ranks" in done.stderr
-    assert losses(run) == pytest.approx(one_rank, rel=1e-4)  # same samples, gradients averaged over ranks
+    assert train_losses(run) == pytest.approx(one_rank, rel=1e-4)  # same samples, gradients averaged over ranks
     folder = run / "checkpoints" / f"global_step{STEPS}"
     assert len(list(folder.glob("*optim_states.pt"))) == 2 and len(list(folder.glob("rng_state_rank*.pt"))) == 2
 
 
-def test_two_ranks_sigterm_to_3_train_node1_saves_and_exits_75(workspace: Path, tmp_path: Path) -> None:
+def test_two_ranks_sigterm_to_3_train_node1_saves_and_exits_75(dataset_prefix: Path, workspace: Path,
+                                                              tmp_path: Path) -> None:
     """torchrun turns the ranks' 75 into 1; the script must still say "saved, run again"."""
     import signal
     import time
@@ -54,7 +51,7 @@ def test_two_ranks_sigterm_to_3_train_node1_saves_and_exits_75(workspace: Path, 
                                 f"train.output_model_dir={run}"], env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while not (run / "metrics.jsonl").is_file() or not losses(run):
+    while not train_losses(run):
         assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
@@ -63,24 +60,19 @@ def test_two_ranks_sigterm_to_3_train_node1_saves_and_exits_75(workspace: Path, 
     assert "SIGTERM: stopped at step" in stderr and len(list((run / "checkpoints").glob("global_step*"))) == 1
 
 
-def test_zero3_two_ranks_via_3_train_multi_node(one_rank: list[float], workspace: Path, tmp_path: Path) -> None:
+def test_zero3_two_ranks_via_3_train_multi_node(one_rank: dict[int, float], workspace: Path, tmp_path: Path) -> None:
     """The hostfile script (deepspeed launcher) as each node runs it without ssh, here with one host."""
-    import socket
-
     run = tmp_path / "run"
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    env = {**train_env(2), "HOSTFILE": str(hostfile), "MASTER_PORT": port, "PYTHON": sys.executable,
+    env = {**train_env(2), "HOSTFILE": str(hostfile), "MASTER_PORT": free_port(), "PYTHON": sys.executable,
            "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     done = subprocess.run(["bash", str(REPO / "3_train_multi_node.sh"), "--config", str(workspace / "config.yaml"),
                            *QUICK_TRAIN, f"train.train_iters={STEPS}", "train.zero_stage=3",
                            f"train.output_model_dir={run}"], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "× 2 data-parallel ranks" in done.stderr
-    assert losses(run) == pytest.approx(one_rank, rel=1e-4)
+    assert train_losses(run) == pytest.approx(one_rank, rel=1e-4)
     folder = run / "checkpoints" / f"global_step{STEPS}"
     assert len(list(folder.glob("zero_pp_rank_*_model_states.pt"))) == 2  # parameters sharded over both ranks
 

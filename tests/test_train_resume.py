@@ -4,29 +4,18 @@ saves within one step and exits 75; non-finite steps are skipped, counted, and s
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from conftest import QUICK_TRAIN, run_train, train_command, train_env
+from conftest import QUICK, QUICK_TRAIN, metrics, run_train, train_command, train_env, train_losses
 
 from gptpipe.stages import EXIT_PREEMPTED
 from gptpipe.train.checkpoint import STATE, complete_checkpoints
 
 STEPS = 8
-
-
-def losses(run: Path) -> dict[int, float]:
-    """Per-step training loss; a resumed run appends, and a repeated step must repeat its loss exactly."""
-    seen: dict[int, float] = {}
-    for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
-        row = json.loads(line)
-        if "loss" in row:
-            assert seen.setdefault(row["step"], row["loss"]) == row["loss"], f"step {row['step']} differs"
-    return seen
 
 
 def start(config: Path, *overrides: str) -> subprocess.Popen:
@@ -36,9 +25,8 @@ def start(config: Path, *overrides: str) -> subprocess.Popen:
 
 def wait_for_step(run: Path, step: int, process: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
-    metrics = run / "metrics.jsonl"
     while time.monotonic() < deadline:
-        if metrics.is_file() and any(f'"step": {step},' in line for line in metrics.read_text().splitlines()):
+        if step in train_losses(run):
             return
         assert process.poll() is None, process.stderr.read()[-3000:]
         time.sleep(0.02)
@@ -52,7 +40,7 @@ def test_sigkilled_run_resumes_with_identical_losses(dataset_prefix: Path, works
     common = (f"train.train_iters={STEPS}", "train.save_interval=2", f"train.zero_stage={zero_stage}")
     full = run_train("--config", config, *QUICK_TRAIN, *common, f"train.output_model_dir={tmp_path / 'full'}")
     assert full.returncode == 0, full.stderr[-3000:]
-    reference = losses(tmp_path / "full")
+    reference = train_losses(tmp_path / "full")
     assert sorted(reference) == list(range(1, STEPS + 1))
 
     killed_dir = tmp_path / "killed"
@@ -66,7 +54,7 @@ def test_sigkilled_run_resumes_with_identical_losses(dataset_prefix: Path, works
     resumed = run_train("--config", config, *QUICK_TRAIN, *common, f"train.output_model_dir={killed_dir}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {killed_dir / 'checkpoints'}/global_step{max(saved)}" in resumed.stderr
-    assert losses(killed_dir) == reference  # bit-identical, also for the steps the killed run had done
+    assert train_losses(killed_dir) == reference  # bit-identical, also for the steps the killed run had done
 
 
 def test_sigterm_saves_within_one_step_and_exits_75(dataset_prefix: Path, workspace: Path, tmp_path: Path) -> None:
@@ -75,13 +63,13 @@ def test_sigterm_saves_within_one_step_and_exits_75(dataset_prefix: Path, worksp
     process = start(workspace / "config.yaml", "train.train_iters=1000", "train.save_interval=1000",
                     "train.micro_batch_size=2", f"train.output_model_dir={run}")
     wait_for_step(run, 2, process)
-    logged = max(losses(run))
+    logged = max(train_losses(run))
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
     (step, folder), = complete_checkpoints(run / "checkpoints")
     assert logged <= step <= logged + 1  # the step in flight is finished or abandoned, nothing later
-    assert json.loads((folder / STATE).read_text())["consumed_samples"] == step * 8
+    assert json.loads((folder / STATE).read_text())["consumed_samples"] == step * QUICK.global_batch_size
     assert f"SIGTERM: stopped at step {step}, checkpoint at step {step}" in stderr
 
 
@@ -94,8 +82,8 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(dataset_prefix: P
                      "train.save_interval=1", f"train.output_model_dir={run}")
     assert done.returncode == 1, done.stderr[-3000:]
     assert "3 non-finite steps in a row" in done.stderr
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(run)
     assert rows[-1]["skipped_steps"] == 3 and rows[-1]["loss"] is None
     # Only the finite state after step 1 was saved; no checkpoint of a non-finite state exists.
     assert [step for step, _ in complete_checkpoints(run / "checkpoints")] == [1]
-    assert os.path.isdir(run / "checkpoints" / "global_step1")
+    assert [p.name for p in (run / "checkpoints").glob("global_step*")] == ["global_step1"]
