@@ -29,7 +29,8 @@ from gptpipe.finetune.data import (
     read_rows,
     split_validation,
 )
-from gptpipe.train.checkpoint import BEST, EXIT_PREEMPTED, complete_checkpoints
+from gptpipe.stages import EXIT_PREEMPTED
+from gptpipe.train.checkpoint import BEST, complete_checkpoints
 
 QUICK = ("train.seq_len=48", "train.precision=fp32", "train.log_interval=1", "train.warmup_fraction=0",
          "logging.wandb=false", "logging.tensorboard=false", "train.lr=1e-3")
