@@ -152,8 +152,8 @@ class FineTuner(TrainLoop):
         train = config.train
         self.micro, self.accumulation = micro, accumulation
         self.pad = pad_id(task.tokenizer)
-        epochs_steps = math.ceil(train.train_epochs * len(task.train) / train.global_batch_size)
-        self.steps = train.train_iters or max(1, epochs_steps)
+        by_epochs = math.ceil(train.train_epochs * len(task.train) / train.global_batch_size)
+        self.steps = train.train_iters or max(1, by_epochs)
         self.higher_is_better = train.best_metric != "val_loss"
         if dist.is_main:
             task.tokenizer.save_pretrained(self.run_dir / TOKENIZER_DIR)  # checkpoints are usable without model.path
