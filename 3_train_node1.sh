@@ -2,37 +2,10 @@
 # Stage 3 on this machine: DeepSpeed ZeRO pretraining of the GPT described in config.yaml.
 #   bash 3_train_node1.sh [--config config.yaml] [key=value ...]     e.g. bash 3_train_node1.sh train.lr=3e-4
 # Ranks: every local GPU (torchrun); on a machine without GPU, NPROC CPU ranks over gloo (default 1),
-# each with OMP_NUM_THREADS = cores / NPROC. Override with NPROC=N.
+# each with OMP_NUM_THREADS = cores / NPROC. Override with NPROC=N (scripts/launch_ranks.sh starts them).
 # It prints the plan first and refuses a run that will not fit. Rerunning resumes from the newest
 # complete checkpoint. Exit codes: 0 done, 1 failed, 2 refused before starting, 75 stopped by
 # SIGTERM/SIGINT after saving a checkpoint (run the same command again to continue).
-# The work: src/gptpipe/train/train.py (engine: train/engine.py, data: train/data.py, plan: train/plan.py).
-set -euo pipefail
-PYTHON=${PYTHON:-python}
-GPUS=$($PYTHON -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
-NPROC=${NPROC:-$(( GPUS > 0 ? GPUS : 1 ))}
-if [ "$GPUS" -eq 0 ]; then
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}
-fi
-if [ "$NPROC" -eq 1 ]; then
-  exec $PYTHON -m gptpipe train "$@"  # one rank needs no launcher (and keeps the exit code)
-fi
-# torchrun forwards SIGTERM to every rank and waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT s for their save.
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
-# torchrun turns any rank's non-zero exit into 1: rank 0 writes its real code (2, 75) to this file.
-export GPTPIPE_EXIT_FILE
-GPTPIPE_EXIT_FILE=$(mktemp)
-trap 'rm -f "$GPTPIPE_EXIT_FILE"' EXIT
-$PYTHON -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m gptpipe train "$@" &
-LAUNCHER=$!
-trap 'kill -TERM "$LAUNCHER" 2>/dev/null || true' TERM INT
-code=0
-wait "$LAUNCHER" || code=$?
-while kill -0 "$LAUNCHER" 2>/dev/null; do  # a trapped signal ends `wait` early: wait for the save
-  code=0
-  wait "$LAUNCHER" || code=$?
-done
-if [ "$code" -ne 0 ] && [ -s "$GPTPIPE_EXIT_FILE" ]; then
-  code=$(cat "$GPTPIPE_EXIT_FILE")
-fi
-exit "$code"
+# The work: src/gptpipe/train/train.py (loop: train/loop.py, engine: train/engine.py, data: train/data.py,
+# plan: train/plan.py).
+exec bash "$(dirname "${BASH_SOURCE[0]}")/scripts/launch_ranks.sh" train "$@"

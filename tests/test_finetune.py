@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import require_manpages, train_env
+from conftest import REPO, require_manpages, train_env
 
 from gptpipe.finetune.data import (
     IGNORE,
@@ -403,6 +403,16 @@ def test_two_rank_zero3_predict_finishes(tiny_lm: Path, task_files: tuple[Path, 
     validation, _ = read_rows(task_files[1], "tsv")
     assert [r["input"] for r in lines] == [r.input for r in validation]  # every row once, in order
 
+
+
+def test_7_finetune_sh_keeps_the_exit_code_through_torchrun(tmp_path: Path) -> None:
+    """torchrun turns any rank's non-zero exit into 1; the script reports the real one (2: refused)."""
+    env = {**train_env(2), "NPROC": "2", "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(REPO / "7_finetune.sh"), "--config", str(REPO / "finetune_config.yaml"),
+                           f"model.path={tmp_path / 'no-model'}", f"train.output_model_dir={tmp_path / 'run'}"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"model.path {tmp_path / 'no-model'} is not a HuggingFace model folder" in done.stderr
 
 # --- the pretrained demo model --------------------------------------------------------------------------
 def test_finetuned_demo_model_trains_and_beats_the_majority_baseline(exported_model: Path, tmp_path: Path) -> None:

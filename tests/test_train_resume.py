@@ -13,7 +13,7 @@ import pytest
 from conftest import QUICK, QUICK_TRAIN, metrics, run_train, train_command, train_env, train_losses
 
 from gptpipe.stages import EXIT_PREEMPTED
-from gptpipe.train.checkpoint import STATE, complete_checkpoints
+from gptpipe.train.checkpoint import COMPLETE_MARKER, STATE, complete_checkpoints
 
 STEPS = 8
 
@@ -55,6 +55,15 @@ def test_sigkilled_run_resumes_with_identical_losses(dataset_prefix: Path, works
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {killed_dir / 'checkpoints'}/global_step{max(saved)}" in resumed.stderr
     assert train_losses(killed_dir) == reference  # bit-identical, also for the steps the killed run had done
+
+    # A finished run, run again, evaluates once more and leaves its final checkpoint as it was.
+    final = complete_checkpoints(killed_dir / "checkpoints")[-1][1]
+    assert json.loads((final / STATE).read_text())["finished"] is True
+    saved_ns = (final / COMPLETE_MARKER).stat().st_mtime_ns
+    again = run_train("--config", config, *QUICK_TRAIN, *common, f"train.output_model_dir={killed_dir}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"finished {STEPS} steps" in again.stderr and "[train] saved" not in again.stderr
+    assert (final / COMPLETE_MARKER).stat().st_mtime_ns == saved_ns
 
 
 def test_sigterm_saves_within_one_step_and_exits_75(dataset_prefix: Path, workspace: Path, tmp_path: Path) -> None:

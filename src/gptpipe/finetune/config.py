@@ -1,9 +1,8 @@
 """Stage 7 settings: finetune_config.yaml, read by `gptpipe finetune` and `gptpipe predict`.
 
-The `train:` section reuses stage 3's key names where they mean the same thing (output_model_dir, seq_len,
-global_batch_size, micro_batch_size, train_epochs, train_iters, lr, min_lr, lr_schedule, warmup_fraction,
-precision, zero_stage, log/eval/save_interval, keep_checkpoints), so the same DeepSpeed template, schedule and
-checkpoint code serve both stages; `logging:` is stage 3's section unchanged.
+The `train:` section is stage 3's LoopConfig (the same keys: batch, schedule, optimizer, engine, intervals,
+checkpoints) with fine-tuning's defaults, plus lr_schedule and best_metric, so the same training loop, DeepSpeed
+template, schedule and checkpoint code serve both stages; `logging:` is stage 3's section unchanged.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from gptpipe.config.core import option
-from gptpipe.train.config import LoggingConfig
+from gptpipe.train.config import LoggingConfig, LoopConfig
 
 # Metrics a classification / generation run can select its best checkpoint by; all higher-is-better but val_loss.
 CLASSIFICATION_METRICS = ("accuracy", "macro_f1", "val_loss")
@@ -65,8 +64,9 @@ class TaskConfig:
 
 
 @dataclass
-class FinetuneTrainConfig:
-    """How long and how fast to fine-tune, on the same engine settings as stage 3."""
+class FinetuneTrainConfig(LoopConfig):
+    """How long and how fast to fine-tune: stage 3's loop and engine keys (defaults for fine-tuning below),
+    then the schedule and the best-checkpoint metric."""
 
     output_model_dir: Path = option(Path("runs/finetune-demo"),
                                     "run folder: checkpoints, metrics.jsonl, tokenizer, summary, predictions")
@@ -74,58 +74,16 @@ class FinetuneTrainConfig:
     global_batch_size: int = option(16, "rows per optimizer step, over all ranks and accumulation steps")
     micro_batch_size: int | None = option(None, "rows per rank per forward pass (null: global_batch_size / ranks)")
     train_epochs: float = option(3.0, "passes over the training rows")
-    train_iters: int | None = option(None, "hard cap on optimizer steps (null: from train_epochs)")
     lr: float = option(1.0e-4, "peak learning rate")
     min_lr: float = option(0.0, "learning rate at the last step")
-    lr_schedule: Literal["linear", "cosine", "constant"] = option("linear", "decay after warmup")
     warmup_fraction: float = option(0.06, "share of the run spent warming up linearly from 0")
     weight_decay: float = option(0.01, "AdamW weight decay (not on norms, biases, embeddings)")
-    adam_beta1: float = option(0.9, "AdamW beta1")
     adam_beta2: float = option(0.999, "AdamW beta2")
-    adam_eps: float = option(1.0e-8, "AdamW epsilon")
-    grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)")
-    precision: Literal["bf16", "fp16", "fp32"] = option("bf16", "one precision for model, engine and logs")
-    zero_stage: int = option(1, "DeepSpeed ZeRO stage 0-3")
-    offload_optimizer: bool = option(False, "ZeRO: keep optimizer states in host RAM")
-    activation_checkpointing: bool = option(False, "recompute activations in backward (less memory, slower)")
-    compile: bool = option(False, "torch.compile the model (CUDA)")
-    liger_kernels: bool = option(True, "Liger's fused norm/RoPE/SwiGLU kernels on CUDA when installed")
-    ds_config_template: Path | None = option(
-        None, "DeepSpeed config template (None: gptpipe's original_codes/ds_config_gpt_TEMPLATE.json)")
-    seed: int = option(1234, "seed of the data order and dropout")
-    log_interval: int = option(10, "optimizer steps between console/metrics lines")
-    eval_interval: int = option(100, "steps between validation runs (and one at the end)")
     save_interval: int = option(100, "steps between checkpoints")
     keep_checkpoints: int = option(2, "keep this many newest checkpoints (the best one is kept besides)")
+    lr_schedule: Literal["linear", "cosine", "constant"] = option("linear", "decay after warmup")
     best_metric: str = option("macro_f1", "validation metric that picks the best checkpoint: classification "
                                           "accuracy | macro_f1 | val_loss; generation exact_match | chrf | val_loss")
-    max_bad_steps: int = option(5, "stop after this many consecutive non-finite steps")
-
-    def check(self) -> list[tuple[str, str]]:
-        problems = []
-        positive = ("seq_len", "global_batch_size", "log_interval", "eval_interval", "save_interval",
-                    "keep_checkpoints", "max_bad_steps")
-        problems += [(name, "must be >= 1") for name in positive if getattr(self, name) < 1]
-        if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            problems.append(("micro_batch_size", "must be >= 1 (or null)"))
-        if self.micro_batch_size and self.global_batch_size % self.micro_batch_size:
-            problems.append(("micro_batch_size", f"{self.micro_batch_size} does not divide global_batch_size "
-                                                 f"{self.global_batch_size}"))
-        if self.train_epochs <= 0:
-            problems.append(("train_epochs", "must be > 0"))
-        if self.train_iters is not None and self.train_iters < 1:
-            problems.append(("train_iters", "must be >= 1 (or null)"))
-        if self.lr <= 0:
-            problems.append(("lr", "must be > 0"))
-        if not 0 <= self.min_lr <= self.lr:
-            problems.append(("min_lr", f"must be between 0 and lr ({self.lr}), got {self.min_lr}"))
-        if not 0 <= self.warmup_fraction < 1:
-            problems.append(("warmup_fraction", "must be in [0, 1)"))
-        if self.zero_stage not in (0, 1, 2, 3):
-            problems.append(("zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}"))
-        if self.offload_optimizer and self.zero_stage == 0:
-            problems.append(("offload_optimizer", "needs zero_stage >= 1"))
-        return problems
 
 
 @dataclass

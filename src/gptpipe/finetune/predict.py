@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +48,8 @@ from gptpipe.finetune.model import (
 from gptpipe.finetune.train import TASK_FILE, TOKENIZER_DIR, gather, shard
 from gptpipe.stage import StageInputError, say, write_text_atomic
 from gptpipe.train import checkpoint
-from gptpipe.train.engine import Dist, setup_distributed
+from gptpipe.train.engine import Dist
+from gptpipe.train.loop import run_ranks
 
 
 @dataclass
@@ -153,12 +153,7 @@ def read_input(config: FinetuneConfig, args: argparse.Namespace) -> tuple[list[R
 
 
 def run(config: FinetuneConfig, args: argparse.Namespace) -> int:
-    dist = setup_distributed()
-    code = _predict(config, args, dist)
-    exit_file = os.environ.get("GPTPIPE_EXIT_FILE")
-    if exit_file and dist.is_main:
-        Path(exit_file).write_text(str(code), encoding="utf-8")
-    return code
+    return run_ranks(lambda dist: _predict(config, args, dist))
 
 
 def _predict(config: FinetuneConfig, args: argparse.Namespace, dist: Dist) -> int:

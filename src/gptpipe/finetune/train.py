@@ -1,13 +1,14 @@
-"""Stage 7: `gptpipe finetune` (7_finetune.sh): a pretrained HF model fine-tuned on labelled rows, on stage 3's
-DeepSpeed engine, schedule, checkpoints and logger; evaluated on the validation rows every eval_interval steps
-and at the end; the best checkpoint by train.best_metric is marked (`checkpoints/best`) and never pruned.
+"""Stage 7: `gptpipe finetune` (7_finetune.sh): a pretrained HF model fine-tuned on labelled rows, in stage 3's
+training loop (train/loop.py: engine, schedule, checkpoints, logger, signals, exit codes); evaluated on the
+validation rows every eval_interval steps and at the end; the best checkpoint by train.best_metric is marked
+(`checkpoints/best`) and never pruned.
 
 The loss is on the label tokens only (and the EOS after them), normalised by the label tokens of the whole
 global batch: each micro-batch contributes sum(token losses) / tokens-in-the-window, so a row with one label
 token weighs as much as one token of a long label, whatever micro-batch it lands in.
 
-Exit codes as stage 3: 0 finished; 1 failed; 2 refused before starting; 75 stopped by SIGTERM/SIGINT after
-saving a checkpoint (run the same command again to continue).
+Exit codes as stage 3 (train/loop.py): 0 finished; 1 failed; 2 refused before starting; 75 stopped by
+SIGTERM/SIGINT after saving a checkpoint (run the same command again to continue).
 """
 
 from __future__ import annotations
@@ -15,17 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import signal
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from gptpipe.stages import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_PREEMPTED
 from gptpipe.config.core import to_plain
 from gptpipe.finetune.config import FinetuneConfig
 from gptpipe.finetune.data import (
@@ -54,20 +50,12 @@ from gptpipe.finetune.model import (
     target_logprobs,
 )
 from gptpipe.stage import StageInputError, say, write_text_atomic
+from gptpipe.stages import EXIT_BAD_INPUT
 from gptpipe.train import checkpoint
 from gptpipe.train.data import sample_positions
-from gptpipe.train.engine import (
-    Dist,
-    EngineConfigError,
-    StopFlag,
-    build_engine,
-    deepspeed_config,
-    setup_distributed,
-    train_step,
-)
-from gptpipe.train.logging import RunLogger
+from gptpipe.train.engine import Dist, EngineConfigError, build_engine, deepspeed_config
+from gptpipe.train.loop import LogWindow, TrainLoop, run_ranks
 from gptpipe.train.schedule import Schedule
-from gptpipe.train.train import seed_everything
 
 TASK_FILE = "task.json"  # what predict needs to rebuild prompts and labels
 SUMMARY_FILE = "finetune_summary.json"
@@ -125,12 +113,7 @@ def load_task(config: FinetuneConfig) -> TaskData:
 
 def run(config: FinetuneConfig, args: argparse.Namespace) -> int:
     """`gptpipe finetune`: returns the exit code documented in the module doc."""
-    dist = setup_distributed()
-    code = _finetune(config, dist)
-    exit_file = os.environ.get("GPTPIPE_EXIT_FILE")
-    if exit_file and dist.is_main:
-        Path(exit_file).write_text(str(code), encoding="utf-8")  # torchrun reports every failure as 1
-    return code
+    return run_ranks(lambda dist: _finetune(config, dist))
 
 
 def _finetune(config: FinetuneConfig, dist: Dist) -> int:
@@ -157,42 +140,32 @@ def _finetune(config: FinetuneConfig, dist: Dist) -> int:
     return FineTuner(config, task, micro, accumulation, ds_config, wandb_block, dist).fit()
 
 
-class FineTuner:
-    """One fine-tuning process: engine, rows, position in the run, best checkpoint so far, logger."""
+class FineTuner(TrainLoop):
+    """One fine-tuning process: engine, rows, position in the run, best checkpoint so far."""
+
+    name = "finetune"
 
     def __init__(self, config: FinetuneConfig, task: TaskData, micro: int, accumulation: int,
                  ds_config: dict[str, Any], wandb_block: dict[str, Any], dist: Dist):
-        self.config, self.task, self.dist = config, task, dist
-        self.train_cfg = train = config.train
+        super().__init__(config, config.train, dist, ds_config, wandb_block)
+        self.task = task
+        train = config.train
         self.micro, self.accumulation = micro, accumulation
-        self.run_dir: Path = train.output_model_dir
-        self.ckpt_root = self.run_dir / "checkpoints"
         self.pad = pad_id(task.tokenizer)
-        rows = len(task.train)
-        self.steps = train.train_iters or max(1, math.ceil(train.train_epochs * rows / train.global_batch_size))
-        self.schedule = Schedule.for_run(train, self.steps)
+        by_epochs = math.ceil(train.train_epochs * len(task.train) / train.global_batch_size)
+        self.steps = train.train_iters or max(1, by_epochs)
         self.higher_is_better = train.best_metric != "val_loss"
         if dist.is_main:
-            checkpoint.remove_stale(self.ckpt_root)
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
             task.tokenizer.save_pretrained(self.run_dir / TOKENIZER_DIR)  # checkpoints are usable without model.path
             write_text_atomic(self.run_dir / TASK_FILE, json.dumps(self.task_facts(), ensure_ascii=False, indent=2))
-
-        seed_everything(train.seed)
         from transformers import AutoConfig
 
         self.hf_config = AutoConfig.from_pretrained(config.model.path)
-        self.engine, _ = build_engine(train, self.hf_config.model_type, self.hf_config, ds_config, self.schedule,
-                                      dist.device, make_model=pretrained_factory(config.model.path, task.seq2seq,
-                                                                                 dist.device))
-        self.step = 0
+        self.engine, _ = build_engine(train, self.hf_config.model_type, self.hf_config, ds_config,
+                                      Schedule.for_run(train, self.steps), dist.device,
+                                      make_model=pretrained_factory(config.model.path, task.seq2seq, dist.device))
         self.best: dict[str, Any] | None = None  # {"step", "value", "metrics"} of the best evaluation
         self.last_eval: dict[str, Any] | None = None
-        self.last_loss: torch.Tensor | None = None
-        self._resume()
-        self.stop = StopFlag(dist.world_size)
-        self.log = RunLogger(self.run_dir, config, self.steps, self.step, wandb_block, enabled=dist.is_main)
 
     def task_facts(self) -> dict[str, Any]:
         """The task as predict and the model card need it."""
@@ -202,7 +175,10 @@ class FineTuner:
                 "too_long": c.data.too_long, "pretrained_model": str(c.model.path), "train_file": str(c.data.train),
                 "best_metric": c.train.best_metric}
 
-    # --- data order ----------------------------------------------------------------------------------
+    def model_origin(self) -> str:
+        return f"model.path {self.config.model.path}"
+
+    # --- data order and loss -------------------------------------------------------------------------
     def _row(self, position: int) -> int:
         """The training row at `position` of the endless stream of epochs, each a seeded permutation; a
         function of the position alone, so a resumed run reads exactly what the killed one would have."""
@@ -213,7 +189,7 @@ class FineTuner:
             self._perm = np.random.default_rng([self.train_cfg.seed, epoch]).permutation(rows)
         return int(self._perm[offset])
 
-    def _batches(self):
+    def batches(self):
         """This rank's micro-batches of the current step, each carrying the loss scale of the window."""
         train, dist = self.train_cfg, self.dist
         start = self.step * train.global_batch_size
@@ -228,107 +204,36 @@ class FineTuner:
             batch["scale"] = scale
             yield batch
 
-    def _forward(self, engine: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, None]:
+    def forward(self, engine: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, None]:
         return -target_logprobs(engine, batch, self.task.seq2seq).sum() * batch["scale"], None
 
-    # --- resume --------------------------------------------------------------------------------------
-    def _resume(self) -> None:
-        folder = checkpoint.newest_checkpoint(self.ckpt_root)
-        if folder is None:
-            return
-        saved = json.loads((folder / checkpoint.HF_CONFIG).read_text(encoding="utf-8"))
-        current = json.loads(self.hf_config.to_json_string())
-        if {**saved, "transformers_version": None} != {**current, "transformers_version": None}:
-            raise StageInputError(f"{folder} holds a different model than model.path {self.config.model.path}; "
-                                  f"set train.output_model_dir to a new folder")
-        state = checkpoint.load(self.engine, folder, self.dist)
-        self.step, self.best, self.last_eval = state["step"], state.get("best"), state.get("last_eval")
+    def log_train(self, window: LogWindow) -> None:
+        rows_per_s = window.steps * self.train_cfg.global_batch_size / max(window.seconds, 1e-9)
+        row = {"step": self.step, "epoch": self.step * self.train_cfg.global_batch_size / len(self.task.train),
+               **window.row(), "rows_per_s": rows_per_s}
+        skipped = f"  skipped {self.skipped}" if self.skipped else ""
+        self.log.record(row, console=f"step {self.step}/{self.steps}  epoch {row['epoch']:.2f}  {window.line()}  "
+                                     f"{rows_per_s:,.1f} rows/s{skipped}")
+
+    # --- checkpoints ---------------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"best": self.best, "last_eval": self.last_eval, "task": self.task_facts(),
+                "precision": self.train_cfg.precision, "zero_stage": self.train_cfg.zero_stage}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.best, self.last_eval = state.get("best"), state.get("last_eval")
         best_folder = self.ckpt_root / checkpoint.tag_of(self.best["step"]) if self.best else None
         if self.dist.is_main and best_folder and best_folder.is_dir() and \
                 checkpoint.best_tag(self.ckpt_root) != best_folder.name:  # killed between its save and its mark
             checkpoint.mark_best(self.ckpt_root, self.best["step"], self.train_cfg.keep_checkpoints)
-        if self.dist.is_main:
-            say(f"[finetune] resumed from {folder} (step {self.step})")
 
-    # --- the loop ------------------------------------------------------------------------------------
-    def fit(self) -> int:
-        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            return self._loop()
-        finally:
-            for s, h in handlers.items():
-                signal.signal(s, h)
-            self.log.close()
-
-    def _on_signal(self, signum: int, _frame: Any) -> None:
-        self.stop.set(signal.Signals(signum).name)
-
-    def _loop(self) -> int:
-        train = self.train_cfg
-        window: list[torch.Tensor] = []
-        window_start, window_steps, bad_in_a_row = time.perf_counter(), 0, 0
-        saved_at = self.step
-        while self.step < self.steps:
-            lr = self.engine.get_lr()[0]
-            result = train_step(self.engine, self._batches(), self.stop, forward=self._forward)
-            if result is None:
-                break  # a signal arrived mid-step: the state is that of the last finished step
-            self.step += 1
-            self.last_loss = result.loss
-            self.log.advance()
-            window.append(result.loss)
-            window_steps += 1
-            bad_in_a_row = 0 if result.applied else bad_in_a_row + 1
-            if not result.applied:
-                self.engine.lr_scheduler.step()
-                self.log.say(f"[finetune] step {self.step}: non-finite loss or gradient norm, update skipped")
-            if self.step % train.log_interval == 0 or self.step == self.steps:
-                losses = torch.stack(window).float()
-                torch.distributed.all_reduce(losses)  # each rank holds its share of sum(losses) / tokens
-                losses = (losses / self.dist.world_size).cpu().tolist()
-                self._log_train(losses, lr, time.perf_counter() - window_start, window_steps)
-                window, window_steps, window_start = [], 0, time.perf_counter()
-            if bad_in_a_row >= train.max_bad_steps:
-                self.log.say(f"[finetune] stopping: {bad_in_a_row} non-finite steps in a row; lower train.lr")
-                return EXIT_FAILED
-            if self.step % train.eval_interval == 0 and self.step < self.steps:
-                saved_at = self._evaluate() or saved_at
-            if self.step % train.save_interval == 0 and self.step < self.steps and saved_at < self.step:
-                saved_at = self._save() or saved_at
-            if self.stop.agreed():
-                break
-        if self.stop.agreed():
-            if self.step > saved_at:
-                saved_at = self._save() or saved_at
-            self.log.say(f"[finetune] {self.stop.signal_name}: stopped at step {self.step}, checkpoint at step "
-                         f"{saved_at}; exit {EXIT_PREEMPTED}. Run the same command again to resume.")
-            return EXIT_PREEMPTED
-        if not self.last_eval or self.last_eval["step"] != self.step:
-            saved_at = self._evaluate() or saved_at
-        if self.step > saved_at:
-            self._save()
-        self._write_summary()
-        best = self.best or {}
-        self.log.say(f"[finetune] finished {self.step} steps; best checkpoint: step {best.get('step')} "
-                     f"({self.train_cfg.best_metric} {best.get('value', float('nan')):.4f}) in "
-                     f"{self.ckpt_root / checkpoint.tag_of(best.get('step', 0))}")
-        return 0
-
-    def _log_train(self, losses: list[float], lr: float, seconds: float, steps: int) -> None:
-        finite = [x for x in losses if math.isfinite(x)]
-        grad_norm = self.engine.get_global_grad_norm()
-        rows_per_s = steps * self.train_cfg.global_batch_size / max(seconds, 1e-9)
-        row = {"step": self.step, "epoch": self.step * self.train_cfg.global_batch_size / len(self.task.train),
-               "loss": sum(finite) / len(finite) if finite else float("nan"), "lr": lr,
-               "grad_norm": float(grad_norm) if grad_norm is not None else None, "rows_per_s": rows_per_s}
-        self.log.record(row, console=(
-            f"step {self.step}/{self.steps}  epoch {row['epoch']:.2f}  loss {row['loss']:.4f}  lr {lr:.3e}  "
-            f"grad-norm {'-' if row['grad_norm'] is None else format(row['grad_norm'], '.3f')}  "
-            f"{rows_per_s:,.1f} rows/s"))
+    def after_save(self, step: int) -> None:
+        if self.best and self.best["step"] == step and self.dist.is_main:  # a new best was just saved
+            checkpoint.mark_best(self.ckpt_root, step, self.train_cfg.keep_checkpoints)
 
     # --- evaluation ----------------------------------------------------------------------------------
-    def _evaluate(self) -> int | None:
-        """Validation metrics; a new best is saved and marked. Returns the step saved, if any."""
+    def evaluate(self) -> bool:
+        """Validation metrics; True (save now) when they are the best so far."""
         self.engine.eval()
         metrics = evaluate(self.engine, self.task, self.config, self.dist)
         self.engine.train()
@@ -343,12 +248,7 @@ class FineTuner:
         self.log.record({"step": self.step, **{k if k.startswith("val_") else f"val_{k}": v
                                                for k, v in metrics.items() if k != "step"}},
                         console=self._eval_console(metrics, improved))
-        if not improved:
-            return None
-        saved = self._save()
-        if saved is not None and self.dist.is_main:
-            checkpoint.mark_best(self.ckpt_root, saved, self.train_cfg.keep_checkpoints)
-        return saved
+        return improved
 
     def _eval_console(self, m: dict[str, Any], improved: bool) -> str:
         head = f"validation  step {self.step}  loss {m['val_loss']:.4f}  "
@@ -359,25 +259,16 @@ class FineTuner:
                 else f"\n    best so far: step {best['step']} ({self.train_cfg.best_metric} {best['value']:.4f})")
         return head + body + tail
 
-    def _save(self) -> int | None:
-        if self.last_loss is not None and not bool(torch.isfinite(self.last_loss)):
-            self.log.say(f"[finetune] step {self.step}: loss not finite, checkpoint skipped")
-            return None
-        state = {"step": self.step, "total_steps": self.steps, "best": self.best, "last_eval": self.last_eval,
-                 "task": self.task_facts(), "precision": self.train_cfg.precision,
-                 "zero_stage": self.train_cfg.zero_stage}
-        folder = checkpoint.save(self.engine, self.ckpt_root, self.step, state, self.hf_config.to_json_string(),
-                                 self.dist, self.train_cfg.keep_checkpoints)
-        self.log.say(f"[finetune] saved {folder}")
-        return self.step
-
-    def _write_summary(self) -> None:
-        if not self.dist.is_main:
-            return
-        summary = {"task": self.task_facts(), "steps": self.step, "best": self.best, "final": self.last_eval,
-                   "rows": {"train": len(self.task.train), "validation": len(self.task.validation)},
-                   "data_problems": self.task.skipped.as_dict(), "config": to_plain(self.config)}
-        write_text_atomic(self.run_dir / SUMMARY_FILE, json.dumps(summary, ensure_ascii=False, indent=2) + "\n")
+    def finish(self) -> None:
+        if self.dist.is_main:
+            summary = {"task": self.task_facts(), "steps": self.step, "best": self.best, "final": self.last_eval,
+                       "rows": {"train": len(self.task.train), "validation": len(self.task.validation)},
+                       "data_problems": self.task.skipped.as_dict(), "config": to_plain(self.config)}
+            write_text_atomic(self.run_dir / SUMMARY_FILE, json.dumps(summary, ensure_ascii=False, indent=2) + "\n")
+        best = self.best or {}
+        self.say(f"finished {self.step} steps; best checkpoint: step {best.get('step')} "
+                 f"({self.train_cfg.best_metric} {best.get('value', float('nan')):.4f}) in "
+                 f"{self.ckpt_root / checkpoint.tag_of(best.get('step', 0))}")
 
 
 # --- evaluation, shared with predict ------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 Key names follow the original pipeline's config.yaml where it had them (num_layers, hidden_size,
 num_attn_heads, init_std, seq_len, global_batch_size, lr, min_lr, zero_stage, train_tokens, save_interval).
+`train:` is LoopConfig (the keys stage 7's fine-tuning shares: batch, schedule, optimizer, engine, intervals)
+plus pretraining's own keys.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ class ModelConfig:
 
 
 @dataclass
-class TrainConfig:
-    """How long, how fast and on what engine settings to train."""
+class LoopConfig:
+    """The `train:` keys of the training loop and its DeepSpeed engine: stage 3 (config.yaml) and stage 7
+    (finetune_config.yaml) share them, with the same names and meaning; each stage may change a default."""
 
     output_model_dir: Url | Path = option(
         Path("runs/demo"), "run folder: checkpoints, logs, metrics.jsonl, data cache; or a bucket URL (s3://..., "
@@ -74,19 +77,11 @@ class TrainConfig:
     global_batch_size: int = option(128, "samples per optimizer step, over all GPUs and accumulation steps")
     micro_batch_size: int | None = option(
         None, "samples per GPU per forward pass (None: the planner picks the largest that fits)")
-    train_tokens: int | None = option(
-        None, "stop after this many tokens (count_tokens.py writes it; None: use train_epochs)")
-    train_tokens_counted_for: str | None = option(
-        None, "written by count_tokens.py beside train_tokens: the datasets and settings it counted; training "
-        "refuses a train_tokens counted for other data (None: train_tokens is a budget you chose)")
     train_epochs: float = option(1.0, "stop after this many passes over the train split, when train_tokens is null")
     train_iters: int | None = option(None, "hard cap on optimizer steps, for quick experiments (None: no cap)")
     lr: float = option(6.0e-4, "peak learning rate")
     min_lr: float = option(6.0e-5, "learning rate at the last step")
-    lr_schedule: Literal["cosine", "wsd", "constant"] = option(
-        "cosine", "decay after warmup; wsd: warmup-stable-decay, decaying over the last lr_decay_fraction")
     warmup_fraction: float = option(0.01, "share of the run spent warming up linearly from 0")
-    lr_decay_fraction: float = option(0.2, "wsd only: share of the run spent decaying at the end")
     weight_decay: float = option(0.1, "AdamW weight decay (not applied to norms, biases, embeddings)")
     adam_beta1: float = option(0.9, "AdamW beta1")
     adam_beta2: float = option(0.95, "AdamW beta2")
@@ -98,40 +93,29 @@ class TrainConfig:
     activation_checkpointing: bool = option(False, "recompute activations in backward (less memory, ~30% slower)")
     compile: bool = option(False, "torch.compile the model (CUDA)")
     liger_kernels: bool = option(True, "use Liger fused kernels on CUDA when the [gpu] extra is installed")
-    gpu_memory_gib: float | None = option(
-        None, "memory per device the planner fits the run into (None: detected; on CPU the available host RAM)")
-    peak_tflops: float | None = option(
-        None, "dense peak TFLOP/s per GPU for MFU (None: from the GPU's name, e.g. H100 989 bf16)")
     ds_config_template: Path | None = option(
         None, "DeepSpeed config template (None: original_codes/ds_config_gpt_TEMPLATE.json of gptpipe); "
               "its \"auto\" values are filled from this file")
-    seed: int = option(1234, "seed of weights init and dropout")
+    seed: int = option(1234, "seed of weights init (fine-tuning: of the data order) and dropout")
     log_interval: int = option(10, "optimizer steps between console/metrics lines (gptpipe's only host-device "
                                    "syncs; DeepSpeed's overflow check and Liger's loss still sync once a step)")
-    eval_interval: int = option(100, "steps between validation runs")
-    eval_iters: int = option(
-        10, "validation global batches per evaluation (the same eval_iters x global_batch_size samples each time)")
+    eval_interval: int = option(100, "steps between validation runs (and one at the end)")
     save_interval: int = option(1000, "steps between checkpoints")
     keep_checkpoints: int = option(3, "keep this many newest checkpoints")
     max_bad_steps: int = option(
         5, "stop after this many consecutive non-finite steps (each is skipped and counted; with zero_stage 0 "
            "in fp32/bf16 DeepSpeed does not check, and the run stops at the next log step instead)")
-    sample_prompts: list[str] = option(factory=lambda: ["日本の首都は", "このコマンドは"],
-                                       doc="prompts generated from at each evaluation")
-    sample_tokens: int = option(32, "tokens generated per sample prompt")
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
-        positive = ("seq_len", "global_batch_size", "log_interval", "eval_interval", "eval_iters",
-                    "save_interval", "keep_checkpoints", "max_bad_steps")
+        positive = ("seq_len", "global_batch_size", "log_interval", "eval_interval", "save_interval",
+                    "keep_checkpoints", "max_bad_steps")
         problems += [(name, "must be >= 1") for name in positive if getattr(self, name) < 1]
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            problems.append(("micro_batch_size", "must be >= 1"))
+            problems.append(("micro_batch_size", "must be >= 1 (or null)"))
         if self.micro_batch_size and self.global_batch_size % self.micro_batch_size:
             problems.append(("micro_batch_size", f"{self.micro_batch_size} does not divide global_batch_size "
                                                  f"{self.global_batch_size}"))
-        if self.train_tokens is not None and self.train_tokens < 1:
-            problems.append(("train_tokens", "must be >= 1 (or null to use train_epochs)"))
         if self.train_epochs <= 0:
             problems.append(("train_epochs", "must be > 0"))
         if self.train_iters is not None and self.train_iters < 1:
@@ -142,12 +126,43 @@ class TrainConfig:
             problems.append(("min_lr", f"must be between 0 and lr ({self.lr}), got {self.min_lr}"))
         if not 0 <= self.warmup_fraction < 1:
             problems.append(("warmup_fraction", "must be in [0, 1)"))
-        if self.lr_schedule == "wsd" and not 0 < self.lr_decay_fraction <= 1 - self.warmup_fraction:
-            problems.append(("lr_decay_fraction", "must be in (0, 1 - warmup_fraction]"))
         if self.zero_stage not in (0, 1, 2, 3):
             problems.append(("zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}"))
         if self.offload_optimizer and self.zero_stage == 0:
             problems.append(("offload_optimizer", "needs zero_stage >= 1"))
+        return problems
+
+
+@dataclass
+class TrainConfig(LoopConfig):
+    """How long, how fast and on what engine settings to pretrain (the loop's keys, then stage 3's own)."""
+
+    train_tokens: int | None = option(
+        None, "stop after this many tokens (count_tokens.py writes it; None: use train_epochs)")
+    train_tokens_counted_for: str | None = option(
+        None, "written by count_tokens.py beside train_tokens: the datasets and settings it counted; training "
+        "refuses a train_tokens counted for other data (None: train_tokens is a budget you chose)")
+    lr_schedule: Literal["cosine", "wsd", "constant"] = option(
+        "cosine", "decay after warmup; wsd: warmup-stable-decay, decaying over the last lr_decay_fraction")
+    lr_decay_fraction: float = option(0.2, "wsd only: share of the run spent decaying at the end")
+    gpu_memory_gib: float | None = option(
+        None, "memory per device the planner fits the run into (None: detected; on CPU the available host RAM)")
+    peak_tflops: float | None = option(
+        None, "dense peak TFLOP/s per GPU for MFU (None: from the GPU's name, e.g. H100 989 bf16)")
+    eval_iters: int = option(
+        10, "validation global batches per evaluation (the same eval_iters x global_batch_size samples each time)")
+    sample_prompts: list[str] = option(factory=lambda: ["日本の首都は", "このコマンドは"],
+                                       doc="prompts generated from at each evaluation")
+    sample_tokens: int = option(32, "tokens generated per sample prompt")
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = super().check()
+        if self.eval_iters < 1:
+            problems.append(("eval_iters", "must be >= 1"))
+        if self.train_tokens is not None and self.train_tokens < 1:
+            problems.append(("train_tokens", "must be >= 1 (or null to use train_epochs)"))
+        if self.lr_schedule == "wsd" and not 0 < self.lr_decay_fraction <= 1 - self.warmup_fraction:
+            problems.append(("lr_decay_fraction", "must be in (0, 1 - warmup_fraction]"))
         if self.gpu_memory_gib is not None and self.gpu_memory_gib <= 0:
             problems.append(("gpu_memory_gib", "must be > 0 (or null to detect)"))
         if self.preempt_grace_seconds < 0:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from gptpipe.train.config import TrainConfig
+from gptpipe.train.config import LoopConfig
 from gptpipe.train.model import build_model, parameter_groups
 from gptpipe.train.schedule import Schedule
 
@@ -117,7 +117,7 @@ def _disable_shm_comm_build() -> None:
     compatible["deepspeed_shm_comm"] = False
 
 
-def deepspeed_config(train: TrainConfig, micro_batch: int, accumulation: int, dp: int,
+def deepspeed_config(train: LoopConfig, micro_batch: int, accumulation: int, dp: int,
                      on_gpu: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """(DeepSpeed config, the template's wandb block) from the template plus config.yaml.
 
@@ -205,7 +205,7 @@ def apply_liger(arch: str) -> bool:
     return True
 
 
-def build_engine(train: TrainConfig, arch: str, hf_config: Any, ds_config: dict[str, Any], schedule: Schedule,
+def build_engine(train: LoopConfig, arch: str, hf_config: Any, ds_config: dict[str, Any], schedule: Schedule,
                  device: torch.device, make_model: Callable[[], Any] | None = None) -> tuple[Any, bool]:
     """The model (freshly initialized from the current RNG state, or `make_model()`'s, e.g. pretrained
     weights for fine-tuning) inside a DeepSpeed engine, and whether Liger's fused linear cross-entropy

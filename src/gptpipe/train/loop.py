@@ -1,0 +1,279 @@
+"""The training loop of stage 3 (`gptpipe train`) and stage 7 (`gptpipe finetune`): a thin loop over train_step.
+
+TrainLoop does what both stages do the same way: resume from the newest complete checkpoint (its model must
+be the one configured), the SIGTERM/SIGINT handlers, one optimizer step after another, the loss window
+all-reduced and logged every log_interval steps, non-finite steps skipped and counted (the run stops after
+train.max_bad_steps in a row), evaluation and checkpoints at their intervals, the stop agreed across ranks,
+the final evaluation and save, and the exit code. A stage subclasses it and fills in:
+
+    batches()                this rank's micro-batches of the current step
+    forward(engine, batch)   (loss, aux loss) of one micro-batch (default: the pretraining LM loss)
+    log_train(window)        the train row and console line of a log step
+    evaluate()               validation; True asks for a checkpoint of this step now (a new best)
+    checkpoint_state()       the stage's part of gptpipe_state.json; restore(state) reads it back on resume
+    finish()                 the last word of a finished run
+
+Exit codes: 0 finished; 1 failed (non-finite weights, or max_bad_steps non-finite steps in a row); 2 refused
+before starting (the stage's own checks); 75 stopped by SIGTERM/SIGINT after saving a checkpoint — run the
+same command again to continue from it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from gptpipe.config.core import to_plain
+from gptpipe.log import get_logger
+from gptpipe.stage import StageInputError
+from gptpipe.stages import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED
+from gptpipe.storage import StorageConfig, is_url
+from gptpipe.train import checkpoint
+from gptpipe.train.config import LoopConfig
+from gptpipe.train.engine import Dist, StepResult, StopFlag, forward_loss, setup_distributed, train_step
+from gptpipe.train.logging import RunLogger
+from gptpipe.train.mirror import SIDE_SYNC_SECONDS, open_mirror
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run_ranks(work: Callable[[Dist], int]) -> int:
+    """Join the process group, run `work` on this rank and return its exit code; rank 0 also writes it to
+    $GPTPIPE_EXIT_FILE, because torchrun reports any rank's non-zero exit as 1 and scripts/launch_ranks.sh
+    reads the real one (2, 75) from there."""
+    dist = setup_distributed()
+    code = work(dist)
+    exit_file = os.environ.get("GPTPIPE_EXIT_FILE")
+    if exit_file and dist.is_main:
+        Path(exit_file).write_text(str(code), encoding="utf-8")
+    return code
+
+
+@dataclass
+class LogWindow:
+    """The steps since the previous log step, as a train line reports them."""
+
+    loss: float  # mean of the finite per-step losses, averaged over ranks (nan: none was finite)
+    lr: float  # the rate the log step used
+    grad_norm: float | None
+    seconds: float  # training time only: evaluations and saves are not counted
+    steps: int
+    last: StepResult  # the log step's own result (its aux loss)
+
+    def row(self) -> dict[str, Any]:
+        return {"loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm}
+
+    def line(self) -> str:
+        norm = "-" if self.grad_norm is None else format(self.grad_norm, ".3f")
+        return f"loss {self.loss:.4f}  lr {self.lr:.3e}  grad-norm {norm}"
+
+
+class TrainLoop(ABC):
+    """One training process: the loop and its checkpoints. A subclass's __init__ calls this one first (it
+    cleans the checkpoint folder and seeds every RNG), then sets `engine`, `hf_config` and `steps`."""
+
+    name = "train"  # the logger: status lines read "[train] ..."
+    engine: Any
+    hf_config: Any  # the transformers config; a checkpoint of another model is refused on resume
+    steps: int  # optimizer steps of the whole run
+
+    def __init__(self, config: Any, train_cfg: LoopConfig, dist: Dist, ds_config: dict[str, Any],
+                 wandb_block: dict[str, Any]):
+        self.config, self.train_cfg, self.dist, self.wandb_block = config, train_cfg, dist, wandb_block
+        # A run folder in a bucket trains in a local staging folder that the mirror keeps in step with the bucket.
+        storage = getattr(config, "storage", None) or StorageConfig()
+        self.mirror = open_mirror(train_cfg, storage, dist.is_main) if is_url(train_cfg.output_model_dir) else None
+        self.run_dir: Path = self.mirror.local if self.mirror else train_cfg.output_model_dir
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.status = get_logger(self.name)
+        if dist.is_main:
+            if self.mirror:
+                self.mirror.restore()  # the bucket's newest complete checkpoint, before anyone looks for one
+            checkpoint.remove_stale(self.ckpt_root)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
+            if self.mirror:  # the record of this run beside its checkpoints, in the bucket
+                (self.run_dir / "config.yaml").write_text(
+                    yaml.safe_dump(to_plain(config), allow_unicode=True, sort_keys=False), encoding="utf-8")
+        if self.mirror:
+            torch.distributed.barrier()
+            self.mirror.check_shared()
+        seed_everything(train_cfg.seed)
+        self.step, self.skipped = 0, 0
+        self.finished = False  # the checkpoint resumed from was saved after the final evaluation
+        self.last_loss: torch.Tensor | None = None  # the last finished step's loss, on device
+
+    # --- the stage's part -------------------------------------------------------------------------------
+    @abstractmethod
+    def batches(self) -> Iterator[dict[str, Any]]:
+        """This rank's micro-batches of the step about to run."""
+
+    def forward(self, engine: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(loss to backpropagate, aux loss or None) of one micro-batch."""
+        return forward_loss(engine, batch)
+
+    def after_step(self) -> None:
+        """Called once a step has finished (e.g. to count the samples consumed)."""
+
+    @abstractmethod
+    def log_train(self, window: LogWindow) -> None:
+        """Record the train row of a log step (self.log.record)."""
+
+    @abstractmethod
+    def evaluate(self) -> bool:
+        """Validate (every rank); True asks for a checkpoint of this step now."""
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The stage's keys of gptpipe_state.json."""
+        return {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Read the stage's keys back from the gptpipe_state.json resumed from."""
+
+    def after_save(self, step: int) -> None:
+        """Called on every rank once the checkpoint of `step` is complete."""
+
+    def finish(self) -> None:
+        """The last word of a finished run, after its final evaluation and save."""
+
+    def position(self) -> str:
+        """Where the run stands, for the resume line."""
+        return f"step {self.step}"
+
+    def model_origin(self) -> str:
+        """What a checkpoint's model must match, for the resume error."""
+        return "config.yaml describes"
+
+    # --- resume and save ----------------------------------------------------------------------------------
+    def say(self, message: str) -> None:
+        if self.dist.is_main:
+            self.status.info(message)
+
+    def _resume(self) -> None:
+        folder = checkpoint.newest_checkpoint(self.ckpt_root)
+        if folder is None:
+            return
+        saved = json.loads((folder / checkpoint.HF_CONFIG).read_text(encoding="utf-8"))
+        current = json.loads(self.hf_config.to_json_string())
+        if {**saved, "transformers_version": None} != {**current, "transformers_version": None}:
+            raise StageInputError(f"{folder} holds a different model than {self.model_origin()}; set "
+                                  f"train.output_model_dir to a new folder (or restore the model settings)")
+        state = checkpoint.load(self.engine, folder, self.dist)
+        self.step, self.skipped = state["step"], state.get("skipped_steps", 0)
+        self.finished = state.get("finished", False)
+        self.restore(state)
+        self.say(f"resumed from {folder} ({self.position()})")
+
+    def _save(self, finished: bool = False) -> int | None:
+        """Checkpoint the current step, unless its loss was non-finite. Returns the step saved."""
+        if self.last_loss is not None and not bool(torch.isfinite(self.last_loss)):
+            self.say(f"step {self.step}: loss not finite, checkpoint skipped")
+            return None
+        state = {"step": self.step, "total_steps": self.steps, "skipped_steps": self.skipped, "finished": finished,
+                 **self.checkpoint_state()}
+        folder = checkpoint.save(self.engine, self.ckpt_root, self.step, state, self.hf_config.to_json_string(),
+                                 self.dist, self.train_cfg.keep_checkpoints)
+        self.say(f"saved {folder}")
+        if self.mirror:
+            self.mirror.submit(self.step, folder)
+        self.after_save(self.step)
+        return self.step
+
+    # --- the loop -----------------------------------------------------------------------------------------
+    def fit(self) -> int:
+        """Resume, train to `steps` (or a stop signal), evaluate and save; returns the exit code."""
+        self._resume()
+        self.stop = StopFlag(self.dist.world_size)
+        self.log = RunLogger(self.run_dir, self.config, self.steps, self.step, self.wandb_block,
+                             enabled=self.dist.is_main, rotate_tensorboard_s=SIDE_SYNC_SECONDS if self.mirror else None)
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            code = self._loop()
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+            self.log.close()
+        # A bucket run: the last save's upload must land (within the grace time on a signal) before exiting.
+        return self.mirror.finish(code, EXIT_PREEMPTED) if self.mirror else code
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.stop.set(signal.Signals(signum).name)
+
+    def _loop(self) -> int:
+        train = self.train_cfg
+        bad_in_a_row = 0
+        window: list[torch.Tensor] = []  # per-step losses since the last log step, on device
+        window_start, window_steps = time.perf_counter(), 0
+        saved_at = self.step
+        while self.step < self.steps:
+            lr = self.engine.get_lr()[0]  # the rate this step uses (a Python float: no sync)
+            result = train_step(self.engine, self.batches(), self.stop, forward=self.forward)
+            if result is None:
+                break  # a signal arrived mid-step: the state is still that of the last finished step
+            self.step += 1
+            self.last_loss = result.loss
+            self.after_step()
+            self.log.advance()
+            window.append(result.loss)
+            window_steps += 1
+            bad_in_a_row = 0 if result.applied else bad_in_a_row + 1
+            if not result.applied:
+                self.skipped += 1
+                self.engine.lr_scheduler.step()  # DeepSpeed does not advance it on a skipped step; keep in line
+                self.say(f"step {self.step}: non-finite loss or gradient norm, update skipped "
+                         f"({bad_in_a_row} in a row, {self.skipped} in total)")
+            if self.step % train.log_interval == 0 or self.step == self.steps:
+                losses = torch.stack(window).float()
+                torch.distributed.all_reduce(losses)  # each rank saw its own share of the global batch
+                losses = (losses / self.dist.world_size).cpu().tolist()  # the one host-device sync per log step
+                if not math.isfinite(losses[-1]) and result.applied:
+                    self.say(f"stopping: the loss is {losses[-1]} but the update was applied: the weights are "
+                             f"no longer finite; nothing saved from this state.")
+                    return EXIT_FAILED
+                finite = [x for x in losses if math.isfinite(x)]
+                grad_norm = self.engine.get_global_grad_norm()
+                self.log_train(LogWindow(sum(finite) / len(finite) if finite else float("nan"), lr,
+                                         None if grad_norm is None else float(grad_norm),
+                                         time.perf_counter() - window_start, window_steps, result))
+                window, window_steps, window_start = [], 0, time.perf_counter()
+            if bad_in_a_row >= train.max_bad_steps:
+                self.say(f"stopping: {bad_in_a_row} non-finite steps in a row (train.max_bad_steps="
+                         f"{train.max_bad_steps}); nothing saved from this state. Lower train.lr or raise "
+                         f"train.warmup_fraction, then rerun: it resumes from the last checkpoint.")
+                return EXIT_FAILED
+            paused = time.perf_counter()
+            if self.step % train.eval_interval == 0 and self.step < self.steps and self.evaluate():
+                saved_at = self._save() or saved_at
+            if self.step % train.save_interval == 0 and self.step < self.steps and self.step > saved_at:
+                saved_at = self._save() or saved_at
+            window_start += time.perf_counter() - paused  # throughput counts training time only
+            if self.stop.agreed():
+                break
+        if self.stop.agreed():
+            if self.step > saved_at:
+                saved_at = self._save() or saved_at
+            self.say(f"{self.stop.signal_name}: stopped at step {self.step}, checkpoint at step {saved_at}; "
+                     f"exit {EXIT_PREEMPTED}. Run the same command again to resume.")
+            return EXIT_PREEMPTED
+        # The final evaluation; its checkpoint is marked finished (a rerun then only evaluates again).
+        if self.evaluate() or self.step > saved_at or not self.finished:
+            self._save(finished=True)
+        self.finish()
+        return EXIT_OK
