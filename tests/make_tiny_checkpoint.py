@@ -23,6 +23,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from gptpipe.config.core import to_plain  # noqa: E402
+from gptpipe.config.pipeline import PipelineConfig  # noqa: E402
 from gptpipe.train.checkpoint import COMPLETE_MARKER, HF_CONFIG, STATE  # noqa: E402
 
 SEQ = 64
@@ -80,10 +82,12 @@ def main() -> None:
     if rank == 0:
         folder = args.run_dir / "checkpoints" / tag
         (folder / HF_CONFIG).write_text(json.dumps(config.to_dict(), indent=2))
+        # The run record stage 3 keeps in every checkpoint: the resolved config.yaml (stage 4 reads only that).
+        record = PipelineConfig()
+        record.tokenize.tokenizer_dir, record.data.prefixes = args.tokenizer_dir, [args.dataset_prefix]
+        record.data.split, record.data.seed = "969,30,1", 1234
         state = {"step": args.steps, "consumed_samples": args.steps * 2 * world, "tokens": args.steps * 2 * world * SEQ,
-                 "tokenizer_dir": str(args.tokenizer_dir), "dataset_prefixes": [str(args.dataset_prefix)],
-                 "data_split": "969,30,1", "data_seed": 1234,
-                 "final_val_loss": metrics[-1]["val_loss"]}
+                 "final_val_loss": metrics[-1]["val_loss"], "config": to_plain(record)}
         (folder / STATE).write_text(json.dumps(state, indent=2))
         (folder / COMPLETE_MARKER).write_text("")
         with open(args.run_dir / "metrics.jsonl", "a") as fh:

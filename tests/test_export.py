@@ -219,7 +219,9 @@ def test_failed_folder_is_marked_and_redone(tiny_run, workspace, tokenizer_dir, 
     manifest_path.write_text(json.dumps(manifest))
     run = _copy_run(tiny_run(), tmp_path / "run")
     state_path = find_checkpoint(run).path / STATE
-    state_path.write_text(json.dumps({**json.loads(state_path.read_text()), "tokenizer_dir": str(bad_tokenizer)}))
+    state = json.loads(state_path.read_text())
+    state["config"]["tokenize"]["tokenizer_dir"] = str(bad_tokenizer)  # the run record names the tokenizer
+    state_path.write_text(json.dumps(state))
 
     out = tmp_path / "out"
     assert convert(workspace, run, out) == 1
