@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The demo command: sets up .venv, then runs the whole pipeline (stages 0-6) on the Japanese man pages in ./demo/
-# (copies of the shipped YAMLs live there, so your own config.yaml is never touched).
+# The demo command: sets up .venv, then runs the whole pipeline (stages 0-7) on the Japanese man pages in ./demo/
+# (copies of the shipped YAMLs live there, so your own config.yaml is never touched). Stage 7 fine-tunes the
+# exported model on a task built from the same man pages (description -> manual section), predicts the test
+# split with beam search, evaluates the pretrained model zero-shot with lm-eval, and exports the fine-tune.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 bash scripts/setup_env.sh
@@ -8,7 +10,7 @@ source .venv/bin/activate
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}
 
 mkdir -p demo
-for yaml in config.yaml sentence_piece_config.yaml convert_config.yaml; do
+for yaml in config.yaml sentence_piece_config.yaml convert_config.yaml finetune_config.yaml evaluate_config.yaml; do
   [ -f "demo/$yaml" ] || cp "$yaml" "demo/$yaml"
 done
 
@@ -28,3 +30,24 @@ else
 fi
 step "stage 5: play (5_play_with_model.ipynb does the same in a notebook)"
 python -m gptpipe generate --config demo/convert_config.yaml --max-new-tokens 48
+
+# Stage 7. Paths in overrides are relative to this folder; the YAMLs' own paths to demo/.
+FINETUNED=(output_tokenizer_and_model_dir=demo/models/hf/finetune-demo huggingface_name=gptpipe-demo-ja-manpage-section
+           input_model_dir=demo/runs/finetune-demo)
+step "stage 7: demo task";  python -m gptpipe make-demo-task --config demo/evaluate_config.yaml
+step "stage 7: fine-tune";  bash 7_finetune.sh --config demo/finetune_config.yaml
+python - demo/runs/finetune-demo/finetune_summary.json <<'PY'
+import json, sys
+from gptpipe.finetune.metrics import format_classification
+best = json.load(open(sys.argv[1], encoding="utf-8"))["best"]
+print(f"best checkpoint: step {best['step']}; its validation figures:")
+print(format_classification(best["metrics"]))
+PY
+step "stage 7: predict the test split (beam search, predict.num_beams in finetune_config.yaml)"
+python -m gptpipe predict --config demo/finetune_config.yaml
+head -n 3 demo/runs/finetune-demo/predictions/test.jsonl
+step "stage 7: evaluate the pretrained model zero-shot on the same task (lm-evaluation-harness)"
+python -m gptpipe evaluate --config demo/evaluate_config.yaml
+step "stage 7: export the best fine-tune checkpoint (stage 4's gate) and dry-run its upload (stage 6)"
+bash 4_convert_to_HF.sh --config demo/convert_config.yaml "${FINETUNED[@]}"
+python 6_upload.py --config demo/convert_config.yaml "${FINETUNED[@]}" --dry-run

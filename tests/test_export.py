@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, require_manpages, train_env
 from safetensors import safe_open
 
 from conftest import SHIPPED, TINY_STEPS
@@ -239,7 +240,9 @@ def test_failed_folder_is_marked_and_redone(tiny_run, workspace, tokenizer_dir, 
     manifest_path.write_text(json.dumps(manifest))
     run = _copy_run(tiny_run(), tmp_path / "run")
     state_path = find_checkpoint(run).path / STATE
-    state_path.write_text(json.dumps({**json.loads(state_path.read_text()), "tokenizer_dir": str(bad_tokenizer)}))
+    state = json.loads(state_path.read_text())
+    state["config"]["tokenize"]["tokenizer_dir"] = str(bad_tokenizer)  # the run record names the tokenizer
+    state_path.write_text(json.dumps(state))
 
     out = tmp_path / "out"
     assert convert(workspace, run, out) == 1
@@ -249,3 +252,139 @@ def test_failed_folder_is_marked_and_redone(tiny_run, workspace, tokenizer_dir, 
     assert "Verification FAILED" in (out / "README.md").read_text()
     assert convert(workspace, run, out) == 1  # not skipped as "up to date": a failed folder is always redone
     assert "up to date" not in capsys.readouterr().err
+
+
+# --- a fine-tune run (stage 7) through the same command ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def demo_task(tmp_path_factory) -> Path:
+    """The man-page section task (gptpipe make-demo-task with the shipped evaluate_config.yaml)."""
+    require_manpages()
+    folder = tmp_path_factory.mktemp("demo-task")
+    shutil.copy(REPO / "evaluate_config.yaml", folder)
+    assert main(["make-demo-task", "--config", str(folder / "evaluate_config.yaml")]) == 0
+    return folder / "data" / "finetune" / "manpage_section"
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tokenizer_dir, tmp_path_factory) -> Path:
+    """A HF folder: the stage-1 tokenizer and a small random Llama (fine-tuned below, like the stage-4 model)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-lm")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir / "hf")
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=64, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def gptpipe(*argv: object) -> None:
+    """A gptpipe subcommand in a subprocess (a fine-tune's process group must not leak into this process)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "gptpipe", *map(str, argv)], check=False, env=train_env(),
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def finetune(model: Path, task: Path, run: Path, *overrides: str) -> list[str]:
+    """`gptpipe finetune` on the demo task; returns its arguments, for predict."""
+    args = [f"model.path={model}", f"data.train={task / 'train.tsv'}", f"data.validation={task / 'validation.tsv'}",
+            "data.test=null", f"train.output_model_dir={run}", "train.seq_len=48", "train.precision=fp32",
+            "train.global_batch_size=8", "train.warmup_fraction=0", "train.lr=1e-3", "logging.wandb=false",
+            "logging.tensorboard=false", *overrides]
+    gptpipe("finetune", *args)
+    return args
+
+
+def test_finetune_export_passes_the_gate_and_predicts_like_the_run(tiny_lm, demo_task, workspace, tmp_path):
+    """The best checkpoint of a fine-tune exported: gate on its validation rows, task.json, a card with the
+    metrics beside the majority baseline, the same predictions as the run, ready for stage 6."""
+    from gptpipe.export.checkpoint import build_model
+    from gptpipe.export.convert import validation_rows
+    from gptpipe.export.verify_finetune import verify_finetune_export
+    from gptpipe.train.checkpoint import BEST
+
+    run = tmp_path / "run"
+    args = finetune(tiny_lm, demo_task, run, "train.train_iters=4", "train.eval_interval=2", "train.save_interval=1",
+                    "train.keep_checkpoints=1", "train.best_metric=val_loss")
+    best = (run / "checkpoints" / BEST).read_text().split()[0]
+    out = tmp_path / "export"
+    assert convert(workspace, run, out, "dtype=fp32", "huggingface_name=ft-test") == 0
+    report = counts(out)
+    assert report["verified"] is True and report["failures"] == [] and f"global_step{report['step']}" == best
+    assert report["logits_max_abs_diff"] <= FP32_TOLERANCE and report["tokenizer_mismatches"] == 0
+    assert report["heldout_source"].endswith("validation.tsv") and report["task"] == "classification"
+    labels = json.loads((run / "task.json").read_text())["labels"]
+    assert all(s["prediction"] in labels for s in report["greedy_samples"])
+    task = json.loads((out / "task.json").read_text())
+    run_task = json.loads((run / "task.json").read_text())
+    assert task == {**run_task, "pretrained_model": tiny_lm.name, "train_file": "train.tsv"}  # no local paths
+    card = (out / "README.md").read_text()
+    summary = json.loads((run / "finetune_summary.json").read_text())
+    metrics = summary["best"]["metrics"]
+    assert f"| accuracy | {metrics['accuracy']:.4f} | {metrics['majority_accuracy']:.4f} |" in card
+    assert f"| macro-F1 | {metrics['macro_f1']:.4f} | {metrics['majority_macro_f1']:.4f} |" in card
+    assert ", ".join(f"`{label}`" for label in labels) in card and "Verified." in card
+    assert "![validation metrics](metric_curve.png)" in card
+    assert (out / "metric_curve.png").stat().st_size > 1000 and (out / "loss_curve.png").stat().st_size > 1000
+
+    # The exported folder predicts exactly what the run's best checkpoint predicts.
+    rows = tmp_path / "rows.tsv"
+    rows.write_text("".join((demo_task / "test.tsv").read_text().splitlines(keepends=True)[:16]))
+    predictions = {}
+    for name, model in (("run", run), ("export", out)):
+        predicted = tmp_path / f"{name}.jsonl"
+        gptpipe("predict", "--input", rows, "--output", predicted, *args, f"predict.model={model}",
+                "predict.num_beams=2")
+        predictions[name] = [json.loads(line) for line in predicted.read_text().splitlines()]
+    assert predictions["export"] == predictions["run"] and len(predictions["run"]) == 16
+
+    # Stage 6 takes it unchanged: every file the gate checked, task.json included.
+    assert main(["upload", "--config", str(workspace / "convert_config.yaml"), f"output_tokenizer_and_model_dir={out}",
+                 "huggingface_name=ft-test", "--dry-run"]) == 0
+
+    # The gate is the real one: an output head moved to the wrong rows fails it.
+    checkpoint = find_checkpoint(run)
+    reference = build_model(checkpoint, consolidate(checkpoint))
+    tampered = tmp_path / "tampered"
+    shutil.copytree(out, tampered)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(tampered / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"].roll(1, dims=0)
+    save_file(weights, tampered / "model.safetensors", metadata={"format": "pt"})
+    from transformers import AutoTokenizer
+
+    data, _ = validation_rows(checkpoint)
+    failed = verify_finetune_export(tampered, reference, reference, AutoTokenizer.from_pretrained(run / "tokenizer"),
+                                    data, "fp32")
+    assert failed["verified"] is False and any("logits differ" in f for f in failed["failures"])
+
+
+def test_seq2seq_finetune_exports_as_an_encoder_decoder(demo_task, workspace, tmp_path):
+    """A small random T5 with the ByT5 tokenizer (both built offline), fine-tuned 2 steps, exported in bf16."""
+    from transformers import AutoModelForSeq2SeqLM, ByT5Tokenizer, T5Config, T5ForConditionalGeneration
+
+    pretrained = tmp_path / "t5"
+    tokenizer = ByT5Tokenizer()
+    config = T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                      pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(config).save_pretrained(pretrained)
+    tokenizer.save_pretrained(pretrained)
+    run = tmp_path / "run"
+    finetune(pretrained, demo_task, run, "train.train_iters=2", "train.eval_interval=1000", "train.seq_len=96",
+             "task.prompt='入力: {input}'")
+    out = tmp_path / "export"
+    assert convert(workspace, run, out, "checkpoint_step=2") == 0  # bf16, a chosen step
+    report = counts(out)
+    assert report["verified"] is True and report["step"] == 2 and report["dtype"] == "bf16"
+    assert json.loads((out / "config.json").read_text())["is_encoder_decoder"] is True
+    assert "pipeline_tag: text2text-generation" in (out / "README.md").read_text()
+    model = AutoModelForSeq2SeqLM.from_pretrained(out)
+    assert model.generation_config.decoder_start_token_id == model.config.decoder_start_token_id

@@ -1,4 +1,8 @@
-"""The model card (README.md) and its loss-curve PNG: what a reader of the hub page needs to trust the model."""
+"""The model card (README.md) and its curves (PNG): what a reader of the hub page needs to trust the model.
+
+Two cards: a pretrained model's (stage 3 run) and a fine-tuned one's (stage 7 run: task, label set, the
+validation metrics of the exported step beside the majority baseline, loss and metric curves).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,10 @@ from typing import Any
 import yaml
 
 LOSS_CURVE = "loss_curve.png"
+METRIC_CURVE = "metric_curve.png"
+# The validation figures a fine-tune logs (metrics.jsonl: val_<name>), by task kind, and their baseline.
+TASK_METRICS = {"classification": (("accuracy", "accuracy"), ("macro_f1", "macro-F1")),
+                "generation": (("exact_match", "exact match"), ("chrf", "chrF"))}
 
 
 @dataclass
@@ -51,6 +59,52 @@ def plot_loss_curve(rows: list[dict[str, Any]], png: Path) -> bool:
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, metadata={"Software": None})  # no version stamp: same logs, same bytes
+    plt.close(fig)
+    return True
+
+
+@dataclass
+class FinetuneCardFacts:
+    """Everything a fine-tune's card states, gathered by the convert stage."""
+
+    title: str
+    model_config: Any
+    parameters: int
+    step: int
+    total_steps: int | None
+    task: dict[str, Any]  # the checkpoint's task facts (task.json)
+    best: dict[str, Any] | None  # {"step", "value", "metrics"}: the best evaluation of the run so far
+    metrics: dict[str, Any] | None  # the validation metrics of the exported step (None: not evaluated there)
+    rows: dict[str, Any]  # {"train", "validation"} row counts, {"skipped": {reason: n}} when recorded
+    training_config: dict[str, Any]
+    verification: dict[str, Any]
+    has_loss_curve: bool = False
+    has_metric_curve: bool = False
+
+
+def plot_metric_curve(rows: list[dict[str, Any]], kind: str, png: Path) -> bool:
+    """The task's validation metrics against steps, with the majority baseline dashed (classification);
+    False when no evaluation was logged."""
+    evals = [r for r in rows if any(isinstance(r.get(f"val_{k}"), (int, float)) for k, _ in TASK_METRICS[kind])]
+    if not evals:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    for key, label in TASK_METRICS[kind]:
+        points = [(r["step"], r[f"val_{key}"]) for r in evals if isinstance(r.get(f"val_{key}"), (int, float))]
+        line, = ax.plot(*zip(*points), label=f"validation {label}", marker="o" if len(points) < 30 else None)
+        baseline = [(r["step"], r[f"val_majority_{key}"]) for r in evals if f"val_majority_{key}" in r]
+        if baseline:
+            ax.plot(*zip(*baseline), linestyle="--", color=line.get_color(), label=f"majority baseline {label}")
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, metadata={"Software": None})
     plt.close(fig)
     return True
 
@@ -133,4 +187,91 @@ def render_card(facts: CardFacts, repo_id: str | None) -> str:
               'print(generator("こんにちは、", max_new_tokens=64, do_sample=True, temperature=0.8, top_p=0.95)'
               '[0]["generated_text"])', "```", "",
               "or, from a clone of the repository: `gptpipe generate --model PATH --interactive`.", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _metric_rows(facts: FinetuneCardFacts) -> list[str]:
+    """The metrics table: model beside the majority baseline (classification), then per-class figures."""
+    m = facts.metrics
+    if not m:
+        return [f"Step {facts.step} was not evaluated on the validation rows (the run's evaluations are in "
+                "its metrics.jsonl)."]
+    kind = facts.task["kind"]
+    if kind == "classification":
+        lines = ["| validation metric | this model | majority baseline |", "| --- | --- | --- |"]
+        lines += [f"| {label} | {m[key]:.4f} | {m[f'majority_{key}']:.4f} |" for key, label in TASK_METRICS[kind]]
+        lines += ["", f"The majority baseline always answers the most frequent training label "
+                      f"({facts.task.get('majority_label')!r})."]
+        if m.get("per_class"):
+            lines += ["", "| label | precision | recall | F1 | rows |", "| --- | --- | --- | --- | --- |"]
+            lines += [f"| {label} | {c['precision']:.3f} | {c['recall']:.3f} | {c['f1']:.3f} | {c['support']} |"
+                      for label, c in m["per_class"].items()]
+    else:
+        lines = ["| validation metric | this model |", "| --- | --- |"]
+        lines += [f"| {label} | {m[key]:.4f} |" for key, label in TASK_METRICS[kind]]
+    if isinstance(m.get("val_loss"), (int, float)):
+        lines += ["", f"Validation loss on the gold labels: {m['val_loss']:.4f} nats per label token."]
+    return lines
+
+
+def _finetune_verification_text(report: dict[str, Any]) -> str:
+    if not report.get("verified"):
+        return "**Verification FAILED**: " + "; ".join(report.get("failures", []))
+    return (f"Exported by `gptpipe convert` and checked against the fine-tune checkpoint on validation rows "
+            f"({report['heldout_source']}): logits max |Δ| = {report['logits_max_abs_diff']:.3g} ({report['dtype']}, "
+            f"tolerance {report['logits_tolerance']:.3g}); tokenizer ids identical to the fine-tune's on "
+            f"{report['tokenizer_texts']} prompts and labels; greedy answers generated "
+            f"(first: {report['greedy_sample']!r}). Verified.")
+
+
+def render_finetune_card(facts: FinetuneCardFacts, repo_id: str | None) -> str:
+    cfg, task = facts.model_config, facts.task
+    seq2seq = bool(task.get("seq2seq"))
+    pipeline_tag = "text2text-generation" if seq2seq else "text-generation"
+    front = {"language": ["ja"], "library_name": "transformers", "pipeline_tag": pipeline_tag,
+             "tags": ["gptpipe", cfg.model_type, "fine-tuned", task["kind"]]}
+    name = repo_id or facts.title
+    best = facts.best or {}
+    lines = ["---", yaml.safe_dump(front, allow_unicode=True, sort_keys=False).strip(), "---", "",
+             f"# {facts.title}", "",
+             f"A {facts.parameters / 1e6:,.1f}M-parameter {cfg.model_type} model fine-tuned with gptpipe from "
+             f"`{task.get('pretrained_model')}` for {task['kind']}: step {facts.step:,}"
+             + (f" of {facts.total_steps:,}" if facts.total_steps else "")
+             + (f", the best by validation {task.get('best_metric')}" if best.get("step") == facts.step else "")
+             + ".", ""]
+    lines += ["## Task", "", f"- kind: {task['kind']}",
+              f"- prompt template (the answer follows it, then EOS): `{task['prompt']!r}`"]
+    if task.get("labels"):
+        lines.append(f"- label set ({len(task['labels'])}, most frequent first): "
+                     + ", ".join(f"`{label}`" for label in task["labels"]))
+    rows = facts.rows
+    if rows.get("train"):
+        lines.append(f"- rows: {rows['train']:,} training, {rows.get('validation', 0):,} validation"
+                     f" (from `{task.get('train_file')}`)")
+    if rows.get("skipped"):
+        lines.append("- rows skipped while reading: " + ", ".join(f"{n} {reason}" for reason, n in
+                                                                   rows["skipped"].items()))
+    lines += ["", "## Results", ""] + _metric_rows(facts)
+    if best.get("step") not in (None, facts.step):
+        lines += ["", f"(The run's best evaluation was step {best['step']}, {task.get('best_metric')} "
+                      f"{best['value']:.4f}; this export is step {facts.step}.)"]
+    for shown, png, title in ((facts.has_loss_curve, LOSS_CURVE, "loss curve"),
+                              (facts.has_metric_curve, METRIC_CURVE, "validation metrics")):
+        if shown:
+            lines += ["", f"![{title}]({png})"]
+    lines += ["", "## Architecture", "", "| | |", "| --- | --- |"]
+    lines += [f"| {k} | {v} |" for k, v in _architecture_rows(cfg, facts.parameters)]
+    if facts.training_config:
+        lines += ["", "## Fine-tuning", "", "```yaml",
+                  yaml.safe_dump(facts.training_config, allow_unicode=True, sort_keys=False).strip(), "```"]
+    lines += ["", "## Verification", "", _finetune_verification_text(facts.verification), ""]
+    samples = facts.verification.get("greedy_samples") or [{"input": "..."}]
+    example = task["prompt"].format(input=samples[0]["input"])
+    lines += ["## Usage", "", "```python", "from transformers import pipeline", "",
+              f'model = pipeline("{pipeline_tag}", model="{name}")  # or a local copy\'s path',
+              f"prompt = {example!r}  # the task's template around your input",
+              "print(model(prompt, do_sample=False, max_new_tokens=16"
+              + ("" if seq2seq else ", return_full_text=False") + ')[0]["generated_text"])', "```", "",
+              "or, from a clone of the repository, beam search over a TSV/jsonl file (task.json in this folder "
+              "holds the prompt and the label set): `gptpipe predict predict.model=PATH --input rows.tsv`.", ""]
     return "\n".join(lines).rstrip() + "\n"

@@ -1,8 +1,11 @@
-"""Stage-3 checkpoints as stage 4 sees them: find the one to export, consolidate it, rebuild the model.
+"""Stage-3 and stage-7 checkpoints as stage 4 sees them: find the one to export, consolidate it, rebuild the model.
 
 A checkpoint folder ``<run>/checkpoints/global_step{N}/`` holds DeepSpeed's files, ``hf_config.json``
 (the transformers config the model was trained with) and ``gptpipe_state.json`` (step, tokens, and the run
-record: the resolved config.yaml the run trained with, from which stage 4 takes the tokenizer and the data). Only folders with stage 3's completion marker count: a save killed half-way never does.
+record: the resolved config.yaml the run trained with, from which stage 4 takes the tokenizer and the data).
+Only folders with stage 3's completion marker count: a save killed half-way never does.
+A fine-tune (stage 7) checkpoint has the same layout; its state also holds the task (``task``) and the best
+evaluation so far (``best``), and its run folder has ``checkpoints/best`` and the tokenizer (``tokenizer/``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from gptpipe.pipeline import PipelineConfig
 from gptpipe.stage import StageInputError, say
 from gptpipe.stages import TRAIN
 from gptpipe.storage import is_url
-from gptpipe.train.checkpoint import COMPLETE_MARKER, HF_CONFIG, LATEST, STATE, complete_checkpoints
+from gptpipe.train.checkpoint import COMPLETE_MARKER, HF_CONFIG, LATEST, STATE, best_tag, complete_checkpoints
+
+FINETUNE_SUMMARY = "finetune_summary.json"  # gptpipe.finetune.train.SUMMARY_FILE (importing it pulls the trainer)
 
 
 @dataclass
@@ -44,13 +49,42 @@ class Checkpoint:
             raise StageInputError(f"the run record in {self.path / STATE} does not fit this gptpipe: {exc}") from None
 
     @property
+    def is_finetune(self) -> bool:
+        """A stage-7 checkpoint: its state records the task it was fine-tuned for."""
+        return isinstance(self.state.get("task"), dict)
+
+    @property
+    def seq2seq(self) -> bool:
+        return bool(self.is_finetune and self.state["task"].get("seq2seq"))
+
+    @property
+    def finetuning(self) -> Any:
+        """A fine-tune's run record: the finetune_config.yaml it trained with (FinetuneConfig), from the
+        checkpoint's state, else from the run's finetune_summary.json (written at the end of a run)."""
+        from gptpipe.finetune.config import FinetuneConfig
+
+        record, where = self.state.get("config"), self.path / STATE
+        summary = self.run_dir / FINETUNE_SUMMARY
+        if not isinstance(record, dict) and summary.is_file():
+            record, where = json.loads(summary.read_text(encoding="utf-8")).get("config"), summary
+        if not isinstance(record, dict):
+            raise StageInputError(f"{self.path / STATE} has no run record and {summary} does not exist: the "
+                                  "validation rows the gate checks on are unknown. Let the fine-tune finish "
+                                  "(bash 7_finetune.sh), then export")
+        try:
+            return config_from_plain(FinetuneConfig, record, str(where))
+        except ConfigError as exc:
+            raise StageInputError(f"the run record in {where} does not fit this gptpipe: {exc}") from None
+
+    @property
     def run_dir(self) -> Path:
         """The run folder (metrics.jsonl, logs): ``<run>/checkpoints/global_stepN`` → ``<run>``."""
         return self.path.parent.parent
 
 
 def find_checkpoint(input_dir: Path, step: int | None = None) -> Checkpoint:
-    """The checkpoint to export: ``input_dir`` itself, ``global_step{step}``, or the newest complete one.
+    """The checkpoint to export: ``input_dir`` itself, ``global_step{step}``, the best one of a fine-tune
+    (``checkpoints/best``), or the newest complete one.
 
     ``input_dir`` may be the run folder, its checkpoints/ folder or one checkpoint folder, or the URL of a run
     folder in a bucket (s3://..., gs://...).
@@ -74,6 +108,8 @@ def find_checkpoint(input_dir: Path, step: int | None = None) -> Checkpoint:
         elif not complete:
             raise StageInputError(f"no complete checkpoint in {root} (a save that was interrupted has no "
                                   f"'{COMPLETE_MARKER}' marker). {TRAIN.hint()}")
+        elif best_tag(root) in {f.name for f in complete.values()}:
+            folder = root / best_tag(root)  # a fine-tune: the step that won on the validation metric
         else:
             folder = complete[max(complete)]
             latest = root / LATEST
@@ -131,23 +167,37 @@ def hf_config_object(hf_config: dict[str, Any]) -> Any:
     return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
+def tied_copies(model: Any) -> set[str]:
+    """Names of weights tied to one listed before them (an output head or T5's per-stack embeddings, tied to
+    the input embedding): tie_weights() fills them from that first one."""
+    seen: set[int] = set()
+    copies = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            copies.add(name)
+        seen.add(id(tensor))
+    return copies
+
+
 def build_model(checkpoint: Checkpoint, state_dict: dict[str, Any]) -> Any:
-    """The trained model in fp32, exactly as the checkpoint holds it (vocab still padded).
+    """The trained model in fp32, exactly as the checkpoint holds it (vocab still padded): a causal LM, or
+    an encoder-decoder for a seq2seq fine-tune.
 
     The parameters are the state dict's own tensors (``assign``), so several models built from one
     consolidated checkpoint cost no extra memory until one of them is cast or resized.
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
     from transformers.initialization import no_init_weights
 
+    model_class = AutoModelForSeq2SeqLM if checkpoint.seq2seq else AutoModelForCausalLM
     with no_init_weights():  # every weight is replaced below: skip the random init (minutes at 3B)
-        model = AutoModelForCausalLM.from_config(hf_config_object(checkpoint.hf_config), dtype=torch.float32)
+        model = model_class.from_config(hf_config_object(checkpoint.hf_config), dtype=torch.float32)
     expected = set(model.state_dict())
     missing = sorted(expected - set(state_dict))
     unexpected = sorted(set(state_dict) - expected)
-    # Tied output heads appear under one name or both, depending on how DeepSpeed recorded the sharing.
-    missing = [k for k in missing if not (model.config.tie_word_embeddings and k.endswith("lm_head.weight"))]
+    # Tied weights appear under one name or all, depending on how DeepSpeed recorded the sharing.
+    missing = [k for k in missing if k not in tied_copies(model)]
     if missing or unexpected:
         raise StageInputError(
             f"checkpoint {checkpoint.path} does not fit its {HF_CONFIG} ({checkpoint.hf_config.get('model_type')}): "

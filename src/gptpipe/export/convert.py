@@ -5,24 +5,38 @@ context length), generation_config.json, the stage-1 fast tokenizer, a model car
 manifest.json with the verification report. The gate (verify.py) runs before the folder replaces an
 older one; a folder that fails it is still written, for inspection, but its manifest says
 ``verified: false`` and stage 6 refuses to upload it.
+
+``input_model_dir`` may also be a fine-tune run (stage 7, `gptpipe finetune`): its best checkpoint (or
+checkpoint_step) is exported the same way, as a causal LM or an encoder-decoder, with the run's tokenizer,
+its task.json (what `gptpipe predict` needs) and a card holding the task, the label set, the validation
+metrics beside the majority baseline and the curves; the gate (verify_finetune.py) checks it on the
+validation rows of the fine-tune's data.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 from gptpipe.config.core import to_plain
-from gptpipe.export.card import LOSS_CURVE, CardFacts, final_val_loss, plot_loss_curve, render_card
-from gptpipe.export.checkpoint import Checkpoint, build_model, consolidate, find_checkpoint
+from gptpipe.export.card import (LOSS_CURVE, METRIC_CURVE, TASK_METRICS, CardFacts, FinetuneCardFacts, final_val_loss,
+                                 plot_loss_curve, plot_metric_curve, render_card, render_finetune_card)
+from gptpipe.export.checkpoint import FINETUNE_SUMMARY, Checkpoint, build_model, consolidate, find_checkpoint
 from gptpipe.export.config import ConvertConfig
-from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_dir, run_stage, say, tree_fingerprint, write_text_atomic
+from gptpipe.stage import (Manifest, StageFailed, StageInputError, StageResult, atomic_dir, file_fingerprint, run_stage,
+                           say, tree_fingerprint, write_text_atomic)
 from gptpipe.stages import (CONVERT, EXIT_OK, TOKENIZE, TRAIN_TOKENIZER, DatasetInfo, TokenizerInfo, read_dataset,
                             read_tokenizer)
 from gptpipe.train.logging import read_metrics
 
 HELDOUT_DOCUMENTS = 32
+VERIFY_ROWS = 8  # a fine-tune's validation rows the gate compares logits and tokenizers on
+# What stage 7 writes into a fine-tune run (gptpipe.finetune.train; importing it would pull in the trainer).
+FINETUNE_TOKENIZER, TASK_FILE = "tokenizer", "task.json"
+FINETUNE_CARD_KEYS = ("seq_len", "global_batch_size", "train_epochs", "train_iters", "lr", "min_lr", "lr_schedule",
+                      "warmup_fraction", "weight_decay", "precision", "zero_stage", "seed", "best_metric")
 # What the export depends on (the card names the repository); privacy and branch can change without a re-export.
 EXPORT_KEYS = ("input_model_dir", "checkpoint_step", "output_tokenizer_and_model_dir", "dtype",
                "max_shard_size", "test_prompt_text", "huggingface_name", "hugging_face_name", "organization")
@@ -124,8 +138,7 @@ def export(config: ConvertConfig, checkpoint: Checkpoint, tokenizer: TokenizerIn
     return StageResult(outputs=files, counts=counts)
 
 
-def run(config: ConvertConfig, args: Any) -> int:
-    checkpoint = find_checkpoint(config.input_model_dir, config.checkpoint_step)
+def convert_pretrained(config: ConvertConfig, checkpoint: Checkpoint, args: Any) -> Manifest:
     training = checkpoint.training  # the run record: never the config.yaml on disk, which may have changed since
     tokenizer = read_tokenizer(training.tokenize.tokenizer_dir)
     check_tokenizer_fits(checkpoint, tokenizer)
@@ -140,9 +153,127 @@ def run(config: ConvertConfig, args: Any) -> int:
     settings = {k: getattr(config, k) for k in EXPORT_KEYS}
     heldout = heldout_documents(datasets[0].prefix, HELDOUT_DOCUMENTS, tokenizer.eod_id, training.data.split,
                                 training.data.seed)
-    manifest = run_stage(
+    return run_stage(
         CONVERT, out, settings, inputs, lambda: export(config, checkpoint, tokenizer, datasets, heldout),
         force=args.force, versions=("torch", "transformers", "deepspeed", "safetensors", "tokenizers", "sentencepiece"))
+
+
+# --- a fine-tune run (stage 7) -------------------------------------------------------------------------------
+def validation_rows(checkpoint: Checkpoint) -> tuple[Any, Path]:
+    """(the first validation rows of the fine-tune's data, the file they come from), as its run record says:
+    data.validation, or the seeded share of data.train it split off."""
+    from gptpipe.export.verify_finetune import TaskRows
+    from gptpipe.finetune.data import read_rows, split_validation
+
+    data = checkpoint.finetuning.data
+    path = data.validation or data.train
+    if not path.is_file():
+        key = "validation" if data.validation else "train"
+        raise StageInputError(f"the fine-tune's validation rows are gone: {path} (data.{key} of the run record) "
+                              "does not exist; the gate checks the export on them")
+    rows, _ = read_rows(path, data.format, data.input_key, data.label_key)
+    if data.validation is None:
+        rows = split_validation(rows, data.validation_proportion, data.seed)[1]
+        source = f"{min(VERIFY_ROWS, len(rows))} rows of the validation split of {path.name}"
+    else:
+        source = f"first {min(VERIFY_ROWS, len(rows))} rows of {path.name}"
+    if not rows:
+        raise StageInputError(f"{path} holds no usable validation row to verify the export on")
+    return TaskRows(rows[:VERIFY_ROWS], checkpoint.state["task"], source), path
+
+
+def shareable_task(task: dict[str, Any]) -> dict[str, Any]:
+    """The task facts for task.json and the card: local paths cut to their names (the folder may go public)."""
+    return {k: Path(v).name if k in ("pretrained_model", "train_file") and v else v for k, v in task.items()}
+
+
+def step_metrics(state: dict[str, Any], step: int) -> dict[str, Any] | None:
+    """The validation metrics of the checkpoint's own step (its best or last evaluation), if it was evaluated."""
+    for record in (state.get("best") or {}).get("metrics"), state.get("last_eval"):
+        if record and record.get("step") == step:
+            return record
+    return None
+
+
+def export_finetune(config: ConvertConfig, checkpoint: Checkpoint, data: Any) -> StageResult:
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from gptpipe.export.verify import TORCH_DTYPES, cast_parameters
+    from gptpipe.export.verify_finetune import verify_finetune_export
+    from gptpipe.finetune.data import pad_id
+
+    out, run = config.output_tokenizer_and_model_dir, checkpoint.run_dir
+    tokenizer = AutoTokenizer.from_pretrained(run / FINETUNE_TOKENIZER)
+    say(f"[convert] consolidating fine-tune checkpoint {checkpoint.path} (step {checkpoint.step}) with zero_to_fp32")
+    state_dict = consolidate(checkpoint)
+    reference, reference_fp32 = reference_models(checkpoint, state_dict, config.dtype)
+    # Same shape as the pretrained model: its embedding rows past the tokenizer (a hub model's padding) stay.
+    exported = cast_parameters(build_model(checkpoint, state_dict), TORCH_DTYPES[config.dtype])
+    task = checkpoint.state["task"]
+    # Deterministic answers by default, as evaluation produced them: greedy, long enough for any label.
+    exported.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id(tokenizer),
+        decoder_start_token_id=getattr(exported.config, "decoder_start_token_id", None), do_sample=False,
+        max_new_tokens=data.max_new_tokens(tokenizer) if task.get("labels")
+        else checkpoint.finetuning.predict.max_new_tokens)
+    parameters = exported.num_parameters()
+
+    with atomic_dir(out) as tmp:
+        say(f"[convert] writing {config.dtype} safetensors (shards above {config.max_shard_size}) to {out}")
+        exported.save_pretrained(tmp, max_shard_size=config.max_shard_size)
+        for f in sorted((run / FINETUNE_TOKENIZER).iterdir()):
+            if f.is_file():
+                shutil.copy2(f, tmp / f.name)
+        public_task = shareable_task(task)
+        write_text_atomic(tmp / TASK_FILE, json.dumps(public_task, ensure_ascii=False, indent=2) + "\n")
+        report = verify_finetune_export(tmp, reference, reference_fp32, tokenizer, data, config.dtype)
+        rows = read_metrics(run / "metrics.jsonl", checkpoint.step)
+        summary_path = run / FINETUNE_SUMMARY
+        summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.is_file() else {}
+        finetuning = to_plain(checkpoint.finetuning)
+        metrics = step_metrics(checkpoint.state, checkpoint.step)
+        facts = FinetuneCardFacts(
+            title=config.repo_name or out.name, model_config=exported.config, parameters=parameters,
+            step=checkpoint.step, total_steps=checkpoint.state.get("total_steps"), task=public_task,
+            best=checkpoint.state.get("best"), metrics=metrics,
+            rows={**summary.get("rows", {}), "skipped": summary.get("data_problems", {}).get("skipped", {})},
+            training_config={k: finetuning["train"][k] for k in FINETUNE_CARD_KEYS},
+            verification=report, has_loss_curve=plot_loss_curve(rows, tmp / LOSS_CURVE),
+            has_metric_curve=plot_metric_curve(rows, task["kind"], tmp / METRIC_CURVE))
+        repo_id = f"{config.organization or 'YOUR_HF_USER'}/{config.repo_name or out.name}"
+        write_text_atomic(tmp / "README.md", render_finetune_card(facts, repo_id))
+        files = sorted(p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file())
+    headline = {key: metrics[key] for key, _ in TASK_METRICS[task["kind"]]} if metrics else {}
+    counts = {"checkpoint": str(checkpoint.path), "step": checkpoint.step, "task": task["kind"],
+              "best_step": (checkpoint.state.get("best") or {}).get("step"), "parameters": parameters, **headline,
+              "files": len(files), "bytes": sum((out / f).stat().st_size for f in files), **report}
+    return StageResult(outputs=files, counts=counts)
+
+
+def convert_finetune(config: ConvertConfig, checkpoint: Checkpoint, args: Any) -> Manifest:
+    tokenizer_dir = checkpoint.run_dir / FINETUNE_TOKENIZER
+    if not tokenizer_dir.is_dir():
+        raise StageInputError(f"{tokenizer_dir} not found: a fine-tune run keeps its tokenizer there "
+                              "(bash 7_finetune.sh writes it when it starts)")
+    data, data_file = validation_rows(checkpoint)
+    inputs = {
+        "checkpoint": {"path": str(checkpoint.path),
+                       **tree_fingerprint([p for p in checkpoint.path.rglob("*") if p.is_file()])},
+        "tokenizer": tree_fingerprint([p for p in tokenizer_dir.iterdir() if p.is_file()]),
+        "validation": {"path": str(data_file), **file_fingerprint(data_file)},
+    }
+    settings = {k: getattr(config, k) for k in EXPORT_KEYS}
+    return run_stage(
+        CONVERT, config.output_tokenizer_and_model_dir, settings, inputs,
+        lambda: export_finetune(config, checkpoint, data), force=args.force,
+        versions=("torch", "transformers", "deepspeed", "safetensors", "tokenizers"))
+
+
+def run(config: ConvertConfig, args: Any) -> int:
+    checkpoint = find_checkpoint(config.input_model_dir, config.checkpoint_step)
+    convert = convert_finetune if checkpoint.is_finetune else convert_pretrained
+    manifest = convert(config, checkpoint, args)
+    out = config.output_tokenizer_and_model_dir
     counts = manifest.counts
     if not counts.get("verified"):
         raise StageFailed(f"{out} did not pass verification (marked verified: false in "

@@ -150,7 +150,7 @@ def flops_per_token(shape: Shape, seq_len: int) -> float:
 def build_model_config(model_cfg: ModelConfig, tokenizer_info: Any, seq_len: int) -> PretrainedConfig:
     """The transformers config of the model trained with `model_cfg` on `tokenizer_info`'s vocabulary.
 
-    `tokenizer_info` is a `gptpipe.tokenizer.info.TokenizerInfo` (vocab_size, bos_id, eos_id, pad_id).
+    `tokenizer_info` is a `gptpipe.stages.TokenizerInfo` (vocab_size, bos_id, eos_id, pad_id).
     """
     from transformers import GPT2Config, LlamaConfig, MixtralConfig
 
