@@ -61,7 +61,7 @@ def test_export_gate_passes_for_every_architecture(tiny_run, workspace, tokenize
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation["eos_token_id"] == info.eos_id and generation["pad_token_id"] == info.pad_id
     with safe_open(out / "model.safetensors", "pt") as weights:
-        tensors = [weights.get_tensor(k) for k in weights.keys()]
+        tensors = [weights.get_tensor(k) for k in weights.keys()]  # noqa: SIM118 - safe_open is no dict
     assert {t.dtype for t in tensors} == {torch.float32 if dtype == "fp32" else torch.bfloat16}
     assert (out / "tokenizer.json").is_file() and not (out / "tokenizer.model").exists()
 
@@ -177,7 +177,8 @@ def test_gate_compares_on_documents_training_never_saw(dataset_prefix, tokenizer
     heldout = heldout_documents(dataset_prefix, HELDOUT_DOCUMENTS, eod, split, seed)
     reader = IndexedDataset(dataset_prefix)
     begin, end = split_bounds(split, len(reader))[0]
-    train = {tuple(t for t in reader[int(i)].tolist() if t != eod) for i in document_order(len(reader), seed)[begin:end]}
+    order = document_order(len(reader), seed)
+    train = {tuple(t for t in reader[int(i)].tolist() if t != eod) for i in order[begin:end]}
     assert len(heldout.documents) == HELDOUT_DOCUMENTS
     assert not any(tuple(doc) in train for doc in heldout.documents)  # stage 0 removed duplicate documents
 

@@ -244,7 +244,8 @@ def test_loss_is_normalised_by_the_label_tokens_of_the_whole_global_batch(tiny_l
 
 # --- label mapping ------------------------------------------------------------------------------------
 def test_generated_text_is_mapped_onto_the_nearest_label() -> None:
-    assert edit_distance("kitten", "sitting") == 3 and edit_distance("", "abc") == 3 and edit_distance("同じ", "同じ") == 0
+    assert edit_distance("kitten", "sitting") == 3 and edit_distance("", "abc") == 3
+    assert edit_distance("同じ", "同じ") == 0
     labels = ["ポジティブ", "ネガティブ", "中立"]
     assert map_to_label(" ポジティブ ", labels) == ("ポジティブ", False)
     assert map_to_label("ネガティ", labels) == ("ネガティブ", True)
@@ -342,7 +343,8 @@ def test_beam_search_scores_at_least_greedy(tiny_lm: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_lm)
     model = AutoModelForCausalLM.from_pretrained(tiny_lm).eval()
     encoder = Encoder(tokenizer, "{input}\n答え:", 64, seq2seq=False)
-    prompts = [encoder.prompt_ids(text) for text in ("ファイルをコピーする", "シグナルを送る", "文字列の長さを計算する")]
+    texts = ("ファイルをコピーする", "シグナルを送る", "文字列の長さを計算する")
+    prompts = [encoder.prompt_ids(text) for text in texts]
     cpu = torch.device("cpu")
     found = {}
     for beams in (1, 4):  # length_penalty 0: beam search ranks by plain log-likelihood

@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -211,8 +210,3 @@ def run_stage(
     write_text_atomic(config_path, yaml.safe_dump(plain_config, allow_unicode=True, sort_keys=False))
     write_text_atomic(manifest_path, json.dumps(manifest.__dict__, ensure_ascii=False, indent=2) + "\n")
     return manifest
-
-
-def say(message: str) -> None:
-    """Status lines go to stderr so stdout stays clean for results a script may parse."""
-    print(message, file=sys.stderr, flush=True)

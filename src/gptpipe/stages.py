@@ -127,7 +127,8 @@ def check_input_files(patterns: list[Path], key: str, upstream: Stage) -> tuple[
             try:
                 manifest = upstream.require(path.parent)
             except StageInputError as exc:
-                why = f"named {upstream.output_file}" if path.name == upstream.output_file else f"beside {manifest_path}"
+                named = path.name == upstream.output_file
+                why = f"named {upstream.output_file}" if named else f"beside {manifest_path}"
                 problems.append(f"{key}: {path} is {why}, so it is taken as an output of {upstream.title}, accepted "
                                 f"only with that run's complete manifest (your own jsonl? name it otherwise): {exc}")
                 continue

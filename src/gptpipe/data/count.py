@@ -18,11 +18,14 @@ import numpy as np
 
 from gptpipe.data.indexed import idx_path, read_index
 from gptpipe.data.split import SPLITS, split_documents, split_problems
-from gptpipe.stage import say, write_text_atomic
+from gptpipe.log import get_logger
+from gptpipe.stage import write_text_atomic
 from gptpipe.stages import TOKENIZE
 
 if TYPE_CHECKING:
     from gptpipe.pipeline import PipelineConfig
+
+log = get_logger("count")
 
 
 @dataclass
@@ -175,16 +178,16 @@ def run(config: PipelineConfig, args: argparse.Namespace) -> int:
     for c in counts:
         for problem in split_problems(str(c.prefix), config.data.split, c.split_documents, c.split_tokens,
                                       train.seq_len):
-            say(f"warning: {problem}; training will refuse this (megatron's GPTDataset hangs on it): use more "
-                f"documents or a larger share, e.g. data.split=90,9,1")
+            log.warning(f"{problem}; training will refuse this (megatron's GPTDataset hangs on it): use more "
+                        f"documents or a larger share, e.g. data.split=90,9,1")
     if plan.iterations < 1:
-        say(f"warning: {plan.train_samples:,} samples make less than one global batch of "
-            f"{train.global_batch_size}; lower train.global_batch_size or train.seq_len, or add data")
+        log.warning(f"{plan.train_samples:,} samples make less than one global batch of "
+                    f"{train.global_batch_size}; lower train.global_batch_size or train.seq_len, or add data")
     if args.no_write:
         return 0
     if args.overrides:
-        say(f"note: computed with command-line overrides {' '.join(args.overrides)}")
+        log.info(f"computed with command-line overrides {' '.join(args.overrides)}")
     old = write_train_tokens(Path(args.config), plan.train_tokens, counted_for(config))
-    say(f"wrote train.train_tokens: {plan.train_tokens} into {args.config} (was {old}); training stops there. "
-        "To train by train_epochs instead, set train_tokens back to null.")
+    log.info(f"wrote train.train_tokens: {plan.train_tokens} into {args.config} (was {old}); training stops "
+             "there. To train by train_epochs instead, set train_tokens back to null.")
     return 0

@@ -143,7 +143,8 @@ def _verification_text(report: dict[str, Any]) -> str:
             f"logits max |Δ| = {report['logits_max_abs_diff']:.3g} ({report['dtype']}, tolerance "
             f"{report['logits_tolerance']:.3g}); tokenizer ids identical to SentencePiece on "
             f"{report['tokenizer_texts']} texts; greedy generation picks the checkpoint's top token at every step "
-            f"(largest gap {report['greedy_max_gap']:.3g}, tolerance {report['greedy_gap_tolerance']:.3g}). Verified.\n\n"
+            f"(largest gap {report['greedy_max_gap']:.3g}, tolerance {report['greedy_gap_tolerance']:.3g}). "
+            "Verified.\n\n"
             f"For information (not part of the check): the greedy sample is {report['greedy_sample']!r}"
             + ("" if same is None else f", {'the same' if same else 'not the same'} text as the checkpoint's") + ".")
 

@@ -18,11 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from gptpipe.config.core import ConfigError, config_from_plain
+from gptpipe.log import get_logger
 from gptpipe.pipeline import PipelineConfig
-from gptpipe.stage import StageInputError, say
+from gptpipe.stage import StageInputError
 from gptpipe.stages import TRAIN
 from gptpipe.storage import is_url
 from gptpipe.train.checkpoint import COMPLETE_MARKER, HF_CONFIG, LATEST, STATE, best_tag, complete_checkpoints
+
+log = get_logger("convert")
 
 FINETUNE_SUMMARY = "finetune_summary.json"  # gptpipe.finetune.train.SUMMARY_FILE (importing it pulls the trainer)
 
@@ -114,8 +117,8 @@ def find_checkpoint(input_dir: Path, step: int | None = None) -> Checkpoint:
             folder = complete[max(complete)]
             latest = root / LATEST
             if latest.is_file() and latest.read_text().strip() != folder.name:
-                say(f"[convert] {latest} names {latest.read_text().strip()!r}, which is not a complete "
-                    f"checkpoint; using the newest complete one, {folder.name}")
+                log.info(f"{latest} names {latest.read_text().strip()!r}, which is not a complete "
+                         f"checkpoint; using the newest complete one, {folder.name}")
     missing = [name for name in (COMPLETE_MARKER, HF_CONFIG, STATE) if not (folder / name).is_file()]
     if missing:
         raise StageInputError(f"checkpoint {folder} is incomplete (no {', '.join(missing)}): its save did not "

@@ -25,11 +25,14 @@ from gptpipe.export.card import (LOSS_CURVE, METRIC_CURVE, TASK_METRICS, CardFac
                                  plot_loss_curve, plot_metric_curve, render_card, render_finetune_card)
 from gptpipe.export.checkpoint import FINETUNE_SUMMARY, Checkpoint, build_model, consolidate, find_checkpoint
 from gptpipe.export.config import ConvertConfig
+from gptpipe.log import get_logger
 from gptpipe.stage import (Manifest, StageFailed, StageInputError, StageResult, atomic_dir, file_fingerprint, run_stage,
-                           say, tree_fingerprint, write_text_atomic)
+                           tree_fingerprint, write_text_atomic)
 from gptpipe.stages import (CONVERT, EXIT_OK, TOKENIZE, TRAIN_TOKENIZER, DatasetInfo, TokenizerInfo, read_dataset,
                             read_tokenizer)
 from gptpipe.train.logging import read_metrics
+
+log = get_logger("convert")
 
 HELDOUT_DOCUMENTS = 32
 VERIFY_ROWS = 8  # a fine-tune's validation rows the gate compares logits and tokenizers on
@@ -98,7 +101,7 @@ def export(config: ConvertConfig, checkpoint: Checkpoint, tokenizer: TokenizerIn
 
     out = config.output_tokenizer_and_model_dir
     dtype = TORCH_DTYPES[config.dtype]
-    say(f"[convert] consolidating {checkpoint.path} (step {checkpoint.step}) with DeepSpeed's zero_to_fp32")
+    log.info(f"consolidating {checkpoint.path} (step {checkpoint.step}) with DeepSpeed's zero_to_fp32")
     state_dict = consolidate(checkpoint)
     reference, reference_fp32 = reference_models(checkpoint, state_dict, config.dtype)
 
@@ -112,7 +115,7 @@ def export(config: ConvertConfig, checkpoint: Checkpoint, tokenizer: TokenizerIn
     parameters = exported.num_parameters()
 
     with atomic_dir(out) as tmp:
-        say(f"[convert] writing {config.dtype} safetensors (shards above {config.max_shard_size}) to {out}")
+        log.info(f"writing {config.dtype} safetensors (shards above {config.max_shard_size}) to {out}")
         exported.save_pretrained(tmp, max_shard_size=config.max_shard_size)
         for f in sorted(tokenizer.hf_dir.iterdir()):
             if f.is_file():
@@ -204,7 +207,7 @@ def export_finetune(config: ConvertConfig, checkpoint: Checkpoint, data: Any) ->
 
     out, run = config.output_tokenizer_and_model_dir, checkpoint.run_dir
     tokenizer = AutoTokenizer.from_pretrained(run / FINETUNE_TOKENIZER)
-    say(f"[convert] consolidating fine-tune checkpoint {checkpoint.path} (step {checkpoint.step}) with zero_to_fp32")
+    log.info(f"consolidating fine-tune checkpoint {checkpoint.path} (step {checkpoint.step}) with zero_to_fp32")
     state_dict = consolidate(checkpoint)
     reference, reference_fp32 = reference_models(checkpoint, state_dict, config.dtype)
     # Same shape as the pretrained model: its embedding rows past the tokenizer (a hub model's padding) stay.
@@ -219,7 +222,7 @@ def export_finetune(config: ConvertConfig, checkpoint: Checkpoint, data: Any) ->
     parameters = exported.num_parameters()
 
     with atomic_dir(out) as tmp:
-        say(f"[convert] writing {config.dtype} safetensors (shards above {config.max_shard_size}) to {out}")
+        log.info(f"writing {config.dtype} safetensors (shards above {config.max_shard_size}) to {out}")
         exported.save_pretrained(tmp, max_shard_size=config.max_shard_size)
         for f in sorted((run / FINETUNE_TOKENIZER).iterdir()):
             if f.is_file():
@@ -279,7 +282,8 @@ def run(config: ConvertConfig, args: Any) -> int:
         raise StageFailed(f"{out} did not pass verification (marked verified: false in "
                           f"{CONVERT.manifest_path(out)}; it will not be uploaded):\n  - "
                           + "\n  - ".join(counts.get("failures", [])))
-    say(f"[convert] {out}: verified (logits max |Δ| {counts['logits_max_abs_diff']:.2g} in {counts['dtype']}, "
-        f"{counts['tokenizer_texts']} texts tokenized identically). Greedy sample: {counts.get('greedy_sample')!r}")
+    log.info(f"{out}: verified (logits max |Δ| {counts['logits_max_abs_diff']:.2g} in {counts['dtype']}, "
+             f"{counts['tokenizer_texts']} texts tokenized identically). "
+             f"Greedy sample: {counts.get('greedy_sample')!r}")
     print(out)
     return EXIT_OK

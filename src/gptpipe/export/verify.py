@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
-from gptpipe.stage import say
+from gptpipe.log import get_logger
 from gptpipe.tokenizer.hf import compare
+
+log = get_logger("convert")
 
 # fp32 export: the same weights through the same code, so only summation order may differ: 1e-4 absolute.
 # bf16 export: both sides are bf16 models built the same way (on CPU they agree exactly); allow one bf16
@@ -98,7 +100,7 @@ def _tolerance(expected: torch.Tensor, dtype: str) -> float:
 def _check_logits(report: dict[str, Any], model: Any, reference: Any, reference_fp32: Any, heldout: HeldOut,
                   separator: int, dtype: str) -> list[str]:
     batch = heldout.batch(separator, model.config.max_position_embeddings)
-    say(f"[convert] comparing logits on a held-out batch {tuple(batch.shape)} ({heldout.source})")
+    log.info(f"comparing logits on a held-out batch {tuple(batch.shape)} ({heldout.source})")
     vocab = model.config.vocab_size
     exported = _logits(model, batch, vocab)
     expected = _logits(reference, batch, vocab)
@@ -131,7 +133,7 @@ def _check_generation(report: dict[str, Any], model: Any, reference: Any, tokeni
     """The folder's greedy continuation must be greedy under the checkpoint's model, step by step: a
     generation_config.json that changes the choice (a penalty, suppressed tokens) or a broken cached decoding
     fails. The reference reads the folder's own continuation, so a near-tie can never derail the comparison."""
-    say("[convert] greedy generation from the test prompt")
+    log.info("greedy generation from the test prompt")
     generated, report["greedy_sample"] = greedy_continuation(model, tokenizer, prompt)
     report["greedy_matches_checkpoint"] = generated == greedy_continuation(reference, tokenizer, prompt)[0]
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -160,7 +162,7 @@ def verify_export(folder: Path, reference: Any, reference_fp32: Any, tokenizer_i
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     report: dict[str, Any] = {"dtype": dtype}
-    say(f"[convert] verifying {folder}: reloading with AutoModelForCausalLM / AutoTokenizer")
+    log.info(f"verifying {folder}: reloading with AutoModelForCausalLM / AutoTokenizer")
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto").eval()
         tokenizer = AutoTokenizer.from_pretrained(folder)

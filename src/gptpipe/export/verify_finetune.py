@@ -22,7 +22,9 @@ import torch
 from gptpipe.export.verify import BF16_RELATIVE, FP32_TOLERANCE, TORCH_DTYPES
 from gptpipe.finetune.data import IGNORE, Encoded, Encoder, Row, Skipped, collate, map_to_label, pad_id
 from gptpipe.finetune.model import decode, generate, logits, model_class
-from gptpipe.stage import say
+from gptpipe.log import get_logger
+
+log = get_logger("convert")
 
 GENERATED_ROWS = 4  # validation prompts answered greedily by both models
 
@@ -70,7 +72,7 @@ def _check_logits(report: dict[str, Any], model: Any, reference: Any, reference_
     batch = collate(data.encoded(reference_tokenizer), pad_id(reference_tokenizer), seq2seq)  # the trained ids
     # The positions that carry a real token: every input token of a causal row, every label token of seq2seq.
     real = batch["labels"] != IGNORE if seq2seq else batch["attention_mask"].bool()
-    say(f"[convert] comparing logits on {batch['input_ids'].shape[0]} validation rows ({data.source})")
+    log.info(f"comparing logits on {batch['input_ids'].shape[0]} validation rows ({data.source})")
     with torch.no_grad():
         exported = logits(model, batch, seq2seq)[real].float()
         expected = logits(reference, batch, seq2seq)[real].float()
@@ -106,7 +108,7 @@ def _answers(model: Any, tokenizer: Any, data: TaskRows) -> tuple[list[list[int]
 
 
 def _check_generation(report: dict[str, Any], model: Any, reference: Any, tokenizer: Any, data: TaskRows) -> list[str]:
-    say(f"[convert] greedy answers to {min(GENERATED_ROWS, len(data.rows))} validation prompts")
+    log.info(f"greedy answers to {min(GENERATED_ROWS, len(data.rows))} validation prompts")
     ids, texts = _answers(model, tokenizer, data)
     labels = data.task.get("labels")
     report["greedy_samples"] = [
@@ -126,7 +128,7 @@ def verify_finetune_export(folder: Path, reference: Any, reference_fp32: Any, re
 
     loader = model_class(data.task["seq2seq"])
     report: dict[str, Any] = {"dtype": dtype}
-    say(f"[convert] verifying {folder}: reloading with {loader.__name__} / AutoTokenizer")
+    log.info(f"verifying {folder}: reloading with {loader.__name__} / AutoTokenizer")
     try:
         model = loader.from_pretrained(folder, dtype="auto").eval()
         tokenizer = AutoTokenizer.from_pretrained(folder)

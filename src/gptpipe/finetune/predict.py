@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from gptpipe.log import get_logger
 from gptpipe.stages import EXIT_BAD_INPUT
 from gptpipe.finetune.config import FinetuneConfig
 from gptpipe.finetune.data import (
@@ -46,10 +47,12 @@ from gptpipe.finetune.model import (
     score,
 )
 from gptpipe.finetune.train import TASK_FILE, TOKENIZER_DIR, gather, shard
-from gptpipe.stage import StageInputError, say, write_text_atomic
+from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.train import checkpoint
 from gptpipe.train.engine import Dist
 from gptpipe.train.loop import run_ranks
+
+log = get_logger("predict")
 
 
 @dataclass
@@ -165,13 +168,14 @@ def _predict(config: FinetuneConfig, args: argparse.Namespace, dist: Dist) -> in
         predictor = load_predictor(config, settings.model or config.train.output_model_dir, dist.device)
     except StageInputError as exc:
         if dist.is_main:
-            say(f"gptpipe predict: refused: {exc}")
+            log.error(f"refused: {exc}")
         return EXIT_BAD_INPUT
     output = getattr(args, "output", None) or settings.output or (
         config.train.output_model_dir / "predictions" / f"{name}.jsonl")
     if dist.is_main:
-        say(f"[predict] {predictor.source}: {len(rows):,} rows, {'beam ' + str(settings.num_beams) if settings.num_beams > 1 else 'greedy'}"
-            + (f"\n{skipped.report()}" if skipped.total else ""))
+        search = f"beam {settings.num_beams}" if settings.num_beams > 1 else "greedy"
+        log.info(f"{predictor.source}: {len(rows):,} rows, {search}"
+                 + (f"\n{skipped.report()}" if skipped.total else ""))
     model, synced = predictor.model, config.train.zero_stage == 3 and dist.world_size > 1
     if synced:
         model = _zero3(model, config, dist)
@@ -181,12 +185,12 @@ def _predict(config: FinetuneConfig, args: argparse.Namespace, dist: Dist) -> in
     lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
     output.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(output, lines)
-    say(f"[predict] wrote {len(results):,} predictions to {output}")
+    log.info(f"wrote {len(results):,} predictions to {output}")
     metrics = prediction_metrics(results, predictor.task)
     if metrics:
         write_text_atomic(output.with_suffix(".metrics.json"), json.dumps(metrics, ensure_ascii=False, indent=2))
-        say("[predict] " + (format_classification(metrics) if "macro_f1" in metrics else
-                            f"exact match {metrics['exact_match']:.4f}  chrF {metrics['chrf']:.2f}"))
+        log.info("" + (format_classification(metrics) if "macro_f1" in metrics else
+                                 f"exact match {metrics['exact_match']:.4f}  chrF {metrics['chrf']:.2f}"))
     return 0
 
 
@@ -230,8 +234,8 @@ def predict_rows(model: Any, predictor: Predictor, rows: list[Row], config: Fine
             result["score"] = lp
             results.append((i, result))
     if scratch.truncated:
-        say(f"[predict] rank {dist.rank}: {scratch.truncated} inputs cut to leave max_new_tokens within seq_len "
-            f"{task['seq_len']}")
+        log.info(f"rank {dist.rank}: {scratch.truncated} inputs cut to leave max_new_tokens within seq_len "
+                 f"{task['seq_len']}")
     return gather(results, dist)
 
 
@@ -242,7 +246,8 @@ def prediction_metrics(results: list[dict[str, Any]], task: dict[str, Any]) -> d
         return None
     gold, predicted = [r["label"] for r in labelled], [r["prediction"] for r in labelled]
     if task.get("labels"):
-        metrics = classification_metrics(gold, predicted, task["labels"], task.get("majority_label") or task["labels"][0])
+        majority = task.get("majority_label") or task["labels"][0]
+        metrics = classification_metrics(gold, predicted, task["labels"], majority)
         metrics["mapped"] = sum(r["mapped"] for r in labelled)
         metrics["generated_accuracy"] = sum(r["generated"] == r["label"] for r in labelled) / len(labelled)
         return metrics

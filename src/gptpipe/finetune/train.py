@@ -49,13 +49,16 @@ from gptpipe.finetune.model import (
     score,
     target_logprobs,
 )
-from gptpipe.stage import StageInputError, say, write_text_atomic
+from gptpipe.log import get_logger
+from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.stages import EXIT_BAD_INPUT
 from gptpipe.train import checkpoint
 from gptpipe.train.data import sample_positions
 from gptpipe.train.engine import Dist, EngineConfigError, build_engine, deepspeed_config
 from gptpipe.train.loop import LogWindow, TrainLoop, run_ranks
 from gptpipe.train.schedule import Schedule
+
+log = get_logger("finetune")
 
 TASK_FILE = "task.json"  # what predict needs to rebuild prompts and labels
 SUMMARY_FILE = "finetune_summary.json"
@@ -129,14 +132,14 @@ def _finetune(config: FinetuneConfig, dist: Dist) -> int:
                                                   dist.device.type == "cuda")
     except (StageInputError, EngineConfigError) as exc:
         if dist.is_main:
-            say(f"gptpipe finetune: refused: {exc}")
+            log.error(f"refused: {exc}")
         return EXIT_BAD_INPUT
     if dist.is_main:
         kinds = f"{len(task.labels)} labels" if task.labels else "generation"
-        say(f"[finetune] {config.model.path} ({'encoder-decoder' if task.seq2seq else 'causal LM'}); "
-            f"{len(task.train):,} training rows, {len(task.validation):,} validation rows; {kinds}")
+        log.info(f"{config.model.path} ({'encoder-decoder' if task.seq2seq else 'causal LM'}); "
+                 f"{len(task.train):,} training rows, {len(task.validation):,} validation rows; {kinds}")
         if task.skipped.total or task.skipped.truncated:
-            say(task.skipped.report())
+            log.info(task.skipped.report())
     return FineTuner(config, task, micro, accumulation, ds_config, wandb_block, dist).fit()
 
 

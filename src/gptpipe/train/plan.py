@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
 
 from gptpipe.data.count import DatasetCounts, count_dataset, epoch_schedule, stale_train_tokens
-from gptpipe.stage import say
+from gptpipe.log import get_logger
 from gptpipe.stages import EXIT_BAD_INPUT
 from gptpipe.storage import is_url
 from gptpipe.train.data import DataError, available_host_ram, blend_weights, check_splits, index_bytes
@@ -37,6 +37,8 @@ from gptpipe.train.memory import (
 )
 from gptpipe.train.model import Shape, count_parameters, flops_per_token, resolve_shape
 from gptpipe.train.schedule import Schedule
+
+log = get_logger("plan")
 
 if TYPE_CHECKING:
     from gptpipe.pipeline import PipelineConfig
@@ -280,8 +282,8 @@ def run(config: PipelineConfig, args: argparse.Namespace) -> int:
         plan = make_plan(config, tokenizer.vocab_size, dp=args.gpus, device_memory_gib=args.gpu_memory,
                          device_name=args.gpu_name)
     except (PlanError, DataError) as exc:
-        say(f"gptpipe plan: refused: {exc}")
+        log.error(f"refused: {exc}")
         return EXIT_BAD_INPUT
     check_parameter_count(plan, build_model_config(config.model, tokenizer, config.train.seq_len))
-    say(f"[plan] stage 3 with {args.config}:\n{format_plan(plan, config)}")
+    log.info(f"stage 3 with {args.config}:\n{format_plan(plan, config)}")
     return 0

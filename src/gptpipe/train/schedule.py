@@ -1,8 +1,8 @@
 """Learning-rate schedule derived from the run's actual length (the original's was fixed at 300B tokens).
 
 Optimizer step s (0-based) of a run of T steps uses `lr_at(s)`: a linear warmup over the first W steps,
-then cosine, linear (fine-tuning) or warmup-stable-decay down to exactly min_lr at s = T-1, the last step. The schedule is a
-`LambdaLR` handed to `deepspeed.initialize`, so DeepSpeed saves and restores its position.
+then cosine, linear (fine-tuning) or warmup-stable-decay down to exactly min_lr at s = T-1, the last step. The
+schedule is a `LambdaLR` handed to `deepspeed.initialize`, so DeepSpeed saves and restores its position.
 """
 
 from __future__ import annotations
