@@ -2,7 +2,7 @@
 
     python 1_train_sentencepiece_tokenizer.py [--config sentence_piece_config.yaml] [--force] [key=value ...]
 
-The work: src/gptpipe/tokenizer/train.py (line sampling: tokenizer/sample.py, HF export: tokenizer/hf.py).
+The work: src/gptpipe/tokenizer/build.py (line sampling: tokenizer/sample.py, HF export: tokenizer/hf.py).
 """
 from gptpipe.cli import run_script
 

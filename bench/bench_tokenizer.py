@@ -14,7 +14,7 @@ figures go in docs/benchmarks.md.
 
     python bench/bench_tokenizer.py --calibrate [--sizes 300000,1000000,2000000,3000000] [--calibration-mib 1100]
 
-instead calibrates the stage's RAM estimate (RSS_BASE_MIB, RSS_PER_SAMPLE_BYTE in gptpipe/tokenizer/train.py):
+instead calibrates the stage's RAM estimate (RSS_BASE_MIB, RSS_PER_SAMPLE_BYTE in gptpipe/tokenizer/build.py):
 a ~1.1 GB corpus of new documents recombined from the man pages' lines (calibration.jsonl in the workdir, kept
 for reruns), then one training per input_sentence_size, each printing the sample size the stage expected
 before sampling and got, and its RSS estimate against the measured peak (slow: ~1 hour on 2 cores).
@@ -36,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from gptpipe.tokenizer.train import estimate_peak_mib
+from gptpipe.tokenizer.build import estimate_peak_mib
 
 REPO = Path(__file__).resolve().parent.parent
 REPEAT = 10

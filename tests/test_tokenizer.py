@@ -25,7 +25,7 @@ from gptpipe.tokenizer.config import TokenizerConfig
 from gptpipe.stages import TOKENIZE, read_tokenizer
 from gptpipe.tokenizer.morpheme import DELIMITER
 from gptpipe.tokenizer.sample import cut_utf8, sample_corpus, scan_corpus
-from gptpipe.tokenizer.train import expected_sample_share
+from gptpipe.tokenizer.build import expected_sample_share
 
 SMALL = ("vocab_size=2000", "input_sentence_size=20000", "heldout_documents=50")
 

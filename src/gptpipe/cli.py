@@ -60,7 +60,7 @@ COMMANDS = [
     Command("prepare", "stage 0: build the jsonl corpus from the sources in config.yaml",
             "gptpipe.corpus.prepare:run", PIPELINE, "config.yaml"),
     Command("train-tokenizer", "stage 1: train the SentencePiece tokenizer and export the HF fast tokenizer",
-            "gptpipe.tokenizer.train:run", "gptpipe.tokenizer.config:TokenizerConfig",
+            "gptpipe.tokenizer.build:run", "gptpipe.tokenizer.config:TokenizerConfig",
             "sentence_piece_config.yaml"),
     Command("tokenize", "stage 2: tokenize the corpus into a Megatron .bin/.idx dataset",
             "gptpipe.data.tokenize:run", PIPELINE, "config.yaml", _shard_arguments),

@@ -91,7 +91,7 @@ def _verified(manifest: Manifest) -> list[str]:
 
 
 PREPARE = Stage("0", "prepare", "python 0_prepare_corpus.py", "gptpipe.corpus.prepare", output_file="corpus.jsonl")
-TRAIN_TOKENIZER = Stage("1", "train-tokenizer", "python 1_train_sentencepiece_tokenizer.py", "gptpipe.tokenizer.train")
+TRAIN_TOKENIZER = Stage("1", "train-tokenizer", "python 1_train_sentencepiece_tokenizer.py", "gptpipe.tokenizer.build")
 TOKENIZE = Stage("2", "tokenize", "bash 2_tokenize.sh", "gptpipe.data.tokenize", beside_prefix=True)
 TRAIN = Stage("3", "train", "bash 3_train_node1.sh", "gptpipe.train.train")  # checkpoints carry markers, no manifest
 CONVERT = Stage("4", "convert", "bash 4_convert_to_HF.sh", "gptpipe.export.convert", usable=_verified)
