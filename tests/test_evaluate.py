@@ -31,7 +31,7 @@ def eval_workspace(exported_model: Path, workspace: Path) -> Path:
 def test_zero_shot_on_the_demo_task_writes_accuracy_and_stderr(eval_workspace: Path, tmp_path: Path) -> None:
     config = eval_workspace / "evaluate_config.yaml"
     out = tmp_path / "evaluation"
-    run_cli("evaluate", "--config", config, f"output_dir={out}")  # model: convert_config's exported folder
+    run_cli("evaluate", "--config", config, f"output_dir={out}")  # model: stage 4's exported folder (model_dir)
 
     results = json.loads((out / "results.json").read_text(encoding="utf-8"))
     assert results["model"] == str(eval_workspace / "models" / "hf" / "demo")

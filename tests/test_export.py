@@ -14,7 +14,7 @@ from safetensors import safe_open
 from conftest import SHIPPED, TINY_STEPS
 from conftest import manifest_counts as counts
 from gptpipe.cli import main
-from gptpipe.export.checkpoint import consolidate, find_checkpoint
+from gptpipe.train.checkpoint import consolidate, find_checkpoint
 from gptpipe.export.convert import HELDOUT_DOCUMENTS, heldout_documents, reference_models
 from gptpipe.export.verify import FP32_TOLERANCE, verify_export
 from gptpipe.stage import StageInputError, file_fingerprint

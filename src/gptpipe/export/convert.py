@@ -23,7 +23,8 @@ from typing import Any
 from gptpipe.config.core import to_plain
 from gptpipe.export.card import (LOSS_CURVE, METRIC_CURVE, TASK_METRICS, CardFacts, FinetuneCardFacts, final_val_loss,
                                  plot_loss_curve, plot_metric_curve, render_card, render_finetune_card)
-from gptpipe.export.checkpoint import FINETUNE_SUMMARY, Checkpoint, build_model, consolidate, find_checkpoint
+from gptpipe.export.checkpoint import FINETUNE_SUMMARY, build_model, finetune_config, training_config
+from gptpipe.train.checkpoint import Checkpoint, consolidate, find_checkpoint
 from gptpipe.export.config import ConvertConfig
 from gptpipe.log import get_logger
 from gptpipe.stage import (Manifest, StageFailed, StageInputError, StageResult, atomic_dir, file_fingerprint, run_stage,
@@ -123,7 +124,7 @@ def export(config: ConvertConfig, checkpoint: Checkpoint, tokenizer: TokenizerIn
         report = verify_export(tmp, reference, reference_fp32, tokenizer, heldout, config.test_prompt_text,
                                config.dtype)
         rows = read_metrics(checkpoint.run_dir / "metrics.jsonl", checkpoint.step)
-        training = to_plain(checkpoint.training)
+        training = to_plain(training_config(checkpoint))
         facts = CardFacts(
             title=config.repo_name or out.name, model_config=exported.config, parameters=parameters,
             step=checkpoint.step, tokens_seen=checkpoint.state.get("tokens"), corpus=_corpus_lines(training),
@@ -142,7 +143,7 @@ def export(config: ConvertConfig, checkpoint: Checkpoint, tokenizer: TokenizerIn
 
 
 def convert_pretrained(config: ConvertConfig, checkpoint: Checkpoint, args: Any) -> Manifest:
-    training = checkpoint.training  # the run record: never the config.yaml on disk, which may have changed since
+    training = training_config(checkpoint)  # the run record, never the config.yaml on disk (it may have changed)
     tokenizer = read_tokenizer(training.tokenize.tokenizer_dir)
     check_tokenizer_fits(checkpoint, tokenizer)
     datasets = [read_dataset(p) for p in training.data.prefixes]
@@ -168,7 +169,7 @@ def validation_rows(checkpoint: Checkpoint) -> tuple[Any, Path]:
     from gptpipe.export.verify_finetune import TaskRows
     from gptpipe.finetune.data import read_rows, split_validation
 
-    data = checkpoint.finetuning.data
+    data = finetune_config(checkpoint).data
     path = data.validation or data.train
     if not path.is_file():
         key = "validation" if data.validation else "train"
@@ -218,7 +219,7 @@ def export_finetune(config: ConvertConfig, checkpoint: Checkpoint, data: Any) ->
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id(tokenizer),
         decoder_start_token_id=getattr(exported.config, "decoder_start_token_id", None), do_sample=False,
         max_new_tokens=data.max_new_tokens(tokenizer) if task.get("labels")
-        else checkpoint.finetuning.predict.max_new_tokens)
+        else finetune_config(checkpoint).predict.max_new_tokens)
     parameters = exported.num_parameters()
 
     with atomic_dir(out) as tmp:
@@ -233,7 +234,7 @@ def export_finetune(config: ConvertConfig, checkpoint: Checkpoint, data: Any) ->
         rows = read_metrics(run / "metrics.jsonl", checkpoint.step)
         summary_path = run / FINETUNE_SUMMARY
         summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.is_file() else {}
-        finetuning = to_plain(checkpoint.finetuning)
+        finetuning = to_plain(finetune_config(checkpoint))
         metrics = step_metrics(checkpoint.state, checkpoint.step)
         facts = FinetuneCardFacts(
             title=config.repo_name or out.name, model_config=exported.config, parameters=parameters,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from gptpipe.config.core import load_config, option
+from gptpipe.config.core import option
 from gptpipe.finetune.demo_task import TASK_NAME, DemoTaskConfig
 from gptpipe.log import get_logger
 from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_path, run_stage, tree_fingerprint
@@ -29,9 +29,8 @@ log = get_logger(STAGE)
 class EvaluateConfig:
     """`gptpipe evaluate` and `gptpipe make-demo-task` (its demo_task section): evaluate_config.yaml."""
 
-    model_dir: Path | None = option(
-        None, "HuggingFace folder to evaluate (None: output_tokenizer_and_model_dir of convert_config)")
-    convert_config: Path = option(Path("convert_config.yaml"), "stage 4's config, which names the exported folder")
+    model_dir: Path = option(
+        Path("models/hf/demo"), "HuggingFace folder to evaluate (stage 4's output_tokenizer_and_model_dir, or any)")
     tasks: list[str] = option(
         factory=lambda: [TASK_NAME],
         doc=f"lm-eval task or group names (hub datasets: need the network); {TASK_NAME}: the demo task")
@@ -61,13 +60,8 @@ class EvaluateConfig:
 
 
 def model_folder(config: EvaluateConfig) -> Path:
-    """model_dir, or the folder stage 4 exports to; it must hold a HF model."""
-    if config.model_dir is None:
-        from gptpipe.export.config import ConvertConfig
-
-        folder = load_config(ConvertConfig, config.convert_config).output_tokenizer_and_model_dir
-    else:
-        folder = config.model_dir
+    """model_dir; it must hold a HF model."""
+    folder = config.model_dir
     if not (folder / "config.json").is_file():
         raise StageInputError(f"{folder} holds no HuggingFace model (config.json missing). Export one first: "
                               "gptpipe convert, or set model_dir")

@@ -98,7 +98,7 @@ def load_predictor(config: FinetuneConfig, source: Path, device: torch.device) -
         model = model_class(task["seq2seq"]).from_pretrained(source, dtype=torch.float32)
         return Predictor(model.to(device).eval(), AutoTokenizer.from_pretrained(source), task, str(source))
 
-    from gptpipe.export.checkpoint import consolidate, find_checkpoint, hf_config_object
+    from gptpipe.train.checkpoint import consolidate, find_checkpoint, hf_config_object
 
     found = find_checkpoint(folder)
     task = found.state["task"]
