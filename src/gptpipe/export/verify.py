@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -159,25 +160,37 @@ def verify_export(folder: Path, reference: Any, reference_fp32: Any, tokenizer_i
     Returns the report stored in the manifest: ``verified`` plus every figure behind it. A check that
     crashes counts as failed, so a broken folder is marked failed instead of crashing the stage.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    def checks(model: Any, tokenizer: Any, report: dict[str, Any]) -> dict[str, Callable[[], list[str]]]:
+        return {
+            "ids": lambda: _check_ids(model, tokenizer, tokenizer_info, dtype),
+            "logits": lambda: _check_logits(report, model, reference, reference_fp32, heldout, tokenizer_info.eod_id,
+                                            dtype),
+            "tokenizer": lambda: _check_tokenizer(report, tokenizer, tokenizer_info.model_path, heldout, prompt),
+            "generation": lambda: _check_generation(report, model, reference, tokenizer, prompt, dtype),
+        }
+
+    return run_gate(folder, AutoModelForCausalLM, dtype, checks)
+
+
+def run_gate(folder: Path, loader: Any, dtype: str,
+             checks: Callable[[Any, Any, dict[str, Any]], dict[str, Callable[[], list[str]]]]) -> dict[str, Any]:
+    """Reload ``folder`` with ``loader`` (an AutoModel class) and AutoTokenizer, run every check on them and
+    return the manifest's report: ``verified``, the failures and the figures the checks record. A check that
+    crashes counts as failed, so a broken folder is marked failed instead of crashing the stage."""
+    from transformers import AutoTokenizer
 
     report: dict[str, Any] = {"dtype": dtype}
-    log.info(f"verifying {folder}: reloading with AutoModelForCausalLM / AutoTokenizer")
+    log.info(f"verifying {folder}: reloading with {loader.__name__} / AutoTokenizer")
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto").eval()
+        model = loader.from_pretrained(folder, dtype="auto").eval()
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as exc:
-        failures = [f"the folder does not load with AutoModelForCausalLM/AutoTokenizer: {type(exc).__name__}: {exc}"]
+        failures = [f"the folder does not load with {loader.__name__}/AutoTokenizer: {type(exc).__name__}: {exc}"]
         return {**report, "verified": False, "failures": failures}
-    checks = {
-        "ids": lambda: _check_ids(model, tokenizer, tokenizer_info, dtype),
-        "logits": lambda: _check_logits(report, model, reference, reference_fp32, heldout, tokenizer_info.eod_id,
-                                        dtype),
-        "tokenizer": lambda: _check_tokenizer(report, tokenizer, tokenizer_info.model_path, heldout, prompt),
-        "generation": lambda: _check_generation(report, model, reference, tokenizer, prompt, dtype),
-    }
     failures = []
-    for name, check in checks.items():
+    for name, check in checks(model, tokenizer, report).items():
         try:
             failures += check()
         except Exception as exc:

@@ -16,10 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from collections.abc import Callable
 
 import torch
 
-from gptpipe.export.verify import BF16_RELATIVE, FP32_TOLERANCE, TORCH_DTYPES
+from gptpipe.export.verify import BF16_RELATIVE, FP32_TOLERANCE, TORCH_DTYPES, run_gate
 from gptpipe.finetune.data import IGNORE, Encoded, Encoder, Row, Skipped, collate, map_to_label, pad_id
 from gptpipe.finetune.model import decode, generate, logits, model_class
 from gptpipe.log import get_logger
@@ -124,27 +125,13 @@ def verify_finetune_export(folder: Path, reference: Any, reference_fp32: Any, re
                            data: TaskRows, dtype: str) -> dict[str, Any]:
     """Run the gate on ``folder``; ``reference`` is the checkpoint's model in the export dtype. Returns the
     manifest's report (``verified`` and every figure behind it); a check that crashes counts as failed."""
-    from transformers import AutoTokenizer
+    def checks(model: Any, tokenizer: Any, report: dict[str, Any]) -> dict[str, Callable[[], list[str]]]:
+        return {
+            "ids": lambda: _check_ids(model, tokenizer, reference_tokenizer, dtype),
+            "logits": lambda: _check_logits(report, model, reference, reference_fp32, data, reference_tokenizer,
+                                            dtype),
+            "tokenizer": lambda: _check_tokenizer(report, tokenizer, reference_tokenizer, data),
+            "generation": lambda: _check_generation(report, model, reference, tokenizer, data),
+        }
 
-    loader = model_class(data.task["seq2seq"])
-    report: dict[str, Any] = {"dtype": dtype}
-    log.info(f"verifying {folder}: reloading with {loader.__name__} / AutoTokenizer")
-    try:
-        model = loader.from_pretrained(folder, dtype="auto").eval()
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except Exception as exc:
-        failures = [f"the folder does not load with {loader.__name__}/AutoTokenizer: {type(exc).__name__}: {exc}"]
-        return {**report, "verified": False, "failures": failures}
-    checks = {
-        "ids": lambda: _check_ids(model, tokenizer, reference_tokenizer, dtype),
-        "logits": lambda: _check_logits(report, model, reference, reference_fp32, data, reference_tokenizer, dtype),
-        "tokenizer": lambda: _check_tokenizer(report, tokenizer, reference_tokenizer, data),
-        "generation": lambda: _check_generation(report, model, reference, tokenizer, data),
-    }
-    failures = []
-    for name, check in checks.items():
-        try:
-            failures += check()
-        except Exception as exc:
-            failures.append(f"{name} check failed: {type(exc).__name__}: {exc}")
-    return {**report, "verified": not failures, "failures": failures}
+    return run_gate(folder, model_class(data.task["seq2seq"]), dtype, checks)
