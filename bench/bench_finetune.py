@@ -13,8 +13,9 @@ its computed positions/s is rows/s × the mean longest row of a batch (both from
 encodes them). Pick stage 3's seq_len × batch near the fine-tune's computed positions per step: the optimizer
 step costs the same whatever the batch, so equal work per step compares like with like.
 
-Predict: the fine-tuned run's best checkpoint on the task's test rows, greedy and beam 4, in this process
-(gptpipe.finetune.predict, the code `gptpipe predict` runs), alternated, model load excluded.
+Predict: the best checkpoint of a fine-tune run (--run, e.g. the demo's runs/finetune-demo; else the short run
+trained above) on the task's test rows, greedy and beam 4, in this process (gptpipe.finetune.predict, the code
+`gptpipe predict` runs), alternated, model load excluded. --predict-only skips the training comparison.
 Prints markdown rows for docs/benchmarks.md.
 """
 
@@ -120,21 +121,20 @@ def bench_predict(args: argparse.Namespace, run: Path) -> list[str]:
     predictor = load_predictor(config, run, dist.device)
     rows, _ = read_rows(args.task / "test.tsv", "auto")
     times: dict[int, list[float]] = {1: [], 4: []}
-    tokens: dict[int, int] = {}
+    accuracy: dict[int, float] = {}
     for _ in range(args.rounds):
         for beams, spent in times.items():
             config.predict.num_beams = beams
             started = time.perf_counter()
             results = predict_rows(predictor.model, predictor, rows, config, dist, synced=False)
             spent.append(time.perf_counter() - started)
-            tokens[beams] = sum(len(predictor.tokenizer(r["generated"] if "generated" in r else r["prediction"],
-                                                        add_special_tokens=False)["input_ids"]) for r in results)
-    lines = ["| search | rows | batch | wall (median) | rows/s | generated tokens/s |",
+            accuracy[beams] = sum(r["prediction"] == r.get("label") for r in results) / len(results)
+    lines = [f"| search | rows | batch | wall (median of {args.rounds}) | rows/s | test accuracy |",
              "| --- | --- | --- | --- | --- | --- |"]
     for beams, spent in times.items():
         wall = statistics.median(spent)
         lines.append(f"| {'greedy' if beams == 1 else f'beam {beams}'} | {len(rows)} | {config.predict.batch_size} | "
-                     f"{wall:.1f} s | {len(rows) / wall:.1f} | {tokens[beams] / wall:.1f} |")
+                     f"{wall:.1f} s | {len(rows) / wall:.1f} | {accuracy[beams]:.3f} |")
     return lines
 
 
@@ -150,13 +150,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--run", type=Path, default=None, help="fine-tune run to predict with (default: the bench's)")
+    parser.add_argument("--predict-only", action="store_true", help="only the predict comparison (needs --run)")
     parser.add_argument("finetune_overrides", nargs="*", help="finetune_config keys, e.g. train.global_batch_size=32")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-finetune-") as tmp:
-        training, run = bench_training(args, Path(tmp))
-        print("\n".join(training))
-        print()
-        print("\n".join(bench_predict(args, run)))
+        run = args.run
+        if not args.predict_only:
+            training, run = bench_training(args, Path(tmp))
+            print("\n".join(training) + "\n")
+        print("\n".join(bench_predict(args, args.run or run)))
 
 
 if __name__ == "__main__":

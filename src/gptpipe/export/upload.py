@@ -43,7 +43,9 @@ def _sha256(path: Path) -> str:
 def check_hub_copy(local: Path, downloaded: Path, files: list[str], prompt: str) -> tuple[list[str], str]:
     """(problems, greedy sample): the downloaded copy must be byte-identical, load and generate, like the original's
     smoke test. Its sample is not compared with the gate's: another machine's kernels may break a near-tie."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
     from gptpipe.export.verify import greedy_continuation
 
@@ -51,7 +53,10 @@ def check_hub_copy(local: Path, downloaded: Path, files: list[str], prompt: str)
                 if not (downloaded / f).is_file() or _sha256(downloaded / f) != _sha256(local / f)]
     if problems:
         return problems, ""
-    model = AutoModelForCausalLM.from_pretrained(downloaded, dtype="auto").eval()
+    task = downloaded / "task.json"  # a fine-tune export says whether it is an encoder-decoder
+    seq2seq = task.is_file() and json.loads(task.read_text(encoding="utf-8")).get("seq2seq", False)
+    loader = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+    model = loader.from_pretrained(downloaded, dtype="auto").eval()
     return [], greedy_continuation(model, AutoTokenizer.from_pretrained(downloaded), prompt)[1]
 
 

@@ -220,8 +220,10 @@ class FineTuner(TrainLoop):
 
     # --- checkpoints ---------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
+        # The run record (the resolved finetune_config.yaml): stage 4 finds the validation rows it verifies on here.
         return {"best": self.best, "last_eval": self.last_eval, "task": self.task_facts(),
-                "precision": self.train_cfg.precision, "zero_stage": self.train_cfg.zero_stage}
+                "precision": self.train_cfg.precision, "zero_stage": self.train_cfg.zero_stage,
+                "config": to_plain(self.config)}
 
     def restore(self, state: dict[str, Any]) -> None:
         self.best, self.last_eval = state.get("best"), state.get("last_eval")
