@@ -214,3 +214,20 @@ def exported_model(trained_run: Path, workspace: Path) -> Path:
     """Stage 4 with the shipped convert_config.yaml on the stage-3 run: the verified folder models/hf/demo."""
     run_cli("convert", "--config", workspace / "convert_config.yaml")
     return workspace / "models" / "hf" / "demo"
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A HF folder: the stage-1 tokenizer (SentencePiece, Japanese) and a small random Llama."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-lm")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir / "hf")
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=64, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -266,22 +266,6 @@ def demo_task(tmp_path_factory) -> Path:
     return folder / "data" / "finetune" / "manpage_section"
 
 
-@pytest.fixture(scope="module")
-def tiny_lm(tokenizer_dir, tmp_path_factory) -> Path:
-    """A HF folder: the stage-1 tokenizer and a small random Llama (fine-tuned below, like the stage-4 model)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny-lm")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir / "hf")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=64, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 def gptpipe(*argv: object) -> None:
     """A gptpipe subcommand in a subprocess (a fine-tune's process group must not leak into this process)."""
     import subprocess

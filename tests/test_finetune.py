@@ -71,22 +71,6 @@ def task_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return write_tsv(folder / "train.tsv", rows[:48]), write_tsv(folder / "validation.tsv", rows[48:])
 
 
-@pytest.fixture(scope="module")
-def tiny_lm(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A HF folder: the stage-1 tokenizer (SentencePiece, Japanese) and a small random Llama."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny-lm")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir / "hf")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=64, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 def gptpipe(command: str, *argv: object, ranks: int = 1, stdin: str | None = None,
             timeout: float = 900) -> subprocess.CompletedProcess:
     """A gptpipe subcommand in a subprocess (its process group must not leak into the test process)."""
