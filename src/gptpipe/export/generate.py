@@ -53,17 +53,37 @@ def generate(model: Any, tokenizer: Any, prompt: str, sampling: Sampling,
              on_text: Callable[[str], None] | None = None) -> str:
     """The continuation of ``prompt``; ``on_text`` receives it piece by piece while it is generated."""
     import torch
-    from transformers import TextStreamer
+    from transformers.generation.streamers import BaseStreamer
 
-    class Callback(TextStreamer):  # TextStreamer finds whole words/characters; we choose where they go
-        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
-            if text and on_text:
-                on_text(text)
+    class Stream(BaseStreamer):
+        """Hands on_text each new piece as soon as the decoded text is whole. transformers' TextStreamer waits
+        for a space or an ideograph, so Japanese punctuation or kana could arrive only at the end; a piece here
+        ends wherever the text does not end inside a character (byte-fallback tokens)."""
+
+        def __init__(self) -> None:
+            self.ids: list[int] = []
+            self.sent = 0
+            self.prompt_seen = False
+
+        def put(self, value: torch.Tensor) -> None:
+            if not self.prompt_seen:  # generate() hands the prompt over first
+                self.prompt_seen = True
+                return
+            self.ids += value.reshape(-1).tolist()
+            self._send(final=False)
+
+        def end(self) -> None:
+            self._send(final=True)
+
+        def _send(self, final: bool) -> None:
+            text = tokenizer.decode(self.ids, skip_special_tokens=True)
+            if (final or not text.endswith("\ufffd")) and len(text) > self.sent:
+                on_text(text[self.sent:])
+                self.sent = len(text)
 
     inputs = tokenizer(prompt, return_tensors="pt")
-    streamer = Callback(tokenizer, skip_prompt=True, skip_special_tokens=True)
     with torch.no_grad():
-        out = model.generate(**inputs, streamer=streamer, pad_token_id=tokenizer.pad_token_id,
+        out = model.generate(**inputs, streamer=Stream() if on_text else None, pad_token_id=tokenizer.pad_token_id,
                              **sampling.generate_kwargs())
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
