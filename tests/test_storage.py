@@ -263,7 +263,6 @@ def test_store_outage_training_goes_on_and_the_bucket_catches_up(dataset_prefix:
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=120)
         assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
-        assert "upload of global_step" in stderr and "failing" in stderr  # on the console line
         assert f"the upload to {url} did not finish within 3 s" in stderr
         saved = max(int(p.name.removeprefix("global_step")) for p in (machine / "checkpoints").glob("global_step*"))
         assert (machine / "checkpoints" / f"global_step{saved}" / "complete").is_file()
