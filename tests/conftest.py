@@ -171,6 +171,14 @@ def train_env(ranks: int = 1) -> dict[str, str]:
     return env
 
 
+def start_train(config: Path, *overrides: str):
+    """A quick stage-3 run (QUICK_TRAIN) in the background, stderr captured: for tests that signal or kill it."""
+    import subprocess
+
+    return subprocess.Popen(train_command("--config", config, *QUICK_TRAIN, *overrides), env=train_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
 def run_train(*argv: object, ranks: int = 1, launcher: str = "torchrun", timeout: float = 900):
     """Stage 3 in a subprocess (its process group must not leak into the test process); returns the
     CompletedProcess with stderr (the plan, the log lines) captured as text."""

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import QUICK_TRAIN, run_train, train_command, train_env
+from conftest import QUICK_TRAIN, run_train, start_train
 
 from gptpipe.config.core import ConfigError, Url, load_config
 from gptpipe.pipeline import PipelineConfig
@@ -122,11 +122,6 @@ def bucket_steps(store, url: str) -> dict[int, bool]:
     return found
 
 
-def start(config: Path, *overrides: str) -> subprocess.Popen:
-    return subprocess.Popen(train_command("--config", config, *QUICK_TRAIN, *overrides), env=train_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
 def wait_for_step(run: Path, step: int, process: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -180,7 +175,7 @@ def test_preemption_drill_resumes_exactly_on_fresh_machines(store, dataset_prefi
 
     # 1. SIGTERM at a random step on machine 1: a save within one step, its upload, exit 75.
     machine = tmp_path / "machine1"
-    process = start(config, *bucket_run, f"train.local_dir={machine}")
+    process = start_train(config, *bucket_run, f"train.local_dir={machine}")
     wait_for_step(machine, rng.randint(1, 4), process)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=300)
@@ -192,7 +187,7 @@ def test_preemption_drill_resumes_exactly_on_fresh_machines(store, dataset_prefi
 
     # 2. A new machine resumes from the bucket; SIGKILL it while a newer checkpoint is half uploaded.
     machine = tmp_path / "machine2"
-    process = start(config, *bucket_run, f"train.local_dir={machine}")
+    process = start_train(config, *bucket_run, f"train.local_dir={machine}")
     mid_upload = False
     deadline = time.monotonic() + 300
     while not mid_upload and process.poll() is None and time.monotonic() < deadline:
@@ -251,7 +246,7 @@ def test_store_outage_training_goes_on_and_the_bucket_catches_up(dataset_prefix:
     config = workspace / "config.yaml"
     try:
         # The store goes down after the first upload; training goes on and the failures are reported.
-        process = start(config, "train.train_iters=1000", *run)
+        process = start_train(config, "train.train_iters=1000", *run)
         deadline = time.monotonic() + 300
         while not any(bucket_steps(s3, url).values()):
             assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]

@@ -10,17 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import QUICK, QUICK_TRAIN, metrics, run_train, train_command, train_env, train_losses
+from conftest import QUICK, QUICK_TRAIN, metrics, run_train, start_train, train_losses
 
 from gptpipe.stages import EXIT_PREEMPTED
 from gptpipe.train.checkpoint import COMPLETE_MARKER, STATE, complete_checkpoints
 
 STEPS = 8
-
-
-def start(config: Path, *overrides: str) -> subprocess.Popen:
-    return subprocess.Popen(train_command("--config", config, *QUICK_TRAIN, *overrides), env=train_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def wait_for_step(run: Path, step: int, process: subprocess.Popen, timeout: float = 300) -> None:
@@ -44,7 +39,7 @@ def test_sigkilled_run_resumes_with_identical_losses(dataset_prefix: Path, works
     assert sorted(reference) == list(range(1, STEPS + 1))
 
     killed_dir = tmp_path / "killed"
-    process = start(config, *common, f"train.output_model_dir={killed_dir}")
+    process = start_train(config, *common, f"train.output_model_dir={killed_dir}")
     wait_for_step(killed_dir, 3, process)
     process.send_signal(signal.SIGKILL)  # no handler runs: whatever was half-written stays half-written
     process.wait()
@@ -69,8 +64,8 @@ def test_sigkilled_run_resumes_with_identical_losses(dataset_prefix: Path, works
 def test_sigterm_saves_within_one_step_and_exits_75(dataset_prefix: Path, workspace: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     # 4 micro-batches per step: the signal is honoured between micro-batches, not only at step ends.
-    process = start(workspace / "config.yaml", "train.train_iters=1000", "train.save_interval=1000",
-                    "train.micro_batch_size=2", f"train.output_model_dir={run}")
+    process = start_train(workspace / "config.yaml", "train.train_iters=1000", "train.save_interval=1000",
+                          "train.micro_batch_size=2", f"train.output_model_dir={run}")
     wait_for_step(run, 2, process)
     logged = max(train_losses(run))
     process.send_signal(signal.SIGTERM)
