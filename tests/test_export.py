@@ -373,3 +373,11 @@ def test_seq2seq_finetune_exports_as_an_encoder_decoder(demo_task, workspace, tm
     assert "pipeline_tag: text2text-generation" in (out / "README.md").read_text()
     model = AutoModelForSeq2SeqLM.from_pretrained(out)
     assert model.generation_config.decoder_start_token_id == model.config.decoder_start_token_id
+
+    # Stage 6's check of the hub copy loads it as an encoder-decoder and shows the decoder's output alone.
+    from gptpipe.export.upload import check_hub_copy
+    from gptpipe.stages import read_export
+
+    problems, sample = check_hub_copy(out, out, list(read_export(out).files), "入力: ls")
+    output = sample.split(" → ", 1)[1]
+    assert problems == [] and sample.startswith("入力: ls → ") and "入力" not in output

@@ -70,10 +70,14 @@ def _logits(model: Any, batch: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 @torch.no_grad()
 def greedy_continuation(model: Any, tokenizer: Any, prompt: str) -> tuple[list[int], str]:
-    """(new token ids, prompt + their text): deterministic, so two copies of one model must agree."""
+    """(new token ids, prompt + their text; an encoder-decoder's "prompt → output"): deterministic, so two
+    copies of one model must agree."""
     prompt_ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]], dtype=torch.long)
     out = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), do_sample=False,
                          max_new_tokens=GREEDY_TOKENS, pad_token_id=tokenizer.pad_token_id)
+    if model.config.is_encoder_decoder:  # the output is the decoder's alone (it starts with its start token)
+        ids = out[0, 1:].tolist()
+        return ids, f"{prompt} → {tokenizer.decode(ids, skip_special_tokens=True)}"
     ids = out[0, prompt_ids.shape[1]:].tolist()
     return ids, prompt + tokenizer.decode(ids, skip_special_tokens=True)
 
