@@ -11,6 +11,7 @@ test server) are reached through ``storage.endpoint_url`` in config.yaml or the 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,12 @@ class StorageConfig:
             return [("endpoint_url", "must not carry credentials: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
                                      "in the environment instead")]
         return []
+
+    def apply(self) -> None:
+        """Make ``endpoint_url`` this process's S3 endpoint, and its children's (training ranks): as
+        AWS_ENDPOINT_URL_S3, which s3fs, boto3 and megatron-core all read. Commands reading config.yaml call it."""
+        if self.endpoint_url:
+            os.environ["AWS_ENDPOINT_URL_S3"] = self.endpoint_url
 
 
 def is_url(value: Any) -> bool:

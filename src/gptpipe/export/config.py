@@ -19,7 +19,9 @@ class ConvertConfig:
         Path("runs/demo"), "stage-3 run folder (its newest complete checkpoint is used) or one checkpoint folder; "
                            "or a run folder in a bucket (s3://..., gs://...; credentials from the environment)")
     checkpoint_step: int | None = option(None, "export this step instead of the newest complete checkpoint")
-    output_tokenizer_and_model_dir: Path = option(Path("models/hf/demo"), "HuggingFace folder to write")
+    output_tokenizer_and_model_dir: Url | Path = option(
+        Path("models/hf/demo"), "HuggingFace folder to write; or a URL (s3://..., gs://...): exported and verified "
+                                "locally, then uploaded with its manifest last (stage 6 uploads from there)")
     dtype: Literal["bf16", "fp32"] = option("bf16", "dtype of the exported weights")
     max_shard_size: str = option("2GB", "safetensors files are split above this size")
     test_prompt_text: str = option("こんにちは、", "prompt generated from after export and after upload")
