@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from gptpipe.config.core import Url, option
+from gptpipe.storage import url_problems
 
 
 @dataclass
@@ -34,12 +35,9 @@ class SourceConfig:
             problems.append(("path", "hf_dataset needs exactly one of path (local) or name (hub)"))
         if self.type in ("jsonl", "text") and self.path is None:
             problems.append(("path", f"a {self.type} source needs a path"))
-        if isinstance(self.path, Url):
-            from gptpipe.storage import check_url
-
-            if self.type == "manpages":
-                problems.append(("path", "man pages are read from a local folder, not a URL"))
-            problems += [("path", p) for p in check_url(self.path)]
+        if isinstance(self.path, Url) and self.type == "manpages":
+            problems.append(("path", "man pages are read from a local folder, not a URL"))
+        problems += url_problems(self, ("path",))
         if self.max_documents is not None and self.max_documents < 1:
             problems.append(("max_documents", "must be at least 1 (or null for all)"))
         return problems

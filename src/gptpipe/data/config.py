@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gptpipe.config.core import Url, option
+from gptpipe.storage import url_problems
 from gptpipe.data.split import split_shares
 
 
@@ -84,15 +85,3 @@ class DataConfig:
             problems.append(("split", str(exc)))
         return problems + url_problems(self, ("prefixes",))
 
-
-def url_problems(config: object, keys: tuple[str, ...]) -> list[tuple[str, str]]:
-    """check_url's problems with the URL values of ``keys`` (a key may hold one value or a list)."""
-    from gptpipe.storage import check_url
-
-    problems = []
-    for key in keys:
-        value = getattr(config, key)
-        for i, item in enumerate(value) if isinstance(value, list) else [(None, value)]:
-            if isinstance(item, Url):
-                problems += [(key if i is None else f"{key}.{i}", p) for p in check_url(item)]
-    return problems

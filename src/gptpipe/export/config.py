@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from gptpipe.config.core import Url, option
+from gptpipe.storage import url_problems
 
 
 @dataclass
@@ -36,6 +37,7 @@ class ConvertConfig:
         problems = []
         if self.huggingface_name and self.hugging_face_name and self.huggingface_name != self.hugging_face_name:
             problems.append(("hugging_face_name", "differs from huggingface_name; keep only huggingface_name"))
+        problems += url_problems(self, ("input_model_dir", "output_tokenizer_and_model_dir"))
         if self.checkpoint_step is not None and self.checkpoint_step < 0:
             problems.append(("checkpoint_step", "must be >= 0"))
         if not re.fullmatch(r"\d+\s*[KMGT]i?B", self.max_shard_size, re.IGNORECASE):
