@@ -152,11 +152,11 @@ def test_url_values_stay_urls_and_secrets_stay_out(tmp_path: Path) -> None:
     assert config.train.local_dir == tmp_path / "staging"  # a path beside it still resolves against its folder
     with pytest.raises(ConfigError) as err:
         load_config(PipelineConfig, yaml, [f"train.output_model_dir=s3://{FAKE_KEY_ID}:{FAKE_SECRET}@bucket/x",
-                                           "tokenize.tokenizer_dir=gs://bucket/tok",
+                                           "corpus.output_dir=gs://bucket/corpus",
                                            "storage.endpoint_url=ftp://host"])
     message = str(err.value)
     assert "carries credentials" in message and FAKE_SECRET not in message
-    assert "tokenize.tokenizer_dir: 'gs://bucket/tok' is a URL, but this key takes a local path only" in message
+    assert "corpus.output_dir: 'gs://bucket/corpus' is a URL, but this key takes a local path only" in message
     assert "storage.endpoint_url: expected http(s)://host[:port]" in message
 
 

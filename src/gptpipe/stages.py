@@ -17,6 +17,7 @@ from typing import Any
 from collections.abc import Callable
 
 from gptpipe.stage import Manifest, StageInputError, file_fingerprint, manifest_fingerprint, outputs_intact
+from gptpipe.storage import is_url
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -54,9 +55,19 @@ class Stage:
     def has_manifest(self, location: Path) -> bool:
         return self.manifest_path(location).is_file()
 
-    def fingerprint(self, location: Path) -> dict[str, Any]:
-        """This stage's output at ``location`` as a later stage's input: it changes whenever this stage reruns."""
-        return manifest_fingerprint(self.manifest_path(location))
+    def local(self, location: Path | str, only: Callable[[str], bool] | None = None) -> Path:
+        """``location`` itself, or for a URL (s3://, gs://...) its outputs fetched into the verified local cache
+        (gptpipe.remote; ``only`` picks which outputs are downloaded, the manifest always is)."""
+        if not is_url(location):
+            return Path(location)
+        from gptpipe.remote import fetch
+
+        return fetch(self, str(location), only)
+
+    def fingerprint(self, location: Path | str) -> dict[str, Any]:
+        """This stage's output at ``location`` as a later stage's input: it changes whenever this stage reruns
+        (a URL's manifest is the same bytes as the local one it was published from)."""
+        return manifest_fingerprint(self.manifest_path(self.local(location, only=lambda name: False)))
 
     def problems(self, manifest: Manifest, root: Path) -> list[str]:
         """Why a finished manifest's outputs cannot be used (empty: they can)."""
@@ -66,8 +77,10 @@ class Stage:
             problems += self.usable(manifest)
         return problems
 
-    def require(self, location: Path) -> Manifest:
-        """The manifest of this stage's finished output at ``location``; a clear StageInputError otherwise."""
+    def require(self, location: Path | str) -> Manifest:
+        """The manifest of this stage's finished output at ``location`` (a URL: of its verified local copy, see
+        ``local``); a clear StageInputError otherwise."""
+        location = self.local(location)
         path = self.manifest_path(location)
         if not path.is_file():
             raise StageInputError(f"{path} not found: the {self.title} outputs are missing or incomplete (a run "
@@ -193,9 +206,10 @@ class TokenizerInfo:
     manifest: Manifest
 
 
-def read_tokenizer(folder: Path) -> TokenizerInfo:
-    """The tokenizer in ``folder`` (a stage-1 output_dir), after checking its manifest and files."""
-    folder = Path(folder)
+def read_tokenizer(folder: Path | str) -> TokenizerInfo:
+    """The tokenizer in ``folder`` (a stage-1 output_dir, or its URL: then its local copy), after checking its
+    manifest and files."""
+    folder = TRAIN_TOKENIZER.local(folder)
     manifest = TRAIN_TOKENIZER.require(folder)
     models = [name for name in manifest.outputs if name.endswith(".model")]
     if len(models) != 1:
@@ -209,23 +223,26 @@ def read_tokenizer(folder: Path) -> TokenizerInfo:
 
 @dataclass(frozen=True)
 class DatasetInfo:
-    """A finished stage-2 dataset prefix (<prefix>.bin/.idx): its token type and totals."""
+    """A finished stage-2 dataset prefix (<prefix>.bin/.idx): its token type and totals. ``prefix`` is local
+    (a URL's cached copy); ``source`` is the prefix as the config names it."""
 
     prefix: Path
     dtype: str
     documents: int
     tokens: int
     manifest: Manifest
+    source: str
 
     def card_facts(self) -> dict[str, Any]:
         """What the model card quotes of this dataset."""
-        return {"prefix": str(self.prefix), "documents": self.documents, "tokens": self.tokens, "dtype": self.dtype}
+        return {"prefix": self.source, "documents": self.documents, "tokens": self.tokens, "dtype": self.dtype}
 
 
-def read_dataset(prefix: Path) -> DatasetInfo:
-    manifest = TOKENIZE.require(prefix)
+def read_dataset(prefix: Path | str) -> DatasetInfo:
+    local = TOKENIZE.local(prefix)
+    manifest = TOKENIZE.require(local)
     c = manifest.counts
-    return DatasetInfo(Path(prefix), c["dtype"], int(c["documents"]), int(c["tokens"]), manifest)
+    return DatasetInfo(local, c["dtype"], int(c["documents"]), int(c["tokens"]), manifest, str(prefix))
 
 
 @dataclass(frozen=True)
@@ -240,11 +257,13 @@ class ExportInfo:
     manifest: Manifest
 
 
-def read_export(folder: Path) -> ExportInfo:
-    """A stage-4 folder whose files are intact and which passed the verification gate."""
-    manifest = CONVERT.require(folder)
+def read_export(folder: Path | str) -> ExportInfo:
+    """A stage-4 folder whose files are intact and which passed the verification gate (a URL: its verified
+    local copy, which ``folder`` of the result names)."""
+    local = CONVERT.local(folder)
+    manifest = CONVERT.require(local)
     c = manifest.counts
-    return ExportInfo(Path(folder), tuple(sorted(manifest.outputs)), c.get("step"), c.get("dtype", ""),
+    return ExportInfo(local, tuple(sorted(manifest.outputs)), c.get("step"), c.get("dtype", ""),
                       manifest.config.get("test_prompt_text", ""), manifest)
 
 

@@ -11,6 +11,7 @@ test server) are reached through ``storage.endpoint_url`` in config.yaml or the 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,12 @@ class StorageConfig:
             return [("endpoint_url", "must not carry credentials: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
                                      "in the environment instead")]
         return []
+
+    def apply(self) -> None:
+        """Make ``endpoint_url`` this process's S3 endpoint, and its children's (training ranks): as
+        AWS_ENDPOINT_URL_S3, which s3fs, boto3 and megatron-core all read. Commands reading config.yaml call it."""
+        if self.endpoint_url:
+            os.environ["AWS_ENDPOINT_URL_S3"] = self.endpoint_url
 
 
 def is_url(value: Any) -> bool:
@@ -74,18 +81,34 @@ def check_url(url: str) -> list[str]:
     return problems
 
 
+def url_problems(config: object, keys: tuple[str, ...]) -> list[tuple[str, str]]:
+    """check_url's problems with the URL values of a config's ``keys`` (one value or a list each), for its check()."""
+    problems = []
+    for key in keys:
+        value = getattr(config, key)
+        for i, item in enumerate(value) if isinstance(value, list) else [(None, value)]:
+            if is_url(item):
+                problems += [(key if i is None else f"{key}.{i}", p) for p in check_url(item)]
+    return problems
+
+
 def filesystem(url: str, endpoint_url: str | None = None) -> Any:
     """The fsspec filesystem for ``url``; ``endpoint_url`` (storage.endpoint_url) points s3:// elsewhere."""
     import fsspec
 
     proto = protocol(url)
     options: dict[str, Any] = {}
+    # The endpoint the environment names is passed on explicitly: fsspec caches a filesystem per arguments, and
+    # one made for another endpoint (the variable changed within the process) must not be served again.
     if proto in ("s3", "s3a"):
         # Fail fast and let the caller's retry loop (with its log lines) do the waiting.
         options["config_kwargs"] = {"connect_timeout": 10, "read_timeout": 120,
                                     "retries": {"max_attempts": 3, "mode": "standard"}}
+        endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint_url:
             options["endpoint_url"] = endpoint_url
+    elif proto in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
+        options["endpoint_url"] = os.environ["STORAGE_EMULATOR_HOST"]
     return fsspec.filesystem(proto, **options)
 
 

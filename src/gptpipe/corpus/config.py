@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from gptpipe.config.core import option
+from gptpipe.config.core import Url, option
+from gptpipe.storage import url_problems
 
 
 @dataclass
@@ -17,7 +18,9 @@ class SourceConfig:
         "manpages", "manpages: roff pages under path (the offline demo); jsonl: .jsonl/.json(.gz) files; "
         "text: plain .txt files; hf_dataset: a HuggingFace dataset (hub name with streaming, or a local "
         "save_to_disk folder / parquet files)")
-    path: Path | None = option(None, "file, folder or glob pattern to read (not for a hub dataset given by name)")
+    path: Url | Path | None = option(
+        None, "file, folder or glob pattern to read (not for a hub dataset given by name); jsonl, text and parquet "
+              "files may also be URLs (s3://bucket/corpus/*.jsonl.gz, gs://...), streamed through fsspec")
     name: str | None = option(None, "hf_dataset only: hub dataset name, read with streaming")
     subset: str | None = option(None, "hf_dataset only: dataset configuration name, e.g. 'ja'")
     split: str = option("train", "hf_dataset only: which split to read")
@@ -32,6 +35,9 @@ class SourceConfig:
             problems.append(("path", "hf_dataset needs exactly one of path (local) or name (hub)"))
         if self.type in ("jsonl", "text") and self.path is None:
             problems.append(("path", f"a {self.type} source needs a path"))
+        if isinstance(self.path, Url) and self.type == "manpages":
+            problems.append(("path", "man pages are read from a local folder, not a URL"))
+        problems += url_problems(self, ("path",))
         if self.max_documents is not None and self.max_documents < 1:
             problems.append(("max_documents", "must be at least 1 (or null for all)"))
         return problems

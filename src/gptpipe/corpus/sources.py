@@ -4,8 +4,10 @@ records are checked as in stages 1 and 2, with the same reason names (data/jsonl
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -19,6 +21,7 @@ from gptpipe.corpus.config import SourceConfig
 from gptpipe.corpus.manpages import GroffError, find_manpages, formatter_version, read_manpage, roff_to_text
 from gptpipe.data.jsonl import INVALID_JSON, UNDECODABLE, object_text, record_text
 from gptpipe.stage import StageInputError, tree_fingerprint
+from gptpipe.storage import filesystem, is_url
 
 
 @dataclass
@@ -32,18 +35,23 @@ class Record:
     problem: str | None = None
 
 
-def source_files(source: SourceConfig) -> list[Path]:
-    """The files a local source reads, in a stable order; an empty match is an error."""
+SUFFIXES = {"jsonl": (".jsonl", ".json", ".jsonl.gz", ".json.gz"), "text": (".txt", ".txt.gz"), "hf_dataset": ("",)}
+# What identifies one version of an object, by store: S3's ETag and LastModified, GCS's generation and md5Hash...
+OBJECT_VERSION_KEYS = ("ETag", "etag", "LastModified", "generation", "md5Hash", "updated", "mtime")
+
+
+def source_files(source: SourceConfig) -> list[Path] | list[str]:
+    """The files a source reads, in a stable order; an empty match is an error."""
     assert source.path is not None
     path = source.path
-    if source.type == "manpages":
+    if is_url(path):
+        files: list = list(_remote_objects(source))
+    elif source.type == "manpages":
         files = find_manpages(path)
     elif any(ch in str(path) for ch in "*?["):
         files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
     elif path.is_dir():
-        suffixes = {"jsonl": (".jsonl", ".json", ".jsonl.gz", ".json.gz"), "text": (".txt", ".txt.gz"),
-                    "hf_dataset": ("",)}[source.type]
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(suffixes))
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(SUFFIXES[source.type]))
     else:
         files = [path] if path.is_file() else []
     if not files:
@@ -52,10 +60,42 @@ def source_files(source: SourceConfig) -> list[Path]:
     return files
 
 
+def _remote_objects(source: SourceConfig) -> dict[str, dict[str, Any]]:
+    """{URL: fsspec info} of the objects a source in a bucket names: one object, a glob, or a folder's files
+    with the source type's suffixes; sorted by URL."""
+    url = str(source.path)
+    fs = filesystem(url)
+    fs.invalidate_cache()
+    if any(ch in url for ch in "*?["):
+        found = fs.glob(url, detail=True)
+    elif fs.isdir(url):
+        found = {name: info for name, info in fs.find(url, detail=True).items()
+                 if name.endswith(SUFFIXES[source.type])}
+    else:
+        try:
+            found = {url: fs.info(url)}
+        except FileNotFoundError:
+            found = {}
+    objects = {fs.unstrip_protocol(name) if not is_url(name) else name: info for name, info in found.items()
+               if info.get("type") != "directory"}
+    return dict(sorted(objects.items()))
+
+
 def fingerprint(source: SourceConfig) -> dict[str, Any]:
-    """What identifies a source's content: file names/sizes/mtimes, or the hub coordinates."""
+    """What identifies a source's content: file names/sizes/mtimes (objects: their stores' version ids), or the
+    hub coordinates."""
     if source.type == "hf_dataset" and source.name:
         return {"hub": source.name, "subset": source.subset, "split": source.split}
+    if is_url(source.path):
+        objects = _remote_objects(source)
+        if not objects:
+            source_files(source)  # the error naming the source
+        digest = hashlib.sha256()
+        for url, info in objects.items():
+            version = [str(info[k]) for k in OBJECT_VERSION_KEYS if k in info]
+            digest.update(f"{url}\0{info.get('size')}\0{'/'.join(version)}\n".encode())
+        return {"files": len(objects), "size": sum(int(i.get("size") or 0) for i in objects.values()),
+                "sha256": digest.hexdigest()}
     if source.type == "manpages":  # the text is groff's: another groff, another corpus
         return {**tree_fingerprint(source_files(source)), "formatter": formatter_version()}
     return tree_fingerprint(source_files(source))
@@ -91,8 +131,17 @@ def _manpages(source: SourceConfig) -> Iterator[Record]:
         pool.shutdown(cancel_futures=True)
 
 
-def _open_bytes(path: Path) -> io.BufferedIOBase:
-    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")  # type: ignore[return-value]
+@contextlib.contextmanager
+def _open_bytes(path: Path | str) -> Iterator[io.BufferedIOBase]:
+    """A buffered binary stream of a file or an object (streamed in blocks, never downloaded whole), gunzipped
+    when its name ends in .gz."""
+    if not is_url(path):
+        with (gzip.open(path, "rb") if Path(path).suffix == ".gz" else open(path, "rb")) as fh:
+            yield fh  # type: ignore[misc]
+        return
+    with filesystem(str(path)).open(str(path), "rb") as raw:
+        stream = gzip.GzipFile(fileobj=raw) if str(path).endswith(".gz") else io.BufferedReader(raw, 1 << 20)
+        yield stream  # type: ignore[misc]
 
 
 def _jsonl(source: SourceConfig) -> Iterator[Record]:
@@ -145,6 +194,9 @@ def _hf_dataset(source: SourceConfig) -> Iterator[Record]:
     if source.name:
         ds = datasets.load_dataset(source.name, source.subset, split=source.split, streaming=True)
         label = source.name
+    elif is_url(source.path):
+        yield from _remote_parquet(source)
+        return
     else:
         path = source.path
         assert path is not None
@@ -160,3 +212,21 @@ def _hf_dataset(source: SourceConfig) -> Iterator[Record]:
             ds = datasets.load_dataset("parquet", data_files=files, split="train")
     for i, row in enumerate(ds):
         yield Record(f"{label}[{i}]", *object_text(row, source.text_key))
+
+
+def _remote_parquet(source: SourceConfig) -> Iterator[Record]:
+    """The rows of parquet objects in a bucket, one row group at a time (``datasets`` would first copy every
+    file whole into its own cache)."""
+    import pyarrow.parquet as pq
+
+    files = [f for f in source_files(source) if str(f).endswith(".parquet")]
+    if not files:
+        raise StageInputError(f"hf_dataset {source.path}: a URL source reads .parquet objects, and it names none")
+    for url in files:
+        with filesystem(str(url)).open(str(url), "rb") as fh:
+            parquet = pq.ParquetFile(fh)
+            i = 0
+            for batch in parquet.iter_batches(batch_size=1024):
+                for row in batch.to_pylist():
+                    yield Record(f"{url}[{i}]", *object_text(row, source.text_key))
+                    i += 1

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptpipe.config.core import option
+from gptpipe.config.core import Url, option
+from gptpipe.storage import url_problems
 from gptpipe.data.split import split_shares
 
 
@@ -16,8 +17,12 @@ class TokenizeConfig:
     input: list[Path] = option(factory=lambda: [Path("data/corpus/corpus.jsonl")],
                                doc="jsonl file(s) to tokenize, one {text_key: ...} object per line: paths or "
                                    "glob patterns (data/*.jsonl), each expanded in sorted order")
-    tokenizer_dir: Path = option(Path("tokenizers/ja_32k"), "stage-1 output folder (its tokenizer.model is used)")
-    output_prefix: Path = option(Path("data/tokenized/ja"), "writes <output_prefix>_text_document.bin/.idx")
+    tokenizer_dir: Url | Path = option(
+        Path("tokenizers/ja_32k"), "stage-1 output folder (its tokenizer.model is used); or its URL (s3://..., "
+                                   "gs://...): fetched once into a verified local cache")
+    output_prefix: Url | Path = option(
+        Path("data/tokenized/ja"), "writes <output_prefix>_text_document.bin/.idx; or a URL prefix: written "
+                                   "locally, then uploaded with the manifest last")
     text_key: str = option("text", "the field of each json object that holds the document")
     workers: int = option(0, "worker processes (0: all cores); does not change the output")
     task_bytes: int = option(
@@ -36,7 +41,7 @@ class TokenizeConfig:
             problems.append(("task_bytes", "must be >= 0"))
         if self.max_document_chars < 1:
             problems.append(("max_document_chars", "must be >= 1"))
-        return problems
+        return problems + url_problems(self, ("tokenizer_dir", "output_prefix"))
 
     @property
     def max_line_bytes(self) -> int:
@@ -44,8 +49,10 @@ class TokenizeConfig:
         return 12 * self.max_document_chars + (64 << 10)
 
     @property
-    def dataset_prefix(self) -> Path:
+    def dataset_prefix(self) -> Url | Path:
         """The Megatron prefix actually written (the original pipeline's `_text_document` suffix)."""
+        if isinstance(self.output_prefix, Url):
+            return Url(self.output_prefix.rstrip("/") + "_text_document")
         return self.output_prefix.with_name(self.output_prefix.name + "_text_document")
 
 
@@ -53,8 +60,10 @@ class TokenizeConfig:
 class DataConfig:
     """Training data: one or several tokenized prefixes, blended, split into train/valid/test."""
 
-    prefixes: list[Path] = option(factory=lambda: [Path("data/tokenized/ja_text_document")],
-                                  doc="Megatron dataset prefixes (without .bin/.idx) written by stage 2")
+    prefixes: list[Url | Path] = option(
+        factory=lambda: [Path("data/tokenized/ja_text_document")],
+        doc="Megatron dataset prefixes (without .bin/.idx) written by stage 2; URLs (s3://..., gs://...) are "
+            "fetched once into a verified local cache")
     weights: list[float] | None = option(
         None, "blend weights, one per prefix (None: proportional to each prefix's token count)")
     split: str = option("969,30,1", "train,valid,test proportions over documents")
@@ -74,4 +83,5 @@ class DataConfig:
             split_shares(self.split)
         except ValueError as exc:
             problems.append(("split", str(exc)))
-        return problems
+        return problems + url_problems(self, ("prefixes",))
+

@@ -21,6 +21,7 @@ from gptpipe.data.split import SPLITS, split_documents, split_problems
 from gptpipe.log import get_logger
 from gptpipe.stage import write_text_atomic
 from gptpipe.stages import TOKENIZE
+from gptpipe.storage import is_url
 
 if TYPE_CHECKING:
     from gptpipe.pipeline import PipelineConfig
@@ -32,7 +33,7 @@ log = get_logger("count")
 class DatasetCounts:
     """One stage-2 dataset: its totals and what each split receives."""
 
-    prefix: Path
+    prefix: Path | str  # as data.prefixes names it (a URL stays one)
     dtype: str
     documents: int
     tokens: int
@@ -40,11 +41,16 @@ class DatasetCounts:
     split_tokens: tuple[int, int, int]
 
 
-def count_dataset(prefix: Path, split: str, seed: int) -> DatasetCounts:
+def count_dataset(prefix: Path | str, split: str, seed: int) -> DatasetCounts:
     """Counts of a finished stage-2 dataset, each split cut from `document_order` exactly as training cuts it
-    (refused, with what to run, when the dataset's manifest is incomplete)."""
-    TOKENIZE.require(prefix)
-    index = read_index(idx_path(prefix))  # memory-mapped
+    (refused, with what to run, when the dataset's manifest is incomplete). A URL prefix is checked in the
+    bucket and only its .idx is fetched (training fetches the .bin, train/data.py)."""
+    if is_url(prefix):
+        local = TOKENIZE.local(prefix, only=lambda name: name.endswith(".idx"))
+    else:
+        local = prefix
+        TOKENIZE.require(prefix)
+    index = read_index(idx_path(local))  # memory-mapped
     # gptpipe writes one sequence per document
     parts = split_documents(split, index.sequences, seed)
     docs = [len(part) for part in parts]
@@ -171,6 +177,7 @@ def format_report(counts: list[DatasetCounts], split: str, plan: EpochSchedule) 
 
 def run(config: PipelineConfig, args: argparse.Namespace) -> int:
     """`gptpipe count` / count_tokens.py."""
+    config.storage.apply()
     counts = [count_dataset(p, config.data.split, config.data.seed) for p in config.data.prefixes]
     train = config.train
     plan = epoch_schedule(counts, train.seq_len, train.global_batch_size, train.train_epochs)

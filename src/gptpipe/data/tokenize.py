@@ -37,8 +37,10 @@ from gptpipe.data.ranges import BLOCK_BYTES, LineNumbers, plan_tasks
 from gptpipe.data.shards import parse_shard, read_shards, shard_prefix
 from gptpipe.data.worker import WorkerSettings, encode_task, init_worker
 from gptpipe.log import get_logger
+from gptpipe.remote import run_stage_at, staging
 from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_path, run_stage
 from gptpipe.stages import PREPARE, TOKENIZE, TRAIN_TOKENIZER, check_input_files, read_tokenizer
+from gptpipe.storage import is_url
 
 if TYPE_CHECKING:
     from gptpipe.pipeline import PipelineConfig
@@ -159,7 +161,11 @@ def tokenize_files(files: list[Path], prefix: Path, settings: WorkerSettings, wo
 def run(config: PipelineConfig, args: argparse.Namespace) -> int:
     """`gptpipe tokenize [--shard I/N]`."""
     cfg = config.tokenize
+    config.storage.apply()
     shard = parse_shard(getattr(args, "shard", None))
+    if shard is not None and is_url(cfg.output_prefix):
+        raise StageInputError(f"--shard writes local shards for `gptpipe merge`: set tokenize.output_prefix to a "
+                              f"local path for the shard runs (it is {cfg.output_prefix}), or tokenize in one run")
     files, fingerprints = check_input_files(cfg.input, "tokenize.input", PREPARE)
     info = read_tokenizer(cfg.tokenizer_dir)
     dtype = token_dtype(info.vocab_size)
@@ -175,18 +181,23 @@ def run(config: PipelineConfig, args: argparse.Namespace) -> int:
     workers = cfg.workers or default_workers()
     extra = {"shard": f"{shard[0]}/{shard[1]}"} if shard else {}
 
-    def work() -> StageResult:
-        remove_stale_temporaries(prefix)
-        return tokenize_files(files, prefix, settings, workers, cfg.task_bytes, shard)
+    local = staging(TOKENIZE, prefix)  # a URL prefix is written here first, then uploaded (gptpipe.remote)
 
-    run_stage(TOKENIZE, prefix, _manifest_config(cfg, **extra), inputs, work, force=args.force,
-              versions=("sentencepiece", "numpy", "orjson"))
+    def work() -> StageResult:
+        remove_stale_temporaries(local)
+        return tokenize_files(files, local, settings, workers, cfg.task_bytes, shard)
+
+    run_stage_at(TOKENIZE, prefix, _manifest_config(cfg, **extra), inputs, work, force=args.force,
+                 versions=("sentencepiece", "numpy", "orjson"))
     return 0
 
 
 def merge(config: PipelineConfig, args: argparse.Namespace) -> int:
     """`gptpipe merge --shards N`: join the N shard datasets into the configured prefix."""
     cfg = config.tokenize
+    if is_url(cfg.output_prefix):
+        raise StageInputError(f"merge joins local shards: tokenize.output_prefix must be a local path (it is "
+                              f"{cfg.output_prefix}); upload the merged prefix with one `gptpipe tokenize` run instead")
     count = args.shards
     shards, manifests = read_shards(cfg, count)
     prefix = cfg.dataset_prefix

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from gptpipe.config.core import Url, option
+from gptpipe.storage import url_problems
 
 
 @dataclass
@@ -19,7 +20,9 @@ class ConvertConfig:
         Path("runs/demo"), "stage-3 run folder (its newest complete checkpoint is used) or one checkpoint folder; "
                            "or a run folder in a bucket (s3://..., gs://...; credentials from the environment)")
     checkpoint_step: int | None = option(None, "export this step instead of the newest complete checkpoint")
-    output_tokenizer_and_model_dir: Path = option(Path("models/hf/demo"), "HuggingFace folder to write")
+    output_tokenizer_and_model_dir: Url | Path = option(
+        Path("models/hf/demo"), "HuggingFace folder to write; or a URL (s3://..., gs://...): exported and verified "
+                                "locally, then uploaded with its manifest last (stage 6 uploads from there)")
     dtype: Literal["bf16", "fp32"] = option("bf16", "dtype of the exported weights")
     max_shard_size: str = option("2GB", "safetensors files are split above this size")
     test_prompt_text: str = option("こんにちは、", "prompt generated from after export and after upload")
@@ -34,6 +37,7 @@ class ConvertConfig:
         problems = []
         if self.huggingface_name and self.hugging_face_name and self.huggingface_name != self.hugging_face_name:
             problems.append(("hugging_face_name", "differs from huggingface_name; keep only huggingface_name"))
+        problems += url_problems(self, ("input_model_dir", "output_tokenizer_and_model_dir"))
         if self.checkpoint_step is not None and self.checkpoint_step < 0:
             problems.append(("checkpoint_step", "must be >= 0"))
         if not re.fullmatch(r"\d+\s*[KMGT]i?B", self.max_shard_size, re.IGNORECASE):

@@ -27,7 +27,8 @@ from gptpipe.export.checkpoint import FINETUNE_SUMMARY, build_model, finetune_co
 from gptpipe.train.checkpoint import Checkpoint, consolidate, find_checkpoint
 from gptpipe.export.config import ConvertConfig
 from gptpipe.log import get_logger
-from gptpipe.stage import (Manifest, StageFailed, StageInputError, StageResult, atomic_dir, file_fingerprint, run_stage,
+from gptpipe.remote import run_stage_at, staging
+from gptpipe.stage import (Manifest, StageFailed, StageInputError, StageResult, atomic_dir, file_fingerprint,
                            tree_fingerprint, write_text_atomic)
 from gptpipe.stages import (CONVERT, EXIT_OK, TOKENIZE, TRAIN_TOKENIZER, DatasetInfo, TokenizerInfo, read_dataset,
                             read_tokenizer)
@@ -100,7 +101,7 @@ def export(config: ConvertConfig, checkpoint: Checkpoint, tokenizer: TokenizerIn
 
     from gptpipe.export.verify import TORCH_DTYPES, cast_parameters, verify_export
 
-    out = config.output_tokenizer_and_model_dir
+    out = staging(CONVERT, config.output_tokenizer_and_model_dir)
     dtype = TORCH_DTYPES[config.dtype]
     log.info(f"consolidating {checkpoint.path} (step {checkpoint.step}) with DeepSpeed's zero_to_fp32")
     state_dict = consolidate(checkpoint)
@@ -147,7 +148,6 @@ def convert_pretrained(config: ConvertConfig, checkpoint: Checkpoint, args: Any)
     tokenizer = read_tokenizer(training.tokenize.tokenizer_dir)
     check_tokenizer_fits(checkpoint, tokenizer)
     datasets = [read_dataset(p) for p in training.data.prefixes]
-    out = config.output_tokenizer_and_model_dir
     inputs = {
         "checkpoint": {"path": str(checkpoint.path),
                        **tree_fingerprint([p for p in checkpoint.path.rglob("*") if p.is_file()])},
@@ -157,8 +157,9 @@ def convert_pretrained(config: ConvertConfig, checkpoint: Checkpoint, args: Any)
     settings = {k: getattr(config, k) for k in EXPORT_KEYS}
     heldout = heldout_documents(datasets[0].prefix, HELDOUT_DOCUMENTS, tokenizer.eod_id, training.data.split,
                                 training.data.seed)
-    return run_stage(
-        CONVERT, out, settings, inputs, lambda: export(config, checkpoint, tokenizer, datasets, heldout),
+    return run_stage_at(
+        CONVERT, config.output_tokenizer_and_model_dir, settings, inputs,
+        lambda: export(config, checkpoint, tokenizer, datasets, heldout),
         force=args.force, versions=("torch", "transformers", "deepspeed", "safetensors", "tokenizers", "sentencepiece"))
 
 
@@ -206,7 +207,7 @@ def export_finetune(config: ConvertConfig, checkpoint: Checkpoint, data: Any) ->
     from gptpipe.export.verify_finetune import verify_finetune_export
     from gptpipe.finetune.data import pad_id
 
-    out, run = config.output_tokenizer_and_model_dir, checkpoint.run_dir
+    out, run = staging(CONVERT, config.output_tokenizer_and_model_dir), checkpoint.run_dir
     tokenizer = AutoTokenizer.from_pretrained(run / FINETUNE_TOKENIZER)
     log.info(f"consolidating fine-tune checkpoint {checkpoint.path} (step {checkpoint.step}) with zero_to_fp32")
     state_dict = consolidate(checkpoint)
@@ -267,7 +268,7 @@ def convert_finetune(config: ConvertConfig, checkpoint: Checkpoint, args: Any) -
         "validation": {"path": str(data_file), **file_fingerprint(data_file)},
     }
     settings = {k: getattr(config, k) for k in EXPORT_KEYS}
-    return run_stage(
+    return run_stage_at(
         CONVERT, config.output_tokenizer_and_model_dir, settings, inputs,
         lambda: export_finetune(config, checkpoint, data), force=args.force,
         versions=("torch", "transformers", "deepspeed", "safetensors", "tokenizers"))
@@ -281,7 +282,7 @@ def run(config: ConvertConfig, args: Any) -> int:
     counts = manifest.counts
     if not counts.get("verified"):
         raise StageFailed(f"{out} did not pass verification (marked verified: false in "
-                          f"{CONVERT.manifest_path(out)}; it will not be uploaded):\n  - "
+                          f"{CONVERT.manifest_path(staging(CONVERT, out))}; it will not be uploaded):\n  - "
                           + "\n  - ".join(counts.get("failures", [])))
     log.info(f"{out}: verified (logits max |Δ| {counts['logits_max_abs_diff']:.2g} in {counts['dtype']}, "
              f"{counts['tokenizer_texts']} texts tokenized identically). "

@@ -19,6 +19,7 @@ from gptpipe.export.config import ConvertConfig
 from gptpipe.log import get_logger
 from gptpipe.stage import StageFailed, StageInputError
 from gptpipe.stages import EXIT_OK, read_export
+from gptpipe.storage import is_url
 
 log = get_logger("upload")
 
@@ -61,8 +62,10 @@ def check_hub_copy(local: Path, downloaded: Path, files: list[str], prompt: str)
 
 
 def run(config: ConvertConfig, args: Any) -> int:
-    folder = config.output_tokenizer_and_model_dir
-    export = read_export(folder)  # verified, and unchanged since
+    source = config.output_tokenizer_and_model_dir
+    export = read_export(source)  # verified, and unchanged since (a URL: its verified local copy)
+    folder = export.folder
+    shown = f"{source} (verified copy in {folder})" if is_url(source) else str(folder)
     from huggingface_hub import HfApi, constants, get_token, snapshot_download
 
     # Exactly the files stage 4 wrote and verified; its manifest.json and config.yaml (local paths) stay here.
@@ -73,7 +76,7 @@ def run(config: ConvertConfig, args: Any) -> int:
     where = (f"{endpoint}/{target} ({'private' if config.private else 'public'}, "
              f"branch {config.revision or 'main'})")
     if args.dry_run:
-        print(f"would upload {len(files)} files from {folder} to {where}:")
+        print(f"would upload {len(files)} files from {shown} to {where}:")
         for f in files:
             print(f"  {f}  ({(folder / f).stat().st_size:,} bytes)")
         return EXIT_OK
@@ -83,7 +86,7 @@ def run(config: ConvertConfig, args: Any) -> int:
         raise StageInputError("no HuggingFace token: set HF_TOKEN or run `hf auth login` (a token is never read "
                               "from convert_config.yaml or the command line)")
     api = HfApi(endpoint=endpoint, token=token)
-    log.info(f"{len(files)} files from {folder} → {where}")
+    log.info(f"{len(files)} files from {shown} → {where}")
     try:
         repo_url = api.create_repo(f"{config.organization}/{name}" if config.organization else name,
                                    private=config.private, exist_ok=True)

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from gptpipe.data.config import DataConfig
 from gptpipe.data.count import DatasetCounts
 from gptpipe.data.split import document_order, split_problems
+from gptpipe.stages import TOKENIZE
 
 if TYPE_CHECKING:
     import torch
@@ -103,7 +104,8 @@ def build_datasets(data_cfg: DataConfig, stats: list[DatasetCounts], seq_len: in
     config = GPTDatasetConfig(
         random_seed=data_cfg.seed,
         sequence_length=seq_len,
-        blend=([str(s.prefix) for s in stats], weights),
+        # A URL prefix reads its verified local copy (the .bin fetched here, once per machine: gptpipe.remote).
+        blend=([str(TOKENIZE.local(s.prefix)) for s in stats], weights),
         split=data_cfg.split,
         path_to_cache=str(cache_dir),
         tokenizer=_MegatronTokenizer(vocab_size, eod_id),

@@ -1,0 +1,187 @@
+"""Data in a bucket, on real object-storage servers on 127.0.0.1 (moto's S3 server, gcp-storage-emulator):
+stage 0 reading its sources from URLs, stage 2 writing its prefix to one, count_tokens and stage 3 reading URL
+prefixes and a URL tokenizer through the verified cache, stage 4 exporting to a URL and stage 6 uploading from
+there."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import TINY_RUN, corpus_texts, run_cli, run_train, train_losses
+from test_storage import FAKE_KEY_ID, FAKE_SECRET, FAKE_TOKEN, GCSStore, S3Store
+from test_upload import TOKEN, hub  # noqa: F401 (the local hub server fixture)
+
+from gptpipe.cli import main
+from gptpipe.stage import Manifest
+
+
+def open_store(kind: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """A running store with an empty bucket, its env set for this process and its children; the fetch cache
+    (under the system temp folder) moved into ``tmp_path``."""
+    import fsspec
+
+    store = S3Store() if kind == "s3" else GCSStore()
+    for key, value in store.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    store.start()
+    store.fs = fsspec.filesystem(store.scheme, skip_instance_cache=True)
+    store.bucket = f"data-{random.randrange(10**6)}"
+    store.fs.mkdir(store.bucket)
+    store.url = f"{store.scheme}://{store.bucket}"
+    return store
+
+
+@pytest.fixture(params=["s3", "gs"])
+def store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    store = open_store(request.param, monkeypatch, tmp_path)
+    yield store
+    store.stop()
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    store = open_store("s3", monkeypatch, tmp_path)
+    yield store
+    store.stop()
+
+
+def test_stage0_reads_the_same_corpus_from_a_bucket(store, tmp_path: Path, capfd) -> None:
+    datasets = pytest.importorskip("datasets")
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    good = [f"バケットの文書その{i}です。" for i in range(6)]
+    with open(raw / "a.jsonl", "wb") as fh:
+        for line in (json.dumps({"text": good[0]}, ensure_ascii=False).encode(), b'{"text": broken',
+                     json.dumps({"text": good[0]}, ensure_ascii=False).encode(),  # a duplicate
+                     json.dumps({"text": good[1]}, ensure_ascii=False).encode()):
+            fh.write(line + b"\n")
+    with gzip.open(raw / "b.json.gz", "wt", encoding="utf-8") as fh:
+        json.dump([{"text": good[2]}], fh, ensure_ascii=False)
+    with gzip.open(raw / "c.jsonl.gz", "wt", encoding="utf-8") as fh:
+        fh.write(json.dumps({"text": good[3]}, ensure_ascii=False) + "\n")
+    (raw / "d.txt").write_text(f"{good[4]}\n\n短い\n", encoding="utf-8")
+    datasets.Dataset.from_dict({"text": [good[5]]}).to_parquet(str(raw / "e.parquet"))
+    store.fs.put(str(raw) + "/", f"{store.bucket}/corpus/", recursive=True)
+
+    def sources(root: str) -> list[dict]:
+        return [{"type": "jsonl", "path": f"{root}/*.json*"},
+                {"type": "text", "path": f"{root}/d.txt", "text_unit": "paragraph"},
+                {"type": "hf_dataset", "path": f"{root}/e.parquet"}]
+
+    corpora = {}
+    for name, root in (("local", str(raw)), ("bucket", f"{store.url}/corpus")):
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(yaml.safe_dump({"corpus": {"sources": sources(root), "output_dir": name, "min_chars": 5}},
+                                         allow_unicode=True), encoding="utf-8")
+        run_cli("prepare", "--config", config)
+        corpora[name] = Manifest.read(tmp_path / name / "manifest.json").counts
+    assert corpus_texts(tmp_path / "bucket") == corpus_texts(tmp_path / "local") == good
+    assert corpora["bucket"]["dropped"] == corpora["local"]["dropped"] == {
+        "invalid json": 1, "exact duplicate": 1, "shorter than min_chars (5)": 1}
+    assert corpora["bucket"]["dropped_examples"]["invalid json"] == [f"{store.url}/corpus/a.jsonl:2"]
+
+    # The objects' versions are the stage's input: unchanged, a rerun skips; a rewritten object redoes it.
+    capfd.readouterr()
+    run_cli("prepare", "--config", tmp_path / "bucket.yaml")
+    assert "up to date" in capfd.readouterr().err
+    store.fs.pipe_file(f"{store.bucket}/corpus/c.jsonl.gz",
+                       gzip.compress(json.dumps({"text": "書き換えた文書です。"}, ensure_ascii=False).encode()))
+    run_cli("prepare", "--config", tmp_path / "bucket.yaml")
+    assert "書き換えた文書です。" in corpus_texts(tmp_path / "bucket")
+    with pytest.raises(AssertionError):  # a glob that matches nothing is refused, naming it
+        run_cli("prepare", "--config", tmp_path / "bucket.yaml", f"corpus.sources=[{{type: jsonl, path: "
+                f"'{store.url}/nothing/*.jsonl'}}]")
+    assert f"{store.url}/nothing/*.jsonl: no input files found" in capfd.readouterr().err
+
+
+def cached_files(tmp_path: Path) -> set[str]:
+    return {p.name for p in (tmp_path / "tmp" / "gptpipe-cache").rglob("*") if p.is_file() and p.name != ".lock"}
+
+
+def test_stage2_to_a_bucket_then_count_and_train_from_it(s3, workspace: Path, dataset_prefix: Path,
+                                                         tokenizer_dir: Path, tiny_run, tmp_path: Path,
+                                                         capfd) -> None:
+    config = workspace / "config.yaml"
+    # The tokenizer as `aws s3 sync` / `gsutil rsync` leaves it (new mtimes: the fetch checks sizes and the manifest).
+    s3.fs.put(str(tokenizer_dir) + "/", f"{s3.bucket}/tokenizers/ja_32k/", recursive=True)
+    tokenizer_url = f"{s3.url}/tokenizers/ja_32k"
+    prefix_url = f"{s3.url}/tokenized/ja_text_document"
+    bucket = (f"tokenize.tokenizer_dir={tokenizer_url}", f"data.prefixes=[{prefix_url}]")
+
+    # Stage 2 writes locally, then uploads the .bin/.idx and its manifest last: the same bytes as a local run.
+    run_cli("tokenize", "--config", config, *bucket, f"tokenize.output_prefix={s3.url}/tokenized/ja")
+    for suffix in (".bin", ".idx"):
+        assert s3.fs.cat_file(f"{prefix_url[5:]}{suffix}") == dataset_prefix.with_name(
+            dataset_prefix.name + suffix).read_bytes()
+    manifest = json.loads(s3.fs.cat_file(f"{prefix_url[5:]}.manifest.json"))
+    assert manifest["complete"] and manifest["config"]["output_prefix"] == f"{s3.url}/tokenized/ja"
+    # The bucket's tokenizer is the local one: its fingerprint (the manifest's hash) is the same.
+    local_manifest = Manifest.read(dataset_prefix.with_name(dataset_prefix.name + ".manifest.json"))
+    assert manifest["inputs"]["tokenizer"] == local_manifest.inputs["tokenizer"]
+    capfd.readouterr()
+    run_cli("tokenize", "--config", config, *bucket, f"tokenize.output_prefix={s3.url}/tokenized/ja")
+    assert f"{prefix_url} is up to date" in capfd.readouterr().err
+
+    # count_tokens on a new machine (an empty cache) reads the .idx alone and counts what the local count does.
+    cache = tmp_path / "tmp" / "gptpipe-cache"
+    for path in sorted(cache.rglob("*"), reverse=True):
+        path.unlink() if path.is_file() else path.rmdir()
+    run_cli("count", "--config", config, "--no-write", *bucket)
+    from_bucket = capfd.readouterr().out
+    run_cli("count", "--config", config, "--no-write")
+    local = capfd.readouterr().out
+    assert from_bucket.replace(prefix_url, str(dataset_prefix)) == local
+    assert "ja_text_document.bin" not in cached_files(tmp_path) and "ja_text_document.idx" in cached_files(tmp_path)
+
+    # Stage 3 on the bucket's data and tokenizer trains exactly as on the local ones.
+    done = run_train("--config", config, *TINY_RUN, *bucket, f"train.output_model_dir={tmp_path / 'run'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert train_losses(tmp_path / "run") == train_losses(tiny_run())
+    assert {"ja_text_document.bin", "tokenizer.model"} <= cached_files(tmp_path)
+    for secret in (FAKE_KEY_ID, FAKE_SECRET, FAKE_TOKEN):
+        assert secret not in done.stderr + from_bucket
+
+
+def test_incomplete_dataset_in_a_bucket_is_refused(s3, workspace: Path, dataset_prefix: Path, capfd) -> None:
+    config = workspace / "config.yaml"
+    name = dataset_prefix.name
+    for suffix in (".bin", ".idx", ".manifest.json"):
+        s3.fs.put_file(str(dataset_prefix.with_name(name + suffix)), f"{s3.bucket}/ds/{name}{suffix}")
+    url = f"{s3.url}/ds/{name}"
+    s3.fs.rm_file(f"{s3.bucket}/ds/{name}.bin")
+    assert main(["count", "--config", str(config), "--no-write", f"data.prefixes=[{url}]"]) == 2
+    assert f"{url}.bin is missing" in capfd.readouterr().err
+    s3.fs.rm_file(f"{s3.bucket}/ds/{name}.manifest.json")
+    assert main(["count", "--config", str(config), "--no-write", f"data.prefixes=[{url}]"]) == 2
+    err = capfd.readouterr().err
+    assert f"{url}.manifest.json not found" in err and "Run: bash 2_tokenize.sh" in err
+
+
+def test_stage4_exports_to_a_bucket_and_stage6_uploads_from_it(s3, hub, workspace: Path,  # noqa: F811
+                                                               exported_model: Path, monkeypatch, capsys) -> None:
+    convert = workspace / "convert_config.yaml"
+    url = f"{s3.url}/models/demo"
+    run_cli("convert", "--config", convert, f"output_tokenizer_and_model_dir={url}")
+    manifest = json.loads(s3.fs.cat_file(f"{url[5:]}/manifest.json"))
+    assert manifest["counts"]["verified"]
+    for name in manifest["outputs"]:
+        assert s3.fs.info(f"{url[5:]}/{name}")["size"] == (exported_model / name).stat().st_size
+    capsys.readouterr()
+    assert main(["upload", "--config", str(convert), f"output_tokenizer_and_model_dir={url}",
+                 "huggingface_name=from-bucket", "--dry-run"]) == 0
+    listed = capsys.readouterr().out
+    assert f"from {url} (verified copy in" in listed and "model.safetensors" in listed
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    assert main(["upload", "--config", str(convert), f"output_tokenizer_and_model_dir={url}",
+                 "huggingface_name=from-bucket"]) == 0
+    out = capsys.readouterr()
+    assert "from-bucket" in out.out and TOKEN not in out.out + out.err
