@@ -59,11 +59,10 @@ def test_stage0_reads_the_same_corpus_from_a_bucket(store, tmp_path: Path, capfd
     raw = tmp_path / "raw"
     raw.mkdir()
     good = [f"バケットの文書その{i}です。" for i in range(6)]
-    with open(raw / "a.jsonl", "wb") as fh:
-        for line in (json.dumps({"text": good[0]}, ensure_ascii=False).encode(), b'{"text": broken',
-                     json.dumps({"text": good[0]}, ensure_ascii=False).encode(),  # a duplicate
-                     json.dumps({"text": good[1]}, ensure_ascii=False).encode()):
-            fh.write(line + b"\n")
+    lines = (json.dumps({"text": good[0]}, ensure_ascii=False).encode(), b'{"text": broken',
+             json.dumps({"text": good[0]}, ensure_ascii=False).encode(),  # a duplicate
+             json.dumps({"text": good[1]}, ensure_ascii=False).encode())
+    (raw / "a.jsonl").write_bytes(b"".join(line + b"\n" for line in lines))
     with gzip.open(raw / "b.json.gz", "wt", encoding="utf-8") as fh:
         json.dump([{"text": good[2]}], fh, ensure_ascii=False)
     with gzip.open(raw / "c.jsonl.gz", "wt", encoding="utf-8") as fh:

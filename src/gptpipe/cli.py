@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd = next(c for c in COMMANDS if c.name == args.command)
     try:
         config = load_config(_load_object(cmd.config_class), args.config, args.overrides)
+        if getattr(config, "storage", None) is not None:  # config.yaml's storage: endpoint for every command
+            config.storage.apply()
         result = _load_object(cmd.target)(config, args)
     except (ConfigError, StageInputError) as exc:
         print(f"gptpipe {cmd.name}: {exc}", file=sys.stderr)

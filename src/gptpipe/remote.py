@@ -88,7 +88,8 @@ def read_remote_manifest(stage: Stage, url: str, fs: Any) -> tuple[Manifest, byt
     try:
         return Manifest(**json.loads(data)), data
     except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as exc:
-        raise StageInputError(f"{join(folder, name)} is not a valid manifest ({exc}). {stage.hint(force=True)}") from None
+        raise StageInputError(f"{join(folder, name)} is not a valid manifest ({exc}). "
+                              f"{stage.hint(force=True)}") from None
 
 
 def remote_problems(stage: Stage, url: str, manifest: Manifest, fs: Any) -> list[str]:

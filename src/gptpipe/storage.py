@@ -44,7 +44,7 @@ class StorageConfig:
 
     def apply(self) -> None:
         """Make ``endpoint_url`` this process's S3 endpoint, and its children's (training ranks): as
-        AWS_ENDPOINT_URL_S3, which s3fs, boto3 and megatron-core all read. Commands reading config.yaml call it."""
+        AWS_ENDPOINT_URL_S3, which s3fs, boto3 and megatron-core all read. cli.main calls it for every command."""
         if self.endpoint_url:
             os.environ["AWS_ENDPOINT_URL_S3"] = self.endpoint_url
 

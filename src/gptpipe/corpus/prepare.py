@@ -82,7 +82,6 @@ def build_corpus(config: CorpusConfig) -> StageResult:
 
 def run(config: PipelineConfig, args: argparse.Namespace) -> int:
     corpus = config.corpus
-    config.storage.apply()
     inputs = {f"source{i}": fingerprint(s) for i, s in enumerate(corpus.sources)}
     run_stage(PREPARE, corpus.output_dir, corpus, inputs, lambda: build_corpus(corpus),
               force=args.force)

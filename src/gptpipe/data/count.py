@@ -177,7 +177,6 @@ def format_report(counts: list[DatasetCounts], split: str, plan: EpochSchedule) 
 
 def run(config: PipelineConfig, args: argparse.Namespace) -> int:
     """`gptpipe count` / count_tokens.py."""
-    config.storage.apply()
     counts = [count_dataset(p, config.data.split, config.data.seed) for p in config.data.prefixes]
     train = config.train
     plan = epoch_schedule(counts, train.seq_len, train.global_batch_size, train.train_epochs)

@@ -161,7 +161,6 @@ def tokenize_files(files: list[Path], prefix: Path, settings: WorkerSettings, wo
 def run(config: PipelineConfig, args: argparse.Namespace) -> int:
     """`gptpipe tokenize [--shard I/N]`."""
     cfg = config.tokenize
-    config.storage.apply()
     shard = parse_shard(getattr(args, "shard", None))
     if shard is not None and is_url(cfg.output_prefix):
         raise StageInputError(f"--shard writes local shards for `gptpipe merge`: set tokenize.output_prefix to a "

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from gptpipe.export.config import ConvertConfig
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError
-from gptpipe.stages import EXIT_OK, export_problems
+from gptpipe.stages import CONVERT, EXIT_OK, export_problems
 
 log = get_logger("generate")
 
@@ -96,7 +96,7 @@ def _print_piece(text: str) -> None:
 def run(config: ConvertConfig, args: Any) -> int:
     import torch
 
-    model_dir = args.model or config.output_tokenizer_and_model_dir
+    model_dir = args.model or CONVERT.local(config.output_tokenizer_and_model_dir)  # a URL: the verified cache
     if args.model is None and not model_dir.is_dir():
         raise StageInputError(f"{model_dir} does not exist: export a model first (bash 4_convert_to_HF.sh) "
                               "or name one with --model")
