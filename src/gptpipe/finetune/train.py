@@ -215,8 +215,9 @@ class FineTuner(TrainLoop):
 
     # --- data order and loss -------------------------------------------------------------------------
     def _row(self, position: int) -> int:
-        """The training row at `position` of the endless stream of epochs, each a seeded permutation; a
-        function of the position alone, so a resumed run reads exactly what the killed one would have."""
+        """The training row at `position` of the endless stream of epochs, each a seeded permutation (grouped
+        by length: data.epoch_order); a function of the position alone, so a resumed run reads exactly what the
+        killed one would have."""
         epoch, offset = divmod(position, len(self.task.train))
         if getattr(self, "_order_epoch", None) != epoch:
             self._order_epoch = epoch
