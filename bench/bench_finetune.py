@@ -5,13 +5,14 @@
 
 Training runs as a user runs it, one rank each: `gptpipe train` (stage 3: the pipeline config's model, random
 init, on its tokenized dataset) and `gptpipe finetune` (the stage-4 folder of that model, on the task's training
-rows), alternated round by round so a machine shared with other jobs slows both alike. Each figure is the median
-of a run's logged windows after the first (warm-up); no evaluation or checkpoint falls inside a window. Stage 3's
-rows are seq_len tokens, all real; a fine-tune step computes its micro-batch padded to its longest row and the
-loss covers the label tokens only, so its real tokens/s (prompt + label + EOS) is rows/s × mean row length, and
-its computed positions/s is rows/s × the mean longest row of a batch (both from the task's rows as the fine-tune
-encodes them). Pick stage 3's seq_len × batch near the fine-tune's computed positions per step: the optimizer
-step costs the same whatever the batch, so equal work per step compares like with like.
+rows) three ways: micro-batches drawn at random and padded to their longest row (train.group_by_length=false),
+grouped by length (the default) and packed (train.packing=true, not grouped). The runs alternate round by round,
+so a machine shared with other jobs slows all of them alike; the load average is printed before and after.
+Each figure is the median of a run's logged windows after the first (warm-up); no evaluation or checkpoint falls
+inside a window. Stage 3's rows are seq_len tokens, all real; the fine-tune logs its real tokens/s (prompt +
+label + EOS, no padding) and the padding share of the positions it computed, so its computed positions/s is
+real / (1 - padding). Pick stage 3's seq_len x batch near the fine-tune's computed positions per step: the
+optimizer step costs the same whatever the batch, so equal work per step compares like with like.
 
 Predict: the best checkpoint of a fine-tune run (--run, e.g. the demo's runs/finetune-demo; else the short run
 trained above) on the task's test rows, greedy and beam 4, in this process (gptpipe.finetune.predict, the code
@@ -31,8 +32,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 QUIET = ("logging.wandb=false", "logging.tensorboard=false", "train.precision=fp32", "train.eval_interval=1000000",
          "train.save_interval=1000000")
 
@@ -45,64 +44,60 @@ def gptpipe(*argv: object, threads: int) -> None:
         sys.exit(f"gptpipe {argv[0]} failed:\n{done.stderr[-3000:]}")
 
 
-def window_rates(run: Path, key: str) -> list[float]:
-    """The `key` of every logged training window but the first."""
+def windows(run: Path, *keys: str) -> list[dict[str, float]]:
+    """The `keys` of every logged training window but the first."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
-    return [r[key] for r in rows if key in r][1:]
+    return [{k: r[k] for k in keys} for r in rows if keys[0] in r][1:]
 
 
-def row_lengths(model: Path, train: Path, prompt: str, seq_len: int, batch: int) -> tuple[float, float]:
-    """(mean tokens per row, mean longest row per batch of `batch` random rows), encoded as the fine-tune does."""
-    from transformers import AutoTokenizer
-
-    from gptpipe.finetune.data import Encoder, Skipped, read_rows
-
-    encoder = Encoder(AutoTokenizer.from_pretrained(model), prompt, seq_len, seq2seq=False)
-    rows, _ = read_rows(train, "auto")
-    lengths = np.array([len(e.input_ids) for e in (encoder.encode(r, Skipped()) for r in rows) if e is not None])
-    rng = np.random.default_rng(0)
-    longest = [lengths[rng.permutation(len(lengths))[:batch]].max() for _ in range(2000)]
-    return float(lengths.mean()), float(np.mean(longest))
+# The fine-tune's batch layouts: (name in the table, overrides).
+LAYOUTS = (("padded to the longest row, random draw", ("train.group_by_length=false",)),
+           ("grouped by length (default)", ("train.group_by_length=true",)),
+           ("packed (train.packing=true)", ("train.packing=true", "train.group_by_length=false")))
 
 
 def bench_training(args: argparse.Namespace, tmp: Path) -> tuple[list[str], Path]:
     from gptpipe.config.core import load_config
     from gptpipe.finetune.config import FinetuneConfig
 
-    ft_config = load_config(FinetuneConfig, args.finetune_config, list(args.finetune_overrides))
-    mean_len, padded_len = row_lengths(args.model, args.task / "train.tsv", ft_config.task.prompt,
-                                       ft_config.train.seq_len, ft_config.train.global_batch_size)
+    gbs = load_config(FinetuneConfig, args.finetune_config, list(args.finetune_overrides)).train.global_batch_size
     few = tmp / "validation.tsv"  # the end-of-run evaluation is not measured: keep it short
     few.write_text("".join((args.task / "validation.tsv").read_text(encoding="utf-8").splitlines(True)[:8]),
                    encoding="utf-8")
-    stage3, finetune = [], []
+    load = [os.getloadavg()]
+    stage3: list[float] = []
+    finetune: dict[str, list[dict[str, float]]] = {name: [] for name, _ in LAYOUTS}
     for r in range(args.rounds):
         run = tmp / f"pretrain{r}"
         gptpipe("train", "--config", args.pipeline_config, f"train.output_model_dir={run}",
                 f"train.train_iters={args.steps}", f"train.seq_len={args.stage3_seq}",
                 f"train.global_batch_size={args.stage3_batch}", "train.log_interval=5", "train.train_tokens=null",
                 "train.sample_prompts=[]", "train.eval_iters=1", *QUIET, threads=args.threads)
-        stage3 += window_rates(run, "tokens_per_s")
-        run = tmp / f"finetune{r}"
-        gptpipe("finetune", "--config", args.finetune_config, f"model.path={args.model}",
-                f"data.train={args.task / 'train.tsv'}", f"data.validation={few}", f"train.output_model_dir={run}",
-                f"train.train_iters={args.steps}", "train.log_interval=5", *QUIET, *args.finetune_overrides,
-                threads=args.threads)
-        finetune += window_rates(run, "rows_per_s")
-    rows_s = statistics.median(finetune)
+        stage3 += [w["tokens_per_s"] for w in windows(run, "tokens_per_s")]
+        for k, (name, layout) in enumerate(LAYOUTS):
+            run = tmp / f"finetune{r}-{k}"
+            gptpipe("finetune", "--config", args.finetune_config, f"model.path={args.model}",
+                    f"data.train={args.task / 'train.tsv'}", f"data.validation={few}",
+                    f"train.output_model_dir={run}", f"train.train_iters={args.steps}", "train.log_interval=5",
+                    *QUIET, *layout, *args.finetune_overrides, threads=args.threads)
+            finetune[name] += windows(run, "tokens_per_s", "rows_per_s", "padding")
+        load.append(os.getloadavg())
     s3 = statistics.median(stage3)
-    tokens_per_step = args.stage3_seq * args.stage3_batch
-    gbs = ft_config.train.global_batch_size
     lines = [
-        "| run | rows/step | tokens/step (computed) | tokens/s real | positions/s computed | vs stage 3 |",
-        "| --- | --- | --- | --- | --- | --- |",
-        f"| stage 3 (`gptpipe train`, seq {args.stage3_seq}) | {args.stage3_batch} | {tokens_per_step} | {s3:,.0f} | "
-        f"{s3:,.0f} | 1.00 |",
-        f"| stage 7 (`gptpipe finetune`, label-only loss) | {gbs} | {gbs * padded_len:,.0f} | {rows_s * mean_len:,.0f} "
-        f"| {rows_s * padded_len:,.0f} | {rows_s * padded_len / s3:.2f} computed, {rows_s * mean_len / s3:.2f} real |",
-        "", f"({len(stage3)} + {len(finetune)} windows of 5 steps; fine-tune rows: {mean_len:.1f} tokens on average, "
-            f"the longest of a batch {padded_len:.1f}; {rows_s:.1f} rows/s)"]
-    return lines, tmp / "finetune0"
+        "| run | rows/step | real tokens/step | padding | tokens/s real | positions/s computed | real vs stage 3 |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| stage 3 (`gptpipe train`, seq {args.stage3_seq}) | {args.stage3_batch} | "
+        f"{args.stage3_seq * args.stage3_batch} | 0% | {s3:,.0f} | {s3:,.0f} | 1.00 |"]
+    for name, rows in finetune.items():
+        real = statistics.median(w["tokens_per_s"] for w in rows)
+        padding = statistics.median(w["padding"] for w in rows)
+        per_step = statistics.median(w["tokens_per_s"] / w["rows_per_s"] * gbs for w in rows)
+        lines.append(f"| stage 7 (`gptpipe finetune`), {name} | {gbs} | {per_step:.0f} | {padding:.0%} | "
+                     f"{real:,.0f} | {real / (1 - padding):,.0f} | {real / s3:.2f} |")
+    lines += ["", f"({len(stage3)} windows of 5 steps for stage 3, {len(rows)} per fine-tune layout; load average "
+                  f"(1/5/15 min) {' -> '.join('/'.join(f'{x:.1f}' for x in avg) for avg in load)}, "
+                  f"round by round)"]
+    return lines, tmp / "finetune0-1"
 
 
 def bench_predict(args: argparse.Namespace, run: Path) -> list[str]:

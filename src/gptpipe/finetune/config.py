@@ -82,6 +82,14 @@ class FinetuneTrainConfig(LoopConfig):
     save_interval: int = option(100, "steps between checkpoints")
     keep_checkpoints: int = option(2, "keep this many newest checkpoints (the best one is kept besides)")
     lr_schedule: Literal["linear", "cosine", "constant"] = option("linear", "decay after warmup")
+    group_by_length: bool = option(
+        True, "put training rows of similar length in the same micro-batch, so less of it is padding: the "
+              "epoch's seeded order is sorted by length within pools of 64 micro-batches and the micro-batches "
+              "are shuffled (false: each micro-batch is a random draw)")
+    packing: bool = option(
+        False, "causal LMs: concatenate each micro-batch's rows into as few sequences of up to seq_len tokens "
+               "as fit, attention and position ids kept within each row; same rows, loss and steps, less padding "
+               "(an encoder-decoder is refused)")
     best_metric: str = option("macro_f1", "validation metric that picks the best checkpoint: classification "
                                           "accuracy | macro_f1 | val_loss; generation exact_match | chrf | val_loss")
 

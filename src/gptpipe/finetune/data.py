@@ -1,4 +1,5 @@
-"""Labelled rows for fine-tuning: reading TSV/jsonl, the validation split, prompt masking, padded batches.
+"""Labelled rows for fine-tuning: reading TSV/jsonl, the validation split, prompt masking, the training order
+(optionally grouped by length), padded or packed batches.
 
 Bad rows never stop a run: each is skipped and counted by reason, with the first file:line examples, and
 the counts are printed and kept in the run's summary. Prompt and label are tokenized separately and their
@@ -255,6 +256,100 @@ def collate(items: list[Encoded], pad: int, seq2seq: bool, device: torch.device 
     if seq2seq:
         batch["labels"] = labels
     return {k: v.to(device) for k, v in batch.items()}
+
+
+def row_positions(e: Encoded, seq2seq: bool) -> int:
+    """Positions a row takes in a batch: its ids, and for seq2seq the decoder's label ids too."""
+    return len(e.input_ids) + (len(e.labels) if seq2seq else 0)
+
+
+# Rows sorted by length together: this many micro-batches' worth. Larger pools pad less; smaller ones leave
+# more to chance which rows share a micro-batch.
+GROUP_POOL = 64
+
+
+def epoch_order(lengths: list[int], seed: int, epoch: int, micro: int, group_by_length: bool) -> np.ndarray:
+    """The training rows of `epoch` in order: a permutation seeded by (seed, epoch).
+
+    Grouped by length, the permutation is cut into pools of GROUP_POOL micro-batches, each pool sorted by
+    length (equal lengths stay in random order) and cut into micro-batches of similar rows, and the order of
+    those micro-batches is shuffled (seeded too). Training reads micro-batches at multiples of `micro` in the
+    stream of epochs, so when the epoch does not start on one, its first rows finish the previous epoch's last
+    micro-batch and are left ungrouped, as are the rows left over at its end.
+    """
+    rows = len(lengths)
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(rows)
+    if not group_by_length:
+        return order
+    head = min((-epoch * rows) % micro, rows)
+    body = order[head:]
+    full = len(body) // micro * micro
+    sizes = np.asarray(lengths)
+    pools = [pool[np.argsort(sizes[pool], kind="stable")]
+             for pool in np.split(body[:full], range(GROUP_POOL * micro, full, GROUP_POOL * micro))]
+    groups = np.concatenate(pools).reshape(-1, micro)
+    return np.concatenate([order[:head], groups[rng.permutation(len(groups))].ravel(), body[full:]])
+
+
+def pack_plan(lengths: list[int], capacity: int) -> list[list[int]]:
+    """The rows (indices into `lengths`) of each packed sequence: as few sequences of at most `capacity`
+    tokens as the greedy finds, balanced so that the longest one (the batch's width) is short: longest row
+    first, each into the emptiest sequence; when it does not fit there, one more sequence and start again."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    count = max(1, -(-sum(lengths) // capacity))
+    while True:
+        plan: list[list[int]] = [[] for _ in range(count)]
+        fills = [0] * count
+        for i in order:
+            emptiest = min(range(count), key=fills.__getitem__)
+            if fills[emptiest] + lengths[i] > capacity:
+                break
+            plan[emptiest].append(i)
+            fills[emptiest] += lengths[i]
+        else:
+            return plan
+        count += 1
+
+
+def computed_positions(items: list[Encoded], seq2seq: bool, pack_capacity: int | None = None) -> int:
+    """Positions one micro-batch computes, padding included: its rows padded to the longest (encoder and
+    decoder apart for seq2seq), or with `pack_capacity` its packed sequences padded to the longest."""
+    if pack_capacity is not None:
+        plan = pack_plan([len(e.input_ids) for e in items], pack_capacity)
+        return len(plan) * max(sum(len(items[i].input_ids) for i in seq) for seq in plan)
+    width = max(len(e.input_ids) for e in items)
+    return len(items) * (width + (max(len(e.labels) for e in items) if seq2seq else 0))
+
+
+def collate_packed(items: list[Encoded], pad: int, capacity: int, device: torch.device | str = "cpu"
+                   ) -> dict[str, Any]:
+    """A causal LM's micro-batch packed (pack_plan): each sequence holds whole rows one after another, then
+    padding. Position ids restart at 0 with every row and there is no attention mask: from the restarts
+    transformers builds a causal mask that keeps each row to itself (the padding tail, numbered from 0 too,
+    is a segment of its own, so no position attends to nothing). `targets` are shifted within each row, so no
+    row predicts the next one's first token; `rows` holds each row's (sequence, start, length)."""
+    import torch
+
+    plan = pack_plan([len(e.input_ids) for e in items], capacity)
+    width = max(sum(len(items[i].input_ids) for i in seq) for seq in plan)
+    input_ids = torch.full((len(plan), width), pad, dtype=torch.long)
+    position_ids = torch.zeros((len(plan), width), dtype=torch.long)
+    targets = torch.full((len(plan), width), IGNORE, dtype=torch.long)
+    rows: list[tuple[int, int, int]] = [(0, 0, 0)] * len(items)
+    for s, seq in enumerate(plan):
+        at = 0
+        for i in seq:
+            e = items[i]
+            n = len(e.input_ids)
+            input_ids[s, at:at + n] = torch.tensor(e.input_ids)
+            position_ids[s, at:at + n] = torch.arange(n)
+            targets[s, at:at + n - 1] = torch.tensor(e.labels[1:])
+            rows[i] = (s, at, n)
+            at += n
+        position_ids[s, at:] = torch.arange(width - at)
+    return {"input_ids": input_ids.to(device), "position_ids": position_ids.to(device),
+            "targets": targets.to(device), "attention_mask": None, "rows": rows}
 
 
 def left_padded(prompts: list[list[int]], pad: int, device: torch.device | str = "cpu") -> dict[str, Any]:

@@ -7,6 +7,11 @@ The loss is on the label tokens only (and the EOS after them), normalised by the
 global batch: each micro-batch contributes sum(token losses) / tokens-in-the-window, so a row with one label
 token weighs as much as one token of a long label, whatever micro-batch it lands in.
 
+Batches: train.group_by_length puts rows of similar length in the same micro-batch (data.epoch_order), and
+train.packing (causal LMs) concatenates a micro-batch's rows into few sequences (data.collate_packed); both
+only cut padding: the rows of a step and their loss stay the same, and the train line reports the real
+(non-padding) tokens/s and the padding share of the computed positions.
+
 Exit codes as stage 3 (train/loop.py): 0 finished; 1 failed; 2 refused before starting; 75 stopped by
 SIGTERM/SIGINT after saving a checkpoint (run the same command again to continue).
 """
@@ -17,6 +22,7 @@ import argparse
 import json
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -25,15 +31,20 @@ import torch
 from gptpipe.config.core import to_plain
 from gptpipe.finetune.config import FinetuneConfig
 from gptpipe.finetune.data import (
+    IGNORE,
     Encoded,
     Encoder,
     Row,
     Skipped,
     collate,
+    collate_packed,
+    computed_positions,
+    epoch_order,
     label_set,
     map_to_label,
     pad_id,
     read_rows,
+    row_positions,
     split_validation,
 )
 from gptpipe.finetune.metrics import (
@@ -128,6 +139,10 @@ def _finetune(config: FinetuneConfig, dist: Dist) -> int:
             raise StageInputError(f"train.global_batch_size {train.global_batch_size} is not a multiple of "
                                   f"micro_batch_size x ranks ({micro} x {dist.world_size})")
         accumulation = train.global_batch_size // (micro * dist.world_size)
+        if train.packing and task.seq2seq:
+            raise StageInputError(f"train.packing: {config.model.path} is an encoder-decoder, whose rows cannot "
+                                  f"be packed into one sequence; set train.packing=false (train.group_by_length "
+                                  f"cuts the padding of its batches)")
         ds_config, wandb_block = deepspeed_config(train, micro, accumulation, dist.world_size,
                                                   dist.device.type == "cuda")
     except (StageInputError, EngineConfigError) as exc:
@@ -140,7 +155,13 @@ def _finetune(config: FinetuneConfig, dist: Dist) -> int:
                  f"{len(task.train):,} training rows, {len(task.validation):,} validation rows; {kinds}")
         if task.skipped.total or task.skipped.truncated:
             log.info(task.skipped.report())
-    return FineTuner(config, task, micro, accumulation, ds_config, wandb_block, dist).fit()
+    try:
+        tuner = FineTuner(config, task, micro, accumulation, ds_config, wandb_block, dist)
+    except StageInputError as exc:  # the model does not keep packed rows apart
+        if dist.is_main:
+            log.error(f"refused: {exc}")
+        return EXIT_BAD_INPUT
+    return tuner.fit()
 
 
 class FineTuner(TrainLoop):
@@ -155,6 +176,9 @@ class FineTuner(TrainLoop):
         train = config.train
         self.micro, self.accumulation = micro, accumulation
         self.pad = pad_id(task.tokenizer)
+        self.lengths = [row_positions(e, task.seq2seq) for e in task.train]
+        self.pack_capacity = train.seq_len if train.packing else None
+        self.counted = [0, 0]  # real and computed positions of the steps since the last train line
         by_epochs = math.ceil(train.train_epochs * len(task.train) / train.global_batch_size)
         self.steps = train.train_iters or max(1, by_epochs)
         self.higher_is_better = train.best_metric != "val_loss"
@@ -167,6 +191,14 @@ class FineTuner(TrainLoop):
         self.engine, _ = build_engine(train, self.hf_config.model_type, self.hf_config, ds_config,
                                       Schedule.for_run(train, self.steps), dist.device,
                                       make_model=pretrained_factory(config.model.path, task.seq2seq, dist.device))
+        if train.packing:
+            self.engine.eval()
+            leaks = packing_leaks(self.engine, task.train, len(task.tokenizer), self.pad, dist.device)
+            self.engine.train()
+            if leaks:
+                raise StageInputError(f"train.packing: {config.model.path} ({self.hf_config.model_type}) lets a "
+                                      f"packed row attend to the row before it (its attention mask is not built "
+                                      f"from restarting position ids); set train.packing=false")
         self.best: dict[str, Any] | None = None  # {"step", "value", "metrics"} of the best evaluation
         self.last_eval: dict[str, Any] | None = None
 
@@ -183,14 +215,15 @@ class FineTuner(TrainLoop):
 
     # --- data order and loss -------------------------------------------------------------------------
     def _row(self, position: int) -> int:
-        """The training row at `position` of the endless stream of epochs, each a seeded permutation; a
-        function of the position alone, so a resumed run reads exactly what the killed one would have."""
-        rows = len(self.task.train)
-        epoch, offset = divmod(position, rows)
-        if getattr(self, "_perm_epoch", None) != epoch:
-            self._perm_epoch = epoch
-            self._perm = np.random.default_rng([self.train_cfg.seed, epoch]).permutation(rows)
-        return int(self._perm[offset])
+        """The training row at `position` of the endless stream of epochs, each a seeded permutation (grouped
+        by length: data.epoch_order); a function of the position alone, so a resumed run reads exactly what the
+        killed one would have."""
+        epoch, offset = divmod(position, len(self.task.train))
+        if getattr(self, "_order_epoch", None) != epoch:
+            self._order_epoch = epoch
+            self._order = epoch_order(self.lengths, self.train_cfg.seed, epoch, self.micro,
+                                      self.train_cfg.group_by_length)
+        return int(self._order[offset])
 
     def batches(self):
         """This rank's micro-batches of the current step, each carrying the loss scale of the window."""
@@ -201,22 +234,35 @@ class FineTuner(TrainLoop):
         # DeepSpeed divides each micro-batch's loss by the accumulation steps and averages gradients over
         # ranks; this scale undoes both, so the step's gradient is that of sum(token losses) / tokens.
         scale = self.accumulation * dist.world_size / tokens
+        # Every rank's micro-batches are consecutive slices of the window: the step's figures for the train line.
+        self.step_positions = (sum(row_positions(e, self.task.seq2seq) for e in window),
+                               sum(computed_positions(window[k:k + self.micro], self.task.seq2seq, self.pack_capacity)
+                                   for k in range(0, len(window), self.micro)))
         for micro_step in range(self.accumulation):
             positions = sample_positions(start, micro_step, self.micro, dist.rank, dist.world_size)
-            batch = collate([window[p - start] for p in positions], self.pad, self.task.seq2seq, dist.device)
+            items = [window[p - start] for p in positions]
+            batch = collate_packed(items, self.pad, self.pack_capacity, dist.device) if self.pack_capacity else \
+                collate(items, self.pad, self.task.seq2seq, dist.device)
             batch["scale"] = scale
             yield batch
 
     def forward(self, engine: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, None]:
-        return -target_logprobs(engine, batch, self.task.seq2seq).sum() * batch["scale"], None
+        return -target_logprobs(packed_model(engine, batch), batch, self.task.seq2seq).sum() * batch["scale"], None
+
+    def after_step(self) -> None:
+        self.counted = [c + n for c, n in zip(self.counted, self.step_positions)]
 
     def log_train(self, window: LogWindow) -> None:
-        rows_per_s = window.steps * self.train_cfg.global_batch_size / max(window.seconds, 1e-9)
+        seconds = max(window.seconds, 1e-9)
+        rows_per_s = window.steps * self.train_cfg.global_batch_size / seconds
+        (real, computed), self.counted = self.counted, [0, 0]
         row = {"step": self.step, "epoch": self.step * self.train_cfg.global_batch_size / len(self.task.train),
-               **window.row(), "rows_per_s": rows_per_s}
+               **window.row(), "rows_per_s": rows_per_s, "tokens_per_s": real / seconds,
+               "padding": 1 - real / max(computed, 1)}
         skipped = f"  skipped {self.skipped}" if self.skipped else ""
         self.log.record(row, console=f"step {self.step}/{self.steps}  epoch {row['epoch']:.2f}  {window.line()}  "
-                                     f"{rows_per_s:,.1f} rows/s{skipped}")
+                                     f"{rows_per_s:,.1f} rows/s  {row['tokens_per_s']:,.0f} tokens/s  "
+                                     f"padding {row['padding']:.0%}{skipped}")
 
     # --- checkpoints ---------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
@@ -274,6 +320,26 @@ class FineTuner(TrainLoop):
         self.say(f"finished {self.step} steps; best checkpoint: step {best.get('step')} "
                  f"({self.train_cfg.best_metric} {best.get('value', float('nan')):.4f}) in "
                  f"{self.ckpt_root / checkpoint.tag_of(best.get('step', 0))}")
+
+
+def packed_model(model: Any, batch: dict[str, Any]) -> Any:
+    """`model` as target_logprobs calls it for `batch`: a packed batch (data.collate_packed) needs its position
+    ids, which model.logits does not pass, so they are bound to the call here."""
+    return partial(model, position_ids=batch["position_ids"]) if "position_ids" in batch else model
+
+
+@torch.no_grad()
+def packing_leaks(model: Any, rows: list[Encoded], vocab: int, pad: int, device: torch.device) -> bool:
+    """Whether a packed row sees the row packed before it: the same row B after row A and after A with
+    other ids must get the same log-probabilities. Transformers models that build their causal mask from
+    the position ids pass; a model that ignores them would train on attention across rows."""
+    a, b = (sorted(rows[:8], key=lambda e: -len(e.input_ids)) * 2)[:2]  # the longer first (one row: twice)
+    other = Encoded([(t + 1) % vocab for t in a.input_ids], [IGNORE] * len(a.input_ids))
+    lps = []
+    for first in (Encoded(a.input_ids, other.labels), other):  # the longer row first: one sequence, A then B
+        batch = collate_packed([first, b], pad, len(a.input_ids) + len(b.input_ids), device)
+        lps.append(target_logprobs(packed_model(model, batch), batch, seq2seq=False))
+    return not torch.allclose(lps[0], lps[1], rtol=1e-5, atol=1e-5)  # kept apart, B computes the same ops
 
 
 # --- evaluation, shared with predict ------------------------------------------------------------------
