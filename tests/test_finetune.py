@@ -288,7 +288,7 @@ def test_a_packed_batch_scores_every_row_as_the_padded_batch_does(tiny_lm: Path,
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
     from gptpipe.finetune.model import target_logprobs
-    from gptpipe.finetune.train import packed_model, packing_leaks
+    from gptpipe.finetune.train import packing_leaks
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_lm)
     if arch == "llama":
@@ -307,7 +307,7 @@ def test_a_packed_batch_scores_every_row_as_the_padded_batch_does(tiny_lm: Path,
     assert packed["input_ids"].numel() == computed_positions(items, False, 48) < computed_positions(items, False)
     with torch.no_grad():
         alone = target_logprobs(model, padded, seq2seq=False)
-        together = target_logprobs(packed_model(model, packed), packed, seq2seq=False)
+        together = target_logprobs(model, packed, seq2seq=False)
     for i, (seq, start, length) in enumerate(packed["rows"]):
         assert packed["position_ids"][seq, start:start + length].tolist() == list(range(length))
         assert packed["targets"][seq, start:start + length].tolist() == padded["targets"][i, :length].tolist()

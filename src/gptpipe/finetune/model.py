@@ -37,13 +37,16 @@ def pretrained_factory(folder: Path, seq2seq: bool, device: torch.device) -> Cal
 
 
 def logits(model: Any, batch: dict[str, torch.Tensor], seq2seq: bool) -> torch.Tensor:
-    """Logits aligned with batch["targets"] (see data.collate)."""
+    """Logits aligned with batch["targets"] (see data.collate; a packed batch, data.collate_packed, brings the
+    position ids that keep its rows apart and no attention mask)."""
     if seq2seq:
         module = getattr(model, "module", model)  # a DeepSpeed engine or the bare model
         decoder_input_ids = module.prepare_decoder_input_ids_from_labels(labels=batch["labels"])
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                      decoder_input_ids=decoder_input_ids, use_cache=False).logits
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    packed = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}  # not every model takes it
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                 **packed).logits
 
 
 def target_logprobs(model: Any, batch: dict[str, torch.Tensor], seq2seq: bool) -> torch.Tensor:

@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -247,7 +246,7 @@ class FineTuner(TrainLoop):
             yield batch
 
     def forward(self, engine: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, None]:
-        return -target_logprobs(packed_model(engine, batch), batch, self.task.seq2seq).sum() * batch["scale"], None
+        return -target_logprobs(engine, batch, self.task.seq2seq).sum() * batch["scale"], None
 
     def after_step(self) -> None:
         self.counted = [c + n for c, n in zip(self.counted, self.step_positions)]
@@ -322,12 +321,6 @@ class FineTuner(TrainLoop):
                  f"{self.ckpt_root / checkpoint.tag_of(best.get('step', 0))}")
 
 
-def packed_model(model: Any, batch: dict[str, Any]) -> Any:
-    """`model` as target_logprobs calls it for `batch`: a packed batch (data.collate_packed) needs its position
-    ids, which model.logits does not pass, so they are bound to the call here."""
-    return partial(model, position_ids=batch["position_ids"]) if "position_ids" in batch else model
-
-
 @torch.no_grad()
 def packing_leaks(model: Any, rows: list[Encoded], vocab: int, pad: int, device: torch.device) -> bool:
     """Whether a packed row sees the row packed before it: the same row B after row A and after A with
@@ -338,7 +331,7 @@ def packing_leaks(model: Any, rows: list[Encoded], vocab: int, pad: int, device:
     lps = []
     for first in (Encoded(a.input_ids, other.labels), other):  # the longer row first: one sequence, A then B
         batch = collate_packed([first, b], pad, len(a.input_ids) + len(b.input_ids), device)
-        lps.append(target_logprobs(packed_model(model, batch), batch, seq2seq=False))
+        lps.append(target_logprobs(model, batch, seq2seq=False))
     return not torch.allclose(lps[0], lps[1], rtol=1e-5, atol=1e-5)  # kept apart, B computes the same ops
 
 
