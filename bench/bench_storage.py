@@ -6,7 +6,10 @@ own costs: the training loop with uploads in the background, the SIGTERM save an
 
     .venv/bin/python bench/bench_storage.py --config demo/config.yaml [--preset tiny] [--steps 40] [--save-interval 10]
 
-  tokens/s         median over the log steps of the run, local run folder vs s3:// (checkpoints every --save-interval)
+  tokens/s         over the run's training time (the log windows, saves excluded), local run folder vs s3://
+                   (checkpoints every --save-interval); --rounds alternates local and bucket runs so that other load
+                   on the machine hits both alike. Beside it the CPU seconds of the training process (uploads
+                   included when they run in it) and of the moto server (this process), and the load average.
   SIGTERM → exit   seconds from the signal to exit 75 with the checkpoint committed in the bucket
   resume           seconds from the start of a fresh machine's process (empty staging folder) to its first step
 It prints a markdown table for docs/benchmarks.md.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -42,9 +46,25 @@ def command(config: Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "gptpipe", "train", "--config", str(config), *QUICK, *overrides]
 
 
-def speeds(metrics: Path) -> list[float]:
+def speed(metrics: Path) -> float:
+    """Tokens/s over the run's log windows (their tokens / their seconds), the first 2 steps (warm-up) left out."""
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [r["tokens_per_s"] for r in rows if "tokens_per_s" in r][2:]  # the first steps warm up
+    rows = [r for r in rows if "tokens_per_s" in r]
+    tokens = [b["tokens"] - a["tokens"] for a, b in zip(rows[1:], rows[2:])]
+    return sum(tokens) / sum(t / r["tokens_per_s"] for t, r in zip(tokens, rows[2:]))
+
+
+def cpu_seconds(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed_run(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """Run argv to completion; (CPU seconds of the child, CPU seconds of this process meanwhile: the moto server)."""
+    child, own = cpu_seconds(resource.RUSAGE_CHILDREN), cpu_seconds(resource.RUSAGE_SELF)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return cpu_seconds(resource.RUSAGE_CHILDREN) - child, cpu_seconds(resource.RUSAGE_SELF) - own
 
 
 def wait_for_step(metrics: Path, step: int, process: subprocess.Popen) -> None:
@@ -60,6 +80,10 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--save-interval", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2, help="local/bucket run pairs, alternated")
+    parser.add_argument("--skip-stop", action="store_true", help="only the tokens/s comparison")
+    parser.add_argument("--before-src", type=Path, help="also a bucket run on these sources (the src/ of an earlier "
+                        "commit, e.g. from git archive), for before/after figures in the same rounds")
     args = parser.parse_args()
 
     from moto.server import ThreadedMotoServer
@@ -80,20 +104,39 @@ def main() -> None:
               f"train.save_interval={args.save_interval}", "train.keep_checkpoints=2")
     rows = []
     try:
-        local = subprocess.run(command(args.config, *common, f"train.output_model_dir={work / 'local'}"), env=env,
-                               capture_output=True, text=True)
-        assert local.returncode == 0, local.stderr[-3000:]
-        bucket = subprocess.run(command(args.config, *common, "train.output_model_dir=s3://bench/runs/a",
-                                        f"train.local_dir={work / 'a'}"), env=env, capture_output=True, text=True)
-        assert bucket.returncode == 0, bucket.stderr[-3000:]
-        local_speed = statistics.median(speeds(work / "local" / "metrics.jsonl"))
-        bucket_speed = statistics.median(speeds(work / "a" / "metrics.jsonl"))
-        size = sum(p.stat().st_size for p in (work / "local" / "checkpoints").glob("global_step*/*"))
-        size /= len(list((work / "local" / "checkpoints").glob("global_step*")))
-        rows.append(("tokens/s, run folder local", f"{local_speed:,.0f}"))
-        rows.append((f"tokens/s, run folder in s3:// (save every {args.save_interval})",
+        load = [os.getloadavg()[0]]
+        kinds = ("local", "bucket", *(("before",) if args.before_src else ()))
+        runs: dict[str, list[tuple[float, float, float]]] = {kind: [] for kind in kinds}
+        for round_ in range(args.rounds):
+            for kind in kinds:
+                folder = work / f"{kind}{round_}"
+                where = (f"train.output_model_dir={folder}",) if kind == "local" else (
+                    f"train.output_model_dir=s3://bench/runs/{kind}{round_}", f"train.local_dir={folder}")
+                run_env = {**env, "PYTHONPATH": str(args.before_src)} if kind == "before" else env
+                child_cpu, moto_cpu = timed_run(command(args.config, *common, *where), run_env)
+                runs[kind].append((speed(folder / "metrics.jsonl"), child_cpu, moto_cpu))
+                load.append(os.getloadavg()[0])
+        local_speed = statistics.median(r[0] for r in runs["local"])
+        bucket_speed = statistics.median(r[0] for r in runs["bucket"])
+        size = sum(p.stat().st_size for p in (work / "local0" / "checkpoints").glob("global_step*/*"))
+        size /= len(list((work / "local0" / "checkpoints").glob("global_step*")))
+        each = lambda kind: ", ".join(f"{r[0]:,.0f}" for r in runs[kind])  # noqa: E731
+        rows.append(("load average (1 min) before/between runs", " / ".join(f"{x:.1f}" for x in load)))
+        rows.append((f"tokens/s, run folder local (runs: {each('local')})", f"{local_speed:,.0f}"))
+        rows.append((f"tokens/s, run folder in s3://, save every {args.save_interval} (runs: {each('bucket')})",
                      f"{bucket_speed:,.0f} ({bucket_speed / local_speed - 1:+.1%})"))
+        if args.before_src:
+            before_speed = statistics.median(r[0] for r in runs["before"])
+            rows.append((f"the same on {args.before_src} (runs: {each('before')})",
+                         f"{before_speed:,.0f} ({before_speed / local_speed - 1:+.1%})"))
+        cpu = lambda kind, i: statistics.median(r[i] for r in runs[kind])  # noqa: E731
+        rows.append((f"CPU s of the training process and its uploader, {' / '.join(kinds)} (median)",
+                     " / ".join(f"{cpu(kind, 1):.0f}" for kind in kinds)))
+        rows.append((f"CPU s of the moto server (this process), {' / '.join(kinds[1:])} (median)",
+                     " / ".join(f"{cpu(kind, 2):.0f}" for kind in kinds[1:])))
         rows.append(("checkpoint size", f"{size / 2**20:,.0f} MiB"))
+        if args.skip_stop:
+            return print_rows(args, rows)
 
         process = subprocess.Popen(command(args.config, *common, "train.train_iters=100000",
                                            "train.save_interval=100000", "train.output_model_dir=s3://bench/runs/b",
@@ -123,6 +166,10 @@ def main() -> None:
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
+    print_rows(args, rows)
+
+
+def print_rows(args: argparse.Namespace, rows: list[tuple[str, str]]) -> None:
     print(f"| {args.preset}, {args.steps} steps, loopback moto S3 | |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")

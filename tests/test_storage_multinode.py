@@ -1,0 +1,86 @@
+"""A bucket run on two "nodes" without a shared disk: two torchrun agents on 127.0.0.1 (--nnodes 2, one rank
+each), each with its own temp folder, so each stages and uploads its own ranks' files; rank 0 commits a
+checkpoint only after the other node's marker. Wiping both staging folders and rerunning resumes exactly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import QUICK_TRAIN, free_port, run_train, train_env, train_losses
+from test_storage import S3Store, bucket_losses, bucket_steps
+
+ZERO = ("train.zero_stage=2",)
+
+
+def run_two_nodes(config: Path, tmp: Path, *overrides: str) -> list[subprocess.CompletedProcess]:
+    """`gptpipe train` on two single-rank nodes (torchrun --node_rank 0/1), each with TMPDIR tmp/node{K}."""
+    port = free_port()
+    nodes = []
+    for node in (0, 1):
+        (tmp / f"node{node}").mkdir(parents=True, exist_ok=True)
+        env = {**train_env(2), "TMPDIR": str(tmp / f"node{node}")}
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", port,
+                "-m", "gptpipe", "train", "--config", str(config), *QUICK_TRAIN, *ZERO, *overrides]
+        nodes.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    done = []
+    for process in nodes:
+        _, stderr = process.communicate(timeout=900)
+        done.append(subprocess.CompletedProcess(process.args, process.returncode, "", stderr))
+    return done
+
+
+def staged(tmp: Path, node: int) -> Path:
+    """The node's staging folder (the default one, under its TMPDIR)."""
+    return next((tmp / f"node{node}" / "gptpipe-runs").glob("*/run"))
+
+
+def test_nodes_without_shared_disk_upload_their_ranks_and_resume_exactly(dataset_prefix: Path, workspace: Path,
+                                                                        tmp_path: Path, monkeypatch) -> None:
+    config = workspace / "config.yaml"
+    full = run_train("--config", config, *QUICK_TRAIN, *ZERO, "train.train_iters=6", "train.save_interval=2",
+                     f"train.output_model_dir={tmp_path / 'full'}", ranks=2)
+    assert full.returncode == 0, full.stderr[-3000:]
+    reference = train_losses(tmp_path / "full")
+
+    store = S3Store()
+    for key, value in store.env.items():
+        monkeypatch.setenv(key, value)
+    store.start()
+    try:
+        import fsspec
+
+        store.fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        store.fs.mkdir("multinode")
+        url = "s3://multinode/runs/run"
+        machines = tmp_path / "machines1"
+        first = run_two_nodes(config, machines, "train.train_iters=4", "train.save_interval=2",
+                              f"train.output_model_dir={url}")
+        for node, done in enumerate(first):
+            assert done.returncode == 0, f"node {node}:\n{done.stderr[-3000:]}"
+        assert "uploaded node 1's part of global_step4" in first[1].stderr
+        assert "the run is mirrored in" in first[0].stderr
+        assert bucket_steps(store, url)[4] is True
+        marker = json.loads(store.fs.cat_file(f"{url}/checkpoints/global_step4/complete"))
+        # rank 1's ZeRO-2 shard and RNG state came from node 1's disk; the shared model states from node 0's
+        assert {"rng_state_rank1.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt", "rng_state_rank0.pt",
+                "mp_rank_00_model_states.pt"} <= set(marker["files"])
+        assert not (staged(machines, 1) / "checkpoints" / "global_step4").exists()  # node 1 never holds it whole
+
+        # Both machines are gone; new ones resume from the bucket, each fetching what its ranks read.
+        machines = tmp_path / "machines2"
+        second = run_two_nodes(config, machines, "train.train_iters=6", "train.save_interval=2",
+                               f"train.output_model_dir={url}")
+        for node, done in enumerate(second):
+            assert done.returncode == 0, f"node {node}:\n{done.stderr[-3000:]}"
+            assert f"downloaded {url}/checkpoints/global_step4" in done.stderr
+        resumed = staged(machines, 1) / "checkpoints" / "global_step4"
+        assert (resumed / "rng_state_rank1.pt").is_file() and (resumed / "mp_rank_00_model_states.pt").is_file()
+        assert not (resumed / "rng_state_rank0.pt").exists()
+        assert bucket_losses(store, url) == reference
+        assert bucket_steps(store, url)[6] is True
+    finally:
+        store.stop()
