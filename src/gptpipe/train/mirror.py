@@ -575,9 +575,11 @@ class _Uploader:
                 return
             if ok:
                 due = time.monotonic() + SIDE_SYNC_SECONDS
-            else:  # back off; a close cuts the wait short (the grace budget is short), a newer save does not
+            else:  # back off; when closing, at most 1 s (the grace budget is short); a newer save does not cut it
                 until = time.monotonic() + _backoff(self.failures)
-                while not self.closing and time.monotonic() < until:
+                while time.monotonic() < until:
+                    if self.closing:
+                        until = min(until, time.monotonic() + 1.0)
                     self._take(max(0.01, until - time.monotonic()))
                 due = time.monotonic()
 
