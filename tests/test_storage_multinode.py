@@ -16,7 +16,10 @@ ZERO = ("train.zero_stage=2",)
 
 
 def run_two_nodes(config: Path, tmp: Path, *overrides: str) -> list[subprocess.CompletedProcess]:
-    """`gptpipe train` on two single-rank nodes (torchrun --node_rank 0/1), each with TMPDIR tmp/node{K}."""
+    """`gptpipe train` on two single-rank nodes (torchrun --node_rank 0/1), each with TMPDIR tmp/node{K}.
+
+    The dataset index cache goes to one folder both see (data.cache_dir): megatron builds it on global rank 0
+    and the other ranks read it, so nodes without a shared disk need it on every node (see the report)."""
     port = free_port()
     nodes = []
     for node in (0, 1):
@@ -24,12 +27,14 @@ def run_two_nodes(config: Path, tmp: Path, *overrides: str) -> list[subprocess.C
         env = {**train_env(2), "TMPDIR": str(tmp / f"node{node}")}
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                 "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", port,
-                "-m", "gptpipe", "train", "--config", str(config), *QUICK_TRAIN, *ZERO, *overrides]
+                "-m", "gptpipe", "train", "--config", str(config), *QUICK_TRAIN, *ZERO,
+                f"data.cache_dir={tmp.parent / 'data_cache'}", *overrides]
         nodes.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     done = []
     for process in nodes:
         _, stderr = process.communicate(timeout=900)
         done.append(subprocess.CompletedProcess(process.args, process.returncode, "", stderr))
+    assert all(d.returncode == 0 for d in done), "\n".join(f"node {k}:\n{d.stderr[-3000:]}" for k, d in enumerate(done))
     return done
 
 
@@ -59,8 +64,6 @@ def test_nodes_without_shared_disk_upload_their_ranks_and_resume_exactly(dataset
         machines = tmp_path / "machines1"
         first = run_two_nodes(config, machines, "train.train_iters=4", "train.save_interval=2",
                               f"train.output_model_dir={url}")
-        for node, done in enumerate(first):
-            assert done.returncode == 0, f"node {node}:\n{done.stderr[-3000:]}"
         assert "uploaded node 1's part of global_step4" in first[1].stderr
         assert "the run is mirrored in" in first[0].stderr
         assert bucket_steps(store, url)[4] is True
@@ -74,8 +77,7 @@ def test_nodes_without_shared_disk_upload_their_ranks_and_resume_exactly(dataset
         machines = tmp_path / "machines2"
         second = run_two_nodes(config, machines, "train.train_iters=6", "train.save_interval=2",
                                f"train.output_model_dir={url}")
-        for node, done in enumerate(second):
-            assert done.returncode == 0, f"node {node}:\n{done.stderr[-3000:]}"
+        for done in second:
             assert f"downloaded {url}/checkpoints/global_step4" in done.stderr
         resumed = staged(machines, 1) / "checkpoints" / "global_step4"
         assert (resumed / "rng_state_rank1.pt").is_file() and (resumed / "mp_rank_00_model_states.pt").is_file()

@@ -492,10 +492,8 @@ class RunMirror:
         except (subprocess.TimeoutExpired, BrokenPipeError):
             pass
         if self._process.returncode == 0:
-            if self.nodes > 1:
-                log.info(f"node {self.node}: its part of the run is mirrored in {self.url}")
-            if self.is_main:
-                log.info(f"the run is mirrored in {self.url}")
+            log.info(f"the run is mirrored in {self.url}" if self.is_main else
+                     f"node {self.node}: its part of the run is mirrored in {self.url}")
             return code
         self._process.kill()
         self._process.wait()
