@@ -70,7 +70,7 @@ FINAL_WAIT_SECONDS = 900.0  # how long a finished run keeps retrying an unreacha
 NODE_WAIT_SECONDS = 300.0  # how long rank 0 waits for the other nodes' parts of a checkpoint before retrying
 NODES = "nodes"  # in a checkpoint folder of a multi-node run: one marker per node but the first
 # Files one rank writes (DeepSpeed's ZeRO shards, our RNG state); every other file is shared by all ranks.
-RANK_FILE = re.compile(r"(?:pp_rank_|rng_state_rank)(\d+)")
+RANK_FILE = re.compile(r"(?:^|_)zero_pp_rank_(\d+)_|^rng_state_rank(\d+)\.pt$")
 
 
 def staging_folder(url: str, local_dir: Path | None) -> Path:
@@ -88,7 +88,7 @@ def _backoff(failures: int) -> float:
 def needed_by(name: str, ranks: set[int]) -> bool:
     """Whether the checkpoint file `name` is read by one of `ranks`: shared files, and those ranks' own."""
     match = RANK_FILE.search(name)
-    return match is None or int(match.group(1)) in ranks
+    return match is None or int(match.group(1) or match.group(2)) in ranks
 
 
 @dataclass
