@@ -538,6 +538,8 @@ class _Uploader:
                          f"waiting behind the upload in flight")
                 shutil.rmtree(self.waiting.folder, ignore_errors=True)
             self.waiting = job
+            if self.failures:  # the console line names the save being retried
+                self._publish(job)
         return True
 
     def _drain(self) -> None:
