@@ -83,8 +83,8 @@ def filesystem(url: str, endpoint_url: str | None = None) -> Any:
     # Fail fast and let the caller's retry loop (the mirror's backoff, with its console note) do the waiting:
     # a dead endpoint must show within a short SIGTERM grace, not after a client's own retries.
     if proto in ("s3", "s3a"):
-        # One botocore attempt (s3fs still retries dropped connections and timeouts itself, ~2 s in all); a
-        # read timeout that a part of a multipart upload (5 MiB+) meets at any working bandwidth.
+        # One botocore attempt (s3fs still retries dropped connections and timeouts itself, ~2 s in all); the
+        # read timeout only bounds the wait for the store's answer, not a transfer.
         options["config_kwargs"] = {"connect_timeout": 5, "read_timeout": 60,
                                     "retries": {"max_attempts": 1, "mode": "standard"}}
         if endpoint_url:
