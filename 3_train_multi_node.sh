@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Stage 3 on several machines with the deepspeed launcher and a hostfile, one line per node ("node1 slots=8").
 # The repository, the .venv and the data at the same path on every node; the run folder (train.output_model_dir)
-# on a shared filesystem. Check the fit for the whole job first: python -m gptpipe plan --gpus TOTAL_GPUS
+# on a shared filesystem, or in a bucket (gs://, s3://: each node then stages and uploads its own ranks' files).
+# Check the fit for the whole job first: python -m gptpipe plan --gpus TOTAL_GPUS
 #
 # Two ways to start it:
 #   with passwordless ssh (pdsh) from the first node, run once there:

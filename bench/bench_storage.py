@@ -6,9 +6,15 @@ own costs: the training loop with uploads in the background, the SIGTERM save an
 
     .venv/bin/python bench/bench_storage.py --config demo/config.yaml [--preset tiny] [--steps 40] [--save-interval 10]
 
-  tokens/s         median over the log steps of the run, local run folder vs s3:// (checkpoints every --save-interval)
+  tokens/s         over the run's training time (the log windows, saves excluded), local run folder vs s3://
+                   (checkpoints every --save-interval); --rounds alternates local and bucket runs so that other load
+                   on the machine hits both alike. Beside it the CPU seconds of the training process (uploads
+                   included when they run in it) and of the moto server (this process), and the load average.
   SIGTERM → exit   seconds from the signal to exit 75 with the checkpoint committed in the bucket
   resume           seconds from the start of a fresh machine's process (empty staging folder) to its first step
+  --direct-gib G   instead: a checkpoint of G GiB (e.g. 2.0, the 125m preset's, `gptpipe plan` "disk") made of
+                   filler files, uploaded through the mirror (submit, then finish as after SIGTERM) and restored
+                   into an empty staging folder, timed without training (for sizes too slow to train on CPU)
 It prints a markdown table for docs/benchmarks.md.
 """
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -42,9 +49,25 @@ def command(config: Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "gptpipe", "train", "--config", str(config), *QUICK, *overrides]
 
 
-def speeds(metrics: Path) -> list[float]:
+def speed(metrics: Path) -> float:
+    """Tokens/s over the run's log windows (their tokens / their seconds), the first 2 steps (warm-up) left out."""
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [r["tokens_per_s"] for r in rows if "tokens_per_s" in r][2:]  # the first steps warm up
+    rows = [r for r in rows if "tokens_per_s" in r]
+    tokens = [b["tokens"] - a["tokens"] for a, b in zip(rows[1:], rows[2:])]
+    return sum(tokens) / sum(t / r["tokens_per_s"] for t, r in zip(tokens, rows[2:]))
+
+
+def cpu_seconds(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed_run(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """Run argv to completion; (CPU seconds of the child, CPU seconds of this process meanwhile: the moto server)."""
+    child, own = cpu_seconds(resource.RUSAGE_CHILDREN), cpu_seconds(resource.RUSAGE_SELF)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return cpu_seconds(resource.RUSAGE_CHILDREN) - child, cpu_seconds(resource.RUSAGE_SELF) - own
 
 
 def wait_for_step(metrics: Path, step: int, process: subprocess.Popen) -> None:
@@ -60,6 +83,12 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--save-interval", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2, help="local/bucket run pairs, alternated")
+    parser.add_argument("--skip-stop", action="store_true", help="only the tokens/s comparison")
+    parser.add_argument("--direct-gib", type=float, help="only the mirror's upload and download of a checkpoint of "
+                        "this size")
+    parser.add_argument("--before-src", type=Path, help="also a bucket run on these sources (the src/ of an earlier "
+                        "commit, e.g. from git archive), for before/after figures in the same rounds")
     args = parser.parse_args()
 
     from moto.server import ThreadedMotoServer
@@ -78,52 +107,134 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-storage-"))
     common = (f"model.preset={args.preset}", f"train.train_iters={args.steps}",
               f"train.save_interval={args.save_interval}", "train.keep_checkpoints=2")
-    rows = []
+    rows: list[tuple[str, str]] = []
     try:
-        local = subprocess.run(command(args.config, *common, f"train.output_model_dir={work / 'local'}"), env=env,
-                               capture_output=True, text=True)
-        assert local.returncode == 0, local.stderr[-3000:]
-        bucket = subprocess.run(command(args.config, *common, "train.output_model_dir=s3://bench/runs/a",
-                                        f"train.local_dir={work / 'a'}"), env=env, capture_output=True, text=True)
-        assert bucket.returncode == 0, bucket.stderr[-3000:]
-        local_speed = statistics.median(speeds(work / "local" / "metrics.jsonl"))
-        bucket_speed = statistics.median(speeds(work / "a" / "metrics.jsonl"))
-        size = sum(p.stat().st_size for p in (work / "local" / "checkpoints").glob("global_step*/*"))
-        size /= len(list((work / "local" / "checkpoints").glob("global_step*")))
-        rows.append(("tokens/s, run folder local", f"{local_speed:,.0f}"))
-        rows.append((f"tokens/s, run folder in s3:// (save every {args.save_interval})",
-                     f"{bucket_speed:,.0f} ({bucket_speed / local_speed - 1:+.1%})"))
-        rows.append(("checkpoint size", f"{size / 2**20:,.0f} MiB"))
-
-        process = subprocess.Popen(command(args.config, *common, "train.train_iters=100000",
-                                           "train.save_interval=100000", "train.output_model_dir=s3://bench/runs/b",
-                                           f"train.local_dir={work / 'b'}"),
-                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        wait_for_step(work / "b" / "metrics.jsonl", 3, process)
-        started = time.monotonic()
-        process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate()
-        stop_s = time.monotonic() - started
-        assert process.returncode == 75 and "the run is mirrored" in stderr, stderr[-3000:]
-        rows.append(("SIGTERM → exit 75, checkpoint committed in the bucket", f"{stop_s:.1f} s"))
-
-        shutil.rmtree(work / "b")
-        started = time.monotonic()
-        process = subprocess.Popen(command(args.config, *common, "train.train_iters=100000",
-                                           "train.save_interval=100000", "train.output_model_dir=s3://bench/runs/b",
-                                           f"train.local_dir={work / 'b'}"),
-                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        saved = int(stderr.split("checkpoint at step ")[1].split(";")[0])
-        wait_for_step(work / "b" / "metrics.jsonl", saved + 1, process)
-        first = time.monotonic() - started
-        process.send_signal(signal.SIGKILL)
-        process.wait()
-        rows.append(("fresh machine: start → first step after the download (process start included)",
-                     f"{first:.1f} s"))
+        if args.direct_gib:
+            rows += direct(args.direct_gib, work)
+        else:
+            if args.rounds:
+                rows += speed_rows(args, env, work, common)
+            if not args.skip_stop:
+                rows += stop_rows(args, env, work, common)
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
-    print(f"| {args.preset}, {args.steps} steps, loopback moto S3 | |\n|---|---|")
+    print_rows(args, rows)
+
+
+def speed_rows(args: argparse.Namespace, env: dict[str, str], work: Path, common: tuple[str, ...]) -> list:
+    """Tokens/s and CPU seconds of local and bucket runs, alternated --rounds times."""
+    rows = []
+    load = [os.getloadavg()[0]]
+    kinds = ("local", "bucket", *(("before",) if args.before_src else ()))
+    runs: dict[str, list[tuple[float, float, float]]] = {kind: [] for kind in kinds}
+    for round_ in range(args.rounds):
+        for kind in kinds:
+            folder = work / f"{kind}{round_}"
+            where = (f"train.output_model_dir={folder}",) if kind == "local" else (
+                f"train.output_model_dir=s3://bench/runs/{kind}{round_}", f"train.local_dir={folder}")
+            run_env = {**env, "PYTHONPATH": str(args.before_src)} if kind == "before" else env
+            child_cpu, moto_cpu = timed_run(command(args.config, *common, *where), run_env)
+            runs[kind].append((speed(folder / "metrics.jsonl"), child_cpu, moto_cpu))
+            load.append(os.getloadavg()[0])
+    local_speed = statistics.median(r[0] for r in runs["local"])
+    bucket_speed = statistics.median(r[0] for r in runs["bucket"])
+    size = sum(p.stat().st_size for p in (work / "local0" / "checkpoints").glob("global_step*/*"))
+    size /= len(list((work / "local0" / "checkpoints").glob("global_step*")))
+    each = lambda kind: ", ".join(f"{r[0]:,.0f}" for r in runs[kind])
+    rows.append(("load average (1 min) before/between runs", " / ".join(f"{x:.1f}" for x in load)))
+    rows.append((f"tokens/s, run folder local (runs: {each('local')})", f"{local_speed:,.0f}"))
+    rows.append((f"tokens/s, run folder in s3://, save every {args.save_interval} (runs: {each('bucket')})",
+                 f"{bucket_speed:,.0f} ({bucket_speed / local_speed - 1:+.1%})"))
+    if args.before_src:
+        before_speed = statistics.median(r[0] for r in runs["before"])
+        rows.append((f"the same on {args.before_src} (runs: {each('before')})",
+                     f"{before_speed:,.0f} ({before_speed / local_speed - 1:+.1%})"))
+    cpu = lambda kind, i: statistics.median(r[i] for r in runs[kind])
+    rows.append((f"CPU s of the training process and its uploader, {' / '.join(kinds)} (median)",
+                 " / ".join(f"{cpu(kind, 1):.0f}" for kind in kinds)))
+    rows.append((f"CPU s of the moto server (this process), {' / '.join(kinds[1:])} (median)",
+                 " / ".join(f"{cpu(kind, 2):.0f}" for kind in kinds[1:])))
+    rows.append(("checkpoint size", f"{size / 2**20:,.0f} MiB"))
+    return rows
+
+
+def stop_rows(args: argparse.Namespace, env: dict[str, str], work: Path, common: tuple[str, ...]) -> list:
+    """SIGTERM → exit 75 with the upload done, then a fresh machine's start to its first step."""
+    rows = []
+    process = subprocess.Popen(command(args.config, *common, "train.train_iters=100000",
+                                       "train.save_interval=100000", "train.output_model_dir=s3://bench/runs/b",
+                                       f"train.local_dir={work / 'b'}"),
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for_step(work / "b" / "metrics.jsonl", 3, process)
+    started = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate()
+    stop_s = time.monotonic() - started
+    assert process.returncode == 75 and "the run is mirrored" in stderr, stderr[-3000:]
+    rows.append(("SIGTERM → exit 75, checkpoint committed in the bucket", f"{stop_s:.1f} s"))
+    rows.append(("of which the upload (its log line)", stderr.split("[train] uploaded ")[-1].split("\n")[0]))
+
+    shutil.rmtree(work / "b")
+    started = time.monotonic()
+    process = subprocess.Popen(command(args.config, *common, "train.train_iters=100000",
+                                       "train.save_interval=100000", "train.output_model_dir=s3://bench/runs/b",
+                                       f"train.local_dir={work / 'b'}"),
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    saved = int(stderr.split("checkpoint at step ")[1].split(";")[0])
+    wait_for_step(work / "b" / "metrics.jsonl", saved + 1, process)
+    first = time.monotonic() - started
+    process.send_signal(signal.SIGKILL)
+    _, resumed = process.communicate()
+    rows.append(("fresh machine: start → first step after the download (process start included)",
+                 f"{first:.1f} s"))
+    rows.append(("of which the download (its log line)", resumed.split("[train] downloaded ")[-1].split("\n")[0]))
+    return rows
+
+
+def direct(gib: float, work: Path) -> list[tuple[str, str]]:
+    """The mirror alone on a checkpoint of `gib` GiB: upload (submit + finish within the grace) and download."""
+    from gptpipe.train import checkpoint
+    from gptpipe.train.mirror import RunMirror
+
+    url = "s3://bench/runs/direct"
+    load = os.getloadavg()[0]
+    mirror = RunMirror(url, work / "direct", None, keep=2, grace_s=3600)
+    mirror.restore()  # an empty bucket: starts the uploader
+    folder = work / "direct" / "checkpoints" / checkpoint.tag_of(1)
+    folder.mkdir(parents=True)
+    block = os.urandom(64 * 2**20)
+    # The layout of a 1-rank ZeRO-1 fp32 checkpoint: weights (4 bytes a parameter), optimizer states (12 bytes)
+    for name, share in (("mp_rank_00_model_states.pt", 0.25), ("zero_pp_rank_0_mp_rank_00_optim_states.pt", 0.75)):
+        with open(folder / name, "wb") as fh:
+            left = int(gib * 2**30 * share)
+            while left > 0:
+                fh.write(block[:left])
+                left -= len(block)
+    for name in (checkpoint.HF_CONFIG, checkpoint.STATE, "rng_state_rank0.pt", checkpoint.COMPLETE_MARKER):
+        (folder / name).write_text("{}\n")
+    started = time.monotonic()
+    mirror.submit(1, folder)
+    code = mirror.finish(75, 75)
+    upload_s = time.monotonic() - started
+    assert code == 75 and mirror.committed_step == 1
+    started = time.monotonic()
+    fresh = RunMirror(url, work / "fresh", None, keep=2, grace_s=3600)
+    fresh.restore()
+    download_s = time.monotonic() - started
+    fresh.finish(0, 75)
+    assert (work / "fresh" / "checkpoints" / checkpoint.tag_of(1) / "complete").is_file()
+    size = sum(p.stat().st_size for p in folder.iterdir()) / 2**30
+    return [("load average (1 min) at the start", f"{load:.1f}"),
+            (f"{size:.2f} GiB checkpoint: submit → uploaded and committed (what SIGTERM waits for after the save)",
+             f"{upload_s:.1f} s ({size * 1024 / upload_s:,.0f} MiB/s)"),
+            (f"{size:.2f} GiB checkpoint: restore into an empty staging folder",
+             f"{download_s:.1f} s ({size * 1024 / download_s:,.0f} MiB/s)")]
+
+
+def print_rows(args: argparse.Namespace, rows: list[tuple[str, str]]) -> None:
+    what = "the mirror alone" if args.direct_gib else f"{args.preset}, {args.steps} steps"
+    print(f"| {what}, loopback moto S3 | |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")
 

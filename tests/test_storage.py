@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -251,12 +252,20 @@ def test_store_outage_training_goes_on_and_the_bucket_catches_up(dataset_prefix:
         while not any(bucket_steps(s3, url).values()):
             assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
             time.sleep(0.1)
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(process.stderr), daemon=True)
+        reader.start()
         s3.stop()
-        step = max(local_losses(machine))
-        wait_for_step(machine, step + 6, process)
+        # The console line says so within a few steps (one quick attempt per try: storage.filesystem).
+        down = time.monotonic()
+        while not any("failing (" in line for line in lines):  # the console line's note (warnings say "failed")
+            assert process.poll() is None and time.monotonic() < down + 120, "".join(lines)[-3000:]
+            time.sleep(0.1)
         # Stopping with the store down: a clear message, exit 75, the local staging folder intact.
         process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=120)
+        process.wait(timeout=120)
+        reader.join(timeout=10)
+        stderr = "".join(lines)
         assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
         assert f"the upload to {url} did not finish within 3 s" in stderr
         saved = max(int(p.name.removeprefix("global_step")) for p in (machine / "checkpoints").glob("global_step*"))

@@ -98,17 +98,26 @@ def filesystem(url: str, endpoint_url: str | None = None) -> Any:
 
     proto = protocol(url)
     options: dict[str, Any] = {}
-    # The endpoint the environment names is passed on explicitly: fsspec caches a filesystem per arguments, and
-    # one made for another endpoint (the variable changed within the process) must not be served again.
+    # Fail fast and let the caller's retry loop (the mirror's backoff, with its console note) do the waiting:
+    # a dead endpoint must show within a short SIGTERM grace, not after a client's own retries. The endpoint the
+    # environment names is passed on explicitly: fsspec caches a filesystem per arguments, and one made for
+    # another endpoint (the variable changed within the process) must not be served again.
     if proto in ("s3", "s3a"):
-        # Fail fast and let the caller's retry loop (with its log lines) do the waiting.
-        options["config_kwargs"] = {"connect_timeout": 10, "read_timeout": 120,
-                                    "retries": {"max_attempts": 3, "mode": "standard"}}
+        # One botocore attempt (s3fs still retries dropped connections and timeouts itself, ~2 s in all); the
+        # read timeout only bounds the wait for the store's answer, not a transfer.
+        options["config_kwargs"] = {"connect_timeout": 5, "read_timeout": 60,
+                                    "retries": {"max_attempts": 1, "mode": "standard"}}
         endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint_url:
             options["endpoint_url"] = endpoint_url
-    elif proto in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
-        options["endpoint_url"] = os.environ["STORAGE_EMULATOR_HOST"]
+    elif proto in ("gs", "gcs"):
+        # gcsfs's own retries (6 tries, ~30 s of backoff) cannot be lowered; a hung request at least ends
+        # (connect and per-read timeouts: a whole request, e.g. a download of a large .bin, may take long).
+        import aiohttp
+
+        options["requests_timeout"] = aiohttp.ClientTimeout(sock_connect=5, sock_read=60)
+        if os.environ.get("STORAGE_EMULATOR_HOST"):
+            options["endpoint_url"] = os.environ["STORAGE_EMULATOR_HOST"]
     return fsspec.filesystem(proto, **options)
 
 

@@ -99,22 +99,19 @@ class TrainLoop(ABC):
         self.config, self.train_cfg, self.dist, self.wandb_block = config, train_cfg, dist, wandb_block
         # A run folder in a bucket trains in a local staging folder that the mirror keeps in step with the bucket.
         storage = getattr(config, "storage", None) or StorageConfig()
-        self.mirror = open_mirror(train_cfg, storage, dist.is_main) if is_url(train_cfg.output_model_dir) else None
+        self.mirror = open_mirror(train_cfg, storage, dist) if is_url(train_cfg.output_model_dir) else None
         self.run_dir: Path = self.mirror.local if self.mirror else train_cfg.output_model_dir
         self.ckpt_root = self.run_dir / "checkpoints"
         self.status = get_logger(self.name)
+        if self.mirror:  # collective: the bucket's newest complete checkpoint, before anyone looks for one
+            self.mirror.restore()
         if dist.is_main:
-            if self.mirror:
-                self.mirror.restore()  # the bucket's newest complete checkpoint, before anyone looks for one
             checkpoint.remove_stale(self.ckpt_root)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
             if self.mirror:  # the record of this run beside its checkpoints, in the bucket
                 (self.run_dir / "config.yaml").write_text(
                     yaml.safe_dump(to_plain(config), allow_unicode=True, sort_keys=False), encoding="utf-8")
-        if self.mirror:
-            torch.distributed.barrier()
-            self.mirror.check_shared()
         seed_everything(train_cfg.seed)
         self.step, self.skipped = 0, 0
         self.finished = False  # the checkpoint resumed from was saved after the final evaluation

@@ -1,8 +1,8 @@
-"""Stage 3 with its run folder in a bucket: train in a local staging folder, mirror it in the background.
+"""Stage 3 with its run folder in a bucket: train in a local staging folder, mirror it from a separate process.
 
 `train.output_model_dir: s3://bucket/runs/x` (or gs://, any fsspec URL). DeepSpeed saves into a local
-staging folder exactly as for a local run (train/checkpoint.py: same layout, same markers); a background
-thread mirrors the folder to the bucket. A bucket has no rename, so a checkpoint is committed by order:
+staging folder exactly as for a local run (train/checkpoint.py: same layout, same markers); an uploader
+process mirrors the folder to the bucket. A bucket has no rename, so a checkpoint is committed by order:
 
     checkpoints/global_step{N}/...        every file, uploaded one by one from a hard-linked staging copy
     checkpoints/global_step{N}/complete   then the marker, listing every file and its size
@@ -15,13 +15,22 @@ waiting (the older one is dropped, never half-committed). Failures are retried w
 the console line, and never mark anything complete. Keep-last-N applies in the bucket too, never to the
 checkpoint `latest` names.
 
-Besides checkpoints the thread mirrors the run's other files when they change (metrics.jsonl, the resolved
+The uploader is its own process (`python -m gptpipe.train.mirror`, niced, fed checkpoint folders on its stdin,
+answering its state on its stdout): the hashing, copying and HTTP of an upload take no share of the training
+process's interpreter lock. It ignores SIGTERM/SIGINT (the training process decides when to stop: it sends
+"close" and waits within train.preempt_grace_seconds), and quits at once when the training process dies.
+
+Besides checkpoints it mirrors the run's other files when they change (metrics.jsonl, the resolved
 config.yaml and ds_config.json, the TensorBoard event files, which the logger closes as it rotates them, and
 wandb's offline folder and run id). On a fresh machine the same command finds the newest complete checkpoint
 in the bucket, downloads only it (and those small files), and training continues exactly.
 
-Ranks share the staging folder (one machine, or several with a shared disk): every rank's files land in the
-one checkpoint folder, and rank 0 uploads them all and writes the marker after every rank's files are there.
+Several ranks: if every rank sees the staging folder rank 0 prepared (one machine, or nodes sharing a disk),
+rank 0 uploads every rank's files from it. Otherwise each node stages on its own disk, and the uploader of
+each node's first local rank uploads the files its node's ranks wrote (DeepSpeed writes the shared model
+states on global rank 0 and each rank's ZeRO shards itself), then a node marker
+`global_step{N}/nodes/node{K}.json` naming them; global rank 0 writes `complete` only once every node's marker
+of this process attempt is there. On resume each node downloads the shared files and its own ranks' files.
 """
 
 from __future__ import annotations
@@ -29,13 +38,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
+import re
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
@@ -52,6 +67,10 @@ UPLOADS = ".uploads"  # hard-linked copies of checkpoints waiting for or in uplo
 SKIPPED = ("checkpoints", "data_cache", UPLOADS, RECORD)
 SIDE_SYNC_SECONDS = 60.0
 FINAL_WAIT_SECONDS = 900.0  # how long a finished run keeps retrying an unreachable store before giving up
+NODE_WAIT_SECONDS = 300.0  # how long rank 0 waits for the other nodes' parts of a checkpoint before retrying
+NODES = "nodes"  # in a checkpoint folder of a multi-node run: one marker per node but the first
+# Files one rank writes (DeepSpeed's ZeRO shards, our RNG state); every other file is shared by all ranks.
+RANK_FILE = re.compile(r"(?:^|_)zero_pp_rank_(\d+)_|^rng_state_rank(\d+)\.pt$")
 
 
 def staging_folder(url: str, local_dir: Path | None) -> Path:
@@ -64,6 +83,12 @@ def staging_folder(url: str, local_dir: Path | None) -> Path:
 
 def _backoff(failures: int) -> float:
     return min(30.0, 0.5 * 2 ** min(failures, 6))
+
+
+def needed_by(name: str, ranks: set[int]) -> bool:
+    """Whether the checkpoint file `name` is read by one of `ranks`: shared files, and those ranks' own."""
+    match = RANK_FILE.search(name)
+    return match is None or int(match.group(1) or match.group(2)) in ranks
 
 
 @dataclass
@@ -104,13 +129,18 @@ class Bucket:
                 steps.append(int(tag.removeprefix("global_step")))
         return sorted(steps)
 
+    def _json(self, path: str) -> Any:
+        try:
+            return json.loads(self.fs.cat_file(path))
+        except (FileNotFoundError, ValueError):
+            return None
+
     def marker(self, step: int) -> dict[str, int] | None:
         """{file: size} the checkpoint's marker lists; None without a (readable) marker."""
+        data = self._json(join(self.checkpoints, checkpoint.tag_of(step), checkpoint.COMPLETE_MARKER))
         try:
-            data = json.loads(self.fs.cat_file(join(self.checkpoints, checkpoint.tag_of(step),
-                                                    checkpoint.COMPLETE_MARKER)))
             return {str(k): int(v) for k, v in data["files"].items()}
-        except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
+        except (KeyError, TypeError, AttributeError, ValueError):
             return None
 
     def verified(self, step: int) -> dict[str, int] | None:
@@ -135,7 +165,7 @@ class Bucket:
         return None
 
     def download_checkpoint(self, step: int, files: dict[str, int], root: Path) -> Path:
-        """The checkpoint into `root`/global_step{N}, marker last (so a kill leaves an ignored folder)."""
+        """The checkpoint's `files` into `root`/global_step{N}, marker last (so a kill leaves an ignored folder)."""
         tag = checkpoint.tag_of(step)
         folder = root / tag
         shutil.rmtree(folder, ignore_errors=True)
@@ -159,23 +189,45 @@ class Bucket:
                 got.append(local / name)
         return got
 
-    def upload_checkpoint(self, step: int, folder: Path) -> None:
-        """Files, then marker, then `latest` (module doc). Raises on any failure; nothing is marked then."""
-        tag = checkpoint.tag_of(step)
-        remote = join(self.checkpoints, tag)
-        if self.marker(step) is not None:  # this step again (a resumed run re-saving it): uncommit first
+    def upload_part(self, step: int, folder: Path) -> dict[str, int]:
+        """Every file of `folder` into the checkpoint's folder, checked by listing; returns {file: size}.
+        A checkpoint of this step already committed (a resumed run re-saving it) is uncommitted first."""
+        remote = join(self.checkpoints, checkpoint.tag_of(step))
+        if self.marker(step) is not None:
             self.fs.rm_file(join(remote, checkpoint.COMPLETE_MARKER))
         files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
                  if p.is_file() and p.name != checkpoint.COMPLETE_MARKER}
-        if checkpoint.STATE not in files or checkpoint.HF_CONFIG not in files:
-            raise OSError(f"{folder} is not a whole checkpoint (no {checkpoint.STATE}); not uploaded")
         for name in files:
             self.fs.put_file(str(folder / name), join(remote, name))
         present = self._listing(remote)
         missing = [n for n, size in files.items() if present.get(n) != size]
         if missing:
-            raise OSError(f"after upload the bucket lacks {missing[0]} of {tag}")
-        self.fs.pipe_file(join(remote, checkpoint.COMPLETE_MARKER),
+            raise OSError(f"after upload the bucket lacks {missing[0]} of {checkpoint.tag_of(step)}")
+        return files
+
+    def put_node_marker(self, step: int, node: int, attempt: str, files: dict[str, int]) -> None:
+        self.fs.pipe_file(join(self.checkpoints, checkpoint.tag_of(step), NODES, f"node{node}.json"),
+                          json.dumps({"attempt": attempt, "files": files}).encode())
+
+    def node_parts(self, step: int, nodes: int, attempt: str) -> dict[int, dict[str, int]]:
+        """{node: its files} of the nodes 1..nodes-1 whose marker of this `attempt` is in the bucket."""
+        parts = {}
+        for node in range(1, nodes):
+            data = self._json(join(self.checkpoints, checkpoint.tag_of(step), NODES, f"node{node}.json"))
+            if isinstance(data, dict) and data.get("attempt") == attempt:
+                parts[node] = {str(k): int(v) for k, v in data["files"].items()}
+        return parts
+
+    def commit(self, step: int, files: dict[str, int]) -> None:
+        """The marker listing `files` (all checked present with their size), then `latest`."""
+        tag = checkpoint.tag_of(step)
+        if checkpoint.STATE not in files or checkpoint.HF_CONFIG not in files:
+            raise OSError(f"{tag} is not a whole checkpoint (no {checkpoint.STATE}); not committed")
+        present = self._listing(join(self.checkpoints, tag))
+        missing = [n for n, size in files.items() if present.get(n) != size]
+        if missing:
+            raise OSError(f"the bucket lacks {missing[0]} of {tag}")
+        self.fs.pipe_file(join(self.checkpoints, tag, checkpoint.COMPLETE_MARKER),
                           json.dumps({"tag": tag, "files": files}, indent=1).encode())
         self.fs.pipe_file(join(self.checkpoints, checkpoint.LATEST), tag.encode())
 
@@ -199,32 +251,89 @@ class Bucket:
 
 
 class RunMirror:
-    """The local staging folder of a bucket run and the thread that mirrors it (main rank only)."""
+    """The local staging folder of a bucket run, on every rank, and its uploader process (on the ranks that
+    upload: rank 0, and each node's first local rank when the nodes share no disk)."""
 
     def __init__(self, url: str, local_dir: Path | None, endpoint_url: str | None, keep: int, grace_s: float,
-                 is_main: bool):
+                 rank: int = 0, local_rank: int = 0, world_size: int = 1):
         self.url = url.rstrip("/")
         self.local = staging_folder(self.url, local_dir)
-        self.keep, self.grace_s, self.is_main = keep, grace_s, is_main
-        self.bucket = Bucket(self.url, endpoint_url) if is_main else None
-        self._cv = threading.Condition()
-        self._waiting: _Job | None = None
-        self._busy: _Job | None = None
-        self._failures = 0
-        self._last_error = ""
+        self.endpoint_url, self.keep, self.grace_s = endpoint_url, keep, grace_s
+        self.rank, self.local_rank, self.world_size = rank, local_rank, world_size
+        self.is_main = rank == 0
+        self.uploads = self.is_main  # per-node staging makes each node's first local rank an uploader too
+        self.node, self.nodes = 0, 1
+        self.attempt = uuid.uuid4().hex  # node markers of an earlier process never count for this one
+        self.bucket = Bucket(self.url, endpoint_url) if self.is_main else None
         self._side_synced: dict[str, tuple[int, int]] = {}
-        self._side_due = time.monotonic() + SIDE_SYNC_SECONDS
-        self._closing = False
-        self.committed_step: int | None = None  # the newest checkpoint known complete in the bucket
-        self._thread: threading.Thread | None = None
+        self._state: dict[str, Any] = {"failures": 0, "step": None, "committed": None}
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen | None = None
+
+    @property
+    def committed_step(self) -> int | None:
+        """The newest checkpoint known complete in the bucket."""
+        with self._lock:
+            return self._state["committed"]
 
     # --- before training ----------------------------------------------------------------------------
     def restore(self) -> None:
-        """Make the staging folder match the bucket: reuse it when it is this run's and at least as new as
-        the bucket's newest complete checkpoint (a newer local one is uploaded), else download that one."""
-        if not self.is_main:
+        """Collective (every rank): make the staging folders match the bucket (see _restore_main), deciding
+        first whether the ranks share rank 0's staging folder or each node stages on its own disk."""
+        if self.world_size == 1:
+            self._restore_main()
             return
-        assert self.bucket is not None
+        import torch.distributed as td
+
+        group = td.new_group(backend="gloo")  # CPU objects also when the training group is NCCL
+        shared, leaders = self._probe(group)
+        if shared:
+            if self.is_main:
+                self._restore_main()
+            td.barrier(group=group)
+            return
+        self.node, self.nodes = sorted(set(leaders)).index(leaders[self.rank]), len(set(leaders))
+        my_ranks = {r for r, leader in enumerate(leaders) if leader == leaders[self.rank]}
+        self.uploads = self.local_rank == 0
+        newest: list[Any] = [None, None]
+        if self.is_main:  # one rank decides the resume point, so that every node resumes the same step
+            newest = [self.bucket.newest(), self.attempt]
+        td.broadcast_object_list(newest, src=0, group=group)
+        remote, self.attempt = newest
+        if self.uploads:
+            self.bucket = self.bucket or Bucket(self.url, self.endpoint_url)
+            self._restore_node(remote, my_ranks)
+        td.barrier(group=group)
+
+    def _probe(self, group: Any) -> tuple[bool, list[int]]:
+        """(every rank sees rank 0's staging folder, each rank's node leader): each node's first local rank
+        writes a probe file into its staging folder, and each rank says whose probes it sees."""
+        import torch.distributed as td
+
+        nonce: list[Any] = [uuid.uuid4().hex]
+        td.broadcast_object_list(nonce, src=0, group=group)
+        leader = self.rank - self.local_rank  # launchers number a node's ranks consecutively
+        probe = self.local / f".probe-{nonce[0]}-{self.rank}"
+        if self.local_rank == 0:
+            self.local.mkdir(parents=True, exist_ok=True)
+            probe.write_text("")
+        td.barrier(group=group)
+        seen = sorted(int(p.name.rsplit("-", 1)[1]) for p in self.local.glob(f".probe-{nonce[0]}-*"))
+        views: list[Any] = [None] * self.world_size
+        td.all_gather_object(views, (leader, seen), group=group)
+        td.barrier(group=group)
+        probe.unlink(missing_ok=True)
+        td.barrier(group=group)  # no probe left when rank 0 checks that the folder is new or its own
+        leaders = [v[0] for v in views]
+        if all(v[1] == sorted(set(leaders)) for v in views):
+            return True, leaders
+        if all(v[1] == [v[0]] for v in views):
+            return False, leaders
+        raise StageInputError(f"the staging folder {self.local} is shared by some nodes but not all: set "
+                              f"train.local_dir to a folder on each node's own disk, or to one all nodes share")
+
+    def _prepare(self) -> Path:
+        """The staging folder, checked to be this run's (or new), without leftovers of a killed process."""
         record = self.local / RECORD
         if record.is_file() and json.loads(record.read_text()).get("url") != self.url:
             raise StageInputError(f"{self.local} is the staging folder of {json.loads(record.read_text())['url']}, "
@@ -237,10 +346,17 @@ class RunMirror:
         shutil.rmtree(self.local / UPLOADS, ignore_errors=True)
         root = self.local / "checkpoints"
         checkpoint.remove_stale(root)
+        return root
+
+    def _restore_main(self) -> None:
+        """Rank 0 of a shared staging folder: reuse it when it is this run's and at least as new as the
+        bucket's newest complete checkpoint (a newer local one is uploaded), else download that one."""
+        assert self.bucket is not None
+        root = self._prepare()
         remote = self.bucket.newest()
         local = checkpoint.complete_checkpoints(root)
         local_step = local[-1][0] if local else None
-        remote_step = self.committed_step = remote[0] if remote else None
+        remote_step = self._state["committed"] = remote[0] if remote else None
         if local_step is not None and (remote_step is None or local_step > remote_step):
             log.info(f"the staging folder {self.local} holds global_step{local_step}, newer than the bucket's "
                      f"{'none' if remote_step is None else f'global_step{remote_step}'}: resuming from it and "
@@ -253,17 +369,53 @@ class RunMirror:
         elif local_step == remote_step and self._matches(local[-1][1], remote[1]):
             log.info(f"the staging folder {self.local} matches {self.url} (global_step{remote_step}): reused")
         else:
-            if local_step is not None:
-                log.info(f"the staging folder {self.local} is behind {self.url}: replaced by the bucket's state")
-            # What a resumed run appends to must be the bucket's, not an older process's local copy.
-            for name in ("checkpoints", "metrics.jsonl", "wandb_run_id"):
-                target = self.local / name
-                shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
-            started = time.monotonic()
-            step, files = remote
-            self.bucket.download_checkpoint(step, files, root)
-            log.info(f"downloaded {join(self.bucket.checkpoints, checkpoint.tag_of(step))} "
-                     f"({sum(files.values()) / 2**20:,.1f} MiB in {time.monotonic() - started:.1f} s)")
+            self._download(remote, root, local_step is not None)
+        self._after_download(remote)
+
+    def _restore_node(self, remote: tuple[int, dict[str, int]] | None, ranks: set[int]) -> None:
+        """A node's first local rank, nodes without a shared disk: the bucket's newest complete checkpoint,
+        only the files `ranks` read; a newer local checkpoint never reached the bucket on every node, so the
+        run resumes from the bucket's."""
+        root = self._prepare()
+        local = checkpoint.complete_checkpoints(root)
+        remote_step = self._state["committed"] = remote[0] if remote else None
+        if local and (remote_step is None or local[-1][0] > remote_step):
+            log.info(f"node {self.node}: the staging folder {self.local} holds global_step{local[-1][0]}, which "
+                     f"is not complete in the bucket: resuming from the bucket's "
+                     f"{'none' if remote_step is None else f'global_step{remote_step}'}")
+            shutil.rmtree(root, ignore_errors=True)
+            local = []
+        if remote is None:
+            log.info(f"node {self.node}: no complete checkpoint in {self.url}: starting from scratch (staging in "
+                     f"{self.local})")
+        else:
+            files = {name: size for name, size in remote[1].items() if needed_by(name, ranks)}
+            if local and local[-1][0] == remote_step and self._matches(local[-1][1], files):
+                log.info(f"node {self.node}: the staging folder {self.local} matches {self.url} "
+                         f"(global_step{remote_step}): reused")
+            else:
+                self._download((remote[0], files), root, bool(local))
+        if self.is_main:
+            self._after_download(remote)
+        self.start()
+
+    def _download(self, remote: tuple[int, dict[str, int]], root: Path, replaced: bool) -> None:
+        assert self.bucket is not None
+        if replaced:
+            log.info(f"the staging folder {self.local} is behind {self.url}: replaced by the bucket's state")
+        # What a resumed run appends to must be the bucket's, not an older process's local copy.
+        for name in ("checkpoints", "metrics.jsonl", "wandb_run_id"):
+            target = self.local / name
+            shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+        started = time.monotonic()
+        step, files = remote
+        self.bucket.download_checkpoint(step, files, root)
+        log.info(f"downloaded {join(self.bucket.checkpoints, checkpoint.tag_of(step))} "
+                 f"({sum(files.values()) / 2**20:,.1f} MiB in {time.monotonic() - started:.1f} s)")
+
+    def _after_download(self, remote: tuple[int, dict[str, int]] | None) -> None:
+        """Rank 0: the run's small files from the bucket, a note on re-logged steps, the uploader."""
+        assert self.bucket is not None
         for path in self.bucket.download_side_files(self.local):
             self._side_synced[path.relative_to(self.local).as_posix()] = _stamp(path)
         logged = max((row.get("step", 0) for row in read_metrics(self.local / "metrics.jsonl")), default=0)
@@ -273,153 +425,254 @@ class RunMirror:
                      f"re-logged steps below its last one")
         self.start()
 
-    def check_shared(self) -> None:
-        """Collective, after restore: every rank must see the staging folder rank 0 prepared, since rank 0
-        uploads all ranks' files from it (nodes without a shared disk are not supported)."""
-        import torch
-
-        seen = torch.tensor([1 if (self.local / RECORD).is_file() else 0], dtype=torch.int32)
-        torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MIN)
-        if not seen.item():
-            raise StageInputError(f"some ranks do not see the staging folder {self.local}: with the run folder in "
-                                  f"a bucket, set train.local_dir to a folder every node shares")
-
     @staticmethod
     def _matches(folder: Path, files: dict[str, int]) -> bool:
         return all((folder / name).is_file() and (folder / name).stat().st_size == size for name, size in files.items())
 
     # --- during training ----------------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is None and self.is_main:
-            self._thread = threading.Thread(target=self._run, name="gptpipe-mirror", daemon=True)
-            self._thread.start()
+        """The uploader process, told what it mirrors on its first input line."""
+        if self._process is not None or not self.uploads:
+            return
+        self._process = subprocess.Popen([sys.executable, "-m", "gptpipe.train.mirror"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True, bufsize=1)
+        self._send({"url": self.url, "endpoint_url": self.endpoint_url, "local": str(self.local), "keep": self.keep,
+                    "synced": self._side_synced, "node": self.node, "nodes": self.nodes, "attempt": self.attempt,
+                    "committed": self._state["committed"]})
+        threading.Thread(target=self._read_state, name="gptpipe-mirror-state", daemon=True).start()
+
+    def _send(self, message: dict[str, Any]) -> None:
+        assert self._process is not None and self._process.stdin is not None
+        self._process.stdin.write(json.dumps(message) + "\n")
+        self._process.stdin.flush()
+
+    def _read_state(self) -> None:
+        assert self._process is not None and self._process.stdout is not None
+        for line in self._process.stdout:
+            with self._lock:
+                self._state.update(json.loads(line))
 
     def submit(self, step: int, folder: Path) -> None:
-        """Queue the checkpoint just saved in `folder`: a hard-linked copy, so that keep-last-N may delete
-        the original while it uploads; replaces a checkpoint still waiting (not the one in flight)."""
-        if not self.is_main:
+        """Queue the checkpoint just saved in `folder` (every rank calls this; uploaders act): a hard-linked
+        copy, so that keep-last-N may delete the original while it uploads. On a node other than rank 0's the
+        ranks' files are still in the save's temporary folder (only rank 0 moves a save into place): moved."""
+        if not self.uploads:
             return
         copy = self.local / UPLOADS / f"{folder.name}-{time.monotonic_ns()}"
-        shutil.copytree(folder, copy, copy_function=_link_or_copy)
-        with self._cv:
-            if self._waiting is not None:
-                log.info(f"upload: global_step{step} replaces global_step{self._waiting.step}, which was still "
-                         f"waiting behind the upload in flight")
-                shutil.rmtree(self._waiting.folder, ignore_errors=True)
-            self._waiting = _Job(step, copy)
-            self._cv.notify_all()
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        if self.is_main:
+            shutil.copytree(folder, copy, copy_function=_link_or_copy)
+        else:
+            pending = folder.parent / f".tmp-{folder.name}"
+            (pending / folder.name).rename(copy)
+            shutil.rmtree(pending, ignore_errors=True)
+        self.start()
+        self._send({"step": step, "folder": str(copy)})
 
     def status(self) -> str:
         """A note for the console line while uploads fail; empty while all is well."""
-        with self._cv:
-            if not self._failures:
+        with self._lock:
+            if self._process is not None and self._process.poll() not in (None, 0):
+                return f"  uploader process exited ({self._process.returncode}): nothing more reaches the bucket"
+            if not self._state["failures"]:
                 return ""
-            job = self._busy or self._waiting
-            what = f"global_step{job.step}" if job else "run files"
-            return f"  upload of {what} failing ({self._failures} tries, retrying)"
+            what = f"global_step{self._state['step']}" if self._state["step"] is not None else "run files"
+            return f"  upload of {what} failing ({self._state['failures']} tries, retrying)"
 
-    def _run(self) -> None:
+    # --- at the end ---------------------------------------------------------------------------------
+    def finish(self, code: int, preempted: int) -> int:
+        """Wait for the last checkpoint and the run's files to reach the bucket: within
+        train.preempt_grace_seconds after a signal, else up to FINAL_WAIT_SECONDS. Returns the exit code."""
+        if self._process is None:
+            return code
+        budget = self.grace_s if code == preempted else FINAL_WAIT_SECONDS
+        try:
+            self._send({"close": True})
+            self._process.wait(timeout=budget)
+        except (subprocess.TimeoutExpired, BrokenPipeError):
+            pass
+        if self._process.returncode == 0:
+            log.info(f"the run is mirrored in {self.url}" if self.is_main else
+                     f"node {self.node}: its part of the run is mirrored in {self.url}")
+            return code
+        self._process.kill()
+        self._process.wait()
+        # What this process knows (asking the store now could take longer than the budget left).
+        committed = self.committed_step
+        where = (f"its newest complete checkpoint is global_step{committed}"
+                 if committed is not None else "it holds no complete checkpoint of this run")
+        log.warning(f"the upload to {self.url} did not finish within {budget:.0f} s: {where}, and a new machine "
+                    f"resumes from there. This machine's staging folder {self.local} keeps everything: running "
+                    f"the same command here uploads it first.")
+        return code if code == preempted else 1
+
+
+class _Uploader:
+    """The uploader process's loop: one checkpoint at a time, the newest waiting one next, the run's other
+    files every SIDE_SYNC_SECONDS (rank 0 only), retries with backoff; its state goes to `out` as JSON lines."""
+
+    def __init__(self, setup: dict[str, Any], inbox: queue.Queue, out: IO[str]):
+        self.url, self.local, self.keep = setup["url"], Path(setup["local"]), setup["keep"]
+        self.node, self.nodes, self.attempt = setup["node"], setup["nodes"], setup["attempt"]
+        self.bucket = Bucket(self.url, setup["endpoint_url"])
+        self.inbox, self.out = inbox, out
+        self.synced = {name: tuple(stamp) for name, stamp in setup["synced"].items()}
+        self.committed: int | None = setup["committed"]
+        self.waiting: _Job | None = None
+        self.closing = False
+        self.failures = 0
+        self.last_error = ""
+
+    def _take(self, timeout: float | None) -> bool:
+        """Read one message (waiting up to `timeout`; None: do not wait); False when none came."""
+        try:
+            message = self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait()
+        except queue.Empty:
+            return False
+        if message.get("close"):
+            self.closing = True
+        else:
+            job = _Job(message["step"], Path(message["folder"]))
+            if self.waiting is not None:
+                log.info(f"upload: global_step{job.step} replaces global_step{self.waiting.step}, which was still "
+                         f"waiting behind the upload in flight")
+                shutil.rmtree(self.waiting.folder, ignore_errors=True)
+            self.waiting = job
+            if self.failures:  # the console line names the save being retried
+                self._publish(job)
+        return True
+
+    def _drain(self) -> None:
+        while self._take(None):
+            pass
+
+    def _publish(self, job: _Job | None) -> None:
+        self.out.write(json.dumps({"failures": self.failures, "step": job.step if job else None,
+                                   "committed": self.committed}) + "\n")
+        self.out.flush()
+
+    def run(self) -> None:
+        due = time.monotonic() + SIDE_SYNC_SECONDS
         while True:
-            with self._cv:
-                while self._waiting is None and not self._closing and time.monotonic() < self._side_due:
-                    self._cv.wait(timeout=max(0.0, self._side_due - time.monotonic()))
-                job, self._waiting = self._waiting, None
-                self._busy = job
-                closing = self._closing
+            while self.waiting is None and not self.closing and time.monotonic() < due:
+                self._take(max(0.01, due - time.monotonic()))
+            self._drain()
+            job, self.waiting = self.waiting, None
             uploaded = self._upload(job) if job else True
-            ok = self._sync_side_files() and uploaded
-            with self._cv:
-                self._busy = None
-                if ok:
-                    self._failures, self._last_error = 0, ""
-                else:
-                    self._failures += 1
-                    if not uploaded and self._waiting is None:
-                        self._waiting = job  # retry it, unless a newer save replaced it meanwhile
-                    elif not uploaded:
-                        shutil.rmtree(job.folder, ignore_errors=True)
-                        log.info(f"upload: gave up global_step{job.step} for the newer global_step"
-                                 f"{self._waiting.step}")
-                self._side_due = time.monotonic() + (SIDE_SYNC_SECONDS if ok else _backoff(self._failures))
-                self._cv.notify_all()
-                if closing and self._waiting is None and ok:
-                    return
-            if not ok:
-                time.sleep(_backoff(self._failures))
+            ok = (self.node > 0 or self._sync_side_files()) and uploaded
+            self._drain()
+            if ok:
+                self.failures, self.last_error = 0, ""
+            else:
+                self.failures += 1
+                if not uploaded and self.waiting is None:
+                    self.waiting = job  # retry it, unless a newer save replaced it meanwhile
+                elif not uploaded:
+                    shutil.rmtree(job.folder, ignore_errors=True)
+                    log.info(f"upload: gave up global_step{job.step} for the newer global_step{self.waiting.step}")
+            self._publish(self.waiting if not ok else None)
+            if self.closing and self.waiting is None and ok:
+                return
+            if ok:
+                due = time.monotonic() + SIDE_SYNC_SECONDS
+            else:  # back off; when closing, at most 1 s (the grace budget is short); a newer save does not cut it
+                until = time.monotonic() + _backoff(self.failures)
+                while time.monotonic() < until:
+                    if self.closing:
+                        until = min(until, time.monotonic() + 1.0)
+                    self._take(max(0.01, until - time.monotonic()))
+                due = time.monotonic()
 
     def _upload(self, job: _Job) -> bool:
-        assert self.bucket is not None
         started = time.monotonic()
+        tag = checkpoint.tag_of(job.step)
         try:
-            self.bucket.upload_checkpoint(job.step, job.folder)
+            files = self.bucket.upload_part(job.step, job.folder)
+            if self.node > 0:
+                self.bucket.put_node_marker(job.step, self.node, self.attempt, files)
+            else:
+                files.update(self._other_nodes(job.step))
+                self.bucket.commit(job.step, files)
         except Exception as exc:
-            self._report(f"upload of global_step{job.step} to {self.url} failed", exc)
+            self._report(f"upload of {tag} to {self.url} failed", exc)
             return False
         size = sum(p.stat().st_size for p in job.folder.rglob("*") if p.is_file())
-        log.info(f"uploaded global_step{job.step} to {self.url} ({size / 2**20:,.1f} MiB in "
-                 f"{time.monotonic() - started:.1f} s)")
-        self.committed_step = job.step
+        what = f"node {self.node}'s part of {tag}" if self.nodes > 1 else tag
+        log.info(f"uploaded {what} to {self.url} ({size / 2**20:,.1f} MiB in {time.monotonic() - started:.1f} s)")
         shutil.rmtree(job.folder, ignore_errors=True)
+        if self.node > 0:
+            return True
+        self.committed = job.step
         try:
             self.bucket.prune(job.step, self.keep)
         except Exception as exc:
             self._report("removing old checkpoints from the bucket failed", exc)
         return True
 
+    def _other_nodes(self, step: int) -> dict[str, int]:
+        """The files the other nodes uploaded of `step`, once all their markers are there; raises after
+        NODE_WAIT_SECONDS or when a newer save is waiting (this one is then given up)."""
+        deadline = time.monotonic() + NODE_WAIT_SECONDS
+        while True:
+            parts = self.bucket.node_parts(step, self.nodes, self.attempt)
+            if len(parts) == self.nodes - 1:
+                return {name: size for files in parts.values() for name, size in files.items()}
+            missing = ", ".join(str(n) for n in range(1, self.nodes) if n not in parts)
+            self._drain()
+            if self.waiting is not None or time.monotonic() > deadline:
+                raise OSError(f"node(s) {missing} did not upload their part of {checkpoint.tag_of(step)}")
+            self._take(0.5)
+
     def _sync_side_files(self) -> bool:
         """Upload every run file (outside checkpoints/ and data_cache/) changed since its last upload."""
-        assert self.bucket is not None
-        ok = True
         for path in sorted(self.local.rglob("*")):
             name = path.relative_to(self.local).as_posix()
             if not path.is_file() or name.split("/", 1)[0] in SKIPPED or ".tmp-" in path.name:
                 continue
             try:
                 stamp = _stamp(path)
-                if self._side_synced.get(name) == stamp:
+                if self.synced.get(name) == stamp:
                     continue
                 self.bucket.put(path, name)
-                self._side_synced[name] = stamp
+                self.synced[name] = stamp
             except FileNotFoundError:  # removed while we looked (a rotated temp file)
                 continue
             except Exception as exc:
                 self._report(f"upload of {name} to {self.url} failed", exc)
-                ok = False
-                break
-        return ok
+                return False
+        return True
 
     def _report(self, what: str, exc: Exception) -> None:
         # The exception's text names the endpoint and the object, never a credential (botocore and
         # google-auth keep them out of messages); only its first line is shown.
         message = f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        if message != self._last_error or self._failures % 10 == 0:
-            log.warning(f"{message} (retrying in {_backoff(self._failures + 1):.0f} s)")
-        self._last_error = message
+        if message != self.last_error or self.failures % 10 == 0:
+            log.warning(f"{message} (retrying in {_backoff(self.failures + 1):.0f} s)")
+        self.last_error = message
 
-    # --- at the end ---------------------------------------------------------------------------------
-    def finish(self, code: int, preempted: int) -> int:
-        """Wait for the last checkpoint and the run's files to reach the bucket: within
-        train.preempt_grace_seconds after a signal, else up to FINAL_WAIT_SECONDS. Returns the exit code."""
-        if not self.is_main or self._thread is None:
-            return code
-        budget = self.grace_s if code == preempted else FINAL_WAIT_SECONDS
-        deadline = time.monotonic() + budget
-        with self._cv:
-            self._closing = True
-            self._side_due = 0.0  # one last pass over the run's files
-            self._cv.notify_all()
-            while self._thread.is_alive() and time.monotonic() < deadline:
-                self._cv.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
-        if not self._thread.is_alive():
-            log.info(f"the run is mirrored in {self.url}")
-            return code
-        # What this process knows (asking the store now could take longer than the budget left).
-        where = (f"its newest complete checkpoint is global_step{self.committed_step}"
-                 if self.committed_step is not None else "it holds no complete checkpoint of this run")
-        log.warning(f"the upload to {self.url} did not finish within {budget:.0f} s: {where}, and a new machine "
-                    f"resumes from there. This machine's staging folder {self.local} keeps everything: running "
-                    f"the same command here uploads it first.")
-        return code if code == preempted else 1
+
+def _serve() -> None:
+    """The uploader process: setup, then checkpoint folders and finally "close" on stdin. A closed stdin
+    without "close" means the training process died: quit at once, leaving nothing half-committed."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    os.nice(10)  # background work: the training process comes first
+    out, sys.stdout = sys.stdout, sys.stderr  # stdout carries our state lines only
+    setup = json.loads(sys.stdin.readline() or "null")
+    if setup is None:
+        return
+    inbox: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in sys.stdin:
+            message = json.loads(line)
+            inbox.put(message)
+            if message.get("close"):
+                return
+        os._exit(1)
+
+    threading.Thread(target=read, daemon=True).start()
+    _Uploader(setup, inbox, out).run()
 
 
 def _stamp(path: Path) -> tuple[int, int]:
@@ -435,9 +688,9 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def open_mirror(train: Any, storage: Any, is_main: bool) -> RunMirror:
+def open_mirror(train: Any, storage: Any, dist: Any) -> RunMirror:
     return RunMirror(str(train.output_model_dir), train.local_dir, storage.endpoint_url, train.keep_checkpoints,
-                     train.preempt_grace_seconds, is_main)
+                     train.preempt_grace_seconds, dist.rank, dist.local_rank, dist.world_size)
 
 
 def fetch_checkpoint(url: str, step: int | None = None, endpoint_url: str | None = None) -> Path:
@@ -490,3 +743,7 @@ def describe_run_folder(url: str, local_dir: Path | None, checkpoint_bytes: floa
     return line, (f"checkpoints would come every ~{between:.0f} s but take ~{upload_s:.0f} s to upload: saves would "
                   f"replace each other while they wait; raise train.save_interval to at least "
                   f"{int(upload_s / step_seconds) + 1}")
+
+
+if __name__ == "__main__":
+    _serve()

@@ -1,0 +1,100 @@
+"""A bucket run on two "nodes" without a shared disk: two torchrun agents on 127.0.0.1 (--nnodes 2, one rank
+each), each with its own temp folder, so each stages and uploads its own ranks' files; rank 0 commits a
+checkpoint only after the other node's marker. Wiping both staging folders and rerunning resumes exactly."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import QUICK_TRAIN, free_port, run_train, train_env, train_losses
+from test_storage import S3Store, bucket_losses, bucket_steps
+
+ZERO = ("train.zero_stage=2",)
+
+
+def run_two_nodes(config: Path, tmp: Path, *overrides: str, stop_after: int | None = None) -> list[str]:
+    """`gptpipe train` on two single-rank nodes (torchrun --node_rank 0/1), each with TMPDIR tmp/node{K};
+    with `stop_after`, both get SIGTERM once that step is logged (a preemption). Returns their stderr.
+
+    The dataset index cache goes to one folder both see (data.cache_dir): megatron builds it on global rank 0
+    and the other ranks read it, so nodes without a shared disk need it on every node."""
+    port = free_port()
+    nodes = []
+    for node in (0, 1):
+        (tmp / f"node{node}").mkdir(parents=True, exist_ok=True)
+        env = {**train_env(2), "TMPDIR": str(tmp / f"node{node}"), "GPTPIPE_EXIT_FILE": str(tmp / f"exit{node}"),
+               "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}  # torchrun waits that long for the save and upload
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", port,
+                "-m", "gptpipe", "train", "--config", str(config), *QUICK_TRAIN, *ZERO,
+                f"data.cache_dir={tmp.parent / 'data_cache'}", *overrides]
+        nodes.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    if stop_after is not None:
+        deadline = time.monotonic() + 600
+        while not any(f'"step": {stop_after},' in m.read_text() for m in (tmp / "node0").glob("*/*/*/metrics.jsonl")):
+            assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, "a node stopped early"
+            time.sleep(0.05)
+        for process in nodes:
+            process.send_signal(signal.SIGTERM)
+    errors = [process.communicate(timeout=900)[1] for process in nodes]
+    # torchrun reports a rank's exit 75 as 1: rank 0 writes its own code to GPTPIPE_EXIT_FILE
+    expected = "75" if stop_after is not None else "0"
+    code = (tmp / "exit0").read_text() if (tmp / "exit0").is_file() else str(nodes[0].returncode)
+    assert code == expected and (stop_after is not None or nodes[1].returncode == 0), "\n".join(
+        f"node {k}:\n{e[-3000:]}" for k, e in enumerate(errors))
+    return errors
+
+
+def staged(tmp: Path, node: int) -> Path:
+    """The node's staging folder (the default one, under its TMPDIR)."""
+    return next((tmp / f"node{node}" / "gptpipe-runs").glob("*/run"))
+
+
+def test_nodes_without_shared_disk_upload_their_ranks_and_resume_exactly(dataset_prefix: Path, workspace: Path,
+                                                                        tmp_path: Path, monkeypatch) -> None:
+    config = workspace / "config.yaml"
+    run = ("train.train_iters=6", "train.save_interval=4")
+    full = run_train("--config", config, *QUICK_TRAIN, *ZERO, *run, f"train.output_model_dir={tmp_path / 'full'}",
+                     ranks=2)
+    assert full.returncode == 0, full.stderr[-3000:]
+    reference = train_losses(tmp_path / "full")
+
+    store = S3Store()
+    for key, value in store.env.items():
+        monkeypatch.setenv(key, value)
+    store.start()
+    try:
+        import fsspec
+
+        store.fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        store.fs.mkdir("multinode")
+        url = "s3://multinode/runs/run"
+        # Preempted after step 2: each node saves, uploads its part, and rank 0 commits the checkpoint.
+        machines = tmp_path / "machines1"
+        first = run_two_nodes(config, machines, *run, f"train.output_model_dir={url}", stop_after=2)
+        assert "the run is mirrored in" in first[0]
+        saved = max(step for step, done in bucket_steps(store, url).items() if done)
+        assert f"uploaded node 1's part of global_step{saved}" in first[1]
+        marker = json.loads(store.fs.cat_file(f"{url}/checkpoints/global_step{saved}/complete"))
+        # rank 1's ZeRO-2 shard and RNG state came from node 1's disk; the shared model states from node 0's
+        assert {"rng_state_rank1.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt", "rng_state_rank0.pt",
+                "mp_rank_00_model_states.pt"} <= set(marker["files"])
+        assert not (staged(machines, 1) / "checkpoints" / f"global_step{saved}").exists()  # never whole there
+
+        # Both machines are gone; new ones resume from the bucket, each fetching what its ranks read.
+        machines = tmp_path / "machines2"
+        second = run_two_nodes(config, machines, *run, f"train.output_model_dir={url}")
+        for stderr in second:
+            assert f"downloaded {url}/checkpoints/global_step{saved}" in stderr
+        resumed = staged(machines, 1) / "checkpoints" / f"global_step{saved}"
+        assert (resumed / "rng_state_rank1.pt").is_file() and (resumed / "mp_rank_00_model_states.pt").is_file()
+        assert not (resumed / "rng_state_rank0.pt").exists()
+        assert bucket_losses(store, url) == reference
+        assert bucket_steps(store, url)[6] is True
+    finally:
+        store.stop()
