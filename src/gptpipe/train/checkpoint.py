@@ -24,16 +24,15 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.stages import TRAIN
 from gptpipe.storage import is_url
-from gptpipe.train.engine import Dist
+
+if TYPE_CHECKING:  # torch is imported where it is used: the uploader process (train/mirror.py) needs none
+    from gptpipe.train.engine import Dist
 
 COMPLETE_MARKER = "complete"
 HF_CONFIG = "hf_config.json"
@@ -85,10 +84,15 @@ def newest_checkpoint(root: Path) -> Path | None:
 
 
 def _barrier() -> None:
+    import torch
+
     torch.distributed.barrier()
 
 
 def rng_state() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -96,6 +100,9 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -106,6 +113,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save(engine: Any, root: Path, step: int, state: dict[str, Any], hf_config_json: str, dist: Dist,
          keep: int) -> Path:
     """Save the engine at `step` atomically (see the module doc); collective: call on every rank."""
+    import torch
+
     tag = tag_of(step)
     staging = root / f".tmp-{tag}"
     final = root / tag
@@ -141,6 +150,8 @@ def remove_stale(root: Path) -> None:
 
 def load(engine: Any, folder: Path, dist: Dist) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and this rank's RNG from `folder`; returns gptpipe_state.json."""
+    import torch
+
     load_path, _ = engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
     if load_path is None:
@@ -237,6 +248,7 @@ def consolidate(checkpoint: Checkpoint) -> dict[str, Any]:
     ZeRO stage 0 keeps no partitioned master weights: its model-states file holds the whole module.
     """
     import torch
+
 
     folder = checkpoint.path
     try:
