@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import QUICK_TRAIN, run_train, start_train
+from conftest import QUICK_TRAIN, run_cli, run_train, start_train
 
 from gptpipe.config.core import ConfigError, Url, load_config
 from gptpipe.pipeline import PipelineConfig
@@ -217,6 +217,17 @@ def test_preemption_drill_resumes_exactly_on_fresh_machines(store, dataset_prefi
     for name in ("config.yaml", "plan.txt", "ds_config.json", "wandb_run_id"):
         assert store.fs.exists(f"{url}/{name}"), name
     assert store.fs.glob(f"{url}/tensorboard/events.out.tfevents.*") and store.fs.glob(f"{url}/wandb/*/*.wandb")
+
+    # Stage 4 from the bucket run folder gives the verified HF folder a local convert of the uninterrupted run gives.
+    if store.scheme == "s3":  # one store is enough: the bucket is read through the same fetch_checkpoint
+        convert = workspace / "convert_config.yaml"
+        for name, run in (("from-bucket", url), ("from-local", tmp_path / "full")):
+            run_cli("convert", "--config", convert, f"input_model_dir={run}",
+                    f"output_tokenizer_and_model_dir={tmp_path / name}")
+        for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json"):
+            assert (tmp_path / "from-bucket" / name).read_bytes() == (tmp_path / "from-local" / name).read_bytes(), name
+        report = json.loads((tmp_path / "from-bucket" / "manifest.json").read_text())["counts"]
+        assert report["verified"] is True and report["step"] == STEPS
 
     # 4. A checkpoint missing one file in the bucket is never resumed from: the run redoes the last steps.
     store.fs.rm_file(f"{url}/checkpoints/global_step{STEPS}/rng_state_rank0.pt")
