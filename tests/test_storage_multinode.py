@@ -20,9 +20,7 @@ ZERO = ("train.zero_stage=2",)
 def run_two_nodes(config: Path, tmp: Path, *overrides: str, stop_after: int | None = None) -> list[str]:
     """`gptpipe train` on two single-rank nodes (torchrun --node_rank 0/1), each with TMPDIR tmp/node{K};
     with `stop_after`, both get SIGTERM once that step is logged (a preemption). Returns their stderr.
-
-    The dataset index cache goes to one folder both see (data.cache_dir): megatron builds it on global rank 0
-    and the other ranks read it, so nodes without a shared disk need it on every node."""
+    The nodes share no folder: each fetches nothing but its own data and builds its dataset indices itself."""
     port = free_port()
     nodes = []
     for node in (0, 1):
@@ -31,8 +29,7 @@ def run_two_nodes(config: Path, tmp: Path, *overrides: str, stop_after: int | No
                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"}  # torchrun waits that long for the save and upload
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                 "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", port,
-                "-m", "gptpipe", "train", "--config", str(config), *QUICK_TRAIN, *ZERO,
-                f"data.cache_dir={tmp.parent / 'data_cache'}", *overrides]
+                "-m", "gptpipe", "train", "--config", str(config), *QUICK_TRAIN, *ZERO, *overrides]
         nodes.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     if stop_after is not None:
         deadline = time.monotonic() + 600

@@ -85,11 +85,11 @@ class _MegatronTokenizer:
 
 
 def build_datasets(data_cfg: DataConfig, stats: list[DatasetCounts], seq_len: int, sizes: list[int],
-                   cache_dir: Path, vocab_size: int, eod_id: int) -> list[Any]:
+                   cache_dir: Path | None, vocab_size: int, eod_id: int) -> list[Any]:
     """[train, valid, test] megatron-core datasets of at least `sizes` samples each (after the guards).
 
     Call on every rank once torch.distributed is initialized: rank 0 builds the index cache, the others
-    wait at megatron's barrier and then read it.
+    wait at megatron's barrier and then read it; without `cache_dir` every rank builds the indices in memory.
     """
     import logging
 
@@ -100,14 +100,19 @@ def build_datasets(data_cfg: DataConfig, stats: list[DatasetCounts], seq_len: in
     logging.getLogger("megatron").setLevel(logging.WARNING)
     check_splits(stats, data_cfg.split, seq_len)
     weights = blend_weights(data_cfg, stats)
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    if cache_dir is not None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    else:  # megatron-core says so on every build; it is the intent here
+        logging.getLogger("megatron.core.datasets").addFilter(
+            lambda record: "because path_to_cache is None" not in record.getMessage())
     config = GPTDatasetConfig(
         random_seed=data_cfg.seed,
         sequence_length=seq_len,
         # A URL prefix reads its verified local copy (the .bin fetched here, once per machine: gptpipe.remote).
         blend=([str(TOKENIZE.local(s.prefix)) for s in stats], weights),
         split=data_cfg.split,
-        path_to_cache=str(cache_dir),
+        # "" (not None, which megatron-core replaces with a folder beside the data) builds without a cache.
+        path_to_cache="" if cache_dir is None else str(cache_dir),
         tokenizer=_MegatronTokenizer(vocab_size, eod_id),
         reset_position_ids=False,
         reset_attention_mask=False,

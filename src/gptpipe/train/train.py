@@ -73,7 +73,10 @@ class Pretrainer(TrainLoop):
         self.engine, self.fused_loss = build_engine(train, config.model.arch, hf_config, ds_config, plan.schedule,
                                                     dist.device)
         sizes = [plan.train_samples, plan.eval_samples, plan.eval_samples]
-        cache = config.data.cache_dir or self.run_dir / "data_cache"
+        # megatron-core builds the index cache on global rank 0 and the other ranks read it: nodes staging on their
+        # own disks share no folder for it, so there every rank builds the indices in memory (None) instead.
+        own_disks = self.mirror is not None and self.mirror.nodes > 1
+        cache = config.data.cache_dir or (None if own_disks else self.run_dir / "data_cache")
         self.train_data, self.valid_data, _ = build_datasets(config.data, plan.stats, train.seq_len, sizes, cache,
                                                              tokenizer.vocab_size, tokenizer.eod_id)
         self.consumed = 0
