@@ -239,3 +239,19 @@ def tiny_lm(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_t5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small random T5 with the ByT5 tokenizer: both built offline."""
+    import torch
+    from transformers import ByT5Tokenizer, T5Config, T5ForConditionalGeneration
+
+    folder = tmp_path_factory.mktemp("tiny-t5")
+    tokenizer = ByT5Tokenizer()
+    config = T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                      pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -351,19 +351,12 @@ def test_finetune_export_passes_the_gate_and_predicts_like_the_run(tiny_lm, demo
     assert failed["verified"] is False and any("logits differ" in f for f in failed["failures"])
 
 
-def test_seq2seq_finetune_exports_as_an_encoder_decoder(demo_task, workspace, tmp_path):
-    """A small random T5 with the ByT5 tokenizer (both built offline), fine-tuned 2 steps, exported in bf16."""
-    from transformers import AutoModelForSeq2SeqLM, ByT5Tokenizer, T5Config, T5ForConditionalGeneration
+def test_seq2seq_finetune_exports_as_an_encoder_decoder(tiny_t5, demo_task, workspace, tmp_path):
+    """The small random T5 with the ByT5 tokenizer (conftest), fine-tuned 2 steps, exported in bf16."""
+    from transformers import AutoModelForSeq2SeqLM
 
-    pretrained = tmp_path / "t5"
-    tokenizer = ByT5Tokenizer()
-    config = T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
-                      pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-    torch.manual_seed(0)
-    T5ForConditionalGeneration(config).save_pretrained(pretrained)
-    tokenizer.save_pretrained(pretrained)
     run = tmp_path / "run"
-    finetune(pretrained, demo_task, run, "train.train_iters=2", "train.eval_interval=1000", "train.seq_len=96",
+    finetune(tiny_t5, demo_task, run, "train.train_iters=2", "train.eval_interval=1000", "train.seq_len=96",
              "task.prompt='入力: {input}'")
     out = tmp_path / "export"
     assert convert(workspace, run, out, "checkpoint_step=2") == 0  # bf16, a chosen step

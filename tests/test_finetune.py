@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, require_manpages, train_env
+from conftest import REPO, require_manpages, train_env, train_losses
 
 from gptpipe.finetune.data import (
     IGNORE,
@@ -395,13 +395,6 @@ def test_sigkilled_finetune_resumes_with_identical_losses(tiny_lm: Path, task_fi
     common = ("train.global_batch_size=8", "train.micro_batch_size=4", "train.train_iters=6", "train.save_interval=2",
               "train.eval_interval=1000")
 
-    def losses(run: Path) -> dict[int, float]:
-        seen: dict[int, float] = {}
-        for row in metrics_rows(run):
-            if "loss" in row:
-                assert seen.setdefault(row["step"], row["loss"]) == row["loss"], f"step {row['step']} differs"
-        return seen
-
     full = gptpipe("finetune", *finetune_args(tiny_lm, task_files, tmp_path / "full", *common))
     assert full.returncode == 0, full.stderr[-3000:]
     killed = tmp_path / "killed"
@@ -418,7 +411,7 @@ def test_sigkilled_finetune_resumes_with_identical_losses(tiny_lm: Path, task_fi
     resumed = gptpipe("finetune", *finetune_args(tiny_lm, task_files, killed, *common))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr
-    assert losses(killed) == losses(tmp_path / "full")
+    assert train_losses(killed) == train_losses(tmp_path / "full")
 
 
 def test_sigterm_saves_and_exits_75(tiny_lm: Path, task_files: tuple[Path, Path], tmp_path: Path) -> None:
@@ -459,21 +452,6 @@ def test_beam_search_scores_at_least_greedy(tiny_lm: Path) -> None:
 
 
 # --- encoder-decoder ----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_t5(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small random T5 with the ByT5 tokenizer: both built offline."""
-    from transformers import ByT5Tokenizer, T5Config, T5ForConditionalGeneration
-
-    folder = tmp_path_factory.mktemp("tiny-t5")
-    tokenizer = ByT5Tokenizer()
-    config = T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
-                      pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-    torch.manual_seed(0)
-    T5ForConditionalGeneration(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 def test_t5_with_byt5_tokenizer_finetunes_and_predicts(tiny_t5: Path, task_files: tuple[Path, Path],
                                                        tmp_path: Path) -> None:
     run = tmp_path / "run"
