@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
-import tempfile
 import time
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
@@ -28,7 +26,7 @@ from collections.abc import Callable, Iterator
 from gptpipe.config.core import to_plain
 from gptpipe.log import get_logger
 from gptpipe.stage import Manifest, StageInputError, StageResult, file_fingerprint, run_stage, write_text_atomic
-from gptpipe.storage import filesystem, is_url, join, local_name
+from gptpipe.storage import cache_folder, filesystem, is_url, join
 
 if TYPE_CHECKING:
     from gptpipe.stages import Stage
@@ -49,8 +47,7 @@ def cache_location(stage: Stage, url: str) -> Path:
     """The local stand-in for ``url``: where ``fetch`` puts it and where a stage publishing to it writes first."""
     url = url.rstrip("/")
     folder, _ = layout(stage, url)
-    digest = hashlib.sha256(folder.encode()).hexdigest()[:10]
-    root = Path(tempfile.gettempdir()) / "gptpipe-cache" / digest / local_name(folder)
+    root = cache_folder(folder)
     return root / url.rsplit("/", 1)[1] if stage.beside_prefix else root
 
 

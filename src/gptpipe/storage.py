@@ -11,7 +11,9 @@ test server) are reached through ``storage.endpoint_url`` in config.yaml or the 
 
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,3 +135,11 @@ def join(url: str, *parts: str) -> str:
 def local_name(url: str) -> str:
     """The last component of ``url`` (a run's name), for local folders that stand in for it."""
     return Path(strip_protocol(url)).name or "run"
+
+
+def cache_folder(url: str) -> Path:
+    """The local folder that stands for the bucket folder ``url`` once fetched:
+    ``<system temp>/gptpipe-cache/<digest of the URL>/<its last component>`` (``TMPDIR`` moves it)."""
+    url = url.rstrip("/")
+    digest = hashlib.sha256(url.encode()).hexdigest()[:10]
+    return Path(tempfile.gettempdir()) / "gptpipe-cache" / digest / local_name(url)

@@ -54,7 +54,7 @@ from typing import IO, Any
 
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
-from gptpipe.storage import filesystem, join, local_name, strip_protocol
+from gptpipe.storage import cache_folder, filesystem, join, local_name, strip_protocol
 from gptpipe.train import checkpoint
 from gptpipe.train.logging import read_metrics
 
@@ -709,8 +709,7 @@ def fetch_checkpoint(url: str, step: int | None = None, endpoint_url: str | None
         if files is None:
             raise StageInputError(f"no complete checkpoint for step {step} in {url} (complete steps: "
                                   f"{', '.join(str(s) for s in bucket.steps() if bucket.marker(s)) or 'none'})")
-    digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:10]
-    run = Path(tempfile.gettempdir()) / "gptpipe-cache" / digest / local_name(url)
+    run = cache_folder(url)
     folder = run / "checkpoints" / checkpoint.tag_of(step)
     if not ((folder / checkpoint.COMPLETE_MARKER).is_file() and RunMirror._matches(folder, files)):
         started = time.monotonic()
