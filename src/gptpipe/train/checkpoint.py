@@ -196,7 +196,7 @@ def find_checkpoint(input_dir: Path, step: int | None = None) -> Checkpoint:
     folder in a bucket (s3://..., gs://...).
     """
     if is_url(input_dir):  # a run folder in a bucket: its complete checkpoint, fetched into a local cache
-        from gptpipe.train.mirror import fetch_checkpoint
+        from gptpipe.train.bucket import fetch_checkpoint
 
         input_dir = fetch_checkpoint(str(input_dir), step)
     if not input_dir.exists():

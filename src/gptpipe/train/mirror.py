@@ -2,18 +2,11 @@
 
 `train.output_model_dir: s3://bucket/runs/x` (or gs://, any fsspec URL). DeepSpeed saves into a local
 staging folder exactly as for a local run (train/checkpoint.py: same layout, same markers); an uploader
-process mirrors the folder to the bucket. A bucket has no rename, so a checkpoint is committed by order:
-
-    checkpoints/global_step{N}/...        every file, uploaded one by one from a hard-linked staging copy
-    checkpoints/global_step{N}/complete   then the marker, listing every file and its size
-    checkpoints/latest                    then the tag, a hint for people and DeepSpeed only
-
-A reader trusts a checkpoint only when its marker exists and every file it lists is there with its size;
-`latest` is never trusted (listing caches and eventually consistent stores can serve a stale one). One
-checkpoint upload is in flight at a time: a newer save arriving meanwhile waits, and replaces any save still
-waiting (the older one is dropped, never half-committed). Failures are retried with backoff forever, shown on
-the console line, and never mark anything complete. Keep-last-N applies in the bucket too, never to the
-checkpoint `latest` names.
+process mirrors the folder to the bucket, each checkpoint in the commit order of train/bucket.py (its files
+from a hard-linked staging copy, then its marker, then `latest`). One checkpoint upload is in flight at a
+time: a newer save arriving meanwhile waits, and replaces any save still waiting (the older one is dropped,
+never half-committed). Failures are retried with backoff forever, shown on the console line, and never mark
+anything complete. Keep-last-N applies in the bucket too, never to the checkpoint `latest` names.
 
 The uploader is its own process (`python -m gptpipe.train.mirror`, niced, fed checkpoint folders on its stdin,
 answering its state on its stdout): the hashing, copying and HTTP of an upload take no share of the training
@@ -39,7 +32,6 @@ import hashlib
 import json
 import os
 import queue
-import re
 import shutil
 import signal
 import subprocess
@@ -54,8 +46,9 @@ from typing import IO, Any
 
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
-from gptpipe.storage import cache_folder, filesystem, join, local_name, strip_protocol
+from gptpipe.storage import join, local_name
 from gptpipe.train import checkpoint
+from gptpipe.train.bucket import Bucket, matches, needed_by
 from gptpipe.train.logging import read_metrics
 
 log = get_logger("train")
@@ -65,12 +58,10 @@ UPLOADS = ".uploads"  # hard-linked copies of checkpoints waiting for or in uplo
 # Never mirrored: the dataset index cache (rebuilt from the data), the checkpoint folder (uploaded by
 # protocol, not by change), our own bookkeeping, and temporary files of atomic writes.
 SKIPPED = ("checkpoints", "data_cache", UPLOADS, RECORD)
+RESUMED_FILES = ("metrics.jsonl", "wandb_run_id")  # what a resumed run appends to or continues
 SIDE_SYNC_SECONDS = 60.0
 FINAL_WAIT_SECONDS = 900.0  # how long a finished run keeps retrying an unreachable store before giving up
 NODE_WAIT_SECONDS = 300.0  # how long rank 0 waits for the other nodes' parts of a checkpoint before retrying
-NODES = "nodes"  # in a checkpoint folder of a multi-node run: one marker per node but the first
-# Files one rank writes (DeepSpeed's ZeRO shards, our RNG state); every other file is shared by all ranks.
-RANK_FILE = re.compile(r"(?:^|_)zero_pp_rank_(\d+)_|^rng_state_rank(\d+)\.pt$")
 
 
 def staging_folder(url: str, local_dir: Path | None) -> Path:
@@ -85,169 +76,10 @@ def _backoff(failures: int) -> float:
     return min(30.0, 0.5 * 2 ** min(failures, 6))
 
 
-def needed_by(name: str, ranks: set[int]) -> bool:
-    """Whether the checkpoint file `name` is read by one of `ranks`: shared files, and those ranks' own."""
-    match = RANK_FILE.search(name)
-    return match is None or int(match.group(1) or match.group(2)) in ranks
-
-
 @dataclass
 class _Job:
     step: int
     folder: Path  # the staging copy under UPLOADS
-
-
-class Bucket:
-    """A run folder in object storage, read and written by the commit order of the module doc."""
-
-    def __init__(self, url: str, endpoint_url: str | None):
-        self.url = url.rstrip("/")
-        self.fs = filesystem(url, endpoint_url)
-        self.checkpoints = join(self.url, "checkpoints")
-
-    def _listing(self, folder: str) -> dict[str, int]:
-        """{path relative to `folder`: size} of every object under it, bypassing fsspec's listing cache."""
-        self.fs.invalidate_cache(strip_protocol(folder))
-        base = strip_protocol(folder) + "/"
-        try:
-            found = self.fs.find(folder, detail=True)
-        except FileNotFoundError:
-            return {}
-        return {name.removeprefix(base): int(info["size"]) for name, info in found.items() if name.startswith(base)}
-
-    def steps(self) -> list[int]:
-        """Steps that have a checkpoint folder in the bucket (complete or not), oldest first."""
-        self.fs.invalidate_cache(strip_protocol(self.checkpoints))
-        try:
-            names = self.fs.ls(self.checkpoints, detail=False)
-        except FileNotFoundError:
-            return []
-        steps = []
-        for name in names:
-            tag = name.rstrip("/").rsplit("/", 1)[-1]
-            if tag.startswith("global_step") and tag.removeprefix("global_step").isdigit():
-                steps.append(int(tag.removeprefix("global_step")))
-        return sorted(steps)
-
-    def _json(self, path: str) -> Any:
-        try:
-            return json.loads(self.fs.cat_file(path))
-        except (FileNotFoundError, ValueError):
-            return None
-
-    def marker(self, step: int) -> dict[str, int] | None:
-        """{file: size} the checkpoint's marker lists; None without a (readable) marker."""
-        data = self._json(join(self.checkpoints, checkpoint.tag_of(step), checkpoint.COMPLETE_MARKER))
-        try:
-            return {str(k): int(v) for k, v in data["files"].items()}
-        except (KeyError, TypeError, AttributeError, ValueError):
-            return None
-
-    def verified(self, step: int) -> dict[str, int] | None:
-        """The marker's file list when every file it names is in the bucket with its size; None otherwise."""
-        listed = self.marker(step)
-        if listed is None:
-            return None
-        present = self._listing(join(self.checkpoints, checkpoint.tag_of(step)))
-        bad = [name for name, size in listed.items() if present.get(name) != size]
-        if bad:
-            log.warning(f"{join(self.checkpoints, checkpoint.tag_of(step))} is not used: its marker lists "
-                        f"{len(bad)} file(s) missing or of another size in the bucket ({bad[0]}, ...)")
-            return None
-        return listed
-
-    def newest(self) -> tuple[int, dict[str, int]] | None:
-        """(step, files) of the newest checkpoint that is complete in the bucket."""
-        for step in reversed(self.steps()):
-            files = self.verified(step)
-            if files is not None:
-                return step, files
-        return None
-
-    def download_checkpoint(self, step: int, files: dict[str, int], root: Path) -> Path:
-        """The checkpoint's `files` into `root`/global_step{N}, marker last (so a kill leaves an ignored folder)."""
-        tag = checkpoint.tag_of(step)
-        folder = root / tag
-        shutil.rmtree(folder, ignore_errors=True)
-        for name in files:
-            target = folder / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            self.fs.get_file(join(self.checkpoints, tag, name), str(target))
-        write_text_atomic(folder / checkpoint.COMPLETE_MARKER, f"{tag}\n")
-        write_text_atomic(root / checkpoint.LATEST, tag)
-        return folder
-
-    def download_side_files(self, local: Path) -> list[Path]:
-        """The run's small files (metrics, run id, configs) that are not already in `local`."""
-        got = []
-        for name in self._listing(self.url):
-            if name.split("/", 1)[0] in SKIPPED or (local / name).exists():
-                continue
-            if name in ("metrics.jsonl", "wandb_run_id"):  # what a resumed run appends to or continues
-                (local / name).parent.mkdir(parents=True, exist_ok=True)
-                self.fs.get_file(join(self.url, name), str(local / name))
-                got.append(local / name)
-        return got
-
-    def upload_part(self, step: int, folder: Path) -> dict[str, int]:
-        """Every file of `folder` into the checkpoint's folder, checked by listing; returns {file: size}.
-        A checkpoint of this step already committed (a resumed run re-saving it) is uncommitted first."""
-        remote = join(self.checkpoints, checkpoint.tag_of(step))
-        if self.marker(step) is not None:
-            self.fs.rm_file(join(remote, checkpoint.COMPLETE_MARKER))
-        files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
-                 if p.is_file() and p.name != checkpoint.COMPLETE_MARKER}
-        for name in files:
-            self.fs.put_file(str(folder / name), join(remote, name))
-        present = self._listing(remote)
-        missing = [n for n, size in files.items() if present.get(n) != size]
-        if missing:
-            raise OSError(f"after upload the bucket lacks {missing[0]} of {checkpoint.tag_of(step)}")
-        return files
-
-    def put_node_marker(self, step: int, node: int, attempt: str, files: dict[str, int]) -> None:
-        self.fs.pipe_file(join(self.checkpoints, checkpoint.tag_of(step), NODES, f"node{node}.json"),
-                          json.dumps({"attempt": attempt, "files": files}).encode())
-
-    def node_parts(self, step: int, nodes: int, attempt: str) -> dict[int, dict[str, int]]:
-        """{node: its files} of the nodes 1..nodes-1 whose marker of this `attempt` is in the bucket."""
-        parts = {}
-        for node in range(1, nodes):
-            data = self._json(join(self.checkpoints, checkpoint.tag_of(step), NODES, f"node{node}.json"))
-            if isinstance(data, dict) and data.get("attempt") == attempt:
-                parts[node] = {str(k): int(v) for k, v in data["files"].items()}
-        return parts
-
-    def commit(self, step: int, files: dict[str, int]) -> None:
-        """The marker listing `files` (all checked present with their size), then `latest`."""
-        tag = checkpoint.tag_of(step)
-        if checkpoint.STATE not in files or checkpoint.HF_CONFIG not in files:
-            raise OSError(f"{tag} is not a whole checkpoint (no {checkpoint.STATE}); not committed")
-        present = self._listing(join(self.checkpoints, tag))
-        missing = [n for n, size in files.items() if present.get(n) != size]
-        if missing:
-            raise OSError(f"the bucket lacks {missing[0]} of {tag}")
-        self.fs.pipe_file(join(self.checkpoints, tag, checkpoint.COMPLETE_MARKER),
-                          json.dumps({"tag": tag, "files": files}, indent=1).encode())
-        self.fs.pipe_file(join(self.checkpoints, checkpoint.LATEST), tag.encode())
-
-    def prune(self, newest: int, keep: int) -> None:
-        """Keep the `keep` newest complete checkpoints (and always `newest`, the one `latest` names); drop
-        older unmarked leftovers of interrupted uploads. A marker goes before its files."""
-        complete, unmarked = [], []
-        for step in self.steps():
-            (complete if self.marker(step) is not None else unmarked).append(step)
-        doomed = [s for s in complete[:-keep] if s != newest] + [s for s in unmarked if s < newest]
-        for step in doomed:
-            remote = join(self.checkpoints, checkpoint.tag_of(step))
-            try:
-                self.fs.rm_file(join(remote, checkpoint.COMPLETE_MARKER))
-            except FileNotFoundError:
-                pass
-            self.fs.rm(remote, recursive=True)
-
-    def put(self, local: Path, name: str) -> None:
-        self.fs.put_file(str(local), join(self.url, name))
 
 
 class RunMirror:
@@ -366,7 +198,7 @@ class RunMirror:
             return
         if remote is None:
             log.info(f"no complete checkpoint in {self.url}: starting from scratch (staging in {self.local})")
-        elif local_step == remote_step and self._matches(local[-1][1], remote[1]):
+        elif local_step == remote_step and matches(local[-1][1], remote[1]):
             log.info(f"the staging folder {self.local} matches {self.url} (global_step{remote_step}): reused")
         else:
             self._download(remote, root, local_step is not None)
@@ -390,7 +222,7 @@ class RunMirror:
                      f"{self.local})")
         else:
             files = {name: size for name, size in remote[1].items() if needed_by(name, ranks)}
-            if local and local[-1][0] == remote_step and self._matches(local[-1][1], files):
+            if local and local[-1][0] == remote_step and matches(local[-1][1], files):
                 log.info(f"node {self.node}: the staging folder {self.local} matches {self.url} "
                          f"(global_step{remote_step}): reused")
             else:
@@ -404,7 +236,7 @@ class RunMirror:
         if replaced:
             log.info(f"the staging folder {self.local} is behind {self.url}: replaced by the bucket's state")
         # What a resumed run appends to must be the bucket's, not an older process's local copy.
-        for name in ("checkpoints", "metrics.jsonl", "wandb_run_id"):
+        for name in ("checkpoints", *RESUMED_FILES):
             target = self.local / name
             shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
         started = time.monotonic()
@@ -416,7 +248,7 @@ class RunMirror:
     def _after_download(self, remote: tuple[int, dict[str, int]] | None) -> None:
         """Rank 0: the run's small files from the bucket, a note on re-logged steps, the uploader."""
         assert self.bucket is not None
-        for path in self.bucket.download_side_files(self.local):
+        for path in self.bucket.download_run_files(self.local, RESUMED_FILES):
             self._side_synced[path.relative_to(self.local).as_posix()] = _stamp(path)
         logged = max((row.get("step", 0) for row in read_metrics(self.local / "metrics.jsonl")), default=0)
         if remote is not None and logged > remote[0]:
@@ -424,10 +256,6 @@ class RunMirror:
                      f"checkpoint and are redone now: metrics.jsonl keeps both (equal) copies; wandb drops the "
                      f"re-logged steps below its last one")
         self.start()
-
-    @staticmethod
-    def _matches(folder: Path, files: dict[str, int]) -> bool:
-        return all((folder / name).is_file() and (folder / name).stat().st_size == size for name, size in files.items())
 
     # --- during training ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -691,36 +519,6 @@ def _link_or_copy(src: str, dst: str) -> None:
 def open_mirror(train: Any, storage: Any, dist: Any) -> RunMirror:
     return RunMirror(str(train.output_model_dir), train.local_dir, storage.endpoint_url, train.keep_checkpoints,
                      train.preempt_grace_seconds, dist.rank, dist.local_rank, dist.world_size)
-
-
-def fetch_checkpoint(url: str, step: int | None = None, endpoint_url: str | None = None) -> Path:
-    """A complete checkpoint of the bucket run `url` (the newest, or `step`) in a local cache, downloaded once
-    (a cached copy is reused when every file matches the marker's sizes), with the run's metrics.jsonl beside
-    it as in a local run folder. For readers such as stage 4; the run's own staging folder is left alone."""
-    bucket = Bucket(url, endpoint_url)
-    if step is None:
-        found = bucket.newest()
-        if found is None:
-            raise StageInputError(f"no complete checkpoint in {url} (an upload that was interrupted has no "
-                                  f"'{checkpoint.COMPLETE_MARKER}' marker)")
-        step, files = found
-    else:
-        files = bucket.verified(step)
-        if files is None:
-            raise StageInputError(f"no complete checkpoint for step {step} in {url} (complete steps: "
-                                  f"{', '.join(str(s) for s in bucket.steps() if bucket.marker(s)) or 'none'})")
-    run = cache_folder(url)
-    folder = run / "checkpoints" / checkpoint.tag_of(step)
-    if not ((folder / checkpoint.COMPLETE_MARKER).is_file() and RunMirror._matches(folder, files)):
-        started = time.monotonic()
-        bucket.download_checkpoint(step, files, run / "checkpoints")
-        log.info(f"downloaded {join(bucket.checkpoints, checkpoint.tag_of(step))} to {folder} "
-                 f"({sum(files.values()) / 2**20:,.1f} MiB in {time.monotonic() - started:.1f} s)")
-    try:
-        bucket.fs.get_file(join(bucket.url, "metrics.jsonl"), str(run / "metrics.jsonl"))
-    except FileNotFoundError:
-        pass
-    return folder
 
 
 ASSUMED_UPLOAD_BYTES_PER_S = 100e6  # one machine to its region's bucket, a few parallel streams
