@@ -8,8 +8,14 @@ own costs: the training loop with uploads in the background, the SIGTERM save an
 
   tokens/s         over the run's training time (the log windows, saves excluded), local run folder vs s3://
                    (checkpoints every --save-interval); --rounds alternates local and bucket runs so that other load
-                   on the machine hits both alike. Beside it the CPU seconds of the training process (uploads
-                   included when they run in it) and of the moto server (this process), and the load average.
+                   on the machine hits both alike (each kind goes first in turn), and the cost is the median of
+                   each round's bucket/local ratio.
+                   --control adds a second local run to each round: its ratio to the first is the noise of
+                   identical runs. Beside it the CPU seconds of the training process (and its uploader) and of the
+                   moto server, and the load average.
+  --moto-nice N    the moto server runs in its own process at this niceness (default 0). A real store's CPU is
+                   not the training machine's; on loopback moto costs 3x the uploader's CPU (1.6 s against 0.5 s
+                   per 141 MiB), so 19 approximates a remote store; 0 charges the whole server to the training.
   SIGTERM → exit   seconds from the signal to exit 75 with the checkpoint committed in the bucket
   resume           seconds from the start of a fresh machine's process (empty staging folder) to its first step
   --direct-gib G   instead: a checkpoint of G GiB (e.g. 2.0, the 125m preset's, `gptpipe plan` "disk") made of
@@ -57,17 +63,29 @@ def speed(metrics: Path) -> float:
     return sum(tokens) / sum(t / r["tokens_per_s"] for t, r in zip(tokens, rows[2:]))
 
 
-def cpu_seconds(who: int) -> float:
-    usage = resource.getrusage(who)
+MOTO = ("from moto.server import ThreadedMotoServer; import time\n"
+        "ThreadedMotoServer(ip_address='127.0.0.1', port={port}, verbose=False).start()\n"
+        "time.sleep(1e9)")
+MOTO_PID = 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 
 
 def timed_run(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """Run argv to completion; (CPU seconds of the child, CPU seconds of this process meanwhile: the moto server)."""
-    child, own = cpu_seconds(resource.RUSAGE_CHILDREN), cpu_seconds(resource.RUSAGE_SELF)
+    """Run argv to completion; (CPU seconds of the child and its children, of the moto server meanwhile)."""
+    child, moto = children_cpu(), cpu_seconds(MOTO_PID)
     done = subprocess.run(argv, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    return cpu_seconds(resource.RUSAGE_CHILDREN) - child, cpu_seconds(resource.RUSAGE_SELF) - own
+    return children_cpu() - child, cpu_seconds(MOTO_PID) - moto
 
 
 def wait_for_step(metrics: Path, step: int, process: subprocess.Popen) -> None:
@@ -84,6 +102,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--save-interval", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2, help="local/bucket run pairs, alternated")
+    parser.add_argument("--control", action="store_true", help="a second local run each round (the noise)")
+    parser.add_argument("--moto-nice", type=int, default=0, help="niceness of the moto server's process")
     parser.add_argument("--skip-stop", action="store_true", help="only the tokens/s comparison")
     parser.add_argument("--direct-gib", type=float, help="only the mirror's upload and download of a checkpoint of "
                         "this size")
@@ -91,11 +111,10 @@ def main() -> None:
                         "commit, e.g. from git archive), for before/after figures in the same rounds")
     args = parser.parse_args()
 
-    from moto.server import ThreadedMotoServer
-
     port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    # `nice` execs the interpreter: the pid is the server's
+    server = subprocess.Popen(["nice", "-n", str(args.moto_nice), sys.executable, "-c", MOTO.format(port=port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}",
            "WANDB_MODE": "offline", "PYTHONWARNINGS": "ignore", "TQDM_DISABLE": "1"}
@@ -103,7 +122,14 @@ def main() -> None:
                                            "AWS_ENDPOINT_URL_S3")})
     import fsspec
 
-    fsspec.filesystem("s3").mkdir("bench")
+    for _ in range(200):  # the server's start
+        try:
+            fsspec.filesystem("s3", skip_instance_cache=True).mkdir("bench")
+            break
+        except OSError:
+            time.sleep(0.1)
+    global MOTO_PID
+    MOTO_PID = server.pid
     work = Path(tempfile.mkdtemp(prefix="bench-storage-"))
     common = (f"model.preset={args.preset}", f"train.train_iters={args.steps}",
               f"train.save_interval={args.save_interval}", "train.keep_checkpoints=2")
@@ -117,44 +143,51 @@ def main() -> None:
             if not args.skip_stop:
                 rows += stop_rows(args, env, work, common)
     finally:
-        server.stop()
+        server.kill()
         shutil.rmtree(work, ignore_errors=True)
     print_rows(args, rows)
 
 
 def speed_rows(args: argparse.Namespace, env: dict[str, str], work: Path, common: tuple[str, ...]) -> list:
-    """Tokens/s and CPU seconds of local and bucket runs, alternated --rounds times."""
+    """Tokens/s and CPU seconds of local and bucket runs, alternated --rounds times; costs as paired ratios."""
     rows = []
     load = [os.getloadavg()[0]]
-    kinds = ("local", "bucket", *(("before",) if args.before_src else ()))
+    kinds = ("local", "bucket", *(("control",) if args.control else ()), *(("before",) if args.before_src else ()))
     runs: dict[str, list[tuple[float, float, float]]] = {kind: [] for kind in kinds}
     for round_ in range(args.rounds):
-        for kind in kinds:
+        for kind in kinds[round_ % len(kinds):] + kinds[:round_ % len(kinds)]:  # each kind first in turn
             folder = work / f"{kind}{round_}"
-            where = (f"train.output_model_dir={folder}",) if kind == "local" else (
+            where = (f"train.output_model_dir={folder}",) if kind in ("local", "control") else (
                 f"train.output_model_dir=s3://bench/runs/{kind}{round_}", f"train.local_dir={folder}")
             run_env = {**env, "PYTHONPATH": str(args.before_src)} if kind == "before" else env
             child_cpu, moto_cpu = timed_run(command(args.config, *common, *where), run_env)
             runs[kind].append((speed(folder / "metrics.jsonl"), child_cpu, moto_cpu))
             load.append(os.getloadavg()[0])
-    local_speed = statistics.median(r[0] for r in runs["local"])
-    bucket_speed = statistics.median(r[0] for r in runs["bucket"])
     size = sum(p.stat().st_size for p in (work / "local0" / "checkpoints").glob("global_step*/*"))
     size /= len(list((work / "local0" / "checkpoints").glob("global_step*")))
     each = lambda kind: ", ".join(f"{r[0]:,.0f}" for r in runs[kind])
+
+    def against_local(kind: str) -> str:
+        """The median of the rounds' kind/local ratios, and their range."""
+        ratios = [r[0] / l[0] - 1 for r, l in zip(runs[kind], runs["local"])]
+        return (f"{statistics.median(r[0] for r in runs[kind]):,.0f}: {statistics.median(ratios):+.1%} "
+                f"(rounds {min(ratios):+.1%} … {max(ratios):+.1%})")
+
     rows.append(("load average (1 min) before/between runs", " / ".join(f"{x:.1f}" for x in load)))
-    rows.append((f"tokens/s, run folder local (runs: {each('local')})", f"{local_speed:,.0f}"))
-    rows.append((f"tokens/s, run folder in s3://, save every {args.save_interval} (runs: {each('bucket')})",
-                 f"{bucket_speed:,.0f} ({bucket_speed / local_speed - 1:+.1%})"))
+    rows.append((f"tokens/s, run folder local (runs: {each('local')})",
+                 f"{statistics.median(r[0] for r in runs['local']):,.0f}"))
+    rows.append((f"tokens/s, run folder in s3://, save every {args.save_interval} (runs: {each('bucket')}); "
+                 f"against local", against_local("bucket")))
+    if args.control:
+        rows.append((f"control: a second local run each round (runs: {each('control')}); against local",
+                     against_local("control")))
     if args.before_src:
-        before_speed = statistics.median(r[0] for r in runs["before"])
-        rows.append((f"the same on {args.before_src} (runs: {each('before')})",
-                     f"{before_speed:,.0f} ({before_speed / local_speed - 1:+.1%})"))
+        rows.append((f"the same on {args.before_src} (runs: {each('before')}); against local", against_local("before")))
     cpu = lambda kind, i: statistics.median(r[i] for r in runs[kind])
     rows.append((f"CPU s of the training process and its uploader, {' / '.join(kinds)} (median)",
                  " / ".join(f"{cpu(kind, 1):.0f}" for kind in kinds)))
-    rows.append((f"CPU s of the moto server (this process), {' / '.join(kinds[1:])} (median)",
-                 " / ".join(f"{cpu(kind, 2):.0f}" for kind in kinds[1:])))
+    rows.append((f"CPU s of the moto server (nice {args.moto_nice}), {' / '.join(kinds)} (median)",
+                 " / ".join(f"{cpu(kind, 2):.1f}" for kind in kinds)))
     rows.append(("checkpoint size", f"{size / 2**20:,.0f} MiB"))
     return rows
 
