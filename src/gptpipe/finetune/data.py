@@ -255,7 +255,15 @@ def collate(items: list[Encoded], pad: int, seq2seq: bool, device: torch.device 
     batch = {"input_ids": input_ids, "attention_mask": mask, "targets": targets}
     if seq2seq:
         batch["labels"] = labels
+    else:
+        batch["target_columns"] = target_columns(targets)
     return {k: v.to(device) for k, v in batch.items()}
+
+
+def target_columns(targets: torch.Tensor) -> torch.Tensor:
+    """The columns of a causal LM's batch that hold a target in some row, found here on the CPU: the model
+    computes its vocabulary-sized output only there (model.logits), and no device sync is needed to know them."""
+    return (targets != IGNORE).any(dim=0).nonzero().squeeze(1)
 
 
 def row_positions(e: Encoded, seq2seq: bool) -> int:
@@ -349,7 +357,8 @@ def collate_packed(items: list[Encoded], pad: int, capacity: int, device: torch.
             at += n
         position_ids[s, at:] = torch.arange(width - at)
     return {"input_ids": input_ids.to(device), "position_ids": position_ids.to(device),
-            "targets": targets.to(device), "attention_mask": None, "rows": rows}
+            "targets": targets.to(device), "target_columns": target_columns(targets).to(device),
+            "attention_mask": None, "rows": rows}
 
 
 def left_padded(prompts: list[list[int]], pad: int, device: torch.device | str = "cpu") -> dict[str, Any]:

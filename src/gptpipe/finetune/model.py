@@ -3,6 +3,7 @@ pretrained HF folder, teacher-forced log-likelihoods of label tokens, and batche
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 from collections.abc import Callable
@@ -38,23 +39,39 @@ def pretrained_factory(folder: Path, seq2seq: bool, device: torch.device) -> Cal
 
 def logits(model: Any, batch: dict[str, torch.Tensor], seq2seq: bool) -> torch.Tensor:
     """Logits aligned with batch["targets"] (see data.collate; a packed batch, data.collate_packed, brings the
-    position ids that keep its rows apart and no attention mask)."""
+    position ids that keep its rows apart and no attention mask). A causal LM's batch names the columns that
+    hold targets (`target_columns`): the logits are those columns' only, [batch, columns, vocab]. Prompts and
+    padding then cost no output-layer work and no logits memory, which for short labels is most of both."""
     if seq2seq:
         module = getattr(model, "module", model)  # a DeepSpeed engine or the bare model
         decoder_input_ids = module.prepare_decoder_input_ids_from_labels(labels=batch["labels"])
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                      decoder_input_ids=decoder_input_ids, use_cache=False).logits
-    packed = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}  # not every model takes it
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
-                 **packed).logits
+    extra = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}  # not every model takes it
+    columns = batch["target_columns"]
+    if _keeps_logits(model):
+        extra["logits_to_keep"] = columns
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False, **extra).logits
+    return out if out.shape[1] == len(columns) else out[:, columns]  # a model that computed every column
+
+
+def _keeps_logits(model: Any) -> bool:
+    """Whether a causal LM's forward takes `logits_to_keep` (transformers' Llama, GPT-2 and Mixtral do)."""
+    forward = getattr(getattr(model, "module", model), "forward", model)
+    parameters = inspect.signature(forward).parameters
+    return "logits_to_keep" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 def target_logprobs(model: Any, batch: dict[str, torch.Tensor], seq2seq: bool) -> torch.Tensor:
     """Per-token log-probabilities of the targets, [batch, length], 0 where the target is IGNORE."""
     out = logits(model, batch, seq2seq).float()
-    targets = batch["targets"]
+    targets = batch["targets"] if seq2seq else batch["targets"][:, batch["target_columns"]]
     token = -torch.nn.functional.cross_entropy(out.transpose(1, 2), targets.clamp(min=0), reduction="none")
-    return token.masked_fill(targets == IGNORE, 0.0)
+    token = token.masked_fill(targets == IGNORE, 0.0)
+    if seq2seq:
+        return token
+    return torch.zeros(batch["targets"].shape, dtype=token.dtype, device=token.device).index_copy(
+        1, batch["target_columns"], token)
 
 
 @torch.no_grad()
