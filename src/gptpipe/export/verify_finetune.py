@@ -71,6 +71,7 @@ def _check_logits(report: dict[str, Any], model: Any, reference: Any, reference_
                   reference_tokenizer: Any, dtype: str) -> list[str]:
     seq2seq = data.task["seq2seq"]
     batch = collate(data.encoded(reference_tokenizer), pad_id(reference_tokenizer), seq2seq)  # the trained ids
+    batch.pop("target_columns", None)  # logits at every position, not only the label columns training needs
     # The positions that carry a real token: every input token of a causal row, every label token of seq2seq.
     real = batch["labels"] != IGNORE if seq2seq else batch["attention_mask"].bool()
     log.info(f"comparing logits on {batch['input_ids'].shape[0]} validation rows ({data.source})")

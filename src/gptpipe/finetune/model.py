@@ -41,18 +41,21 @@ def logits(model: Any, batch: dict[str, torch.Tensor], seq2seq: bool) -> torch.T
     """Logits aligned with batch["targets"] (see data.collate; a packed batch, data.collate_packed, brings the
     position ids that keep its rows apart and no attention mask). A causal LM's batch names the columns that
     hold targets (`target_columns`): the logits are those columns' only, [batch, columns, vocab]. Prompts and
-    padding then cost no output-layer work and no logits memory, which for short labels is most of both."""
+    padding then cost no output-layer work and no logits memory, which for short labels is most of both.
+    Without `target_columns` (the export gate compares every position) they are every column's."""
     if seq2seq:
         module = getattr(model, "module", model)  # a DeepSpeed engine or the bare model
         decoder_input_ids = module.prepare_decoder_input_ids_from_labels(labels=batch["labels"])
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                      decoder_input_ids=decoder_input_ids, use_cache=False).logits
     extra = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}  # not every model takes it
-    columns = batch["target_columns"]
-    if _keeps_logits(model):
+    columns = batch.get("target_columns")
+    if columns is not None and _keeps_logits(model):
         extra["logits_to_keep"] = columns
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False, **extra).logits
-    return out if out.shape[1] == len(columns) else out[:, columns]  # a model that computed every column
+    if columns is None or out.shape[1] == len(columns):
+        return out
+    return out[:, columns]  # a model that computed every column
 
 
 def _keeps_logits(model: Any) -> bool:
@@ -65,13 +68,13 @@ def _keeps_logits(model: Any) -> bool:
 def target_logprobs(model: Any, batch: dict[str, torch.Tensor], seq2seq: bool) -> torch.Tensor:
     """Per-token log-probabilities of the targets, [batch, length], 0 where the target is IGNORE."""
     out = logits(model, batch, seq2seq).float()
-    targets = batch["targets"] if seq2seq else batch["targets"][:, batch["target_columns"]]
+    columns = None if seq2seq else batch.get("target_columns")
+    targets = batch["targets"] if columns is None else batch["targets"][:, columns]
     token = -torch.nn.functional.cross_entropy(out.transpose(1, 2), targets.clamp(min=0), reduction="none")
     token = token.masked_fill(targets == IGNORE, 0.0)
-    if seq2seq:
+    if columns is None:
         return token
-    return torch.zeros(batch["targets"].shape, dtype=token.dtype, device=token.device).index_copy(
-        1, batch["target_columns"], token)
+    return torch.zeros(batch["targets"].shape, dtype=token.dtype, device=token.device).index_copy(1, columns, token)
 
 
 @torch.no_grad()
