@@ -13,6 +13,7 @@ import socket
 import subprocess
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -90,7 +91,9 @@ def store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     import fsspec
 
     store.fs = fsspec.filesystem(store.scheme, skip_instance_cache=True)
-    store.bucket = f"runs-{random.randrange(10**6)}"
+    # Not the module `random`: in-process stages seed it, so its names would repeat from session to session
+    # (and the reader caches under $TMPDIR, keyed by URL, would meet an earlier session's).
+    store.bucket = f"runs-{uuid.uuid4().hex[:12]}"
     store.fs.mkdir(store.bucket)
     yield store
     store.stop()
@@ -159,6 +162,26 @@ def test_url_values_stay_urls_and_secrets_stay_out(tmp_path: Path) -> None:
     assert "carries credentials" in message and FAKE_SECRET not in message
     assert "corpus.output_dir: 'gs://bucket/corpus' is a URL, but this key takes a local path only" in message
     assert "storage.endpoint_url: expected http(s)://host[:port]" in message
+
+
+def test_a_run_redone_at_the_same_url_is_not_read_from_an_earlier_runs_cache(store, tmp_path: Path) -> None:
+    """Stage 4's reader caches a bucket checkpoint locally by URL. A run redone at the same URL writes files of
+    the same sizes (same model shape): the reader must download them again, not serve the first run's copy."""
+    from gptpipe.train import checkpoint
+    from gptpipe.train.bucket import Bucket, fetch_checkpoint
+
+    url = f"{store.scheme}://{store.bucket}/runs/redone"
+    bucket = Bucket(url, None)
+    for weights in (b"first run " * 8, b"second run" * 8):
+        folder = tmp_path / weights[:5].decode().strip() / checkpoint.tag_of(2)
+        folder.mkdir(parents=True)
+        (folder / "mp_rank_00_model_states.pt").write_bytes(weights)
+        (folder / checkpoint.STATE).write_text("{}")
+        (folder / checkpoint.HF_CONFIG).write_text("{}")
+        bucket.commit(2, bucket.upload_part(2, folder))
+        fetched = fetch_checkpoint(url)
+        assert (fetched / "mp_rank_00_model_states.pt").read_bytes() == weights
+    assert fetch_checkpoint(url) == fetched  # unchanged in the bucket: the cached copy serves
 
 
 def test_preemption_drill_resumes_exactly_on_fresh_machines(store, dataset_prefix: Path, workspace: Path,

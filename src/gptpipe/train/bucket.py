@@ -20,6 +20,7 @@ import json
 import re
 import shutil
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -180,8 +181,11 @@ class Bucket:
         missing = [n for n, size in files.items() if present.get(n) != size]
         if missing:
             raise OSError(f"the bucket lacks {missing[0]} of {tag}")
+        # The commit id tells this commit from another of the same step and sizes (a run redone at this URL):
+        # a reader's cached copy is reused only while the marker it was downloaded under is the bucket's.
+        marker = {"tag": tag, "commit": uuid.uuid4().hex, "files": files}
         self.fs.pipe_file(join(self.checkpoints, tag, checkpoint.COMPLETE_MARKER),
-                          json.dumps({"tag": tag, "files": files}, indent=1).encode())
+                          json.dumps(marker, indent=1).encode())
         self.fs.pipe_file(join(self.checkpoints, checkpoint.LATEST), tag.encode())
 
     def prune(self, newest: int, keep: int) -> None:
@@ -205,7 +209,8 @@ class Bucket:
 
 def fetch_checkpoint(url: str, step: int | None = None, endpoint_url: str | None = None) -> Path:
     """A complete checkpoint of the bucket run `url` (the newest, or `step`) in a local cache, downloaded once
-    (a cached copy is reused when every file matches the marker's sizes), with the run's metrics.jsonl beside
+    (a cached copy is reused while the bucket's marker is the one it came under: a run redone at the same URL
+    has files of the same sizes, but another commit id), with the run's metrics.jsonl beside
     it as in a local run folder. For readers such as stage 4; the run's own staging folder is left alone."""
     bucket = Bucket(url, endpoint_url)
     if step is None:
@@ -221,9 +226,18 @@ def fetch_checkpoint(url: str, step: int | None = None, endpoint_url: str | None
                                   f"{', '.join(str(s) for s in bucket.steps() if bucket.marker(s)) or 'none'})")
     run = cache_folder(url)
     folder = run / "checkpoints" / checkpoint.tag_of(step)
-    if not ((folder / checkpoint.COMPLETE_MARKER).is_file() and matches(folder, files)):
+    remote = join(bucket.checkpoints, checkpoint.tag_of(step))
+    try:  # the commit the cached copy must come from
+        marker = bucket.fs.cat_file(join(remote, checkpoint.COMPLETE_MARKER))
+    except FileNotFoundError:
+        raise StageInputError(f"{remote} was removed while being read") from None
+    stamp = run / ".bucket-markers" / f"{checkpoint.tag_of(step)}.json"
+    if not ((folder / checkpoint.COMPLETE_MARKER).is_file() and stamp.is_file() and stamp.read_bytes() == marker
+            and matches(folder, files)):
         started = time.monotonic()
+        stamp.unlink(missing_ok=True)
         bucket.download_checkpoint(step, files, run / "checkpoints")
+        write_text_atomic(stamp, marker.decode())
         log.info(f"downloaded {join(bucket.checkpoints, checkpoint.tag_of(step))} to {folder} "
                  f"({sum(files.values()) / 2**20:,.1f} MiB in {time.monotonic() - started:.1f} s)")
     try:
