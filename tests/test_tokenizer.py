@@ -137,7 +137,8 @@ def test_sample_size_force_and_changed_key(small_bpe: Path, workspace: Path, cap
 def test_mismatching_export_fails_and_vouches_for_nothing(small_bpe: Path, workspace: Path,
                                                           monkeypatch: pytest.MonkeyPatch,
                                                           capfd: pytest.CaptureFixture) -> None:
-    """A broken HF export (spaces not mapped to "▁") must fail the stage: no manifest, nothing published."""
+    """A broken HF export (spaces not mapped to "▁") must fail the stage: no complete manifest, nothing
+    published."""
     real = hf.build_tokenizer
 
     def without_normalizer(proto):
@@ -151,10 +152,10 @@ def test_mismatching_export_fails_and_vouches_for_nothing(small_bpe: Path, works
     capfd.readouterr()
     assert train(workspace, small_bpe, "model_type=bpe", "vocab_size=2500", force=True) == 1
     assert "does not match SentencePiece" in capfd.readouterr().err
-    assert not (small_bpe / "manifest.json").exists()
+    assert not Manifest.read(small_bpe / "manifest.json").complete
     assert model.read_bytes() == old_model  # the candidate was never published
     assert not list(small_bpe.glob(".train-*"))  # no temporary folder left behind
-    with pytest.raises(StageInputError, match="not found"):
+    with pytest.raises(StageInputError, match="not marked complete"):
         read_tokenizer(small_bpe)
 
 
