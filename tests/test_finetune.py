@@ -155,6 +155,32 @@ def test_too_long_rows_are_truncated_or_dropped_and_counted() -> None:
     assert skipped.counts["label too long for train.seq_len"] == 1
 
 
+def test_a_seq_len_that_cuts_training_rows_is_warned_with_the_value_that_keeps_them(
+        tiny_lm: Path, task_files: tuple[Path, Path], tmp_path: Path) -> None:
+    from gptpipe.config.core import load_config
+    from gptpipe.finetune.config import FinetuneConfig
+    from gptpipe.finetune.train import load_task
+
+    def task(seq_len: int, *overrides: str):
+        args = finetune_args(tiny_lm, task_files, tmp_path, f"train.seq_len={seq_len}", *overrides)
+        return load_task(load_config(FinetuneConfig, None, args))
+
+    short = task(12)
+    found = re.fullmatch(r"train.seq_len 12 is too short for (\d+) of 48 training rows \((\d+)%: (\d+) cut, 0 "
+                         r"dropped\); train.seq_len=(\d+) keeps every row", short.length_warning)
+    assert found, short.length_warning
+    cut, share, longest = int(found[1]), int(found[2]), int(found[4])
+    assert cut == int(found[3]) == short.skipped.truncated > 0 and share == round(100 * cut / 48)
+    assert task(longest).length_warning is None and task(longest).skipped.truncated == 0
+    assert task(longest - 1).length_warning.startswith(f"train.seq_len {longest - 1} is too short for ")
+    # Beyond the model's 64 positions no seq_len keeps every row: the warning names the cap; drop mode too.
+    over = task(60, "task.prompt='" + "次の説明の節番号を答えてください。" * 8 + "{input}'", "data.too_long=drop")
+    found = re.fullmatch(r"train.seq_len 60 is too short for (\d+) of 48 training rows \(\d+%: 0 cut, (\d+) "
+                         r"dropped\); the longest needs (\d+) tokens, the model takes 64: train.seq_len=64 cuts the "
+                         r"fewest", over.length_warning)
+    assert found and found[1] == found[2] and 48 - int(found[1]) == len(over.train) and int(found[3]) > 64
+
+
 # --- prompt masking and the loss --------------------------------------------------------------------------
 def test_prompt_masking_puts_the_loss_on_label_tokens_only(tiny_lm: Path, task_files: tuple[Path, Path]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -186,6 +186,11 @@ class Encoder:
     def label_ids(self, label: str) -> list[int]:
         return self.tokenizer(label, add_special_tokens=False)["input_ids"] + [self.eos]
 
+    def uncut_length(self, row: Row) -> int:
+        """The train.seq_len that keeps ``row`` whole."""
+        prompt, label = len(self.prompt_ids(row.input)), len(self.label_ids(row.label))
+        return max(prompt, label) if self.seq2seq else prompt + label
+
     def _budget(self, label_len: int) -> int:
         """Tokens the prompt may take."""
         return self.seq_len if self.seq2seq else self.seq_len - label_len
