@@ -291,6 +291,27 @@ def test_grouping_by_length_puts_similar_rows_together_in_a_seeded_shuffled_orde
     assert not np.array_equal(epoch_order(lengths, 1234, 0, micro, True), epoch_order(lengths, 99, 0, micro, True))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_batches_reach_the_gpu_from_pinned_memory_without_blocking() -> None:
+    """Stage 7's batches go to the GPU as stage 3's do: every host-to-device copy from pinned memory, and no
+    copy makes the host wait for the device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from gptpipe.finetune.data import Encoded, left_padded
+
+    items = [Encoded([5, 6, 7, 8], [IGNORE, IGNORE, 7, 8]), Encoded([9, 10], [IGNORE, 10])]
+    torch.zeros(1, device="cuda")  # the CUDA context, outside the profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        batches = [collate(items, 0, False, "cuda"), collate(items, 0, True, "cuda"),
+                   collate_packed(items, 0, 8, "cuda"), left_padded([[5, 6], [7]], 0, "cuda")]
+    torch.cuda.synchronize()
+    assert all(v.is_cuda for b in batches for v in b.values() if isinstance(v, torch.Tensor))
+    names = [e.name for e in prof.events()]
+    copies = [n for n in names if n.startswith("Memcpy HtoD")]
+    assert copies and all("Pinned" in n for n in copies), copies
+    assert not [n for n in names if "Synchronize" in n]
+
+
 def test_pack_plan_places_every_row_once_within_the_capacity() -> None:
     lengths = [len(text) // 2 + 3 for text, _ in manpage_rows(("1",), per_section=40)]
     for capacity in (max(lengths), 64, 200):
