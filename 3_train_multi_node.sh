@@ -11,8 +11,8 @@
 #   whose address is MASTER_ADDR):
 #     HOSTFILE=hostfile NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash 3_train_multi_node.sh [key=value ...]
 # A one-line hostfile ("localhost slots=2") with NODE_RANK=0 MASTER_ADDR=127.0.0.1 runs on this machine alone:
-# that is how the tests run it. Exit codes as in 3_train_node1.sh, on every node: 75 when its ranks saved on
-# SIGTERM/SIGINT (sent to this script or to its whole process group).
+# that is how the tests run it. Exit codes as in 3_train_node1.sh; without ssh on every node: 75 when its ranks
+# saved on SIGTERM/SIGINT (sent to this script or to its whole process group).
 # Nodes with several network interfaces: set NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME (gptpipe's stop flag
 # and bucket mirror use gloo groups besides NCCL) to the interface the nodes reach each other on, e.g. eth0.
 set -euo pipefail
