@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from gptpipe.cli import COMMANDS, build_parser, main
+from gptpipe.cli import COMMANDS, build_parser, main, parse_command_line
 from gptpipe.config.core import ConfigError, describe, load_config
 from gptpipe.pipeline import PipelineConfig
 from gptpipe.export.config import ConvertConfig
@@ -126,6 +126,23 @@ def test_bad_yaml_and_missing_file_are_clear(tmp_path: Path, capsys: pytest.Capt
         load_config(PipelineConfig, broken)
     assert main(["count", "--config", str(tmp_path / "nope.yaml")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_overrides_are_taken_on_both_sides_of_an_option(capsys: pytest.CaptureFixture) -> None:
+    line = ["predict", "train.output_model_dir=runs/x", "--input", "test.tsv", "predict.num_beams=3"]
+    args = parse_command_line(line)
+    assert args.overrides == ["train.output_model_dir=runs/x", "predict.num_beams=3"] and args.input == "test.tsv"
+    for cmd in COMMANDS:
+        required = ["--shards", "2"] if cmd.name == "merge" else []
+        args = parse_command_line([cmd.name, "a.b=1", "--config", "c.yaml", "d.e=2", "--force", "f.g=3", *required])
+        assert args.overrides == ["a.b=1", "d.e=2", "f.g=3"] and args.config == Path("c.yaml") and args.force
+    assert parse_command_line(["generate", "--prompt", "x=y", "a.b=1"]).prompt == ["x=y"]  # an option's value
+    with pytest.raises(SystemExit):
+        parse_command_line(["count", "a.b=1", "--bogus", "c.d=2"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    # Both reach the config: the one after the option is checked like the first.
+    assert main(["count", "train.seq_len=64", "--config", str(REPO / "config.yaml"), "train.nope=1"]) == 2
+    assert "train.nope" in capsys.readouterr().err
 
 
 def test_help_lists_every_key_with_doc() -> None:

@@ -343,12 +343,29 @@ def test_finetune_export_passes_the_gate_and_predicts_like_the_run(tiny_lm, demo
     weights = load_file(tampered / "model.safetensors")
     weights["lm_head.weight"] = weights["lm_head.weight"].roll(1, dims=0)
     save_file(weights, tampered / "model.safetensors", metadata={"format": "pt"})
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     data, _ = validation_rows(checkpoint)
     failed = verify_finetune_export(tampered, reference, reference, AutoTokenizer.from_pretrained(run / "tokenizer"),
                                     data, "fp32")
     assert failed["verified"] is False and any("logits differ" in f for f in failed["failures"])
+
+    # So is its generation check: right weights, a generation_config.json that bans the answers' first tokens.
+    from gptpipe.finetune.model import generate
+
+    assert report["greedy_max_gap"] <= report["greedy_gap_tolerance"]
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    encoder = data.encoder(tokenizer)
+    answers = generate(AutoModelForCausalLM.from_pretrained(out), encoder,
+                       [encoder.prompt_ids(row.input) for row in data.rows[:4]], torch.device("cpu"))
+    tampered = tmp_path / "tampered-generation"
+    shutil.copytree(out, tampered)
+    path = tampered / "generation_config.json"
+    first_tokens = sorted({answer[0] for answer in answers})
+    path.write_text(json.dumps({**json.loads(path.read_text()), "begin_suppress_tokens": first_tokens}))
+    failed = verify_finetune_export(tampered, reference, reference, tokenizer, data, "fp32")
+    assert failed["verified"] is False and failed["greedy_max_gap"] > failed["greedy_gap_tolerance"]
+    assert [f for f in failed["failures"] if "not greedy under the checkpoint's model" in f] == failed["failures"]
 
 
 def test_seq2seq_finetune_exports_as_an_encoder_decoder(tiny_t5, demo_task, workspace, tmp_path):

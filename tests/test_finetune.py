@@ -155,6 +155,32 @@ def test_too_long_rows_are_truncated_or_dropped_and_counted() -> None:
     assert skipped.counts["label too long for train.seq_len"] == 1
 
 
+def test_a_seq_len_that_cuts_training_rows_is_warned_with_the_value_that_keeps_them(
+        tiny_lm: Path, task_files: tuple[Path, Path], tmp_path: Path) -> None:
+    from gptpipe.config.core import load_config
+    from gptpipe.finetune.config import FinetuneConfig
+    from gptpipe.finetune.train import load_task
+
+    def task(seq_len: int, *overrides: str):
+        args = finetune_args(tiny_lm, task_files, tmp_path, f"train.seq_len={seq_len}", *overrides)
+        return load_task(load_config(FinetuneConfig, None, args))
+
+    short = task(12)
+    found = re.fullmatch(r"train.seq_len 12 is too short for (\d+) of 48 training rows \((\d+)%: (\d+) cut, 0 "
+                         r"dropped\); train.seq_len=(\d+) keeps every row", short.length_warning)
+    assert found, short.length_warning
+    cut, share, longest = int(found[1]), int(found[2]), int(found[4])
+    assert cut == int(found[3]) == short.skipped.truncated > 0 and share == round(100 * cut / 48)
+    assert task(longest).length_warning is None and task(longest).skipped.truncated == 0
+    assert task(longest - 1).length_warning.startswith(f"train.seq_len {longest - 1} is too short for ")
+    # Beyond the model's 64 positions no seq_len keeps every row: the warning names the cap; drop mode too.
+    over = task(60, "task.prompt='" + "次の説明の節番号を答えてください。" * 8 + "{input}'", "data.too_long=drop")
+    found = re.fullmatch(r"train.seq_len 60 is too short for (\d+) of 48 training rows \(\d+%: 0 cut, (\d+) "
+                         r"dropped\); the longest needs (\d+) tokens, the model takes 64: train.seq_len=64 cuts the "
+                         r"fewest", over.length_warning)
+    assert found and found[1] == found[2] and 48 - int(found[1]) == len(over.train) and int(found[3]) > 64
+
+
 # --- prompt masking and the loss --------------------------------------------------------------------------
 def test_prompt_masking_puts_the_loss_on_label_tokens_only(tiny_lm: Path, task_files: tuple[Path, Path]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -263,6 +289,27 @@ def test_grouping_by_length_puts_similar_rows_together_in_a_seeded_shuffled_orde
         assert means != sorted(means) and means != sorted(means, reverse=True)
     assert not np.array_equal(epoch_order(lengths, 1234, 0, micro, True), epoch_order(lengths, 1234, 1, micro, True))
     assert not np.array_equal(epoch_order(lengths, 1234, 0, micro, True), epoch_order(lengths, 99, 0, micro, True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_batches_reach_the_gpu_from_pinned_memory_without_blocking() -> None:
+    """Stage 7's batches go to the GPU as stage 3's do: every host-to-device copy from pinned memory, and no
+    copy makes the host wait for the device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from gptpipe.finetune.data import Encoded, left_padded
+
+    items = [Encoded([5, 6, 7, 8], [IGNORE, IGNORE, 7, 8]), Encoded([9, 10], [IGNORE, 10])]
+    torch.zeros(1, device="cuda")  # the CUDA context, outside the profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        batches = [collate(items, 0, False, "cuda"), collate(items, 0, True, "cuda"),
+                   collate_packed(items, 0, 8, "cuda"), left_padded([[5, 6], [7]], 0, "cuda")]
+    torch.cuda.synchronize()
+    assert all(v.is_cuda for b in batches for v in b.values() if isinstance(v, torch.Tensor))
+    names = [e.name for e in prof.events()]
+    copies = [n for n in names if n.startswith("Memcpy HtoD")]
+    assert copies and all("Pinned" in n for n in copies), copies
+    assert not [n for n in names if "Synchronize" in n]
 
 
 def test_pack_plan_places_every_row_once_within_the_capacity() -> None:

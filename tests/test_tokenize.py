@@ -21,7 +21,7 @@ from gptpipe.cli import main
 from gptpipe.data.indexed import IndexedDataset, bin_path, idx_path
 from gptpipe.data.jsonl import (BLANK, EMPTY, INVALID_JSON, LONE_SURROGATE, MISSING_KEY, NOT_A_STRING, NOT_AN_OBJECT,
                                 NUL_STRIPPED, TOO_LONG, UNDECODABLE)
-from gptpipe.stage import StageInputError
+from gptpipe.stage import Manifest, StageInputError
 from gptpipe.stages import EXIT_BAD_INPUT, TOKENIZE, read_tokenizer
 
 
@@ -212,8 +212,8 @@ def test_killed_run_leaves_nothing_accepted(workspace: Path, corpus_dir: Path, t
         proc.kill()
         proc.communicate()
 
-    assert not TOKENIZE.manifest_path(prefix).exists()
-    with pytest.raises(StageInputError, match="not found"):
+    assert not Manifest.read(TOKENIZE.manifest_path(prefix)).complete
+    with pytest.raises(StageInputError, match="not marked complete"):
         TOKENIZE.require(prefix)
     count = main(["count", "--config", str(workspace / "config.yaml"), f"data.prefixes=[{prefix}]", "--no-write"])
     assert count == EXIT_BAD_INPUT

@@ -137,7 +137,8 @@ def test_sample_size_force_and_changed_key(small_bpe: Path, workspace: Path, cap
 def test_mismatching_export_fails_and_vouches_for_nothing(small_bpe: Path, workspace: Path,
                                                           monkeypatch: pytest.MonkeyPatch,
                                                           capfd: pytest.CaptureFixture) -> None:
-    """A broken HF export (spaces not mapped to "▁") must fail the stage: no manifest, nothing published."""
+    """A broken HF export (spaces not mapped to "▁") must fail the stage: no complete manifest, nothing
+    published."""
     real = hf.build_tokenizer
 
     def without_normalizer(proto):
@@ -151,10 +152,10 @@ def test_mismatching_export_fails_and_vouches_for_nothing(small_bpe: Path, works
     capfd.readouterr()
     assert train(workspace, small_bpe, "model_type=bpe", "vocab_size=2500", force=True) == 1
     assert "does not match SentencePiece" in capfd.readouterr().err
-    assert not (small_bpe / "manifest.json").exists()
+    assert not Manifest.read(small_bpe / "manifest.json").complete
     assert model.read_bytes() == old_model  # the candidate was never published
     assert not list(small_bpe.glob(".train-*"))  # no temporary folder left behind
-    with pytest.raises(StageInputError, match="not found"):
+    with pytest.raises(StageInputError, match="not marked complete"):
         read_tokenizer(small_bpe)
 
 
@@ -209,13 +210,8 @@ def test_missing_input_is_a_clear_error(tmp_path: Path, capfd: pytest.CaptureFix
     config.write_text("input: nowhere/corpus.jsonl\noutput_dir: tok\n", encoding="utf-8")
     assert main(["train-tokenizer", "--config", str(config)]) == 2
     err = capfd.readouterr().err
-    assert str(tmp_path / "nowhere" / "manifest.json") in err and "0_prepare_corpus.py" in err
+    assert f"input: {tmp_path / 'nowhere' / 'corpus.jsonl'} not found" in err and "0_prepare_corpus.py" in err
     assert not (tmp_path / "tok").exists()
-    # A file named like stage 0's output but without its manifest (a killed stage 0) is refused the same way.
-    (tmp_path / "nowhere").mkdir()
-    (tmp_path / "nowhere" / "corpus.jsonl").write_text('{"text": "テスト"}\n', encoding="utf-8")
-    assert main(["train-tokenizer", "--config", str(config)]) == 2
-    assert "0_prepare_corpus.py" in capfd.readouterr().err
 
 
 def test_config_rejects_reserved_symbols_and_tiny_vocab() -> None:
@@ -272,10 +268,12 @@ def write_jsonl(path: Path, texts: list[str], extra_lines: list[bytes] = ()) -> 
 
 def test_trains_on_the_users_own_jsonl_counting_bad_lines_like_stages_0_and_2(
         corpus_dir: Path, workspace: Path, tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
-    """A jsonl outside any stage-0 folder, with bad lines: skipped and counted with stage 0's and 2's names."""
+    """A jsonl outside any stage-0 folder, with bad lines: skipped and counted with stage 0's and 2's names. It
+    is named corpus.jsonl, like stage 0's output: the name alone does not make it one."""
     bad = [b"", b'{"text": broken', b'{"text": "\xff\xfe"}', b'{"text": "a\\ud800b"}', b'["text"]',
            b'{"body": "x"}', b'{"text": 42}', b'{"text": ""}', b'{"text": "nul\\u0000ok"}']
-    mine = write_jsonl(tmp_path / "my.jsonl", documents(corpus_dir)[:600], bad)
+    (tmp_path / "own").mkdir()
+    mine = write_jsonl(tmp_path / "own" / "corpus.jsonl", documents(corpus_dir)[:600], bad)
     out = tmp_path / "tok"
     assert train(workspace, out, f"input={mine}", "model_type=bpe") == 0
     c = counts(out)
@@ -333,19 +331,21 @@ def test_stage0_output_needs_its_complete_manifest(corpus_dir: Path, tokenizer_d
     assert Manifest.read(tokenizer_dir / "manifest.json").inputs == {"files": {str(corpus): {
         **file_fingerprint(corpus), **manifest_fingerprint(corpus_dir / "manifest.json")}}}
 
-    # A copy of that folder whose manifest is missing (a killed stage 0) or not complete is refused.
+    # A stage-0 run that wrote its corpus.jsonl and then failed (as a killed one) leaves a manifest marked
+    # incomplete: the file beside it is refused.
     copy = tmp_path / "corpus"
     copy.mkdir()
     shutil.copy2(corpus, copy / "corpus.jsonl")
     mine = write_jsonl(tmp_path / "mine.jsonl", documents(corpus_dir)[:20])
+    assert main(["prepare", "--config", str(workspace / "config.yaml"), "corpus.sources.0.type=jsonl",
+                 f"corpus.sources.0.path={mine}", "corpus.min_chars=1000000000", f"corpus.output_dir={copy}"]) == 1
+    assert (copy / "corpus.jsonl").is_file() and not Manifest.read(copy / "manifest.json").complete
     assert train(workspace, tmp_path / "tok", f"input=[{mine}, {copy / 'corpus.jsonl'}]") == 2
     err = capfd.readouterr().err
-    assert f"{copy / 'manifest.json'} not found" in err and "0_prepare_corpus.py" in err
-    manifest = json.loads((corpus_dir / "manifest.json").read_text(encoding="utf-8"))
-    (copy / "manifest.json").write_text(json.dumps({**manifest, "complete": False}), encoding="utf-8")
-    assert train(workspace, tmp_path / "tok", f"input={copy / 'corpus.jsonl'}") == 2
-    assert "the manifest is not marked complete" in capfd.readouterr().err
+    assert "the manifest is not marked complete" in err and "0_prepare_corpus.py" in err
     # An own file put into a stage-0 folder is not mistaken for its output.
+    manifest = json.loads((corpus_dir / "manifest.json").read_text(encoding="utf-8"))
+    shutil.copy2(corpus, copy / "corpus.jsonl")
     (copy / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
     shutil.copy2(mine, copy / "mine.jsonl")
     assert train(workspace, tmp_path / "tok", f"input={copy / 'mine.jsonl'}") == 2

@@ -3,6 +3,7 @@ split over two ranks gives the losses of one rank, and every rank's shard is che
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,37 @@ def test_zero3_two_ranks_via_3_train_multi_node(one_rank: dict[int, float], work
     assert train_losses(run) == pytest.approx(one_rank, rel=1e-4)
     folder = run / "checkpoints" / f"global_step{STEPS}"
     assert len(list(folder.glob("zero_pp_rank_*_model_states.pt"))) == 2  # parameters sharded over both ranks
+
+
+def test_two_nodes_without_ssh_sigterm_to_3_train_multi_node_saves_and_exits_75(dataset_prefix: Path, workspace: Path,
+                                                                                tmp_path: Path) -> None:
+    """Each node runs the script with its NODE_RANK (here two "nodes" on 127.0.0.1, one rank each); a SIGTERM
+    to both must end both scripts with the ranks' 75, not with the launcher's death by the same signal."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    port = free_port()
+    scripts = []
+    for node in (0, 1):
+        env = {**train_env(2), "HOSTFILE": str(hostfile), "MASTER_PORT": port, "PYTHON": sys.executable,
+               "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1"}
+        scripts.append(subprocess.Popen(
+            ["bash", str(REPO / "3_train_multi_node.sh"), "--config", str(workspace / "config.yaml"), *QUICK_TRAIN,
+             "train.train_iters=1000", "train.save_interval=1000", f"train.output_model_dir={run}"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True))
+    deadline = time.monotonic() + 300
+    while not train_losses(run):
+        assert all(s.poll() is None for s in scripts) and time.monotonic() < deadline, scripts[0].stderr.read()[-3000:]
+        time.sleep(0.05)
+    for script in scripts:
+        os.killpg(script.pid, signal.SIGTERM)  # the script's whole process group, as a job scheduler may
+    errors = [script.communicate(timeout=300)[1] for script in scripts]
+    codes = [s.returncode for s in scripts]
+    assert codes == [75, 75], f"{codes}\n" + "\n".join(e[-3000:] for e in errors)
+    assert "SIGTERM: stopped at step" in errors[0] and len(list((run / "checkpoints").glob("global_step*"))) == 1
 
 
 def test_multi_node_script_refuses_a_missing_hostfile(tmp_path: Path) -> None:

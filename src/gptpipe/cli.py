@@ -1,8 +1,8 @@
 """The `gptpipe` command: one subcommand per stage; the numbered top-level scripts call these.
 
-Every subcommand takes ``--config PATH``, ``--force`` and any number of ``section.key=value`` overrides;
-``--help`` lists every config key with its type, default and one-line doc. Stage modules are imported
-only when their subcommand runs, so light commands (count, --help) start instantly.
+Every subcommand takes ``--config PATH``, ``--force`` and any number of ``section.key=value`` overrides,
+anywhere on the line; ``--help`` lists every config key with its type, default and one-line doc. Stage
+modules are imported only when their subcommand runs, so light commands (count, --help) start instantly.
 """
 
 from __future__ import annotations
@@ -123,11 +123,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
+    """The subcommand's arguments, with ``key=value`` overrides taken from anywhere on the line."""
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    # argparse fills the nargs="*" overrides from one run of words only: those after an option land in extras
+    # (an option's own value, e.g. --prompt a=b, never does).
+    unknown = [word for word in extras if word.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides += extras
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     from gptpipe.stage import StageFailed, StageInputError  # light; kept here so --help needs nothing else
     from gptpipe.stages import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(argv)
     cmd = next(c for c in COMMANDS if c.name == args.command)
     try:
         config = load_config(_load_object(cmd.config_class), args.config, args.overrides)

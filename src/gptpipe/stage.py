@@ -3,8 +3,8 @@
 A stage's outputs are accepted by later stages only through its entry in :mod:`gptpipe.stages`
 (``Stage.require``), which checks that the manifest exists, says ``complete``, and that every output file it
 lists still has the recorded size and modification time. A run killed at any point therefore leaves nothing a
-later stage would accept: outputs are written under temporary names and renamed, and the manifest is written
-after the renames.
+later stage would accept: a run first replaces the manifest with one marked incomplete, outputs are written
+under temporary names and renamed, and the complete manifest is written after the renames.
 """
 
 from __future__ import annotations
@@ -190,8 +190,11 @@ def run_stage(
             get_logger(stage.name).info(f"outputs in {root} are up to date (same inputs and config); nothing "
                                         "to do. Use --force to redo.")
             return old
-    # The old manifest goes first, so a run killed from here on leaves no manifest that vouches for anything.
-    manifest_path.unlink(missing_ok=True)
+    # The old manifest is replaced first by one marked incomplete: a run killed from here on leaves a manifest
+    # that vouches for nothing, yet still marks the files beside it as this stage's (check_input_files).
+    _write_manifest(manifest_path, Manifest(stage=stage.name, config=plain_config, inputs=inputs, complete=False,
+                                            versions=package_versions(versions),
+                                            created=time.strftime("%Y-%m-%dT%H:%M:%S%z")))
     started = time.time()
     result = work()
     elapsed = time.time() - started
@@ -208,5 +211,9 @@ def run_stage(
     )
     config_path = manifest_path.with_name(manifest_path.name.replace("manifest.json", "config.yaml"))
     write_text_atomic(config_path, yaml.safe_dump(plain_config, allow_unicode=True, sort_keys=False))
-    write_text_atomic(manifest_path, json.dumps(manifest.__dict__, ensure_ascii=False, indent=2) + "\n")
+    _write_manifest(manifest_path, manifest)
     return manifest
+
+
+def _write_manifest(path: Path, manifest: Manifest) -> None:
+    write_text_atomic(path, json.dumps(manifest.__dict__, ensure_ascii=False, indent=2) + "\n")

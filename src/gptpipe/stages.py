@@ -71,7 +71,8 @@ class Stage:
 
     def problems(self, manifest: Manifest, root: Path) -> list[str]:
         """Why a finished manifest's outputs cannot be used (empty: they can)."""
-        problems = [] if manifest.complete else ["the manifest is not marked complete"]
+        problems = [] if manifest.complete else [f"the manifest is not marked complete (a run started "
+                                                 f"{manifest.created or 'there'} did not finish)"]
         problems += outputs_intact(manifest, root)
         if not problems and self.usable:
             problems += self.usable(manifest)
@@ -83,8 +84,7 @@ class Stage:
         location = self.local(location)
         path = self.manifest_path(location)
         if not path.is_file():
-            raise StageInputError(f"{path} not found: the {self.title} outputs are missing or incomplete (a run "
-                                  f"that did not finish writes no manifest). {self.hint()}")
+            raise StageInputError(f"{path} not found: the {self.title} outputs are missing. {self.hint()}")
         try:
             manifest = Manifest.read(path)
         except (json.JSONDecodeError, TypeError) as exc:
@@ -117,10 +117,10 @@ def check_input_files(patterns: list[Path], key: str, upstream: Stage) -> tuple[
     for the manifest's inputs. Every stage reading jsonl takes its input through here.
 
     ``patterns`` are paths or glob patterns (each expanded in sorted order). Any readable file will do, a
-    user's own jsonl too, except an upstream stage's output that its manifest does not vouch for: a file
-    named ``upstream.output_file`` (the name that stage writes) or lying beside its manifest must be listed,
-    intact, by that complete manifest, because a killed run leaves the old file without one. Its
-    fingerprint then also holds the manifest's hash, so rerunning the upstream stage reruns this one.
+    user's own jsonl too, whatever its name, except an upstream stage's output that its manifest does not
+    vouch for: a file beside that stage's manifest (a run writes one marked incomplete before its outputs,
+    see ``run_stage``) must be listed, intact, by a complete manifest. Its fingerprint then also holds the
+    manifest's hash, so rerunning the upstream stage reruns this one.
     """
     files: list[Path] = []
     problems: list[str] = []
@@ -136,14 +136,13 @@ def check_input_files(patterns: list[Path], key: str, upstream: Stage) -> tuple[
     fingerprints: dict[str, Any] = {}
     for path in files:
         manifest_path = upstream.manifest_path(path.parent)
-        if path.name == upstream.output_file or manifest_path.is_file():
+        if manifest_path.is_file():
             try:
                 manifest = upstream.require(path.parent)
             except StageInputError as exc:
-                named = path.name == upstream.output_file
-                why = f"named {upstream.output_file}" if named else f"beside {manifest_path}"
-                problems.append(f"{key}: {path} is {why}, so it is taken as an output of {upstream.title}, accepted "
-                                f"only with that run's complete manifest (your own jsonl? name it otherwise): {exc}")
+                problems.append(f"{key}: {path} is beside {manifest_path}, so it is taken as an output of "
+                                f"{upstream.title}, accepted only with that run's complete manifest (your own "
+                                f"jsonl? keep it in another folder): {exc}")
                 continue
             if path.name not in manifest.outputs:
                 problems.append(f"{key}: {path} is not an output of the {upstream.title} run recorded in "

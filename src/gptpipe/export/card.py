@@ -221,8 +221,9 @@ def _finetune_verification_text(report: dict[str, Any]) -> str:
     return (f"Exported by `gptpipe convert` and checked against the fine-tune checkpoint on validation rows "
             f"({report['heldout_source']}): logits max |Δ| = {report['logits_max_abs_diff']:.3g} ({report['dtype']}, "
             f"tolerance {report['logits_tolerance']:.3g}); tokenizer ids identical to the fine-tune's on "
-            f"{report['tokenizer_texts']} prompts and labels; greedy answers generated "
-            f"(first: {report['greedy_sample']!r}). Verified.")
+            f"{report['tokenizer_texts']} prompts and labels; greedy answers are the checkpoint's greedy choice at "
+            f"every step (largest gap {report['greedy_max_gap']:.3g}, tolerance {report['greedy_gap_tolerance']:.3g}; "
+            f"first: {report['greedy_sample']!r}). Verified.")
 
 
 def render_finetune_card(facts: FinetuneCardFacts, repo_id: str | None) -> str:

@@ -97,7 +97,7 @@ def _check_ids(model: Any, tokenizer: Any, tokenizer_info: Any, dtype: str) -> l
     return failures
 
 
-def _tolerance(expected: torch.Tensor, dtype: str) -> float:
+def logits_tolerance(expected: torch.Tensor, dtype: str) -> float:
     """Largest |Δ| allowed between the folder's logits and the reference's `expected` ones (see FP32_TOLERANCE)."""
     return FP32_TOLERANCE + (BF16_RELATIVE * expected.abs().max().item() if dtype == "bf16" else 0.0)
 
@@ -110,7 +110,7 @@ def _check_logits(report: dict[str, Any], model: Any, reference: Any, reference_
     exported = _logits(model, batch, vocab)
     expected = _logits(reference, batch, vocab)
     diff = (exported - expected).abs().max().item()
-    tolerance = _tolerance(expected, dtype)
+    tolerance = logits_tolerance(expected, dtype)
     report.update(logits_max_abs_diff=diff, logits_tolerance=tolerance, heldout_batch=list(batch.shape),
                   heldout_source=heldout.source)
     if reference_fp32 is not reference:  # how far rounding to bf16 moved the logits, for the record
@@ -146,7 +146,7 @@ def _check_generation(report: dict[str, Any], model: Any, reference: Any, tokeni
     # The reference's logits at the positions that chose each generated token.
     logits = _logits(reference, ids, model.config.vocab_size)[0, len(prompt_ids) - 1:-1]
     gaps = logits.max(dim=-1).values - logits.gather(-1, ids[0, len(prompt_ids):, None])[:, 0]
-    tolerance = GREEDY_GAP_FACTOR * _tolerance(logits, dtype)
+    tolerance = GREEDY_GAP_FACTOR * logits_tolerance(logits, dtype)
     step = int(gaps.argmax())
     worst = gaps[step].item()
     report.update(greedy_max_gap=worst, greedy_gap_tolerance=tolerance)

@@ -8,7 +8,10 @@ The folder is reloaded with AutoModelForCausalLM or AutoModelForSeq2SeqLM and Au
 2. logits: against the model rebuilt from the checkpoint in the export dtype, on the rows' real tokens
    (stage 4's tolerances);
 3. tokenizer: the same ids as the run's tokenizer (`<run>/tokenizer`) on every prompt and label;
-4. generation: greedy answers to the prompts, decoded (and, for classification, mapped onto the label set).
+4. generation: greedy answers to validation prompts through `generate` (the folder's generation_config.json,
+   its KV cache) pick, at every step, a token the checkpoint's model also ranks first, up to a near-tie
+   (stage 4's `GREEDY_GAP_FACTOR`). The answers, decoded (and, for classification, mapped onto the label set),
+   and whether they equal the checkpoint's own are recorded as information only.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ from collections.abc import Callable
 
 import torch
 
-from gptpipe.export.verify import BF16_RELATIVE, FP32_TOLERANCE, TORCH_DTYPES, run_gate
+from gptpipe.export.verify import GREEDY_GAP_FACTOR, TORCH_DTYPES, logits_tolerance, run_gate
 from gptpipe.finetune.data import IGNORE, Encoded, Encoder, Row, Skipped, collate, map_to_label, pad_id
-from gptpipe.finetune.model import decode, generate, logits, model_class
+from gptpipe.finetune.model import as_scored, decode, generate, logits, model_class
 from gptpipe.log import get_logger
 
 log = get_logger("convert")
@@ -79,7 +82,7 @@ def _check_logits(report: dict[str, Any], model: Any, reference: Any, reference_
         exported = logits(model, batch, seq2seq)[real].float()
         expected = logits(reference, batch, seq2seq)[real].float()
         diff = (exported - expected).abs().max().item()
-        tolerance = FP32_TOLERANCE + (BF16_RELATIVE * expected.abs().max().item() if dtype == "bf16" else 0.0)
+        tolerance = logits_tolerance(expected, dtype)
         report.update(logits_max_abs_diff=diff, logits_tolerance=tolerance,
                       heldout_batch=list(batch["input_ids"].shape), heldout_source=data.source)
         if reference_fp32 is not reference:  # how far rounding to bf16 moved the logits, for the record
@@ -101,25 +104,48 @@ def _check_tokenizer(report: dict[str, Any], tokenizer: Any, reference_tokenizer
             + "; ".join(differ[:3])]
 
 
-def _answers(model: Any, tokenizer: Any, data: TaskRows) -> tuple[list[list[int]], list[str]]:
+def _answers(model: Any, tokenizer: Any, data: TaskRows) -> tuple[list[list[int]], list[list[int]]]:
+    """(the prompts' ids, the greedy answers' ids) of the first GENERATED_ROWS validation rows."""
     encoder = data.encoder(tokenizer)
     prompts = [encoder.fit_prompt(row.input, 0, row.where, Skipped()) or [encoder.eos]
                for row in data.rows[:GENERATED_ROWS]]
-    ids = generate(model, encoder, prompts, torch.device("cpu"), max_new_tokens=data.max_new_tokens(tokenizer))
-    return ids, [decode(tokenizer, i) for i in ids]
+    answers = generate(model, encoder, prompts, torch.device("cpu"), max_new_tokens=data.max_new_tokens(tokenizer))
+    return prompts, answers
 
 
-def _check_generation(report: dict[str, Any], model: Any, reference: Any, tokenizer: Any, data: TaskRows) -> list[str]:
+def _check_generation(report: dict[str, Any], model: Any, reference: Any, tokenizer: Any, data: TaskRows,
+                      dtype: str) -> list[str]:
+    """The folder's greedy answers must be greedy under the checkpoint's model, step by step, as stage 4's
+    check (verify.py) asks of its continuation: the reference reads the folder's own answers, so a near-tie
+    never derails the comparison."""
     log.info(f"greedy answers to {min(GENERATED_ROWS, len(data.rows))} validation prompts")
-    ids, texts = _answers(model, tokenizer, data)
+    prompts, ids = _answers(model, tokenizer, data)
+    texts = [decode(tokenizer, i) for i in ids]
     labels = data.task.get("labels")
     report["greedy_samples"] = [
         {"input": row.input, "label": row.label, "generated": text,
          **({"prediction": map_to_label(text, labels)[0]} if labels else {})}
         for row, text in zip(data.rows, texts)]
     report["greedy_sample"] = texts[0]
-    report["greedy_matches_checkpoint"] = ids == _answers(reference, tokenizer, data)[0]
-    return []
+    report["greedy_matches_checkpoint"] = ids == _answers(reference, tokenizer, data)[1]
+    seq2seq = data.task["seq2seq"]
+    batch = collate([as_scored(p, i, seq2seq) for p, i in zip(prompts, ids)], pad_id(tokenizer), seq2seq)
+    batch.pop("target_columns", None)
+    with torch.no_grad():  # the reference's logits at the positions that chose each answer token
+        chosen_logits = logits(reference, batch, seq2seq)[..., :len(tokenizer)].float()  # generate's id range
+    targets = batch["targets"]
+    gaps = chosen_logits.max(dim=-1).values - chosen_logits.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    gaps = gaps.masked_fill(targets == IGNORE, 0.0)
+    tolerance = GREEDY_GAP_FACTOR * logits_tolerance(chosen_logits, dtype)
+    worst = gaps.max().item()
+    report.update(greedy_max_gap=worst, greedy_gap_tolerance=tolerance)
+    if worst <= tolerance:
+        return []
+    row, step = divmod(int(gaps.argmax()), gaps.shape[1])
+    token = int(targets[row, step])
+    return [f"greedy generation is not greedy under the checkpoint's model: answering {data.rows[row].where}, "
+            f"token {tokenizer.decode([token])!r} is {worst:.3g} below its best logit (> {tolerance:.3g}); check "
+            f"generation_config.json"]
 
 
 def verify_finetune_export(folder: Path, reference: Any, reference_fp32: Any, reference_tokenizer: Any,
@@ -132,7 +158,7 @@ def verify_finetune_export(folder: Path, reference: Any, reference_fp32: Any, re
             "logits": lambda: _check_logits(report, model, reference, reference_fp32, data, reference_tokenizer,
                                             dtype),
             "tokenizer": lambda: _check_tokenizer(report, tokenizer, reference_tokenizer, data),
-            "generation": lambda: _check_generation(report, model, reference, tokenizer, data),
+            "generation": lambda: _check_generation(report, model, reference, tokenizer, data, dtype),
         }
 
     return run_gate(folder, model_class(data.task["seq2seq"]), dtype, checks)

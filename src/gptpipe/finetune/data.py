@@ -18,6 +18,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from gptpipe.train.data import to_device
+
 if TYPE_CHECKING:
     import torch
 
@@ -186,6 +188,11 @@ class Encoder:
     def label_ids(self, label: str) -> list[int]:
         return self.tokenizer(label, add_special_tokens=False)["input_ids"] + [self.eos]
 
+    def uncut_length(self, row: Row) -> int:
+        """The train.seq_len that keeps ``row`` whole."""
+        prompt, label = len(self.prompt_ids(row.input)), len(self.label_ids(row.label))
+        return max(prompt, label) if self.seq2seq else prompt + label
+
     def _budget(self, label_len: int) -> int:
         """Tokens the prompt may take."""
         return self.seq_len if self.seq2seq else self.seq_len - label_len
@@ -257,7 +264,7 @@ def collate(items: list[Encoded], pad: int, seq2seq: bool, device: torch.device 
         batch["labels"] = labels
     else:
         batch["target_columns"] = target_columns(targets)
-    return {k: v.to(device) for k, v in batch.items()}
+    return to_device(batch, device)
 
 
 def target_columns(targets: torch.Tensor) -> torch.Tensor:
@@ -356,9 +363,8 @@ def collate_packed(items: list[Encoded], pad: int, capacity: int, device: torch.
             rows[i] = (s, at, n)
             at += n
         position_ids[s, at:] = torch.arange(width - at)
-    return {"input_ids": input_ids.to(device), "position_ids": position_ids.to(device),
-            "targets": targets.to(device), "target_columns": target_columns(targets).to(device),
-            "attention_mask": None, "rows": rows}
+    return to_device({"input_ids": input_ids, "position_ids": position_ids, "targets": targets,
+                      "target_columns": target_columns(targets), "attention_mask": None, "rows": rows}, device)
 
 
 def left_padded(prompts: list[list[int]], pad: int, device: torch.device | str = "cpu") -> dict[str, Any]:
@@ -372,7 +378,7 @@ def left_padded(prompts: list[list[int]], pad: int, device: torch.device | str =
         if p:
             input_ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
-    return {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
+    return to_device({"input_ids": input_ids, "attention_mask": mask}, device)
 
 
 # --- label mapping --------------------------------------------------------------------------------------

@@ -87,6 +87,7 @@ class TaskData:
     validation: list[Row]
     labels: list[str] | None  # classification: the label set, most frequent first
     skipped: Skipped
+    length_warning: str | None = None  # train.seq_len cut or dropped training rows: how many, what keeps them
 
     @property
     def majority(self) -> str | None:
@@ -121,7 +122,26 @@ def load_task(config: FinetuneConfig) -> TaskData:
                               f"{'' if kept else ' (see the skipped rows above)'}:\n{skipped.report()}")
     labels = label_set([row for row, _ in kept]) if config.task.kind == "classification" else None
     return TaskData(tokenizer, encoder, seq2seq, [r for r, _ in kept], [e for _, e in kept], validation, labels,
-                    skipped)
+                    skipped, _length_warning(config, encoder, rows, skipped))
+
+
+def _length_warning(config: FinetuneConfig, encoder: Encoder, rows: list[Row], skipped: Skipped) -> str | None:
+    """What train.seq_len cost the training rows (only they are encoded so far), and the value that keeps
+    every row within the model's positions; None when it cost nothing."""
+    from transformers import AutoConfig
+
+    dropped = skipped.counts["too long for train.seq_len"] + skipped.counts["label too long for train.seq_len"]
+    cut = skipped.truncated + dropped
+    if not cut:
+        return None
+    longest = max(encoder.uncut_length(row) for row in rows)
+    model = AutoConfig.from_pretrained(config.model.path)
+    positions = getattr(model, "max_position_embeddings", None) or getattr(model, "n_positions", None)
+    keep = (f"train.seq_len={longest} keeps every row" if positions is None or longest <= positions else
+            f"the longest needs {longest} tokens, the model takes {positions}: train.seq_len={positions} cuts "
+            f"the fewest")
+    return (f"train.seq_len {config.train.seq_len} is too short for {cut:,} of {len(rows):,} training rows "
+            f"({cut / len(rows):.0%}: {skipped.truncated:,} cut, {dropped:,} dropped); {keep}")
 
 
 def run(config: FinetuneConfig, args: argparse.Namespace) -> int:
@@ -154,6 +174,8 @@ def _finetune(config: FinetuneConfig, dist: Dist) -> int:
                  f"{len(task.train):,} training rows, {len(task.validation):,} validation rows; {kinds}")
         if task.skipped.total or task.skipped.truncated:
             log.info(task.skipped.report())
+        if task.length_warning:
+            log.warning(task.length_warning)
     try:
         tuner = FineTuner(config, task, micro, accumulation, ds_config, wandb_block, dist)
     except StageInputError as exc:  # the model does not keep packed rows apart

@@ -148,9 +148,17 @@ def collate(dataset: Any, positions: range, device: torch.device) -> dict[str, t
     tokens = torch.stack([s["tokens"] for s in samples])
     labels = torch.stack([s["labels"] for s in samples])
     labels[torch.stack([s["loss_mask"] for s in samples]) == 0] = -100
-    if device.type == "cuda":
-        tokens, labels = tokens.pin_memory(), labels.pin_memory()
-    return {"input_ids": tokens.to(device, non_blocking=True), "labels": labels.to(device, non_blocking=True)}
+    return to_device({"input_ids": tokens, "labels": labels}, device)
+
+
+def to_device(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
+    """``batch`` with its tensors on ``device`` (other values as they are). A GPU gets them from pinned host
+    memory without blocking, so the copy overlaps the work already queued instead of stalling the host."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    return {k: (v.pin_memory() if cuda else v).to(device, non_blocking=cuda) if isinstance(v, torch.Tensor) else v
+            for k, v in batch.items()}
 
 
 def eval_batches(dataset: Any, samples: int, micro_batch: int, dp_rank: int, dp_size: int,

@@ -55,13 +55,14 @@ def seed_everything(seed: int) -> None:
 
 
 def run_ranks(work: Callable[[Dist], int]) -> int:
-    """Join the process group, run `work` on this rank and return its exit code; rank 0 also writes it to
-    $GPTPIPE_EXIT_FILE, because torchrun reports any rank's non-zero exit as 1 and scripts/launch_ranks.sh
-    reads the real one (2, 75) from there."""
+    """Join the process group, run `work` on this rank and return its exit code; each node's first local rank
+    also writes it to $GPTPIPE_EXIT_FILE, because torchrun reports any rank's non-zero exit as 1 and the
+    launch scripts (scripts/launch_ranks.sh, 3_train_multi_node.sh, examples/slurm_train.sbatch) read the real
+    one (2, 75) from there."""
     dist = setup_distributed()
     code = work(dist)
     exit_file = os.environ.get("GPTPIPE_EXIT_FILE")
-    if exit_file and dist.is_main:
+    if exit_file and dist.local_rank == 0:
         Path(exit_file).write_text(str(code), encoding="utf-8")
     return code
 
@@ -201,14 +202,24 @@ class TrainLoop(ABC):
         self.log = RunLogger(self.run_dir, self.config, self.steps, self.step, self.wandb_block,
                              enabled=self.dist.is_main, rotate_tensorboard_s=SIDE_SYNC_SECONDS if self.mirror else None)
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            code = self._loop()
-        finally:
+
+        def restore_handlers() -> None:
             for s, h in handlers.items():
                 signal.signal(s, h)
-            self.log.close()
-        # A bucket run: the last save's upload must land (within the grace time on a signal) before exiting.
-        return self.mirror.finish(code, EXIT_PREEMPTED) if self.mirror else code
+
+        try:
+            try:
+                code = self._loop()
+            finally:
+                self.log.close()
+            if code != EXIT_PREEMPTED:  # Ctrl-C may still cut a finished run's final upload wait short
+                restore_handlers()
+            # A bucket run: the last save's upload must land (within the grace time on a signal) before exiting;
+            # after a signal the handlers stay until it has, so a launcher's SIGTERM to the ranks it stops (once
+            # one exits 75) cannot cut it off.
+            return self.mirror.finish(code, EXIT_PREEMPTED) if self.mirror else code
+        finally:
+            restore_handlers()
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.stop.set(signal.Signals(signum).name)

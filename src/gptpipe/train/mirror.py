@@ -101,6 +101,7 @@ class RunMirror:
         self._state: dict[str, Any] = {"failures": 0, "step": None, "committed": None}
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
+        self._group: Any = None  # the ranks' gloo group (restore), for the barrier at the end (finish)
 
     @property
     def committed_step(self) -> int | None:
@@ -117,7 +118,7 @@ class RunMirror:
             return
         import torch.distributed as td
 
-        group = td.new_group(backend="gloo")  # CPU objects also when the training group is NCCL
+        group = self._group = td.new_group(backend="gloo")  # CPU objects also when the training group is NCCL
         shared, leaders = self._probe(group)
         if shared:
             if self.is_main:
@@ -310,7 +311,18 @@ class RunMirror:
     # --- at the end ---------------------------------------------------------------------------------
     def finish(self, code: int, preempted: int) -> int:
         """Wait for the last checkpoint and the run's files to reach the bucket: within
-        train.preempt_grace_seconds after a signal, else up to FINAL_WAIT_SECONDS. Returns the exit code."""
+        train.preempt_grace_seconds after a signal, else up to FINAL_WAIT_SECONDS. Returns the exit code.
+
+        Collective: no rank returns before every uploader's commit has, since launchers (torchrun, deepspeed's)
+        stop a node's other ranks as soon as one exits non-zero (75 after a signal), an uploader among them."""
+        code = self._finish_uploads(code, preempted)
+        if self._group is not None:
+            import torch.distributed as td
+
+            td.barrier(group=self._group)
+        return code
+
+    def _finish_uploads(self, code: int, preempted: int) -> int:
         if self._process is None:
             return code
         budget = self.grace_s if code == preempted else FINAL_WAIT_SECONDS
