@@ -1,4 +1,4 @@
-"""The package's import graph: no cycle between its packages, and no library module imports the CLI."""
+"""The package's import graph: no cycle between its packages or its modules, and no library module imports the CLI."""
 
 from __future__ import annotations
 
@@ -16,8 +16,13 @@ def _modules() -> dict[str, Path]:
             for f in sorted(SRC.rglob("*.py"))}
 
 
+def _is_module(name: str) -> bool:
+    return (SRC.parent / name.replace(".", "/")).with_suffix(".py").is_file()
+
+
 def _imports(path: Path) -> set[str]:
-    """gptpipe modules imported at run time (anywhere in the file, but not under `if TYPE_CHECKING:`)."""
+    """gptpipe modules imported at run time (anywhere in the file, but not under `if TYPE_CHECKING:`); for
+    ``from gptpipe.train import checkpoint``, the module ``gptpipe.train.checkpoint``."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
                    and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
@@ -27,6 +32,7 @@ def _imports(path: Path) -> set[str]:
             continue
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gptpipe"):
             found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names if _is_module(f"{node.module}.{a.name}")}
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("gptpipe")}
     return found
@@ -55,6 +61,29 @@ def test_packages_import_each_other_without_a_cycle() -> None:
 
     cycles = sorted(f"{a} → {b}" for a, targets in edges.items() for b in targets if a in reachable(b))
     assert not cycles, f"package import cycles through: {cycles}"
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[str]:
+    """Every edge a → b that lies on a cycle (b reaches a)."""
+    def reachable(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in edges.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    return sorted(f"{a} → {b}" for a, targets in edges.items() for b in targets if a in reachable(b))
+
+
+def test_modules_import_each_other_without_a_cycle() -> None:
+    """Module by module (a function-level import counts too): a cycle means two modules own one concept."""
+    modules = _modules()
+    edges = {module: {t for t in _imports(path) if t in modules and t != module
+                      and modules[t].name != "__init__.py"} for module, path in modules.items()}
+    cycles = _cycles(edges)
+    assert not cycles, f"module import cycles through: {cycles}"
 
 
 def test_only_the_cli_entry_points_import_the_cli() -> None:

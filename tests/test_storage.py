@@ -315,3 +315,44 @@ def test_store_outage_training_goes_on_and_the_bucket_catches_up(dataset_prefix:
         assert_no_secret([stderr, done.stderr], [tmp_path], s3, url)
     finally:
         s3.stop()
+
+
+def test_a_committed_folder_exists_only_once_its_record_is_written_last(store, tmp_path: Path) -> None:
+    """The one protocol stage outputs and checkpoints share (gptpipe.committed), on the real server: a record
+    that would vouch for a missing file is refused; a file of another size or a withdrawn record makes the
+    folder unusable; a fetch lands whole files only and is redone when the record changes, same sizes or not."""
+    from gptpipe.committed import CommittedFolder
+
+    local = tmp_path / "local"
+    (local / "sub").mkdir(parents=True)
+    (local / "a.bin").write_bytes(b"a" * 100)
+    (local / "sub" / "b.txt").write_bytes(b"first")
+    files = {"a.bin": 100, "sub/b.txt": 5}
+    folder = CommittedFolder(f"{store.scheme}://{store.bucket}/folder", "record.json")
+    folder.put(local, ["a.bin"])
+    with pytest.raises(OSError, match="sub/b.txt is missing"):
+        folder.commit(b"first", files)
+    assert folder.read_record() is None
+    folder.put(local, ["sub/b.txt"])
+    folder.commit(b"first", files)
+    assert folder.read_record() == b"first" and folder.problems(files) == []
+    assert folder.problems({"../escape": 1}) == [f"the record lists '../escape', a path outside {folder.url}"]
+
+    target, kept = tmp_path / "copy", tmp_path / "copy.record"
+    (target / "stale").parent.mkdir(parents=True)
+    (target / "stale").write_text("another commit's file")
+    assert folder.fetch(files, target, record=b"first", keep=kept, clean=True) == 105
+    assert sorted(p.relative_to(target).as_posix() for p in target.rglob("*") if p.is_file()) == ["a.bin", "sub/b.txt"]
+    assert kept.read_bytes() == b"first"
+    assert folder.fetch(files, target, record=b"first", keep=kept) == 0  # the same commit: the copy serves
+
+    (local / "sub" / "b.txt").write_bytes(b"again")  # redone: same sizes, another record
+    folder.withdraw()
+    assert folder.read_record() is None
+    folder.put(local, ["sub/b.txt"])
+    folder.commit(b"second", files)
+    assert folder.fetch(files, target, record=b"second", keep=kept) == 105
+    assert (target / "sub" / "b.txt").read_bytes() == b"again" and kept.read_bytes() == b"second"
+
+    store.fs.pipe_file(f"{store.bucket}/folder/a.bin", b"short")
+    assert folder.problems(files) == [f"{folder.url}/a.bin has 5 bytes, its record lists 100"]

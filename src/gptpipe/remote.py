@@ -1,15 +1,12 @@
 """A stage's outputs at a URL: fetched into a verified local cache, or published from a local folder.
 
 Stage outputs in a bucket keep the local layout (gptpipe.stages): a dataset's <prefix>.bin/.idx with
-<prefix>.manifest.json beside them, a tokenizer or HF folder with manifest.json inside. The manifest is the
-commit: a bucket has no rename, so ``publish`` uploads every output, then the resolved config, then the
-manifest, and withdraws an older manifest before replacing anything. A reader trusts nothing else.
-
-``fetch`` copies what a stage needs into ``<system temp>/gptpipe-cache/<digest of the URL>/`` (``TMPDIR``
-moves it): each file lands under a temporary name, its size is checked against the manifest and its mtime set
-to the recorded one, then it is renamed, and the manifest is written last. The cached copy is therefore a
-local stage output that ``Stage.require`` accepts as is, and it is reused while the bucket's manifest is
-byte-for-byte the cached one and the cached files match it; a killed download leaves only temporaries.
+<prefix>.manifest.json beside them, a tokenizer or HF folder with manifest.json inside. The folder holding
+them is a committed folder (gptpipe.committed) whose record is the manifest: ``publish`` uploads every output
+and the resolved config, then the manifest; ``fetch`` copies what a stage needs into
+``<system temp>/gptpipe-cache/<digest of the URL>/`` with each file's recorded mtime and the manifest last, so
+the cached copy is a local stage output that ``Stage.require`` accepts as is. It is reused while the bucket's
+manifest is byte-for-byte the cached one and the cached files match it.
 """
 
 from __future__ import annotations
@@ -17,16 +14,16 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import os
 import time
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Iterator
 
+from gptpipe.committed import CommittedFolder, local_matches
 from gptpipe.config.core import to_plain
 from gptpipe.log import get_logger
-from gptpipe.stage import Manifest, StageInputError, StageResult, file_fingerprint, run_stage, write_text_atomic
-from gptpipe.storage import cache_folder, filesystem, is_url, join
+from gptpipe.stage import Manifest, StageInputError, StageResult, run_stage
+from gptpipe.storage import cache_folder, filesystem, is_url
 
 if TYPE_CHECKING:
     from gptpipe.stages import Stage
@@ -56,12 +53,6 @@ def staging(stage: Stage, location: Any) -> Path:
     return cache_location(stage, str(location)) if is_url(location) else Path(location)
 
 
-def _safe(name: str) -> bool:
-    """A manifest's output name must stay inside its folder (a bucket's manifest is not trusted with paths)."""
-    parts = PurePosixPath(name).parts
-    return bool(parts) and not PurePosixPath(name).is_absolute() and ".." not in parts
-
-
 @contextlib.contextmanager
 def _locked(folder: Path) -> Iterator[None]:
     """One fetch per cache folder at a time: ranks on one machine download once, the others then reuse."""
@@ -74,36 +65,33 @@ def _locked(folder: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def committed_folder(stage: Stage, url: str, fs: Any = None) -> CommittedFolder:
+    """The bucket folder holding ``stage``'s outputs at ``url``, with their manifest as its record."""
+    folder, name = layout(stage, url.rstrip("/"))
+    return CommittedFolder(folder, name, fs)
+
+
+def _sizes(manifest: Manifest) -> dict[str, int]:
+    return {name: recorded["size"] for name, recorded in manifest.outputs.items()}
+
+
 def read_remote_manifest(stage: Stage, url: str, fs: Any) -> tuple[Manifest, bytes] | None:
     """The manifest at ``url`` and its bytes; None when there is none."""
-    folder, name = layout(stage, url)
-    fs.invalidate_cache()  # another process may have published since this one listed
-    try:
-        data = fs.cat_file(join(folder, name))
-    except FileNotFoundError:
+    folder = committed_folder(stage, url, fs)
+    data = folder.read_record()
+    if data is None:
         return None
     try:
         return Manifest(**json.loads(data)), data
     except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as exc:
-        raise StageInputError(f"{join(folder, name)} is not a valid manifest ({exc}). "
+        raise StageInputError(f"{folder.path(folder.record)} is not a valid manifest ({exc}). "
                               f"{stage.hint(force=True)}") from None
 
 
 def remote_problems(stage: Stage, url: str, manifest: Manifest, fs: Any) -> list[str]:
     """Why the outputs a bucket manifest lists cannot be used (empty: every file is there with its size)."""
-    folder, _ = layout(stage, url)
     problems = [] if manifest.complete else ["the manifest is not marked complete"]
-    for name, recorded in manifest.outputs.items():
-        if not _safe(name):
-            problems.append(f"the manifest lists {name!r}, a path outside {folder}")
-            continue
-        try:
-            size = int(fs.info(join(folder, name))["size"])
-        except FileNotFoundError:
-            problems.append(f"{join(folder, name)} is missing")
-            continue
-        if size != recorded["size"]:
-            problems.append(f"{join(folder, name)} has {size:,} bytes, its manifest records {recorded['size']:,}")
+    problems += committed_folder(stage, url, fs).problems(_sizes(manifest))
     if not problems and stage.usable:
         problems += stage.usable(manifest)
     return problems
@@ -115,43 +103,30 @@ def fetch(stage: Stage, url: str, only: Callable[[str], bool] | None = None) -> 
     needs the .idx alone); every listed output must still be in the bucket with its size."""
     url = url.rstrip("/")
     fs = filesystem(url)
-    folder, name = layout(stage, url)
+    folder = committed_folder(stage, url, fs)
     found = read_remote_manifest(stage, url, fs)
     if found is None:
-        raise StageInputError(f"{join(folder, name)} not found: the {stage.title} outputs at {url} are missing or "
-                              f"incomplete (a run or an upload that did not finish writes no manifest). {stage.hint()}")
+        raise StageInputError(f"{folder.path(folder.record)} not found: the {stage.title} outputs at {url} are "
+                              f"missing or incomplete (a run or an upload that did not finish writes no manifest). "
+                              f"{stage.hint()}")
     manifest, data = found
     local = cache_location(stage, url)
     root = local.parent if stage.beside_prefix else local
     wanted = {n: r for n, r in manifest.outputs.items() if only is None or only(n)}
+    sizes, mtimes = {n: r["size"] for n, r in wanted.items()}, {n: r["mtime_ns"] for n, r in wanted.items()}
     with _locked(root):
-        cached = root / name
-        if cached.is_file() and cached.read_bytes() == data and all(
-                (root / n).is_file() and file_fingerprint(root / n) == r for n, r in wanted.items()):
+        kept = root / folder.record
+        if kept.is_file() and kept.read_bytes() == data and local_matches(root, sizes, mtimes):
             return local
         problems = remote_problems(stage, url, manifest, fs)
         if problems:
             raise StageInputError(f"{stage.title} outputs at {url} are not usable: {'; '.join(problems)}. "
                                   f"{stage.hint(force=True)}")
-        cached.unlink(missing_ok=True)  # nothing here vouches for files while they are replaced
-        started, fetched = time.monotonic(), 0
-        for n, recorded in wanted.items():
-            target = root / n
-            if target.is_file() and file_fingerprint(target) == recorded:
-                continue  # already fetched (a count that needed the .idx only, or an interrupted fetch)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.part-{os.getpid()}")
-            try:
-                fs.get_file(join(folder, n), str(tmp))
-                if tmp.stat().st_size != recorded["size"]:
-                    raise StageInputError(f"{join(folder, n)} changed while it was downloaded "
-                                          f"({tmp.stat().st_size:,} bytes, the manifest records {recorded['size']:,})")
-                os.utime(tmp, ns=(recorded["mtime_ns"], recorded["mtime_ns"]))  # the fingerprint it vouches for
-                os.replace(tmp, target)
-            finally:
-                tmp.unlink(missing_ok=True)
-            fetched += recorded["size"]
-        write_text_atomic(cached, data.decode("utf-8"))
+        started = time.monotonic()
+        try:
+            fetched = folder.fetch(sizes, root, record=data, keep=kept, mtimes=mtimes)
+        except OSError as exc:
+            raise StageInputError(f"{stage.title} outputs at {url}: {exc}. {stage.hint()}") from None
     log.info(f"fetched {url} ({len(wanted)} of {len(manifest.outputs)} file(s), {fetched / 2**20:,.1f} MiB in "
              f"{time.monotonic() - started:.1f} s) into {local}")
     return local
@@ -162,7 +137,7 @@ def publish(stage: Stage, local: Path, url: str) -> None:
     Nothing is sent when the bucket already holds this very manifest and its files."""
     url = url.rstrip("/")
     fs = filesystem(url)
-    folder, name = layout(stage, url)
+    folder = committed_folder(stage, url, fs)
     manifest_path = stage.manifest_path(local)
     data = manifest_path.read_bytes()
     manifest = Manifest.read(manifest_path)
@@ -173,16 +148,15 @@ def publish(stage: Stage, local: Path, url: str) -> None:
     found = read_remote_manifest(stage, url, fs)
     if found is not None and found[1] == data and not remote_problems(stage, url, found[0], fs):
         return
-    if found is not None:  # withdrawn first: the old manifest must not vouch for files being replaced
-        fs.rm_file(join(folder, name))
+    if found is not None:
+        folder.withdraw()
     started = time.monotonic()
     config = manifest_path.with_name(manifest_path.name.replace("manifest.json", "config.yaml"))
-    for n in [*manifest.outputs, *([config.name] if config.is_file() else [])]:
-        fs.put_file(str(manifest_path.parent / n), join(folder, n))
-    problems = remote_problems(stage, url, manifest, fs)
-    if problems:
-        raise OSError(f"after the upload to {url}: {'; '.join(problems)}; the manifest was not written")
-    fs.pipe_file(join(folder, name), data)
+    folder.put(manifest_path.parent, [*manifest.outputs, *([config.name] if config.is_file() else [])])
+    try:
+        folder.commit(data, _sizes(manifest))
+    except OSError as exc:
+        raise OSError(f"after the upload to {url}: {exc}; the manifest was not written") from None
     size = sum(r["size"] for r in manifest.outputs.values())
     log.info(f"uploaded {len(manifest.outputs)} file(s) ({size / 2**20:,.1f} MiB in {time.monotonic() - started:.1f} "
              f"s) and then the manifest to {url}")

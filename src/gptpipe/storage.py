@@ -137,9 +137,15 @@ def local_name(url: str) -> str:
     return Path(strip_protocol(url)).name or "run"
 
 
-def cache_folder(url: str) -> Path:
-    """The local folder that stands for the bucket folder ``url`` once fetched:
-    ``<system temp>/gptpipe-cache/<digest of the URL>/<its last component>`` (``TMPDIR`` moves it)."""
+def local_folder(url: str, kind: str) -> Path:
+    """The local folder that stands for the bucket folder ``url``: ``<system temp>/<kind>/<digest of the
+    URL>/<its last component>`` (``TMPDIR`` moves it). ``kind`` keeps apart what a reader fetched
+    (``gptpipe-cache``) and a training run's own staging folder (``gptpipe-runs``)."""
     url = url.rstrip("/")
     digest = hashlib.sha256(url.encode()).hexdigest()[:10]
-    return Path(tempfile.gettempdir()) / "gptpipe-cache" / digest / local_name(url)
+    return Path(tempfile.gettempdir()) / kind / digest / local_name(url)
+
+
+def cache_folder(url: str) -> Path:
+    """Where a reader keeps its verified copy of the bucket folder ``url`` (stage outputs, a checkpoint)."""
+    return local_folder(url, "gptpipe-cache")

@@ -18,8 +18,10 @@ class TokenizeConfig:
                                doc="jsonl file(s) to tokenize, one {text_key: ...} object per line: paths or "
                                    "glob patterns (data/*.jsonl), each expanded in sorted order")
     tokenizer_dir: Url | Path = option(
-        Path("tokenizers/ja_32k"), "stage-1 output folder (its tokenizer.model is used); or its URL (s3://..., "
-                                   "gs://...): fetched once into a verified local cache")
+        Path("tokenizers/ja_32k"), "stage-1 output folder (its tokenizer.model is used), or its URL (s3://..., "
+                                   "gs://...: fetched once into a verified local cache); or a base model's HF "
+                                   "folder with tokenizer.json (continued pretraining: its ids, its BOS if it adds "
+                                   "one, its EOS between documents)")
     output_prefix: Url | Path = option(
         Path("data/tokenized/ja"), "writes <output_prefix>_text_document.bin/.idx; or a URL prefix: written "
                                    "locally, then uploaded with the manifest last")

@@ -41,6 +41,7 @@ from gptpipe.remote import run_stage_at, staging
 from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_path, run_stage
 from gptpipe.stages import PREPARE, TOKENIZE, TRAIN_TOKENIZER, check_input_files, read_tokenizer
 from gptpipe.storage import is_url
+from gptpipe.data.base_tokenizer import is_pretrained_tokenizer, read_pretrained_tokenizer
 
 if TYPE_CHECKING:
     from gptpipe.pipeline import PipelineConfig
@@ -166,15 +167,23 @@ def run(config: PipelineConfig, args: argparse.Namespace) -> int:
         raise StageInputError(f"--shard writes local shards for `gptpipe merge`: set tokenize.output_prefix to a "
                               f"local path for the shard runs (it is {cfg.output_prefix}), or tokenize in one run")
     files, fingerprints = check_input_files(cfg.input, "tokenize.input", PREPARE)
-    info = read_tokenizer(cfg.tokenizer_dir)
-    dtype = token_dtype(info.vocab_size)
-    if not 0 <= info.eod_id < info.vocab_size:
-        raise StageInputError(f"{cfg.tokenizer_dir}: eod id {info.eod_id} is outside the vocabulary "
-                              f"({info.vocab_size})")
     prefix = cfg.dataset_prefix if shard is None else shard_prefix(cfg.dataset_prefix, *shard)
-    inputs = {"files": fingerprints, "tokenizer": TRAIN_TOKENIZER.fingerprint(cfg.tokenizer_dir)}
+    if not is_url(cfg.tokenizer_dir) and not TRAIN_TOKENIZER.has_manifest(cfg.tokenizer_dir) \
+            and is_pretrained_tokenizer(cfg.tokenizer_dir):  # a base model's own tokenizer (continued pretraining)
+        base = read_pretrained_tokenizer(cfg.tokenizer_dir)
+        model_path, eod_id, bos_id, vocab_size = str(base.tokenizer_json), base.eod_id, base.bos_id, base.vocab_size
+        inputs = {"files": fingerprints, "tokenizer": base.fingerprint()}
+        boundaries = base.boundaries()
+    else:
+        info = read_tokenizer(cfg.tokenizer_dir)
+        model_path, eod_id, bos_id, vocab_size = str(info.model_path), info.eod_id, None, info.vocab_size
+        inputs = {"files": fingerprints, "tokenizer": TRAIN_TOKENIZER.fingerprint(cfg.tokenizer_dir)}
+        boundaries = {"tokenizer": "sentencepiece", "bos_id": None, "eod_id": eod_id, "vocab_size": vocab_size}
+    dtype = token_dtype(vocab_size)
+    if not 0 <= eod_id < vocab_size:
+        raise StageInputError(f"{cfg.tokenizer_dir}: eod id {eod_id} is outside the vocabulary ({vocab_size})")
     settings = WorkerSettings(
-        model_path=str(info.model_path), eod_id=info.eod_id, dtype=dtype.name, text_key=cfg.text_key,
+        model_path=model_path, eod_id=eod_id, bos_id=bos_id, dtype=dtype.name, text_key=cfg.text_key,
         max_chars=cfg.max_document_chars, max_line_bytes=cfg.max_line_bytes,
         block_bytes=min(BLOCK_BYTES, cfg.task_bytes or BLOCK_BYTES), parts_dir="")
     workers = cfg.workers or default_workers()
@@ -184,10 +193,12 @@ def run(config: PipelineConfig, args: argparse.Namespace) -> int:
 
     def work() -> StageResult:
         remove_stale_temporaries(local)
-        return tokenize_files(files, local, settings, workers, cfg.task_bytes, shard)
+        result = tokenize_files(files, local, settings, workers, cfg.task_bytes, shard)
+        result.counts["boundaries"] = boundaries
+        return result
 
     run_stage_at(TOKENIZE, prefix, _manifest_config(cfg, **extra), inputs, work, force=args.force,
-                 versions=("sentencepiece", "numpy", "orjson"))
+                 versions=("sentencepiece", "tokenizers", "numpy", "orjson"))
     return 0
 
 
@@ -221,7 +232,9 @@ def merge(config: PipelineConfig, args: argparse.Namespace) -> int:
         merge_log.info(f"{count} shards → {prefix}: {index.documents:,} documents, {index.tokens:,} tokens")
         return StageResult(outputs=[bin_path(prefix), idx_path(prefix)],
                            counts=_counts(index.documents, index.tokens, dtype, total["lines"],
-                                          total["input_bytes"], reasons, merged_shards=count))
+                                          total["input_bytes"], reasons, merged_shards=count,
+                                          **{k: manifests[0].counts[k] for k in ("boundaries",)
+                                             if k in manifests[0].counts}))
 
     run_stage(TOKENIZE, prefix, _manifest_config(cfg, merged_shards=count), inputs, work,
               force=args.force, versions=("numpy",))

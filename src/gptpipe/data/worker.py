@@ -1,13 +1,17 @@
 """What one stage-2 worker process does with one byte range: read, check, encode, write a part file.
 
 A worker decodes and parses each line on its own (a bad line costs only itself), encodes the surviving
-texts with one batched sentencepiece call per block, appends EOD to every document and writes its ids to
-a part file, which the main process concatenates in order (data/tokenize.py).
+texts with one batched call per block (sentencepiece for a stage-1 tokenizer, the `tokenizers` library for a
+base model's tokenizer.json), puts BOS before every document where the base model's tokenizer adds one,
+appends EOD to every document and writes its ids to a part file, which the main process concatenates in
+order (data/tokenize.py).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +34,7 @@ class TaskResult:
 class WorkerSettings:
     """What every worker needs, passed once when its process starts."""
 
-    model_path: str
+    model_path: str  # a SentencePiece .model, or a base model's tokenizer.json
     eod_id: int
     dtype: str
     text_key: str
@@ -38,24 +42,43 @@ class WorkerSettings:
     max_line_bytes: int
     block_bytes: int
     parts_dir: str
+    bos_id: int | None = None  # before every document (a base tokenizer that adds BOS)
 
 
-_worker: tuple[WorkerSettings, sentencepiece.SentencePieceProcessor] | None = None  # set in each worker
+Encoder = Callable[[list[str]], list[np.ndarray]]
+_worker: tuple[WorkerSettings, Encoder] | None = None  # set in each worker
+
+
+def _encoder(model_path: str) -> Encoder:
+    """Texts → one int32 id array each, with no special tokens: one batched call into C++ or Rust."""
+    if model_path.endswith(".json"):
+        if multiprocessing.parent_process() is not None:
+            # A pool worker: one thread, as the workers already use every core (set before the library's first
+            # use here). The in-process single worker keeps the caller's setting: changing it after the library
+            # has run threads in this process crashed it.
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(model_path)
+        return lambda texts: [np.asarray(e.ids, dtype=np.int32)
+                              for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+    sp = sentencepiece.SentencePieceProcessor(model_file=model_path, num_threads=1)
+    return lambda texts: sp.encode(texts, return_type="numpy")
 
 
 def init_worker(settings: WorkerSettings) -> None:
     global _worker
-    # One thread per process: the workers already use every core.
-    _worker = (settings, sentencepiece.SentencePieceProcessor(model_file=settings.model_path, num_threads=1))
+    _worker = (settings, _encoder(settings.model_path))
 
 
 def encode_task(task: Task) -> TaskResult:
     """Read, check and encode one range; write its ids to a part file."""
     assert _worker is not None, "worker not initialised"
-    settings, sp = _worker
+    settings, encode = _worker
     text_key, max_chars, max_line_bytes = settings.text_key, settings.max_chars, settings.max_line_bytes
     dtype = np.dtype(settings.dtype)  # ids < vocab size, so the int32 → uint16 cast below never wraps
     eod = np.array([settings.eod_id], dtype=np.int32)
+    bos = np.array([] if settings.bos_id is None else [settings.bos_id], dtype=np.int32)
     part = os.path.join(settings.parts_dir, f"part-{task.index:07d}.bin")
     result = TaskResult(task, part, np.zeros(0, dtype=np.int32), 0)
     reasons = result.reasons
@@ -74,10 +97,10 @@ def encode_task(task: Task) -> TaskResult:
                     texts.append(text)
             if not texts:
                 continue
-            # One batched call returning int32 arrays: the C++ loop, and no Python int per token.
-            ids = sp.encode(texts, return_type="numpy")
-            sizes.append(np.fromiter(map(len, ids), dtype=np.int32, count=len(ids)) + 1)  # EOD included
-            tokens = np.concatenate([piece for doc in ids for piece in (doc, eod)], dtype=dtype, casting="unsafe")
+            ids = encode(texts)
+            sizes.append(np.fromiter(map(len, ids), dtype=np.int32, count=len(ids)) + len(bos) + 1)  # BOS, EOD
+            tokens = np.concatenate([piece for doc in ids for piece in (bos, doc, eod)], dtype=dtype,
+                                    casting="unsafe")
             out.write(tokens.data)
     result.lines = number
     if sizes:

@@ -24,6 +24,7 @@ from gptpipe.config.core import to_plain
 from gptpipe.export.card import (LOSS_CURVE, METRIC_CURVE, TASK_METRICS, CardFacts, FinetuneCardFacts, final_val_loss,
                                  plot_loss_curve, plot_metric_curve, render_card, render_finetune_card)
 from gptpipe.export.checkpoint import FINETUNE_SUMMARY, build_model, finetune_config, training_config
+from gptpipe.train.bucket import local_checkpoint_source
 from gptpipe.train.checkpoint import Checkpoint, consolidate, find_checkpoint
 from gptpipe.export.config import ConvertConfig
 from gptpipe.log import get_logger
@@ -275,7 +276,8 @@ def convert_finetune(config: ConvertConfig, checkpoint: Checkpoint, args: Any) -
 
 
 def run(config: ConvertConfig, args: Any) -> int:
-    checkpoint = find_checkpoint(config.input_model_dir, config.checkpoint_step)
+    source = local_checkpoint_source(config.input_model_dir, config.checkpoint_step)
+    checkpoint = find_checkpoint(source, config.checkpoint_step)
     convert = convert_finetune if checkpoint.is_finetune else convert_pretrained
     manifest = convert(config, checkpoint, args)
     out = config.output_tokenizer_and_model_dir

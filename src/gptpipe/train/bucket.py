@@ -5,10 +5,11 @@ exist for its readers. A bucket has no rename, so a checkpoint is committed by o
     checkpoints/global_step{N}/complete   then the marker, listing every file and its size
     checkpoints/latest                    then the tag, a hint for people and DeepSpeed only
 
-A reader trusts a checkpoint only when its marker exists and every file it lists is there with its size;
-`latest` is never trusted (listing caches and eventually consistent stores can serve a stale one). A multi-node
-run without a shared disk adds one marker per node but the first, `global_step{N}/nodes/node{K}.json`, naming
-the files that node uploaded; the marker `complete` comes only after all of them.
+Each checkpoint folder is a committed folder (gptpipe.committed) whose record is the marker: a reader trusts
+a checkpoint only when its marker exists and every file it lists is there with its size; `latest` is never
+trusted (listing caches and eventually consistent stores can serve a stale one). A multi-node run without a
+shared disk adds one marker per node but the first, `global_step{N}/nodes/node{K}.json`, naming the files that
+node uploaded; the marker `complete` comes only after all of them.
 
 The writer is the uploader process of a training run (train/mirror.py); the readers are a resumed run and
 stage 4 (`fetch_checkpoint`).
@@ -18,15 +19,15 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+from gptpipe.committed import CommittedFolder
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
-from gptpipe.storage import cache_folder, filesystem, join, strip_protocol
+from gptpipe.storage import cache_folder, filesystem, is_url, join, strip_protocol
 from gptpipe.train import checkpoint
 
 log = get_logger("train")
@@ -42,11 +43,6 @@ def needed_by(name: str, ranks: set[int]) -> bool:
     return match is None or int(match.group(1) or match.group(2)) in ranks
 
 
-def matches(folder: Path, files: dict[str, int]) -> bool:
-    """Whether the local `folder` holds every one of `files` with its size."""
-    return all((folder / name).is_file() and (folder / name).stat().st_size == size for name, size in files.items())
-
-
 class Bucket:
     """A run folder in object storage, read and written by the commit order of the module doc."""
 
@@ -55,15 +51,9 @@ class Bucket:
         self.fs = filesystem(url, endpoint_url)
         self.checkpoints = join(self.url, "checkpoints")
 
-    def _listing(self, folder: str) -> dict[str, int]:
-        """{path relative to `folder`: size} of every object under it, bypassing fsspec's listing cache."""
-        self.fs.invalidate_cache(strip_protocol(folder))
-        base = strip_protocol(folder) + "/"
-        try:
-            found = self.fs.find(folder, detail=True)
-        except FileNotFoundError:
-            return {}
-        return {name.removeprefix(base): int(info["size"]) for name, info in found.items() if name.startswith(base)}
+    def checkpoint(self, step: int) -> CommittedFolder:
+        """The checkpoint folder of ``step``, with its marker as the record."""
+        return CommittedFolder(join(self.checkpoints, checkpoint.tag_of(step)), checkpoint.COMPLETE_MARKER, self.fs)
 
     def steps(self) -> list[int]:
         """Steps that have a checkpoint folder in the bucket (complete or not), oldest first."""
@@ -87,9 +77,9 @@ class Bucket:
 
     def marker(self, step: int) -> dict[str, int] | None:
         """{file: size} the checkpoint's marker lists; None without a (readable) marker."""
-        data = self._json(join(self.checkpoints, checkpoint.tag_of(step), checkpoint.COMPLETE_MARKER))
+        data = self.checkpoint(step).read_record()
         try:
-            return {str(k): int(v) for k, v in data["files"].items()}
+            return {str(k): int(v) for k, v in json.loads(data)["files"].items()}
         except (KeyError, TypeError, AttributeError, ValueError):
             return None
 
@@ -98,11 +88,10 @@ class Bucket:
         listed = self.marker(step)
         if listed is None:
             return None
-        present = self._listing(join(self.checkpoints, checkpoint.tag_of(step)))
-        bad = [name for name, size in listed.items() if present.get(name) != size]
-        if bad:
-            log.warning(f"{join(self.checkpoints, checkpoint.tag_of(step))} is not used: its marker lists "
-                        f"{len(bad)} file(s) missing or of another size in the bucket ({bad[0]}, ...)")
+        problems = self.checkpoint(step).problems(listed)
+        if problems:
+            log.warning(f"{self.checkpoint(step).url} is not used: {len(problems)} file(s) its marker lists are "
+                        f"not as listed ({problems[0]}, ...)")
             return None
         return listed
 
@@ -114,18 +103,16 @@ class Bucket:
                 return step, files
         return None
 
-    def download_checkpoint(self, step: int, files: dict[str, int], root: Path) -> Path:
-        """The checkpoint's `files` into `root`/global_step{N}, marker last (so a kill leaves an ignored folder)."""
+    def download_checkpoint(self, step: int, files: dict[str, int], root: Path, record: bytes = b"",
+                            keep: Path | None = None) -> int:
+        """The checkpoint's `files` into `root`/global_step{N}, its local marker and `latest` after them (so a
+        kill leaves an ignored folder); returns the bytes downloaded. With `keep` (where the marker `record`
+        it comes under is kept), a copy already there under that very marker is reused."""
         tag = checkpoint.tag_of(step)
-        folder = root / tag
-        shutil.rmtree(folder, ignore_errors=True)
-        for name in files:
-            target = folder / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            self.fs.get_file(join(self.checkpoints, tag, name), str(target))
-        write_text_atomic(folder / checkpoint.COMPLETE_MARKER, f"{tag}\n")
+        fetched = self.checkpoint(step).fetch(files, root / tag, record=record, keep=keep, clean=True)
+        write_text_atomic(root / tag / checkpoint.COMPLETE_MARKER, f"{tag}\n")
         write_text_atomic(root / checkpoint.LATEST, tag)
-        return folder
+        return fetched
 
     def download_run_files(self, local: Path, names: tuple[str, ...]) -> list[Path]:
         """Those of the run's files `names` that are in the bucket and not yet in `local`."""
@@ -146,17 +133,14 @@ class Bucket:
     def upload_part(self, step: int, folder: Path) -> dict[str, int]:
         """Every file of `folder` into the checkpoint's folder, checked by listing; returns {file: size}.
         A checkpoint of this step already committed (a resumed run re-saving it) is uncommitted first."""
-        remote = join(self.checkpoints, checkpoint.tag_of(step))
-        if self.marker(step) is not None:
-            self.fs.rm_file(join(remote, checkpoint.COMPLETE_MARKER))
+        remote = self.checkpoint(step)
+        remote.withdraw()
         files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
                  if p.is_file() and p.name != checkpoint.COMPLETE_MARKER}
-        for name in files:
-            self.fs.put_file(str(folder / name), join(remote, name))
-        present = self._listing(remote)
-        missing = [n for n, size in files.items() if present.get(n) != size]
-        if missing:
-            raise OSError(f"after upload the bucket lacks {missing[0]} of {checkpoint.tag_of(step)}")
+        remote.put(folder, files)
+        problems = remote.problems(files)
+        if problems:
+            raise OSError(f"after upload of {checkpoint.tag_of(step)}: {problems[0]}")
         return files
 
     def put_node_marker(self, step: int, node: int, attempt: str, files: dict[str, int]) -> None:
@@ -177,15 +161,10 @@ class Bucket:
         tag = checkpoint.tag_of(step)
         if checkpoint.STATE not in files or checkpoint.HF_CONFIG not in files:
             raise OSError(f"{tag} is not a whole checkpoint (no {checkpoint.STATE}); not committed")
-        present = self._listing(join(self.checkpoints, tag))
-        missing = [n for n, size in files.items() if present.get(n) != size]
-        if missing:
-            raise OSError(f"the bucket lacks {missing[0]} of {tag}")
         # The commit id tells this commit from another of the same step and sizes (a run redone at this URL):
         # a reader's cached copy is reused only while the marker it was downloaded under is the bucket's.
         marker = {"tag": tag, "commit": uuid.uuid4().hex, "files": files}
-        self.fs.pipe_file(join(self.checkpoints, tag, checkpoint.COMPLETE_MARKER),
-                          json.dumps(marker, indent=1).encode())
+        self.checkpoint(step).commit(json.dumps(marker, indent=1).encode(), files)
         self.fs.pipe_file(join(self.checkpoints, checkpoint.LATEST), tag.encode())
 
     def prune(self, newest: int, keep: int) -> None:
@@ -196,12 +175,8 @@ class Bucket:
             (complete if self.marker(step) is not None else unmarked).append(step)
         doomed = [s for s in complete[:-keep] if s != newest] + [s for s in unmarked if s < newest]
         for step in doomed:
-            remote = join(self.checkpoints, checkpoint.tag_of(step))
-            try:
-                self.fs.rm_file(join(remote, checkpoint.COMPLETE_MARKER))
-            except FileNotFoundError:
-                pass
-            self.fs.rm(remote, recursive=True)
+            self.checkpoint(step).withdraw()
+            self.fs.rm(self.checkpoint(step).url, recursive=True)
 
     def put(self, local: Path, name: str) -> None:
         self.fs.put_file(str(local), join(self.url, name))
@@ -225,23 +200,25 @@ def fetch_checkpoint(url: str, step: int | None = None, endpoint_url: str | None
             raise StageInputError(f"no complete checkpoint for step {step} in {url} (complete steps: "
                                   f"{', '.join(str(s) for s in bucket.steps() if bucket.marker(s)) or 'none'})")
     run = cache_folder(url)
-    folder = run / "checkpoints" / checkpoint.tag_of(step)
-    remote = join(bucket.checkpoints, checkpoint.tag_of(step))
-    try:  # the commit the cached copy must come from
-        marker = bucket.fs.cat_file(join(remote, checkpoint.COMPLETE_MARKER))
-    except FileNotFoundError:
-        raise StageInputError(f"{remote} was removed while being read") from None
-    stamp = run / ".bucket-markers" / f"{checkpoint.tag_of(step)}.json"
-    if not ((folder / checkpoint.COMPLETE_MARKER).is_file() and stamp.is_file() and stamp.read_bytes() == marker
-            and matches(folder, files)):
-        started = time.monotonic()
-        stamp.unlink(missing_ok=True)
-        bucket.download_checkpoint(step, files, run / "checkpoints")
-        write_text_atomic(stamp, marker.decode())
-        log.info(f"downloaded {join(bucket.checkpoints, checkpoint.tag_of(step))} to {folder} "
-                 f"({sum(files.values()) / 2**20:,.1f} MiB in {time.monotonic() - started:.1f} s)")
+    tag = checkpoint.tag_of(step)
+    marker = bucket.checkpoint(step).read_record()  # the commit the cached copy must come from
+    if marker is None:
+        raise StageInputError(f"{bucket.checkpoint(step).url} was removed while being read")
+    started = time.monotonic()
+    fetched = bucket.download_checkpoint(step, files, run / "checkpoints", record=marker,
+                                         keep=run / ".bucket-markers" / f"{tag}.json")
+    folder = run / "checkpoints" / tag
+    if fetched:
+        log.info(f"downloaded {bucket.checkpoint(step).url} to {folder} ({fetched / 2**20:,.1f} MiB in "
+                 f"{time.monotonic() - started:.1f} s)")
     try:
         bucket.fs.get_file(join(bucket.url, "metrics.jsonl"), str(run / "metrics.jsonl"))
     except FileNotFoundError:
         pass
     return folder
+
+
+def local_checkpoint_source(input_dir: Path | str, step: int | None = None) -> Path:
+    """A local folder for ``find_checkpoint``: ``input_dir`` itself, or for the URL of a run folder in a bucket
+    its complete checkpoint (the newest, or ``step``) fetched into the local cache."""
+    return fetch_checkpoint(str(input_dir), step) if is_url(input_dir) else Path(input_dir)

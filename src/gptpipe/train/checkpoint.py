@@ -192,13 +192,11 @@ def find_checkpoint(input_dir: Path, step: int | None = None) -> Checkpoint:
     """The checkpoint to export: ``input_dir`` itself, ``global_step{step}``, the best one of a fine-tune
     (``checkpoints/best``), or the newest complete one.
 
-    ``input_dir`` may be the run folder, its checkpoints/ folder or one checkpoint folder, or the URL of a run
-    folder in a bucket (s3://..., gs://...).
+    ``input_dir`` is a local run folder, its checkpoints/ folder or one checkpoint folder (a run folder in a
+    bucket: its checkpoint fetched first by ``bucket.local_checkpoint_source``).
     """
-    if is_url(input_dir):  # a run folder in a bucket: its complete checkpoint, fetched into a local cache
-        from gptpipe.train.bucket import fetch_checkpoint
-
-        input_dir = fetch_checkpoint(str(input_dir), step)
+    if is_url(input_dir):
+        raise ValueError(f"find_checkpoint takes a local folder, not {input_dir}: fetch it first")
     if not input_dir.exists():
         raise StageInputError(f"input_model_dir {input_dir} does not exist. {TRAIN.hint()}")
     if (input_dir / HF_CONFIG).is_file() or (input_dir / STATE).is_file():

@@ -28,7 +28,6 @@ of this process attempt is there. On resume each node downloads the shared files
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import queue
@@ -36,7 +35,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -44,11 +42,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from gptpipe.committed import local_matches
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
-from gptpipe.storage import join, local_name
+from gptpipe.storage import join, local_folder
 from gptpipe.train import checkpoint
-from gptpipe.train.bucket import Bucket, matches, needed_by
+from gptpipe.train.bucket import Bucket, needed_by
 from gptpipe.train.logging import read_metrics
 
 log = get_logger("train")
@@ -66,10 +65,7 @@ NODE_WAIT_SECONDS = 300.0  # how long rank 0 waits for the other nodes' parts of
 
 def staging_folder(url: str, local_dir: Path | None) -> Path:
     """`train.local_dir`, else a folder under the system temp named after the run and its URL."""
-    if local_dir is not None:
-        return local_dir
-    digest = hashlib.sha256(url.encode()).hexdigest()[:10]
-    return Path(tempfile.gettempdir()) / "gptpipe-runs" / digest / local_name(url)
+    return local_dir if local_dir is not None else local_folder(url, "gptpipe-runs")
 
 
 def _backoff(failures: int) -> float:
@@ -199,7 +195,7 @@ class RunMirror:
             return
         if remote is None:
             log.info(f"no complete checkpoint in {self.url}: starting from scratch (staging in {self.local})")
-        elif local_step == remote_step and matches(local[-1][1], remote[1]):
+        elif local_step == remote_step and local_matches(local[-1][1], remote[1]):
             log.info(f"the staging folder {self.local} matches {self.url} (global_step{remote_step}): reused")
         else:
             self._download(remote, root, local_step is not None)
@@ -223,7 +219,7 @@ class RunMirror:
                      f"{self.local})")
         else:
             files = {name: size for name, size in remote[1].items() if needed_by(name, ranks)}
-            if local and local[-1][0] == remote_step and matches(local[-1][1], files):
+            if local and local[-1][0] == remote_step and local_matches(local[-1][1], files):
                 log.info(f"node {self.node}: the staging folder {self.local} matches {self.url} "
                          f"(global_step{remote_step}): reused")
             else:
