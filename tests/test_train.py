@@ -94,10 +94,13 @@ def test_other_architectures_train(arch: str, dataset_prefix: Path, workspace: P
     assert done.returncode == 0, done.stderr[-3000:]
     train = [r for r in metrics(tmp_path) if "loss" in r]
     assert len(train) == 2 and all(math.isfinite(r["loss"]) for r in train)
-    if arch == "mixtral":  # the router's load-balancing loss is logged
-        assert all(r["aux_loss"] > 0 for r in train) and "router-aux" in done.stderr
+    if arch == "mixtral":  # the router's load-balancing loss and each layer's smallest expert share are logged
+        assert all(r["aux_loss"] >= 1 for r in train) and "router-aux" in done.stderr
+        assert all(0 <= r[f"expert_share_min/layer{i}"] <= 1 / 8 for r in train for i in range(4))
+        assert "expert-min" in done.stderr and all(isinstance(r["experts_starved"], int) for r in train)
     hf = json.loads((tmp_path / "checkpoints" / "global_step2" / HF_CONFIG).read_text())
     assert hf["model_type"] == arch
+    assert hf.get("output_router_logits", False) is False  # a training switch, off in every saved config
 
 
 BF16_ENGINE = """

@@ -235,8 +235,8 @@ def forward_loss(engine: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
     """(loss to backpropagate, the router's statistics or None). Labels are already shifted by the dataset,
     so they go in as `shift_labels` (no token is lost to the model's own shift).
 
-    A mixture of experts asks for its router logits here (its saved config leaves them off) and adds the
-    per-layer load-balancing loss (model.router_loss) with the config's router_aux_loss_coef."""
+    A mixture of experts asks for its router logits here (its saved config leaves them off) and adds each
+    layer's load-balancing loss (model.router_loss) with the config's router_aux_loss_coef."""
     config = engine.module.config
     moe = hasattr(config, "output_router_logits")
     out = engine(input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["labels"],
@@ -244,7 +244,7 @@ def forward_loss(engine: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
     if not moe:
         return out.loss, None
     stats = router_loss(out.router_logits, config.num_experts_per_tok)
-    return out.loss + config.router_aux_loss_coef * stats.loss, stats
+    return out.loss + config.router_aux_loss_coef * stats.losses.sum(), stats
 
 
 class StopFlag:

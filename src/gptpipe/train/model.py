@@ -193,7 +193,7 @@ def build_model(hf_config: PretrainedConfig, device: torch.device | str = "cpu")
         model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
     if hasattr(model, "router_aux_loss_coef"):
         # transformers adds its load-balancing loss, pooled over the layers, to the loss it returns; the
-        # per-layer one (router_loss) replaces it, added by engine.forward_loss with the configured weight.
+        # per-layer ones (router_loss) replace it, added by engine.forward_loss with the configured weight.
         model.router_aux_loss_coef = 0.0
     return model
 
@@ -209,30 +209,32 @@ def inference_config(config: PretrainedConfig) -> PretrainedConfig:
 
 @dataclass
 class RouterStats:
-    """A mixture of experts' routing in one forward pass: the load-balancing loss (averaged over layers) and
-    each layer's count of top-k choices per expert. Sums and divides like a loss, so train_step averages it
-    over the micro-batches of a step like any other aux loss."""
+    """A mixture of experts' routing in one forward pass: the load-balancing loss of each layer and each
+    layer's count of top-k choices per expert. Sums and divides like a loss, so train_step averages it over
+    the micro-batches of a step like any other aux loss."""
 
-    loss: torch.Tensor  # scalar, with its graph until detached
+    losses: torch.Tensor  # [layers], with their graph until detached
     counts: torch.Tensor  # [layers, experts], float
 
     def detach(self) -> RouterStats:
-        return RouterStats(self.loss.detach(), self.counts)
+        return RouterStats(self.losses.detach(), self.counts)
 
     def __add__(self, other: RouterStats) -> RouterStats:
-        return RouterStats(self.loss + other.loss, self.counts + other.counts)
+        return RouterStats(self.losses + other.losses, self.counts + other.counts)
 
     def __truediv__(self, n: int) -> RouterStats:
-        return RouterStats(self.loss / n, self.counts / n)
+        return RouterStats(self.losses / n, self.counts / n)
 
     def __float__(self) -> float:
-        return float(self.loss)
+        """The logged figure: the mean over the layers (1.0 when every layer routes evenly)."""
+        return float(self.losses.mean())
 
 
 def router_loss(router_logits: tuple[torch.Tensor, ...], top_k: int) -> RouterStats:
-    """Switch Transformer's load-balancing loss, computed per layer and averaged over the layers (as
-    Megatron-LM does): num_experts · Σ_i f_i · P_i per layer, f_i the share of the layer's top-k choices
-    that go to expert i and P_i its mean router probability; 1.0 when a layer routes uniformly.
+    """Switch Transformer's load-balancing loss of each layer, as Megatron-LM computes it:
+    num_experts · Σ_i f_i · P_i, f_i the share of the layer's top-k choices that go to expert i and P_i its
+    mean router probability; 1.0 when the layer routes uniformly. Training adds the sum over the layers
+    times router_aux_loss_coef (Megatron attaches each layer's loss with the coefficient).
 
     transformers' load_balancing_loss_func pools the statistics of all layers by expert index instead, so
     expert i dying in one layer is paid for by expert i of another: the pooled loss sits at its minimum
@@ -249,7 +251,7 @@ def router_loss(router_logits: tuple[torch.Tensor, ...], top_k: int) -> RouterSt
             0, chosen, torch.ones_like(chosen, dtype=torch.float32))
         losses.append(probs.shape[-1] * torch.sum(count / chosen.numel() * probs.mean(dim=0)))
         counts.append(count)
-    return RouterStats(torch.stack(losses).mean(), torch.stack(counts))
+    return RouterStats(torch.stack(losses), torch.stack(counts))
 
 
 def expert_shares(counts: torch.Tensor) -> tuple[list[float], int]:
