@@ -120,7 +120,7 @@ class TrainLoop(ABC):
         # took before window_start; both go into a checkpoint, so a resumed run logs the same rows.
         self.window: list[torch.Tensor] = []
         self.window_seconds = 0.0
-        self.window_start = time.perf_counter()
+        self.window_start = self.paused_at = time.perf_counter()  # paused_at: when evaluating/saving began
 
     # --- the stage's part -------------------------------------------------------------------------------
     @abstractmethod
