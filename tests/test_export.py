@@ -88,7 +88,8 @@ def test_exported_mixtral_generates_padded_batches_and_beams(tiny_run, workspace
 
     def generate_batches(model, tokenizer) -> None:
         tokenizer.padding_side = "left"
-        batch = tokenizer(["日本語の", "ファイルを削除するコマンドは"], padding=True, return_tensors="pt")
+        prompts = ["日本語の", "このコマンドは指定したファイルを削除します。"]  # 2 and 4 tokens
+        batch = tokenizer(prompts, padding=True, return_tensors="pt")
         assert not batch["attention_mask"].all()  # the shorter prompt is padded
         for beams in (1, 2):
             ids = model.generate(**batch, max_new_tokens=4, do_sample=False, num_beams=beams)
