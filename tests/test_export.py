@@ -75,6 +75,33 @@ def test_export_gate_passes_for_every_architecture(tiny_run, workspace, tokenize
     assert text.startswith("日本語の") and len(text) > len("日本語の")
 
 
+def test_exported_mixtral_generates_padded_batches_and_beams(tiny_run, workspace, tmp_path):
+    """output_router_logits is a training switch: on in a config, transformers computes the load-balancing
+    loss in every forward, and generation from a left-padded batch fails there."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gptpipe.export.generate import load
+
+    out = tmp_path / "mixtral"
+    assert convert(workspace, tiny_run("mixtral", 3, False, 2), out) == 0
+    assert json.loads((out / "config.json").read_text())["output_router_logits"] is False
+
+    def generate_batches(model, tokenizer) -> None:
+        tokenizer.padding_side = "left"
+        prompts = ["日本語の", "このコマンドは指定したファイルを削除します。"]  # 2 and 4 tokens
+        batch = tokenizer(prompts, padding=True, return_tensors="pt")
+        assert not batch["attention_mask"].all()  # the shorter prompt is padded
+        for beams in (1, 2):
+            ids = model.generate(**batch, max_new_tokens=4, do_sample=False, num_beams=beams)
+            assert ids.shape[0] == 2 and ids.shape[1] > batch["input_ids"].shape[1]
+
+    generate_batches(AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out))
+    # A folder exported with the switch on (older gptpipe): `gptpipe generate` turns it off on loading.
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
+    generate_batches(*load(out))
+
+
 def test_export_is_skipped_when_current_and_sharded_on_request(exported_model, trained_run, workspace, capsys):
     report = counts(exported_model)  # the main path: shipped convert_config.yaml on the stage-3 run
     steps = [step for step, _ in complete_checkpoints(trained_run / "checkpoints")]

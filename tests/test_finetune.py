@@ -437,6 +437,18 @@ def test_finetune_evaluates_and_keeps_the_best_checkpoint_beyond_keep_last_n(
     assert f"global_step{best_step}" in done.stderr and not out.with_suffix(".metrics.json").exists()
 
 
+def kill_after_step(args: list[str], run: Path, step: int) -> None:
+    """Start `gptpipe finetune args`, SIGKILL it once `step` is logged (no handler runs)."""
+    process = subprocess.Popen([sys.executable, "-m", "gptpipe", "finetune", *args], env=train_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not ((run / "metrics.jsonl").is_file() and f'"step": {step},' in (run / "metrics.jsonl").read_text()):
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
 def test_sigkilled_finetune_resumes_with_identical_losses(tiny_lm: Path, task_files: tuple[Path, Path],
                                                           tmp_path: Path) -> None:
     common = ("train.global_batch_size=8", "train.micro_batch_size=4", "train.train_iters=6", "train.save_interval=2",
@@ -445,20 +457,48 @@ def test_sigkilled_finetune_resumes_with_identical_losses(tiny_lm: Path, task_fi
     full = gptpipe("finetune", *finetune_args(tiny_lm, task_files, tmp_path / "full", *common))
     assert full.returncode == 0, full.stderr[-3000:]
     killed = tmp_path / "killed"
-    process = subprocess.Popen([sys.executable, "-m", "gptpipe", "finetune",
-                                *finetune_args(tiny_lm, task_files, killed, *common)],
-                               env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 600
-    while not ((killed / "metrics.jsonl").is_file() and '"step": 3,' in (killed / "metrics.jsonl").read_text()):
-        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    kill_after_step(finetune_args(tiny_lm, task_files, killed, *common), killed, 3)
     assert max(step for step, _ in complete_checkpoints(killed / "checkpoints")) < 6
     resumed = gptpipe("finetune", *finetune_args(tiny_lm, task_files, killed, *common))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr
     assert train_losses(killed) == train_losses(tmp_path / "full")
+
+
+def test_sigkilled_t5_with_dropout_resumes_to_the_same_curve(tiny_t5: Path, task_files: tuple[Path, Path],
+                                                             tmp_path: Path) -> None:
+    """T5 keeps its dropout (from_pretrained hands the model over in eval mode: training must switch it on
+    from the first step, not from the first evaluation), with an evaluation at every save and a log window
+    that a checkpoint cuts in two: the resumed run logs the uninterrupted run's rows."""
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(tiny_t5).dropout_rate > 0
+    common = ("train.global_batch_size=8", "train.micro_batch_size=4", "train.train_iters=9", "train.save_interval=2",
+              "train.eval_interval=2", "train.log_interval=3", "train.seq_len=64")
+
+    def rows(run: Path) -> list[dict]:
+        return [{k: r[k] for k in ("step", "loss", "grad_norm", "padding")} for r in metrics_rows(run) if "loss" in r]
+
+    full = gptpipe("finetune", *finetune_args(tiny_t5, task_files, tmp_path / "full", *common))
+    assert full.returncode == 0, full.stderr[-3000:]
+    reference = rows(tmp_path / "full")
+    assert [r["step"] for r in reference] == [3, 6, 9]
+    # The same run without the evaluation at step 2 trains steps 1-3 alike: evaluating (scoring, generating)
+    # neither draws random numbers nor leaves the model in another mode.
+    no_eval = gptpipe("finetune", *finetune_args(tiny_t5, task_files, tmp_path / "no-eval", *common,
+                                                 "train.eval_interval=1000"))
+    assert no_eval.returncode == 0, no_eval.stderr[-3000:]
+    assert rows(tmp_path / "no-eval")[0] == reference[0]
+
+    killed = tmp_path / "killed"
+    kill_after_step(finetune_args(tiny_t5, task_files, killed, *common), killed, 3)
+    saved = [step for step, _ in complete_checkpoints(killed / "checkpoints")]
+    assert saved and max(saved) < 6  # step 2 or 4: the checkpoint cuts a log window
+    resumed = gptpipe("finetune", *finetune_args(tiny_t5, task_files, killed, *common))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    done = rows(killed)  # step 3 twice when the run resumed from step 2
+    assert {r["step"] for r in done} == {3, 6, 9} and all(r in reference for r in done)
 
 
 def test_sigterm_saves_and_exits_75(tiny_lm: Path, task_files: tuple[Path, Path], tmp_path: Path) -> None:
@@ -499,6 +539,42 @@ def test_beam_search_scores_at_least_greedy(tiny_lm: Path) -> None:
 
 
 # --- encoder-decoder ----------------------------------------------------------------------------------
+def test_mixtral_finetunes_and_predicts_with_beams(tokenizer_dir: Path, task_files: tuple[Path, Path],
+                                                  tmp_path: Path) -> None:
+    """A mixture of experts whose config has output_router_logits on (the training switch older exports kept):
+    evaluation generates from left-padded batches and predict searches with beams, from the run folder and
+    from a HF folder with the switch on, where transformers' load-balancing loss would fail on the padding."""
+    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
+
+    model = tmp_path / "mixtral"
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir / "hf")
+    config = MixtralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=64, output_router_logits=True, bos_token_id=tokenizer.bos_token_id,
+                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    MixtralForCausalLM(config).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+
+    run = tmp_path / "run"
+    args = finetune_args(model, task_files, run, "train.global_batch_size=8", "train.train_iters=2",
+                         "task.generate_labels=true")
+    done = gptpipe("finetune", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r for r in metrics_rows(run) if "val_generated_accuracy" in r]
+    assert json.loads((complete_checkpoints(run / "checkpoints")[-1][1] / "hf_config.json").read_text())[
+        "output_router_logits"] is False
+    out = tmp_path / "pred.jsonl"
+    done = gptpipe("predict", "--input", task_files[1], "--output", out, *args, "predict.num_beams=2",
+                   "predict.max_new_tokens=3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(out.read_text(encoding="utf-8").splitlines()) == 12
+    done = gptpipe("predict", "--input", task_files[1], "--output", out, *args, "predict.num_beams=2",
+                   "predict.max_new_tokens=3", f"predict.model={model}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(out.read_text(encoding="utf-8").splitlines()) == 12
+
+
 def test_t5_with_byt5_tokenizer_finetunes_and_predicts(tiny_t5: Path, task_files: tuple[Path, Path],
                                                        tmp_path: Path) -> None:
     run = tmp_path / "run"

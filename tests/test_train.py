@@ -94,10 +94,48 @@ def test_other_architectures_train(arch: str, dataset_prefix: Path, workspace: P
     assert done.returncode == 0, done.stderr[-3000:]
     train = [r for r in metrics(tmp_path) if "loss" in r]
     assert len(train) == 2 and all(math.isfinite(r["loss"]) for r in train)
-    if arch == "mixtral":  # the router's load-balancing loss is logged
-        assert all(r["aux_loss"] > 0 for r in train) and "router-aux" in done.stderr
+    if arch == "mixtral":  # the router's load-balancing loss and each layer's smallest expert share are logged
+        assert all(r["aux_loss"] >= 1 for r in train) and "router-aux" in done.stderr
+        assert all(0 <= r[f"expert_share_min/layer{i}"] <= 1 / 8 for r in train for i in range(4))
+        assert "expert-min" in done.stderr and all(isinstance(r["experts_starved"], int) for r in train)
     hf = json.loads((tmp_path / "checkpoints" / "global_step2" / HF_CONFIG).read_text())
     assert hf["model_type"] == arch
+    assert hf.get("output_router_logits", False) is False  # a training switch, off in every saved config
+
+
+def test_per_layer_router_loss_revives_the_expert_the_pooled_loss_leaves_dead() -> None:
+    """Two layers' routers on the same hidden states: expert 0 dead in layer 0 and busy in layer 1, expert 1
+    the other way round. transformers' loss pools the layers by expert index, so both look fairly used and
+    minimizing it leaves the dead ones dead; the per-layer losses (train/model.router_loss, what training
+    adds) bring every expert of every layer to about a fair share."""
+    import torch
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from gptpipe.train.model import expert_shares, router_loss
+
+    experts, top_k = 8, 2
+
+    def minimize(loss_of) -> tuple[list[float], int]:
+        torch.manual_seed(0)
+        common = torch.nn.functional.normalize(torch.randn(32), dim=0)
+        hidden = 2 * common + torch.randn(1024, 32)  # a direction all tokens share, as in a residual stream
+        routers = [torch.nn.Parameter(0.02 * torch.randn(experts, 32)) for _ in range(2)]
+        with torch.no_grad():
+            routers[0][0] -= 2 * common
+            routers[1][1] -= 2 * common
+        optimizer = torch.optim.AdamW(routers, lr=1e-2)
+        for _ in range(100):
+            loss = loss_of(tuple(hidden @ w.T for w in routers))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        with torch.no_grad():
+            return expert_shares(router_loss(tuple(hidden @ w.T for w in routers), top_k).counts)
+
+    smallest, starved = minimize(lambda logits: load_balancing_loss_func(logits, experts, top_k))
+    assert max(smallest) < 0.02 and starved == 2  # one expert per layer under a quarter of its fair share
+    smallest, starved = minimize(lambda logits: router_loss(logits, top_k).losses.sum())
+    assert min(smallest) > 0.75 / experts and starved == 0
 
 
 BF16_ENGINE = """

@@ -61,6 +61,39 @@ def test_sigkilled_run_resumes_with_identical_losses(dataset_prefix: Path, works
     assert (final / COMPLETE_MARKER).stat().st_mtime_ns == saved_ns
 
 
+def test_sigkilled_run_with_dropout_resumes_to_the_same_curve(dataset_prefix: Path, workspace: Path,
+                                                              tmp_path: Path) -> None:
+    """gpt2 with dropout, an evaluation with sample generation at every save, and log windows the checkpoints
+    cut in two (steps 2 and 4 inside the windows 1-3 and 4-6): the resumed run logs the uninterrupted run's
+    rows, its partial window carried over in the checkpoint."""
+    config = workspace / "config.yaml"
+    common = (f"train.train_iters={STEPS}", "train.save_interval=2", "train.eval_interval=2", "train.log_interval=3",
+              "model.arch=gpt2", "model.dropout=0.1", "train.sample_prompts=[日本語の]", "train.sample_tokens=4")
+
+    def rows(run: Path) -> list[dict]:
+        return [{k: r[k] for k in ("step", "loss", "grad_norm")} for r in metrics(run) if "loss" in r]
+
+    full = run_train("--config", config, *QUICK_TRAIN, *common, f"train.output_model_dir={tmp_path / 'full'}")
+    assert full.returncode == 0, full.stderr[-3000:]
+    reference = rows(tmp_path / "full")
+    assert [r["step"] for r in reference] == [3, 6, 8]
+    assert "sample | 日本語の" in full.stderr
+
+    killed_dir = tmp_path / "killed"
+    process = start_train(config, *common, f"train.output_model_dir={killed_dir}")
+    wait_for_step(killed_dir, 3, process)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    saved = [step for step, _ in complete_checkpoints(killed_dir / "checkpoints")]
+    assert saved and max(saved) < 6  # step 2 or 4: inside a log window
+
+    resumed = run_train("--config", config, *QUICK_TRAIN, *common, f"train.output_model_dir={killed_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {killed_dir / 'checkpoints'}/global_step{max(saved)}" in resumed.stderr
+    done = rows(killed_dir)  # step 3 twice when the run resumed from step 2
+    assert {r["step"] for r in done} == {3, 6, 8} and all(r in reference for r in done)
+
+
 def test_sigterm_saves_within_one_step_and_exits_75(dataset_prefix: Path, workspace: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     # 4 micro-batches per step: the signal is honoured between micro-batches, not only at step ends.

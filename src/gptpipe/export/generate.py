@@ -12,6 +12,7 @@ from gptpipe.export.config import ConvertConfig
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError
 from gptpipe.stages import CONVERT, EXIT_OK, export_problems
+from gptpipe.train.model import inference_config
 
 log = get_logger("generate")
 
@@ -46,6 +47,7 @@ def load(model_dir: str | Path) -> tuple[Any, Any]:
     if note:
         log.warning(note)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
+    inference_config(model.config)  # an export made before its config left the router switch off
     return model, AutoTokenizer.from_pretrained(model_dir)
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from gptpipe.finetune.data import IGNORE, Encoded, Encoder, collate, left_padded, pad_id
+from gptpipe.train.model import inference_config
 
 
 def is_seq2seq(folder: Path, kind: str) -> bool:
@@ -32,7 +33,9 @@ def pretrained_factory(folder: Path, seq2seq: bool, device: torch.device) -> Cal
     """A callable loading the pretrained weights in fp32 (DeepSpeed casts for bf16/fp16 itself)."""
 
     def make() -> Any:
-        return model_class(seq2seq).from_pretrained(folder, dtype=torch.float32).to(device)
+        model = model_class(seq2seq).from_pretrained(folder, dtype=torch.float32).to(device)
+        inference_config(model.config)  # the fine-tune's loss has no router term; evaluation generates
+        return model
 
     return make
 

@@ -51,6 +51,7 @@ from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.train import checkpoint
 from gptpipe.train.engine import Dist
 from gptpipe.train.loop import run_ranks
+from gptpipe.train.model import inference_config
 
 log = get_logger("predict")
 
@@ -96,6 +97,7 @@ def load_predictor(config: FinetuneConfig, source: Path, device: torch.device) -
         task = json.loads(task_file.read_text(encoding="utf-8")) if task_file.is_file() else _task_from_config(
             config, source)
         model = model_class(task["seq2seq"]).from_pretrained(source, dtype=torch.float32)
+        inference_config(model.config)  # an export made before its config left the router switch off
         return Predictor(model.to(device).eval(), AutoTokenizer.from_pretrained(source), task, str(source))
 
     from gptpipe.train.checkpoint import consolidate, find_checkpoint, hf_config_object

@@ -66,6 +66,7 @@ from gptpipe.train import checkpoint
 from gptpipe.train.data import sample_positions
 from gptpipe.train.engine import Dist, EngineConfigError, build_engine, deepspeed_config
 from gptpipe.train.loop import LogWindow, TrainLoop, run_ranks
+from gptpipe.train.model import inference_config
 from gptpipe.train.schedule import Schedule
 
 log = get_logger("finetune")
@@ -208,7 +209,8 @@ class FineTuner(TrainLoop):
             write_text_atomic(self.run_dir / TASK_FILE, json.dumps(self.task_facts(), ensure_ascii=False, indent=2))
         from transformers import AutoConfig
 
-        self.hf_config = AutoConfig.from_pretrained(config.model.path)
+        # As the model pretrained_factory builds: the router switch off, in this run's checkpoints too.
+        self.hf_config = inference_config(AutoConfig.from_pretrained(config.model.path))
         self.engine, _ = build_engine(train, self.hf_config.model_type, self.hf_config, ds_config,
                                       Schedule.for_run(train, self.steps), dist.device,
                                       make_model=pretrained_factory(config.model.path, task.seq2seq, dist.device))
@@ -289,11 +291,13 @@ class FineTuner(TrainLoop):
     def checkpoint_state(self) -> dict[str, Any]:
         # The run record (the resolved finetune_config.yaml): stage 4 finds the validation rows it verifies on here.
         return {"best": self.best, "last_eval": self.last_eval, "task": self.task_facts(),
+                "log_positions": self.counted,  # the log window's positions so far, as the train line counts them
                 "precision": self.train_cfg.precision, "zero_stage": self.train_cfg.zero_stage,
                 "config": to_plain(self.config)}
 
     def restore(self, state: dict[str, Any]) -> None:
         self.best, self.last_eval = state.get("best"), state.get("last_eval")
+        self.counted = state.get("log_positions", [0, 0])
         best_folder = self.ckpt_root / checkpoint.tag_of(self.best["step"]) if self.best else None
         if self.dist.is_main and best_folder and best_folder.is_dir() and \
                 checkpoint.best_tag(self.ckpt_root) != best_folder.name:  # killed between its save and its mark

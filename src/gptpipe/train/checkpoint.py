@@ -265,11 +265,14 @@ def consolidate(checkpoint: Checkpoint) -> dict[str, Any]:
 
 
 def hf_config_object(hf_config: dict[str, Any]) -> Any:
-    """The transformers config object for a config dict (model_type picks the class)."""
+    """The transformers config object for a config dict (model_type picks the class), for inference: the
+    training switch output_router_logits off (model.inference_config), whatever the checkpoint recorded."""
     from transformers import AutoConfig
 
+    from gptpipe.train.model import inference_config
+
     values = dict(hf_config)
-    return AutoConfig.for_model(values.pop("model_type"), **values)
+    return inference_config(AutoConfig.for_model(values.pop("model_type"), **values))
 
 
 def tied_copies(model: Any) -> set[str]:

@@ -31,7 +31,8 @@ class ModelConfig:
     ffn_hidden_size: int | None = option(None, "MLP width (None: from the preset / the architecture's rule)")
     num_experts: int = option(8, "mixtral: experts per layer")
     experts_top_k: int = option(2, "mixtral: experts each token is routed to")
-    router_aux_loss_coef: float = option(0.01, "mixtral: weight of the load-balancing loss (logged)")
+    router_aux_loss_coef: float = option(
+        0.01, "mixtral: weight of each layer's load-balancing loss (1.0 when balanced; the mean is logged)")
     init_std: float | None = option(None, "initializer std (None: from the preset; the original used 0.02 / 0.018)")
     rope_theta: float = option(10000.0, "llama/mixtral: RoPE base")
     dropout: float = option(0.0, "dropout everywhere (0 for pretraining)")

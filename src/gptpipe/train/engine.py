@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from gptpipe.train.config import LoopConfig
-from gptpipe.train.model import build_model, parameter_groups
+from gptpipe.train.model import RouterStats, build_model, parameter_groups, router_loss
 from gptpipe.train.schedule import Schedule
 
 # Package data, so a plain `pip install .` has it too; original_codes/ds_config_gpt_TEMPLATE.json links here.
@@ -231,12 +231,20 @@ def build_engine(train: LoopConfig, arch: str, hf_config: Any, ds_config: dict[s
     return engine, fused_loss
 
 
-def forward_loss(engine: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(loss to backpropagate, router aux loss or None). Labels are already shifted by the dataset,
-    so they go in as `shift_labels` (no token is lost to the model's own shift)."""
+def forward_loss(engine: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, RouterStats | None]:
+    """(loss to backpropagate, the router's statistics or None). Labels are already shifted by the dataset,
+    so they go in as `shift_labels` (no token is lost to the model's own shift).
+
+    A mixture of experts asks for its router logits here (its saved config leaves them off) and adds each
+    layer's load-balancing loss (model.router_loss) with the config's router_aux_loss_coef."""
+    config = engine.module.config
+    moe = hasattr(config, "output_router_logits")
     out = engine(input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["labels"],
-                 use_cache=False)
-    return out.loss, getattr(out, "aux_loss", None)
+                 use_cache=False, **({"output_router_logits": True} if moe else {}))
+    if not moe:
+        return out.loss, None
+    stats = router_loss(out.router_logits, config.num_experts_per_tok)
+    return out.loss + config.router_aux_loss_coef * stats.losses.sum(), stats
 
 
 class StopFlag:
@@ -268,12 +276,12 @@ class StopFlag:
 @dataclass
 class StepResult:
     loss: torch.Tensor  # mean over micro-batches, on device (read only on log steps)
-    aux_loss: torch.Tensor | None
+    aux_loss: RouterStats | None  # a mixture of experts' routing, averaged over the micro-batches
     applied: bool  # False: DeepSpeed found non-finite gradients and skipped the update
 
 
 def train_step(engine: Any, batches: Iterable[dict[str, torch.Tensor]], stop: StopFlag,
-               forward: Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor | None]]
+               forward: Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, RouterStats | None]]
                = forward_loss) -> StepResult | None:
     """One optimizer step over `batches` (the micro-batches of one global batch on this rank); `forward`
     gives each micro-batch's (loss, aux loss): pretraining's by default, fine-tuning passes its own.
@@ -282,7 +290,7 @@ def train_step(engine: Any, batches: Iterable[dict[str, torch.Tensor]], stop: St
     exactly as after the previous step, and that is what gets saved.
     """
     loss_sum: torch.Tensor | None = None
-    aux_sum: torch.Tensor | None = None
+    aux_sum: RouterStats | None = None
     count = 0
     for batch in batches:
         if stop.agreed():

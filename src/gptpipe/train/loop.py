@@ -117,6 +117,11 @@ class TrainLoop(ABC):
         self.step, self.skipped = 0, 0
         self.finished = False  # the checkpoint resumed from was saved after the final evaluation
         self.last_loss: torch.Tensor | None = None  # the last finished step's loss, on device
+        # The log window: per-step losses since the last log step (on device) and the training seconds they
+        # took before window_start; both go into a checkpoint, so a resumed run logs the same rows.
+        self.window: list[torch.Tensor] = []
+        self.window_seconds = 0.0
+        self.window_start = self.paused_at = time.perf_counter()  # paused_at: when evaluating/saving began
 
     # --- the stage's part -------------------------------------------------------------------------------
     @abstractmethod
@@ -170,12 +175,21 @@ class TrainLoop(ABC):
             return
         saved = json.loads((folder / checkpoint.HF_CONFIG).read_text(encoding="utf-8"))
         current = json.loads(self.hf_config.to_json_string())
-        if {**saved, "transformers_version": None} != {**current, "transformers_version": None}:
+        # output_router_logits is no property of the model (older checkpoints recorded it on)
+        ignored = {"transformers_version": None, "output_router_logits": None}
+        if {**saved, **ignored} != {**current, **ignored}:
             raise StageInputError(f"{folder} holds a different model than {self.model_origin()}; set "
                                   f"train.output_model_dir to a new folder (or restore the model settings)")
         state = checkpoint.load(self.engine, folder, self.dist)
         self.step, self.skipped = state["step"], state.get("skipped_steps", 0)
         self.finished = state.get("finished", False)
+        window = state.get("log_window") or {"losses": [], "seconds": 0.0}
+        # Rank 0 holds the saved rank-average times the ranks, the others 0: the log step's all-reduce and
+        # division give the saved average back.
+        scale = self.dist.world_size if self.dist.is_main else 0
+        self.window = [torch.tensor(x * scale, dtype=torch.float32, device=self.dist.device)
+                       for x in window["losses"]]
+        self.window_seconds = window["seconds"]
         self.restore(state)
         self.say(f"resumed from {folder} ({self.position()})")
 
@@ -185,6 +199,8 @@ class TrainLoop(ABC):
             self.say(f"step {self.step}: loss not finite, checkpoint skipped")
             return None
         state = {"step": self.step, "total_steps": self.steps, "skipped_steps": self.skipped, "finished": finished,
+                 "log_window": {"losses": self._window_losses(), "seconds": self.window_seconds + self.paused_at
+                                - self.window_start},
                  **self.checkpoint_state()}
         folder = checkpoint.save(self.engine, self.ckpt_root, self.step, state, self.hf_config.to_json_string(),
                                  self.dist, self.train_cfg.keep_checkpoints)
@@ -194,10 +210,21 @@ class TrainLoop(ABC):
         self.after_save(self.step)
         return self.step
 
+    def _window_losses(self) -> list[float]:
+        """The log window's per-step losses averaged over the ranks (collective; a sync, on log and save steps)."""
+        if not self.window:
+            return []
+        losses = torch.stack(self.window).float()
+        torch.distributed.all_reduce(losses)  # each rank saw its own share of the global batch
+        return (losses / self.dist.world_size).cpu().tolist()
+
     # --- the loop -----------------------------------------------------------------------------------------
     def fit(self) -> int:
         """Resume, train to `steps` (or a stop signal), evaluate and save; returns the exit code."""
         self._resume()
+        # from_pretrained returns a model in eval mode: without this, a fine-tune would train without dropout
+        # until its first evaluation switched it over, and a resumed run again until its next one.
+        self.engine.train()
         self.stop = StopFlag(self.dist.world_size)
         self.log = RunLogger(self.run_dir, self.config, self.steps, self.step, self.wandb_block,
                              enabled=self.dist.is_main, rotate_tensorboard_s=SIDE_SYNC_SECONDS if self.mirror else None)
@@ -227,8 +254,7 @@ class TrainLoop(ABC):
     def _loop(self) -> int:
         train = self.train_cfg
         bad_in_a_row = 0
-        window: list[torch.Tensor] = []  # per-step losses since the last log step, on device
-        window_start, window_steps = time.perf_counter(), 0
+        self.window_start = time.perf_counter()
         saved_at = self.step
         while self.step < self.steps:
             lr = self.engine.get_lr()[0]  # the rate this step uses (a Python float: no sync)
@@ -239,8 +265,7 @@ class TrainLoop(ABC):
             self.last_loss = result.loss
             self.after_step()
             self.log.advance()
-            window.append(result.loss)
-            window_steps += 1
+            self.window.append(result.loss)
             bad_in_a_row = 0 if result.applied else bad_in_a_row + 1
             if not result.applied:
                 self.skipped += 1
@@ -248,9 +273,7 @@ class TrainLoop(ABC):
                 self.say(f"step {self.step}: non-finite loss or gradient norm, update skipped "
                          f"({bad_in_a_row} in a row, {self.skipped} in total)")
             if self.step % train.log_interval == 0 or self.step == self.steps:
-                losses = torch.stack(window).float()
-                torch.distributed.all_reduce(losses)  # each rank saw its own share of the global batch
-                losses = (losses / self.dist.world_size).cpu().tolist()  # the one host-device sync per log step
+                losses = self._window_losses()
                 if not math.isfinite(losses[-1]) and result.applied:
                     self.say(f"stopping: the loss is {losses[-1]} but the update was applied: the weights are "
                              f"no longer finite; nothing saved from this state.")
@@ -259,28 +282,31 @@ class TrainLoop(ABC):
                 grad_norm = self.engine.get_global_grad_norm()
                 self.log_train(LogWindow(sum(finite) / len(finite) if finite else float("nan"), lr,
                                          None if grad_norm is None else float(grad_norm),
-                                         time.perf_counter() - window_start, window_steps, result))
-                window, window_steps, window_start = [], 0, time.perf_counter()
+                                         self.window_seconds + time.perf_counter() - self.window_start,
+                                         len(losses), result))
+                self.window, self.window_seconds, self.window_start = [], 0.0, time.perf_counter()
             if bad_in_a_row >= train.max_bad_steps:
                 self.say(f"stopping: {bad_in_a_row} non-finite steps in a row (train.max_bad_steps="
                          f"{train.max_bad_steps}); nothing saved from this state. Lower train.lr or raise "
                          f"train.warmup_fraction, then rerun: it resumes from the last checkpoint.")
                 return EXIT_FAILED
-            paused = time.perf_counter()
+            self.paused_at = time.perf_counter()
             if self.step % train.eval_interval == 0 and self.step < self.steps and self.evaluate():
                 saved_at = self._save() or saved_at
             if self.step % train.save_interval == 0 and self.step < self.steps and self.step > saved_at:
                 saved_at = self._save() or saved_at
-            window_start += time.perf_counter() - paused  # throughput counts training time only
+            self.window_start += time.perf_counter() - self.paused_at  # throughput counts training time only
             if self.stop.agreed():
                 break
         if self.stop.agreed():
+            self.paused_at = time.perf_counter()
             if self.step > saved_at:
                 saved_at = self._save() or saved_at
             self.say(f"{self.stop.signal_name}: stopped at step {self.step}, checkpoint at step {saved_at}; "
                      f"exit {EXIT_PREEMPTED}. Run the same command again to resume.")
             return EXIT_PREEMPTED
         # The final evaluation; its checkpoint is marked finished (a rerun then only evaluates again).
+        self.paused_at = time.perf_counter()
         if self.evaluate() or self.step > saved_at or not self.finished:
             self._save(finished=True)
         self.finish()

@@ -172,8 +172,10 @@ def build_model_config(model_cfg: ModelConfig, tokenizer_info: Any, seq_len: int
         initializer_range=shape.init_std, attention_dropout=model_cfg.dropout,
         tie_word_embeddings=shape.tie_word_embeddings, rms_norm_eps=1e-5, use_cache=True, **ids)
     if shape.arch == "mixtral":
+        # output_router_logits stays off in every saved config: with it on, generation with a padded batch fails
+        # in transformers' load-balancing loss. Training asks for the router logits itself (engine.forward_loss).
         return MixtralConfig(num_local_experts=shape.num_experts, num_experts_per_tok=shape.experts_top_k,
-                             router_aux_loss_coef=model_cfg.router_aux_loss_coef, output_router_logits=True,
+                             router_aux_loss_coef=model_cfg.router_aux_loss_coef, output_router_logits=False,
                              sliding_window=None, **common)
     return LlamaConfig(**common)
 
@@ -188,7 +190,80 @@ def build_model(hf_config: PretrainedConfig, device: torch.device | str = "cpu")
     from transformers import AutoModelForCausalLM
 
     with torch.device(device):
-        return AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
+    if hasattr(model, "router_aux_loss_coef"):
+        # transformers adds its load-balancing loss, pooled over the layers, to the loss it returns; the
+        # per-layer ones (router_loss) replace it, added by engine.forward_loss with the configured weight.
+        model.router_aux_loss_coef = 0.0
+    return model
+
+
+def inference_config(config: PretrainedConfig) -> PretrainedConfig:
+    """`config` with the training-only switch output_router_logits off (a mixture of experts): with it on,
+    transformers computes the load-balancing loss in every forward, and generation from a padded batch
+    fails there (the attention mask spans the whole sequence, the router logits only the new tokens)."""
+    if getattr(config, "output_router_logits", False):
+        config.output_router_logits = False
+    return config
+
+
+@dataclass
+class RouterStats:
+    """A mixture of experts' routing in one forward pass: the load-balancing loss of each layer and each
+    layer's count of top-k choices per expert. Sums and divides like a loss, so train_step averages it over
+    the micro-batches of a step like any other aux loss."""
+
+    losses: torch.Tensor  # [layers], with their graph until detached
+    counts: torch.Tensor  # [layers, experts], float
+
+    def detach(self) -> RouterStats:
+        return RouterStats(self.losses.detach(), self.counts)
+
+    def __add__(self, other: RouterStats) -> RouterStats:
+        return RouterStats(self.losses + other.losses, self.counts + other.counts)
+
+    def __truediv__(self, n: int) -> RouterStats:
+        return RouterStats(self.losses / n, self.counts / n)
+
+    def __float__(self) -> float:
+        """The logged figure: the mean over the layers (1.0 when every layer routes evenly)."""
+        return float(self.losses.mean())
+
+
+def router_loss(router_logits: tuple[torch.Tensor, ...], top_k: int) -> RouterStats:
+    """Switch Transformer's load-balancing loss of each layer, as Megatron-LM computes it:
+    num_experts · Σ_i f_i · P_i, f_i the share of the layer's top-k choices that go to expert i and P_i its
+    mean router probability; 1.0 when the layer routes uniformly. Training adds the sum over the layers
+    times router_aux_loss_coef (Megatron attaches each layer's loss with the coefficient).
+
+    transformers' load_balancing_loss_func pools the statistics of all layers by expert index instead, so
+    expert i dying in one layer is paid for by expert i of another: the pooled loss sits at its minimum
+    while a layer has dead experts. Per layer, every layer is pushed to use all of its experts.
+    """
+    import torch
+
+    losses, counts = [], []
+    for logits in router_logits:  # [tokens, experts] per layer
+        probs = torch.softmax(logits.float(), dim=-1)
+        chosen = torch.topk(logits, top_k, dim=-1).indices.reshape(-1)
+        # scatter_add, not bincount: no device-to-host sync for the output size
+        count = torch.zeros(probs.shape[-1], device=probs.device).scatter_add_(
+            0, chosen, torch.ones_like(chosen, dtype=torch.float32))
+        losses.append(probs.shape[-1] * torch.sum(count / chosen.numel() * probs.mean(dim=0)))
+        counts.append(count)
+    return RouterStats(torch.stack(losses), torch.stack(counts))
+
+
+def expert_shares(counts: torch.Tensor) -> tuple[list[float], int]:
+    """(each layer's smallest expert share of the top-k choices, the experts under a quarter of a fair
+    share in all layers) from RouterStats.counts; one host-device sync."""
+    import torch
+
+    shares = counts / counts.sum(dim=-1, keepdim=True).clamp(min=1)
+    fair = 1.0 / counts.shape[-1]
+    smallest, starved = shares.min(dim=-1).values, (shares < fair / 4).sum()
+    values = torch.cat([smallest, starved.reshape(1).to(smallest.dtype)]).tolist()
+    return values[:-1], int(values[-1])
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:

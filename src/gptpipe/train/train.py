@@ -24,7 +24,7 @@ from gptpipe.stages import EXIT_BAD_INPUT, read_tokenizer
 from gptpipe.train.data import DataError, build_datasets, collate, eval_batches, sample_positions
 from gptpipe.train.engine import Dist, EngineConfigError, build_engine, deepspeed_config
 from gptpipe.train.loop import LogWindow, TrainLoop, run_ranks
-from gptpipe.train.model import build_model_config
+from gptpipe.train.model import build_model_config, expert_shares, router_loss
 from gptpipe.train.plan import Plan, PlanError, check_parameter_count, make_plan
 from gptpipe.train.plan_report import format_plan
 
@@ -117,18 +117,31 @@ class Pretrainer(TrainLoop):
         tokens_per_s = window.steps * plan.tokens_per_step / max(window.seconds, 1e-9)
         row: dict[str, Any] = {"step": self.step, "tokens": self.consumed * self.train_cfg.seq_len, **window.row(),
                                "tokens_per_s": tokens_per_s}
+        routing = ""
         if window.last.aux_loss is not None:
             row["aux_loss"] = float(window.last.aux_loss)
+            routing = f"  router-aux {row['aux_loss']:.3f}" + self._routing(window.last.aux_loss.counts, row, "")
         if plan.peak_flops:
             row["mfu"] = plan.flops_per_token * tokens_per_s / (plan.peak_flops * self.dist.world_size)
         row["mem_gib"] = self._memory_gib()
         row["skipped_steps"] = self.skipped
         self.log.record(row, console=(
             f"step {self.step}/{self.steps}  tokens {row['tokens']:,}  {window.line()}"
-            + (f"  router-aux {row['aux_loss']:.3f}" if "aux_loss" in row else "")
+            + routing
             + f"  {tokens_per_s:,.0f} tok/s" + (f"  MFU {row['mfu']:.1%}" if "mfu" in row else "")
             + f"  mem {row['mem_gib']:.2f} GiB" + (f"  skipped {self.skipped}" if self.skipped else "")
             + (self.mirror.status() if self.mirror else "")))
+
+    def _routing(self, counts: torch.Tensor, row: dict[str, Any], prefix: str) -> str:
+        """A mixture of experts' routing over this step's (or the validation's) tokens of every rank: each
+        layer's smallest expert share into `row` (a fair share is 1/num_experts) and the experts under a
+        quarter of a fair share; returns the console text. Collective: every rank calls it."""
+        counts = counts.clone()
+        torch.distributed.all_reduce(counts)
+        smallest, starved = expert_shares(counts)
+        row.update({f"{prefix}expert_share_min/layer{i}": share for i, share in enumerate(smallest)})
+        row[f"{prefix}experts_starved"] = starved
+        return f"  expert-min {'/'.join(f'{share:.1%}' for share in smallest)}  starved {starved}"
 
     def _memory_gib(self) -> float:
         """Peak device memory since the last log step on GPU (evaluation included); the process's RSS on CPU."""
@@ -146,7 +159,9 @@ class Pretrainer(TrainLoop):
         engine, plan = self.engine, self.plan
         engine.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.dist.device)
-        extra = {"output_router_logits": False} if hasattr(self.hf_config, "output_router_logits") else {}
+        moe = hasattr(self.hf_config, "output_router_logits")
+        extra = {"output_router_logits": True} if moe else {}  # the routing on held-out text
+        counts = None
         if self.fused_loss:  # Liger skips the logits only in training mode unless told: they would not fit
             extra["skip_logits"] = True
         for batch in eval_batches(self.valid_data, plan.eval_samples, plan.settings.micro_batch, self.dist.rank,
@@ -155,12 +170,16 @@ class Pretrainer(TrainLoop):
                          use_cache=False, **extra)
             count = (batch["labels"] != -100).sum()
             totals += torch.stack([out.loss.double() * count, count.double()])
+            if moe:
+                step_counts = router_loss(out.router_logits, self.hf_config.num_experts_per_tok).counts
+                counts = step_counts if counts is None else counts + step_counts
         torch.distributed.all_reduce(totals)
         loss = (totals[0] / totals[1]).item()
         self.last_val_loss = loss
         ppl = math.exp(min(loss, 50.0))
-        self.log.record({"step": self.step, "val_loss": loss, "val_ppl": ppl},
-                        console=f"validation  step {self.step}  loss {loss:.4f}  perplexity {ppl:.2f}")
+        row: dict[str, Any] = {"step": self.step, "val_loss": loss, "val_ppl": ppl}
+        routing = self._routing(counts, row, "val_") if counts is not None else ""
+        self.log.record(row, console=f"validation  step {self.step}  loss {loss:.4f}  perplexity {ppl:.2f}{routing}")
         self.log.samples(self.step, self._generate())
         engine.train()
         return False  # checkpoints follow save_interval
