@@ -226,7 +226,8 @@ def build_engine(train: LoopConfig, arch: str, hf_config: Any, ds_config: dict[s
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     loss = loss_path(arch, on_gpu, train.liger_kernels)
-    if on_gpu:
+    main = torch.distributed.get_rank() == 0
+    if on_gpu and main:
         log.info(f"loss: {loss.why}")
     if loss.fused:
         apply_liger(arch)
@@ -245,9 +246,11 @@ def build_engine(train: LoopConfig, arch: str, hf_config: Any, ds_config: dict[s
         inductor = train.compile_backend == "inductor"
         missing = triton_missing() if inductor and on_gpu else None
         if inductor and not on_gpu:
-            log.info("train.compile: inductor compiles for CUDA only; this CPU run is not compiled")
+            if main:
+                log.info("train.compile: inductor compiles for CUDA only; this CPU run is not compiled")
         elif missing:
-            log.warning(f"train.compile: running uncompiled, torch.compile's inductor needs Triton: {missing}")
+            if main:
+                log.warning(f"train.compile: running uncompiled, torch.compile's inductor needs Triton: {missing}")
         else:
             engine.compile(backend=train.compile_backend)
     return engine, loss.fused

@@ -2,8 +2,9 @@
 
 `estimate_memory` counts what torch's allocator hands out on each device (GPU, or CPU rank): weights,
 gradients and optimizer states under the ZeRO stage, activations with or without checkpointing, and logits;
-bench/bench_train.py compares it with the measured peak allocation. Activation bytes per token follow the
-tensors autograd keeps for each block, so they are estimates. What the allocator never reports (the CUDA
+bench/bench_train.py compares it with the measured peak allocation. Activation bytes per token are the
+tensors autograd keeps for each block and the loss's are its peak, both as measured on CPU in bf16
+(tests/test_train_plan.py); Liger's kernels are counted from their source. What the allocator never reports (the CUDA
 context, NCCL's buffers, the caching allocator's fragmentation) and the estimate's own error are not
 predicted: `memory_budget` leaves them as headroom, so a plan a few percent off does not run out of memory.
 """
