@@ -396,13 +396,17 @@ def test_ranks_per_node_reads_both_launchers(monkeypatch: pytest.MonkeyPatch) ->
 def test_plan_counts_the_ranks_of_one_node(dataset_prefix: Path, workspace: Path, capsys: pytest.CaptureFixture,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
     gpus = ["--gpu-name", "H100", "--gpu-memory", "80", "--gpus", "64", "model.preset=125m",
             "train.global_batch_size=128", "train.train_tokens=null", "data.split=90,9,1"]
-    code, err = _plan(workspace, capsys, *gpus, "--gpus-per-node", "8")
-    assert code == 0 and "(8 ranks on this node)" in err, err
-    monkeypatch.setenv("LOCAL_SIZE", "8")  # what the deepspeed launcher sets
+    code, err = _plan(workspace, capsys, *gpus)  # all 64 ranks on this machine: their host RAM does not fit
+    assert code == 2 and "host RAM" in err, err
+    # 2 per node (2.5 GiB of host RAM each): what this machine's RAM holds, 8 would need 20 GiB
+    code, err = _plan(workspace, capsys, *gpus, "--gpus-per-node", "2")
+    assert code == 0 and "(2 ranks on this node)" in err, err
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # what the deepspeed launcher sets
     code, err = _plan(workspace, capsys, *gpus)
-    assert code == 0 and "(8 ranks on this node)" in err, err
+    assert code == 0 and "(2 ranks on this node)" in err, err
 
 
 def test_one_decision_of_the_fused_loss_for_planner_and_engine() -> None:
