@@ -100,7 +100,8 @@ def main() -> None:
     name = torch.cuda.get_device_name(0) if on_gpu else "CPU"
     peak = peak_flops(name, args.precision, args.peak_tflops) if on_gpu else None
     predicted = estimate_memory(shape, count_parameters(shape, args.seq), args.seq, args.precision, dist.world_size,
-                                EngineSettings(args.micro, args.zero, args.checkpointing, False), fused)
+                                EngineSettings(args.micro, args.zero, args.checkpointing, False), fused,
+                                train.fp32_gradients)
     if dist.is_main:
         mfu = f"{flops * tokens_per_s / (peak * dist.world_size):.1%}" if peak else "n/a (CPU)"
         measured = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else float("nan")

@@ -91,8 +91,19 @@ class LoopConfig:
     precision: Literal["bf16", "fp16", "fp32"] = option("bf16", "one precision for model, engine and logs")
     zero_stage: int = option(1, "DeepSpeed ZeRO stage 0-3")
     offload_optimizer: bool = option(False, "ZeRO: keep optimizer states in host RAM")
+    fp32_gradients: bool = option(
+        True, "bf16 with zero_stage >= 1: accumulate and all-reduce gradients in fp32, as Megatron does (the plan "
+              "counts the memory: 4 instead of 2 bytes per gradient); false: in bf16, DeepSpeed's default. "
+              "DeepSpeed's optimizer state differs between the two: resume a run with the setting it began with")
     activation_checkpointing: bool = option(False, "recompute activations in backward (less memory, ~30% slower)")
-    compile: bool = option(False, "torch.compile the model (CUDA)")
+    compile: bool = option(False, "torch.compile the model (CUDA; with compile_backend other than inductor, CPU too)")
+    compile_backend: str = option(
+        "inductor", "torch.compile backend: inductor (CUDA only; Triton) or one that generates no code, e.g. "
+                    "aot_eager (to check a model compiles, on any device)")
+    deterministic: bool = option(
+        False, "CUDA: deterministic kernels (torch.use_deterministic_algorithms and cuBLAS's fixed workspace), so "
+               "a resumed run repeats the uninterrupted one's losses bit for bit as CPU runs always do; slower "
+               "(the cost is not measured yet)")
     liger_kernels: bool = option(True, "use Liger fused kernels on CUDA when the [gpu] extra is installed")
     ds_config_template: Path | None = option(
         None, "DeepSpeed config template (None: original_codes/ds_config_gpt_TEMPLATE.json of gptpipe); "
@@ -195,4 +206,7 @@ def plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory per device to plan for (default: train.gpu_memory_gib or detected)")
     parser.add_argument("--gpu-name", default=None,
                         help="plan for this GPU model (e.g. H100) from another machine; needs --gpu-memory")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="ranks sharing one node's host RAM (default: the launcher's LOCAL_WORLD_SIZE or "
+                             "LOCAL_SIZE, else this machine's GPU count, else --gpus)")
 

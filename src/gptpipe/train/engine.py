@@ -1,11 +1,13 @@
 """DeepSpeed around a transformers model: process group, config from the template, one training step.
 
-On CUDA: NCCL, SDPA attention, Liger's fused kernels when installed (RMSNorm, RoPE, SwiGLU and the fused
-linear cross-entropy, so the vocab-sized logits never materialize), torch's fused AdamW, optional
+On CUDA: NCCL, SDPA attention, Liger's fused kernels for llama/mixtral when installed (RMSNorm, RoPE, SwiGLU
+and the fused linear cross-entropy, so the vocab-sized logits never materialize), torch's fused AdamW, optional
 torch.compile and activation checkpointing. On CPU: gloo, torch's fused AdamW, OMP_NUM_THREADS set.
-Nothing is compiled from C++ at run time: the optimizer is torch's ("torch_adam": true, not DeepSpeed's
+No C++ extension is built at run time: the optimizer is torch's ("torch_adam": true, not DeepSpeed's
 JIT-built FusedAdam/CPUAdam), and DeepSpeed's CPU shared-memory allreduce op, which JIT-builds on first
-use, is switched off (gloo's allreduce does the same job).
+use, is switched off (gloo's allreduce does the same job). Liger and torch.compile are Triton, which compiles
+a small C launcher at first use: devices.triton_missing checks for its compiler and headers first, and
+without them the run trains unfused/uncompiled and logs why.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from gptpipe.log import get_logger
 from gptpipe.train.config import LoopConfig
+from gptpipe.train.devices import host_threads_per_rank, loss_path, triton_missing
+from gptpipe.train.memory import gradient_bytes
 from gptpipe.train.model import RouterStats, build_model, parameter_groups, router_loss
 from gptpipe.train.schedule import Schedule
 
@@ -33,6 +38,8 @@ TEMPLATE = Path(__file__).resolve().parent / "ds_config_gpt_TEMPLATE.json"
 # Keys config.yaml owns: the template must leave them "auto" (or agree), so precision and batch
 # size can never disagree between the two files as they did in the original (bf16 vs fp16).
 AUTO = "auto"
+
+log = get_logger("engine")
 
 
 # Start-up notices of the libraries under training that say nothing about this run, silenced here because
@@ -97,8 +104,7 @@ def setup_distributed() -> Dist:
     else:
         # The deepspeed launcher leaves OMP_NUM_THREADS unset: every rank would use every core (ZeRO-3
         # steps get 5-10x slower). Split the cores between the ranks of this node.
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-        threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // local_ranks))
+        threads = int(os.environ.get("OMP_NUM_THREADS") or host_threads_per_rank(int(os.environ["WORLD_SIZE"])))
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
         device = torch.device("cpu")
@@ -174,6 +180,10 @@ def deepspeed_config(train: LoopConfig, micro_batch: int, accumulation: int, dp:
         problems.append(f"no value for {', '.join(leftover)} (still \"auto\")")
     if problems:
         raise EngineConfigError(f"DeepSpeed template {path}: " + "; ".join(problems))
+    if gradient_bytes(precision, train.zero_stage, train.fp32_gradients) == 4 and precision == "bf16":
+        # fp32 accumulation and all-reduce of bf16 gradients (DeepSpeed's default is bf16 for both)
+        config.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
+        config["communication_data_type"] = "fp32"
     if train.offload_optimizer:
         config["zero_force_ds_cpu_optimizer"] = False  # torch's AdamW on the host, no CPUAdam build
     return config, wandb_block
@@ -189,20 +199,14 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def apply_liger(arch: str) -> bool:
-    """Patch transformers' classes with Liger's Triton kernels for `arch` (before the model is built).
+def apply_liger(arch: str) -> None:
+    """Patch transformers' classes with Liger's Triton kernels for `arch` (one of devices.LIGER_ARCHS, where
+    devices.loss_path decided the fused loss runs), before the model is built: then logits never materialize
+    in training."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama, apply_liger_kernel_to_mixtral
 
-    Returns whether the fused linear cross-entropy is active (then logits never materialize in training).
-    """
-    try:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama, apply_liger_kernel_to_mixtral
-    except ImportError:
-        return False
-    patch = {"llama": apply_liger_kernel_to_llama, "mixtral": apply_liger_kernel_to_mixtral}.get(arch)
-    if patch is None:  # Liger has no GPT-2 patch
-        return False
+    patch = {"llama": apply_liger_kernel_to_llama, "mixtral": apply_liger_kernel_to_mixtral}[arch]
     patch(rope=True, rms_norm=True, swiglu=arch == "llama", cross_entropy=False, fused_linear_cross_entropy=True)
-    return True
 
 
 def build_engine(train: LoopConfig, arch: str, hf_config: Any, ds_config: dict[str, Any], schedule: Schedule,
@@ -217,18 +221,39 @@ def build_engine(train: LoopConfig, arch: str, hf_config: Any, ds_config: dict[s
     import deepspeed
 
     on_gpu = device.type == "cuda"
-    fused_loss = on_gpu and train.liger_kernels and apply_liger(arch)
+    if train.deterministic:
+        # cuBLAS reads its workspace setting when its handle is created, at the first matmul: still ahead.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    loss = loss_path(arch, on_gpu, train.liger_kernels)
+    main = torch.distributed.get_rank() == 0
+    if on_gpu and main:
+        log.info(f"loss: {loss.why}")
+    if loss.fused:
+        apply_liger(arch)
+    if on_gpu and train.offload_optimizer:
+        # torchrun starts each rank with one thread: the host AdamW step of the offload would run on one core.
+        torch.set_num_threads(host_threads_per_rank(torch.distributed.get_world_size()))
     model = make_model() if make_model else build_model(hf_config, device)
-    if fused_loss and train.zero_stage == 3:
+    if loss.fused and train.zero_stage == 3:
         # Liger reads lm_head.weight outside lm_head's forward: ZeRO-3 must gather it for the whole model.
         deepspeed.zero.register_external_parameter(model, model.lm_head.weight)
     if train.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, *_ = deepspeed.initialize(model=model, model_parameters=parameter_groups(model, train.weight_decay),
                                       config=ds_config, lr_scheduler=schedule.scheduler_factory())
-    if train.compile and on_gpu:
-        engine.compile()
-    return engine, fused_loss
+    if train.compile:
+        inductor = train.compile_backend == "inductor"
+        missing = triton_missing() if inductor and on_gpu else None
+        if inductor and not on_gpu:
+            if main:
+                log.info("train.compile: inductor compiles for CUDA only; this CPU run is not compiled")
+        elif missing:
+            if main:
+                log.warning(f"train.compile: running uncompiled, torch.compile's inductor needs Triton: {missing}")
+        else:
+            engine.compile(backend=train.compile_backend)
+    return engine, loss.fused
 
 
 def forward_loss(engine: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, RouterStats | None]:

@@ -2,8 +2,9 @@
 
 `estimate_memory` counts what torch's allocator hands out on each device (GPU, or CPU rank): weights,
 gradients and optimizer states under the ZeRO stage, activations with or without checkpointing, and logits;
-bench/bench_train.py compares it with the measured peak allocation. Activation bytes per token follow the
-tensors autograd keeps for each block, so they are estimates. What the allocator never reports (the CUDA
+bench/bench_train.py compares it with the measured peak allocation. Activation bytes per token are the
+tensors autograd keeps for each block and the loss's are its peak, both as measured on CPU in bf16
+(tests/test_train_plan.py); Liger's kernels are counted from their source. What the allocator never reports (the CUDA
 context, NCCL's buffers, the caching allocator's fragmentation) and the estimate's own error are not
 predicted: `memory_budget` leaves them as headroom, so a plan a few percent off does not run out of memory.
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from gptpipe.train.model import Shape
 
 GIB = 1024**3
-ZERO_BUCKET = 50_000_000  # elements; reduce/allgather bucket sizes in the DeepSpeed template
+ZERO_BUCKET = 50_000_000  # elements; reduce/allgather bucket sizes in the DeepSpeed template, ZeRO-3's prefetch
 GPU_RANK_HOST_RAM = 2.5 * GIB  # host RSS of one GPU rank (CUDA libraries, pinned buffers)
 
 # Headroom: device memory the planner never fills.
@@ -98,40 +99,84 @@ def bytes_per_value(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def optimizer_bytes_per_parameter(precision: str) -> int:
-    """AdamW: m and v in fp32, plus fp32 master weights when the model itself is bf16/fp16."""
-    return 8 + (4 if bytes_per_value(precision) == 2 else 0)
+def optimizer_bytes_per_parameter(precision: str, zero_stage: int) -> int:
+    """AdamW: m and v in fp32, plus an fp32 master copy of the weights when the model is bf16/fp16 or, in fp32
+    runs, under ZeRO >= 1 (its optimizer keeps its own fp32 partition beside the model's weights)."""
+    return 8 + (4 if bytes_per_value(precision) == 2 or zero_stage >= 1 else 0)
 
 
-def activation_values_per_token(shape: Shape) -> float:
-    """Values autograd keeps per token and block (norm inputs/outputs, projections, MLP intermediates)."""
-    h, f, kv = shape.hidden_size, shape.ffn_hidden_size, shape.kv_dim
+def gradient_bytes(precision: str, zero_stage: int, fp32_gradients: bool) -> int:
+    """Bytes per gradient value as accumulated and all-reduced: fp32 for bf16 runs with train.fp32_gradients
+    (DeepSpeed has no fp32 accumulation for bf16 at ZeRO-0), else the model's precision."""
+    fp32 = fp32_gradients and precision == "bf16" and zero_stage >= 1
+    return 4 if fp32 else bytes_per_value(precision)
+
+
+# The unfused loss (transformers' cross-entropy over the full logits) per logit element: at the start of
+# backward the fp32 log-softmax kept by forward, the fp32 gradient arriving at it and the fp32 gradient it
+# produces are live together (the logits themselves, and their fp32 upcast, are freed by then).
+LOSS_BYTES_PER_LOGIT = 12
+
+
+def activation_bytes_per_token(shape: Shape, precision: str, fused_kernels: bool) -> float:
+    """Bytes autograd keeps per token and block, as torch.autograd.graph.saved_tensors_hooks records them
+    (tests/test_train_plan.py measures them on 1- and 2-layer models). `fused_kernels`: Liger's RMSNorm (and,
+    for llama, SwiGLU) replace transformers' eager ones (apply_liger in train/engine.py)."""
+    p = bytes_per_value(precision)
+    h, f, kv, heads = shape.hidden_size, shape.ffn_hidden_size, shape.kv_dim, shape.num_attn_heads
+    attention = p * (2 * h + 2 * kv) + 4 * heads  # q, k, v into attention, its output, fp32 log-sum-exp per head
     if shape.arch == "gpt2":
-        return 2 * h + 3 * h + h + h + 2 * h + 2 * f  # ln1, qkv, attention out, residual, ln2, fc + gelu
-    mlp = 4 * f * shape.experts_top_k + (shape.num_experts if shape.num_experts > 1 else 0)
-    # 2 RMSNorm (fp32 upcast inside: ~3 values each), q/k/v, roped q/k, attention out, gate/up/act/product
-    return 6 * h + (h + 2 * kv) + (h + kv) + h + mlp
+        # 2 LayerNorms (input and output, mean and rstd), attention, and the MLP's activation input and
+        # output (gelu_pytorch_tanh: one kernel saving its input only).
+        return 2 * (2 * p * h + 2 * p) + attention + 2 * p * f
+    # RMSNorm: eager keeps the fp32 upcast of its input, rsqrt, the normalized and the weighted output;
+    # Liger's keeps its input, the fp32 rstd and the output.
+    norm = (2 * p * h + 4) if fused_kernels else (4 * h + 4 + 2 * p * h)
+    if shape.arch == "mixtral":
+        e, k = shape.num_experts, shape.experts_top_k
+        # router softmax (fp32 and cast), routing indices and weights, each routed token's input, gate/up,
+        # activation, product and expert output (the MLP always eager: Liger's mixtral patch has no SwiGLU)
+        mlp = e * (4 + p) + 4 + 48 * k + 2 * k * h * p + 4 * k * f * p
+    else:
+        mlp = (3 if fused_kernels else 4) * f * p  # gate, up, (eager: silu,) product
+    return 2 * norm + attention + mlp
 
 
 def estimate_memory(shape: Shape, parameters: int, seq_len: int, precision: str, dp: int, settings: EngineSettings,
-                    fused_loss: bool) -> Memory:
-    """Per-device bytes the allocator hands out for one configuration (see the module doc)."""
+                    fused_loss: bool, fp32_gradients: bool) -> Memory:
+    """Per-device bytes the allocator hands out for one configuration (see the module doc).
+
+    `fused_loss`: Liger's kernels are applied (devices.loss_path): its fused loss and its smaller activations.
+    """
     p = bytes_per_value(precision)
+    g = gradient_bytes(precision, settings.zero_stage, fp32_gradients)
     n = parameters
+    h, V = shape.hidden_size, shape.vocab_size
     weights = n * p / (dp if settings.zero_stage == 3 else 1)
-    gradients = n * p / (dp if settings.zero_stage >= 2 else 1)
+    gradients = n * g / (dp if settings.zero_stage >= 2 else 1)
+    if settings.zero_stage == 1 and g != p:
+        gradients += n * p  # the model's own bf16 gradients, accumulated into the fp32 ones
     optimizer = (0.0 if settings.offload else
-                 n * optimizer_bytes_per_parameter(precision) / (dp if settings.zero_stage >= 1 else 1))
-    if settings.zero_stage in (1, 2):
-        gradients += min(n, 2 * ZERO_BUCKET) * p  # reduce buckets
+                 n * optimizer_bytes_per_parameter(precision, settings.zero_stage)
+                 / (dp if settings.zero_stage >= 1 else 1))
+    if settings.zero_stage >= 1:
+        gradients += min(n, (1 if settings.zero_stage == 3 else 2) * ZERO_BUCKET) * g  # reduce buckets
+    if settings.zero_stage == 3:
+        # The gathered working set: the prefetch bucket, the largest module being computed (a block or the
+        # embedding) and, under the fused loss, lm_head's weight gathered for the whole model
+        # (register_external_parameter in train/engine.py).
+        block = (n - V * h * (1 if shape.tie_word_embeddings else 2)) / shape.num_layers
+        weights += (min(n, ZERO_BUCKET) + max(block, V * h) + (V * h if fused_loss else 0)) * p
     tokens = settings.micro_batch * seq_len
-    per_layer = activation_values_per_token(shape) * tokens * p
+    per_layer = activation_bytes_per_token(shape, precision, fused_loss) * tokens
     if settings.checkpointing:
-        activations = shape.num_layers * tokens * shape.hidden_size * p + per_layer  # block inputs + one block
+        activations = shape.num_layers * tokens * h * p + per_layer  # block inputs + one block
     else:
         activations = shape.num_layers * per_layer
     if fused_loss:
-        logits = 2 * tokens * shape.hidden_size * 4  # Liger's chunked loss never holds the full logits
+        # Liger's chunked loss: the gradient of its input and a chunk of ~tokens x hidden logits, the fp32 loss
+        # per token, and lm_head's gradient computed in forward
+        logits = tokens * (2 * h * p + 4) + V * h * p
     else:
-        logits = tokens * shape.vocab_size * (p + 4 + 4)  # logits, fp32 upcast, fp32 gradient
+        logits = tokens * V * LOSS_BYTES_PER_LOGIT
     return Memory(weights, gradients, optimizer, activations, logits)

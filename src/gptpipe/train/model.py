@@ -159,9 +159,11 @@ def build_model_config(model_cfg: ModelConfig, tokenizer_info: Any, seq_len: int
     ids = dict(bos_token_id=tokenizer_info.bos_id, eos_token_id=tokenizer_info.eos_id, pad_token_id=pad_id,
                architectures=[ARCHITECTURES[shape.arch]])
     if shape.arch == "gpt2":
+        # gelu_pytorch_tanh is GPT-2's gelu_new as one kernel: gelu_new's Python composite keeps 5 tensors of the
+        # MLP's width for backward instead of 2 (train/memory.py counts the single kernel's).
         return GPT2Config(
             vocab_size=shape.vocab_size, n_positions=seq_len, n_embd=shape.hidden_size, n_layer=shape.num_layers,
-            n_head=shape.num_attn_heads, n_inner=shape.ffn_hidden_size, activation_function="gelu_new",
+            n_head=shape.num_attn_heads, n_inner=shape.ffn_hidden_size, activation_function="gelu_pytorch_tanh",
             resid_pdrop=model_cfg.dropout, embd_pdrop=model_cfg.dropout, attn_pdrop=model_cfg.dropout,
             initializer_range=shape.init_std, tie_word_embeddings=shape.tie_word_embeddings, use_cache=True, **ids)
     common = dict(

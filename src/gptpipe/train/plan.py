@@ -22,7 +22,7 @@ from gptpipe.log import get_logger
 from gptpipe.stages import EXIT_BAD_INPUT
 from gptpipe.storage import is_url
 from gptpipe.train.data import DataError, available_host_ram, blend_weights, check_splits, index_bytes
-from gptpipe.train.devices import detect_device, liger_available, peak_flops
+from gptpipe.train.devices import LossPath, detect_device, loss_path, peak_flops, ranks_per_node
 from gptpipe.train.logging import read_metrics
 from gptpipe.train.memory import (
     GIB,
@@ -65,6 +65,8 @@ class Plan:
     accumulation: int
     memory: Memory
     memory_checkpointed: Memory
+    loss: LossPath
+    ranks_per_node: int
     stats: list[DatasetCounts]
     weights: list[float] | None
     tokens_per_step: int
@@ -78,7 +80,9 @@ class Plan:
     host_ram: float
     checkpoint_bytes: float
     peak_flops: float | None
-    measured_tokens_per_s: float | None  # from this run folder's metrics.jsonl (an earlier segment of the run)
+    setup: str  # what a measured speed depends on: model shape, precision, sequence length, device and ranks
+    measured_tokens_per_s: float | None  # from this run folder's metrics.jsonl, measured under the same setup
+    measured_elsewhere: str | None  # the setup of the run folder's speeds when they are not this plan's
 
     @property
     def planned_memory(self) -> Memory:
@@ -99,12 +103,24 @@ class Plan:
         return ASSUMED_MFU * self.peak_flops * self.dp / self.flops_per_token
 
 
-def measured_tokens_per_s(run_dir: Path, tokens_per_step: int, last: int = 20) -> float | None:
-    """Median tokens/s of the last `last` log steps in `run_dir`/metrics.jsonl that ran with the same tokens
-    per step (an earlier segment of this run, before a resume); None where there are none."""
-    speeds = [float(row["tokens_per_s"]) for row in read_metrics(run_dir / "metrics.jsonl")
-              if row.get("tokens_per_s") and row.get("step") and row.get("tokens") == row["step"] * tokens_per_step]
-    return statistics.median(speeds[-last:]) if speeds else None
+def speed_setup(shape: Shape, precision: str, seq_len: int, device_name: str, dp: int) -> str:
+    """What tokens/s depends on, as each train row of metrics.jsonl records it ("setup")."""
+    return (f"{shape.arch} {shape.num_layers}x{shape.hidden_size} ffn {shape.ffn_hidden_size} "
+            f"vocab {shape.vocab_size} experts {shape.num_experts}/{shape.experts_top_k}, {precision}, "
+            f"seq_len {seq_len}, {dp} x {device_name}")
+
+
+def measured_tokens_per_s(run_dir: Path, tokens_per_step: int, setup: str,
+                          last: int = 20) -> tuple[float | None, str | None]:
+    """(median tokens/s of the last `last` log steps in `run_dir`/metrics.jsonl measured under `setup` with the
+    same tokens per step (an earlier segment of this run, before a resume), the other setup the folder's speeds
+    were measured under when none matches); (None, None) where it has none."""
+    rows = [row for row in read_metrics(run_dir / "metrics.jsonl") if row.get("tokens_per_s") and row.get("step")]
+    speeds = [float(row["tokens_per_s"]) for row in rows
+              if row.get("setup") == setup and row.get("tokens") == row["step"] * tokens_per_step]
+    if speeds:
+        return statistics.median(speeds[-last:]), None
+    return None, (rows[-1].get("setup") or "an unrecorded setup") if rows else None
 
 
 def world_size() -> int:
@@ -113,12 +129,14 @@ def world_size() -> int:
 
 
 def make_plan(config: PipelineConfig, vocab_size: int, dp: int | None = None, device_memory_gib: float | None = None,
-              device_name: str | None = None, fused_loss: bool | None = None) -> Plan:
+              device_name: str | None = None, gpus_per_node: int | None = None) -> Plan:
     """Work out the run and check it fits; raises PlanError (or DataError) with a concrete fix."""
     train, data = config.train, config.data
     dp = dp or world_size()
+    node_ranks = min(dp, gpus_per_node or ranks_per_node(dp))
     on_gpu, detected_name, detected_memory = detect_device()
     name = device_name or detected_name
+    other_machine = device_name is not None and device_name != detected_name
     on_gpu = on_gpu or device_name is not None
     device_bytes = (device_memory_gib or train.gpu_memory_gib or 0) * GIB
     if not device_bytes:
@@ -126,10 +144,9 @@ def make_plan(config: PipelineConfig, vocab_size: int, dp: int | None = None, de
             raise PlanError(f"planning for {device_name} from {detected_name}: give its memory (--gpu-memory GIB "
                             "or train.gpu_memory_gib)")
         # CPU ranks of one machine share its RAM
-        device_bytes = detected_memory if on_gpu else detected_memory / _ranks_per_node(dp)
+        device_bytes = detected_memory if on_gpu else detected_memory / node_ranks
     budget = memory_budget(device_bytes, on_gpu)
-    if fused_loss is None:
-        fused_loss = on_gpu and train.liger_kernels and liger_available()
+    loss = loss_path(config.model.arch, on_gpu, train.liger_kernels, other_machine)
 
     shape = resolve_shape(config.model, vocab_size)
     parameters = count_parameters(shape, train.seq_len)
@@ -175,7 +192,8 @@ def make_plan(config: PipelineConfig, vocab_size: int, dp: int | None = None, de
     index_ram = index_bytes(stats, weights, sizes, train.seq_len)
 
     def memory_of(settings: EngineSettings) -> Memory:
-        return estimate_memory(shape, parameters, train.seq_len, train.precision, dp, settings, fused_loss)
+        return estimate_memory(shape, parameters, train.seq_len, train.precision, dp, settings, loss.fused,
+                               train.fp32_gradients)
 
     def fits(settings: EngineSettings) -> bool:
         return memory_of(settings).total <= budget.usable
@@ -189,8 +207,9 @@ def make_plan(config: PipelineConfig, vocab_size: int, dp: int | None = None, de
         raise PlanError(_refusal(memory_of(settings), budget, name, settings, per_rank, dp,
                                  train.global_batch_size, fits, memory_of))
 
-    offloaded = parameters * optimizer_bytes_per_parameter(train.precision) / dp if settings.offload else 0
-    host_needed = index_ram + _ranks_per_node(dp) * (offloaded + (GPU_RANK_HOST_RAM if on_gpu else 0))
+    offloaded = (parameters * optimizer_bytes_per_parameter(train.precision, settings.zero_stage) / dp
+                 if settings.offload else 0)
+    host_needed = index_ram + node_ranks * (offloaded + (GPU_RANK_HOST_RAM if on_gpu else 0))
     host_ram = float(available_host_ram())
     if host_needed > 0.9 * host_ram:
         raise PlanError(
@@ -199,24 +218,23 @@ def make_plan(config: PipelineConfig, vocab_size: int, dp: int | None = None, de
             "is available. Fix: lower train.train_tokens or train.train_epochs"
             + (", or set train.offload_optimizer=false" if settings.offload else ""))
 
+    setup = speed_setup(shape, train.precision, train.seq_len, name, dp)
+    measured, elsewhere = ((None, None) if is_url(train.output_model_dir) else
+                           measured_tokens_per_s(train.output_model_dir, tokens_per_step, setup))
     p = bytes_per_value(train.precision)
     checkpoint_bytes = parameters * (p + 8 + (4 if settings.zero_stage > 0 or p == 2 else 0))
     return Plan(shape=shape, parameters=parameters, flops_per_token=flops_per_token(shape, train.seq_len), dp=dp,
                 on_gpu=on_gpu, device_name=name, budget=budget, settings=settings,
                 accumulation=per_rank // settings.micro_batch,
                 memory=memory_of(replace(settings, checkpointing=False)),
-                memory_checkpointed=memory_of(replace(settings, checkpointing=True)), stats=stats, weights=weights,
+                memory_checkpointed=memory_of(replace(settings, checkpointing=True)), loss=loss,
+                ranks_per_node=node_ranks, stats=stats, weights=weights,
                 tokens_per_step=tokens_per_step, steps=steps, run_length=run_length, schedule=schedule,
                 train_samples=sizes[0],
                 eval_samples=eval_samples, index_ram=index_ram, host_ram_needed=host_needed, host_ram=host_ram,
                 checkpoint_bytes=checkpoint_bytes,
                 peak_flops=peak_flops(name, train.precision, train.peak_tflops) if on_gpu else None,
-                measured_tokens_per_s=None if is_url(train.output_model_dir) else
-                measured_tokens_per_s(train.output_model_dir, tokens_per_step))
-
-
-def _ranks_per_node(dp: int) -> int:
-    return min(dp, int(os.environ.get("LOCAL_WORLD_SIZE", dp)))
+                setup=setup, measured_tokens_per_s=measured, measured_elsewhere=elsewhere)
 
 
 def _divisors(n: int) -> list[int]:
@@ -280,7 +298,7 @@ def run(config: PipelineConfig, args: argparse.Namespace) -> int:
     tokenizer = read_tokenizer(config.tokenize.tokenizer_dir)
     try:
         plan = make_plan(config, tokenizer.vocab_size, dp=args.gpus, device_memory_gib=args.gpu_memory,
-                         device_name=args.gpu_name)
+                         device_name=args.gpu_name, gpus_per_node=args.gpus_per_node)
     except (PlanError, DataError) as exc:
         log.error(f"refused: {exc}")
         return EXIT_BAD_INPUT

@@ -46,19 +46,25 @@ def format_plan(plan: Plan, config: PipelineConfig) -> str:
         (f"memory/{'GPU' if plan.on_gpu else 'process'}",
          f"weights {g(m.weights)}, gradients {g(m.gradients)}, optimizer {g(m.optimizer)}, logits {g(m.logits)}"),
         ("activations", f"{g(m.activations)} without checkpointing, {g(c.activations)} with"),
+        ("loss", f"{'fused' if plan.loss.fused else 'unfused'}: {plan.loss.why}"),
         ("total", f"~{g(plan.planned_memory.total)} on {plan.device_name}: {plan.budget.describe()}"),
         ("host RAM", f"dataset index {g(plan.index_ram)}; ~{g(plan.host_ram_needed)} needed of "
-                     f"{g(plan.host_ram)} available"),
+                     f"{g(plan.host_ram)} available ({plan.ranks_per_node} ranks on this node)"),
         ("disk", f"~{g(plan.checkpoint_bytes)} per checkpoint, keeping {train.keep_checkpoints}"),
     ]
     speed = plan.expected_tokens_per_s
+    # A speed measured in the run folder counts only for the same setup (model shape, precision, seq_len, device)
+    elsewhere = (f"the speeds in {train.output_model_dir / 'metrics.jsonl'} were measured for "
+                 f"{plan.measured_elsewhere}, not this setup ({plan.setup})" if plan.measured_elsewhere else "")
     if speed:
         source = (f"measured: median of the last log steps in {train.output_model_dir / 'metrics.jsonl'}"
                   if plan.measured_tokens_per_s else
-                  f"assumed {ASSUMED_MFU:.0%} MFU of {plan.peak_flops / 1e12:.0f} TFLOP/s per GPU; "
-                  "no measured figure yet")
+                  f"estimated: assumed {ASSUMED_MFU:.0%} MFU of {plan.peak_flops / 1e12:.0f} TFLOP/s per GPU; "
+                  + (elsewhere or "no measured figure yet"))
         rows.append(("expected speed", f"~{speed:,.0f} tokens/s ({source}); the whole run "
                                        f"≈ {_duration(plan.train_tokens / speed)}"))
+    elif elsewhere:
+        rows.append(("expected speed", f"unknown: no estimate on CPU, and {elsewhere}"))
     if is_url(train.output_model_dir):
         from gptpipe.train.mirror import describe_run_folder
 

@@ -116,7 +116,7 @@ class Pretrainer(TrainLoop):
         plan = self.plan
         tokens_per_s = window.steps * plan.tokens_per_step / max(window.seconds, 1e-9)
         row: dict[str, Any] = {"step": self.step, "tokens": self.consumed * self.train_cfg.seq_len, **window.row(),
-                               "tokens_per_s": tokens_per_s}
+                               "tokens_per_s": tokens_per_s, "setup": plan.setup}
         routing = ""
         if window.last.aux_loss is not None:
             row["aux_loss"] = float(window.last.aux_loss)
