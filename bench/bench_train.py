@@ -1,6 +1,6 @@
 """Stage-3 speed: tokens/s, MFU and peak memory of gptpipe's training step, against the planner's estimate.
 
-The default is the issue's target: the 125m llama preset, seq 2048, bf16, one GPU (target >= 45% MFU on an
+The default is the target setting: the 125m llama preset, seq 2048, bf16, one GPU (target >= 45% MFU on an
 H100). It runs the real path: `build_engine` (DeepSpeed, SDPA, Liger kernels when installed, fused AdamW)
 and `train_step`, on random token ids (speed does not depend on the text), and prints a markdown row for
 docs/benchmarks.md.
@@ -12,7 +12,7 @@ docs/benchmarks.md.
 MFU = FLOPs per token (6·N + 12·L·h·s, N without the embedding lookup) × tokens/s ÷ the GPU's dense peak
 (H100/H200 989 TFLOP/s bf16; override with --peak-tflops). The memory column compares torch's peak
 allocation with the planner's weights + gradients + optimizer + activations + logits (the headroom it leaves
-for the CUDA context, NCCL and fragmentation is not part of it): the issue's target is within ±10%.
+for the CUDA context, NCCL and fragmentation is not part of it): the target is within ±10%.
 """
 
 from __future__ import annotations

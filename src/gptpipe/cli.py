@@ -70,7 +70,7 @@ COMMANDS = [
             "gptpipe.data.count:run", PIPELINE, "config.yaml", _count_arguments),
     Command("plan", "stage 3 preflight: parameters, FLOPs, memory per GPU, steps and LR schedule; refuses what "
             "won't fit",
-            "gptpipe.train.plan:run", PIPELINE, "config.yaml", plan_arguments),
+            "gptpipe.train.plan_report:run", PIPELINE, "config.yaml", plan_arguments),
     Command("train", "stage 3: pretrain the GPT with DeepSpeed (resumes from the newest checkpoint; exit 75 = "
             "saved on SIGTERM/SIGINT, rerun to continue)", "gptpipe.train.train:run", PIPELINE, "config.yaml"),
     Command("convert", "stage 4: export a stage-3 checkpoint to a verified HuggingFace folder",

@@ -3,7 +3,7 @@
 The folder is reloaded with AutoModelForCausalLM/AutoTokenizer, as any user would, and checked on data the
 model did not train on (documents of its validation/test split, cut from the seeded shuffle training used):
 1. ids: dtype, vocabulary size and bos/eos/pad ids are the ones the model was trained with;
-2. logits: against the model rebuilt from the checkpoint, both in the export dtype (ANCHORS §5: bf16
+2. logits: against the model rebuilt from the checkpoint, both in the export dtype (bf16
    compares like with like), max |Δ| within a tolerance;
 3. tokenizer: the same ids as the SentencePiece model the training data was encoded with;
 4. generation: greedy decoding through `generate` (the folder's generation_config.json, its KV cache) picks,

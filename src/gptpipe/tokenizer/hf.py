@@ -1,7 +1,7 @@
 """The SentencePiece model as a HuggingFace fast tokenizer with identical ids, and the check that proves it.
 
 Built directly from the model's pieces with the `tokenizers` primitives rather than through transformers'
-converters (ANCHORS §5: some loaders silently ignore the model file or turn a unigram model into BPE):
+converters, some of which silently ignore the model file or turn a unigram model into BPE:
 
 - model: Unigram with the same pieces and scores, or BPE with merges derived from the piece order;
   byte fallback as in SentencePiece;

@@ -4,12 +4,11 @@ From config.yaml, the tokenizer and the dataset's .idx alone it works out the ru
 against the real model's `num_parameters()`), FLOPs per token, steps and LR schedule from the token
 count, per-GPU memory (train/memory.py) against the device's budget, host RAM for the dataset index and
 disk per checkpoint. A run that will not fit is refused before launch, with the change that makes it fit.
-The printed table is train/plan_report.py's.
+The printed table and the `gptpipe plan` command are train/plan_report.py's.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 from dataclasses import dataclass, replace
@@ -18,10 +17,8 @@ from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
 
 from gptpipe.data.count import DatasetCounts, count_dataset, epoch_schedule, stale_train_tokens
-from gptpipe.log import get_logger
-from gptpipe.stages import EXIT_BAD_INPUT
 from gptpipe.storage import is_url
-from gptpipe.train.data import DataError, available_host_ram, blend_weights, check_splits, index_bytes
+from gptpipe.train.data import available_host_ram, blend_weights, check_splits, index_bytes
 from gptpipe.train.devices import LossPath, detect_device, loss_path, peak_flops, ranks_per_node
 from gptpipe.train.logging import read_metrics
 from gptpipe.train.memory import (
@@ -37,8 +34,6 @@ from gptpipe.train.memory import (
 )
 from gptpipe.train.model import Shape, count_parameters, flops_per_token, resolve_shape
 from gptpipe.train.schedule import Schedule
-
-log = get_logger("plan")
 
 if TYPE_CHECKING:
     from gptpipe.pipeline import PipelineConfig
@@ -287,21 +282,3 @@ def check_parameter_count(plan: Plan, hf_config: Any) -> int:
     if actual != plan.parameters:
         raise PlanError(f"planner bug: it counts {plan.parameters:,} parameters, the model has {actual:,}")
     return actual
-
-
-def run(config: PipelineConfig, args: argparse.Namespace) -> int:
-    """`gptpipe plan`: print the plan; exit 2 when the run would not fit."""
-    from gptpipe.stages import read_tokenizer
-    from gptpipe.train.model import build_model_config
-    from gptpipe.train.plan_report import format_plan  # it imports this module
-
-    tokenizer = read_tokenizer(config.tokenize.tokenizer_dir)
-    try:
-        plan = make_plan(config, tokenizer.vocab_size, dp=args.gpus, device_memory_gib=args.gpu_memory,
-                         device_name=args.gpu_name, gpus_per_node=args.gpus_per_node)
-    except (PlanError, DataError) as exc:
-        log.error(f"refused: {exc}")
-        return EXIT_BAD_INPUT
-    check_parameter_count(plan, build_model_config(config.model, tokenizer, config.train.seq_len))
-    log.info(f"stage 3 with {args.config}:\n{format_plan(plan, config)}")
-    return 0

@@ -1,15 +1,21 @@
-"""The plan as the table `gptpipe plan` and `gptpipe train` print before training."""
+"""The plan as the table `gptpipe plan` and `gptpipe train` print before training, and `gptpipe plan` itself."""
 
 from __future__ import annotations
 
+import argparse
 from typing import TYPE_CHECKING
 
-from gptpipe.train.memory import GIB
+from gptpipe.log import get_logger
+from gptpipe.stages import EXIT_BAD_INPUT
 from gptpipe.storage import is_url
-from gptpipe.train.plan import ASSUMED_MFU, Plan
+from gptpipe.train.data import DataError
+from gptpipe.train.memory import GIB
+from gptpipe.train.plan import ASSUMED_MFU, Plan, PlanError, check_parameter_count, make_plan
 
 if TYPE_CHECKING:
     from gptpipe.pipeline import PipelineConfig
+
+log = get_logger("plan")
 
 
 def _duration(seconds: float) -> str:
@@ -75,3 +81,20 @@ def format_plan(plan: Plan, config: PipelineConfig) -> str:
             rows.append(("warning", warning))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def run(config: PipelineConfig, args: argparse.Namespace) -> int:
+    """`gptpipe plan`: print the plan; exit 2 when the run would not fit."""
+    from gptpipe.stages import read_tokenizer
+    from gptpipe.train.model import build_model_config
+
+    tokenizer = read_tokenizer(config.tokenize.tokenizer_dir)
+    try:
+        plan = make_plan(config, tokenizer.vocab_size, dp=args.gpus, device_memory_gib=args.gpu_memory,
+                         device_name=args.gpu_name, gpus_per_node=args.gpus_per_node)
+    except (PlanError, DataError) as exc:
+        log.error(f"refused: {exc}")
+        return EXIT_BAD_INPUT
+    check_parameter_count(plan, build_model_config(config.model, tokenizer, config.train.seq_len))
+    log.info(f"stage 3 with {args.config}:\n{format_plan(plan, config)}")
+    return 0
