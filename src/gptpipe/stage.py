@@ -192,11 +192,24 @@ def run_stage(
             return old
     # The old manifest is replaced first by one marked incomplete: a run killed from here on leaves a manifest
     # that vouches for nothing, yet still marks the files beside it as this stage's (check_input_files).
+    first_run = not manifest_path.exists()
+    before = _files(root)
     _write_manifest(manifest_path, Manifest(stage=stage.name, config=plain_config, inputs=inputs, complete=False,
                                             versions=package_versions(versions),
                                             created=time.strftime("%Y-%m-%dT%H:%M:%S%z")))
     started = time.time()
-    result = work()
+    try:
+        result = work()
+    except BaseException:
+        # A first run that failed without writing anything (refused input, a dead worker) leaves the place as
+        # it found it; one that wrote files keeps the incomplete manifest that marks them.
+        after = _files(root) or {}
+        after.pop(manifest_path.name, None)
+        if first_run and after == (before or {}):
+            manifest_path.unlink(missing_ok=True)
+            if before is None and not any(root.iterdir()):
+                root.rmdir()
+        raise
     elapsed = time.time() - started
     manifest = Manifest(
         stage=stage.name,
@@ -213,6 +226,13 @@ def run_stage(
     write_text_atomic(config_path, yaml.safe_dump(plain_config, allow_unicode=True, sort_keys=False))
     _write_manifest(manifest_path, manifest)
     return manifest
+
+
+def _files(folder: Path) -> dict[str, Any] | None:
+    """{name: (size, mtime)} of the files directly in ``folder``; None when it does not exist."""
+    if not folder.is_dir():
+        return None
+    return {p.name: (st.st_size, st.st_mtime_ns) for p in folder.iterdir() if p.is_file() and (st := p.stat())}
 
 
 def _write_manifest(path: Path, manifest: Manifest) -> None:

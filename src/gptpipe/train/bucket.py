@@ -90,8 +90,8 @@ class Bucket:
             return None
         problems = self.checkpoint(step).problems(listed)
         if problems:
-            log.warning(f"{self.checkpoint(step).url} is not used: {len(problems)} file(s) its marker lists are "
-                        f"not as listed ({problems[0]}, ...)")
+            log.warning(f"{self.checkpoint(step).url} is not used: its marker lists {len(problems)} file(s) "
+                        f"missing or of another size in the bucket ({problems[0]}, ...)")
             return None
         return listed
 
