@@ -27,13 +27,5 @@ trap 'rm -f "$GPTPIPE_EXIT_FILE"' EXIT
 $PYTHON -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m gptpipe "$COMMAND" "$@" &
 LAUNCHER=$!
 trap 'kill -TERM "$LAUNCHER" 2>/dev/null || true' TERM INT
-code=0
-wait "$LAUNCHER" || code=$?
-while kill -0 "$LAUNCHER" 2>/dev/null; do  # a trapped signal ends `wait` early: wait for the save
-  code=0
-  wait "$LAUNCHER" || code=$?
-done
-if [ "$code" -ne 0 ] && [ -s "$GPTPIPE_EXIT_FILE" ]; then
-  code=$(cat "$GPTPIPE_EXIT_FILE")
-fi
-exit "$code"
+source "$(dirname "${BASH_SOURCE[0]}")/wait_launcher.sh"
+wait_launcher_and_exit

@@ -5,7 +5,8 @@ the shipped YAMLs, so later stages' tests consume real outputs of earlier stages
 pages skip outside CI when they are not installed, and fail in CI (which installs them).
 
 Tiers (markers, added here from the fixtures a test uses): ``manpages`` for every test that needs the man
-pages, ``slow`` for every test that needs the stage-1 tokenizer (minutes per session) or trains a model;
+pages, ``slow`` for every test that needs the stage-1 tokenizer (minutes per session) or trains a model, and
+for every test marked ``ranks`` (it starts a multi-rank launcher: torchrun or deepspeed's);
 ``pytest -m "not slow"`` is the quick tier.
 """
 
@@ -45,7 +46,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         fixtures = set(getattr(item, "fixturenames", ()))  # the closure: fixtures of fixtures included
         if fixtures & MANPAGE_FIXTURES:
             item.add_marker(pytest.mark.manpages)
-        if fixtures & SLOW_FIXTURES:
+        if fixtures & SLOW_FIXTURES or item.get_closest_marker("ranks"):
             item.add_marker(pytest.mark.slow)
 
 

@@ -594,6 +594,7 @@ def test_t5_with_byt5_tokenizer_finetunes_and_predicts(tiny_t5: Path, task_files
     assert metrics["mapped"] == sum(r["mapped"] for r in lines) and "majority_accuracy" in metrics
 
 
+@pytest.mark.ranks
 def test_two_rank_zero3_predict_finishes(tiny_lm: Path, task_files: tuple[Path, Path], tmp_path: Path) -> None:
     """Ranks stop generating at different lengths; with synced_gpus the ZeRO-3 gathers stay in step."""
     run = tmp_path / "run"
@@ -611,6 +612,7 @@ def test_two_rank_zero3_predict_finishes(tiny_lm: Path, task_files: tuple[Path, 
 
 
 
+@pytest.mark.ranks
 def test_7_finetune_sh_keeps_the_exit_code_through_torchrun(tmp_path: Path) -> None:
     """torchrun turns any rank's non-zero exit into 1; the script reports the real one (2: refused)."""
     env = {**train_env(2), "NPROC": "2", "PYTHON": sys.executable}

@@ -93,8 +93,8 @@ class LoopConfig:
     offload_optimizer: bool = option(False, "ZeRO: keep optimizer states in host RAM")
     fp32_gradients: bool = option(
         True, "bf16 with zero_stage >= 1: accumulate and all-reduce gradients in fp32, as Megatron does (the plan "
-              "counts the memory: 4 instead of 2 bytes per gradient); false: in bf16, DeepSpeed's default. "
-              "DeepSpeed's optimizer state differs between the two: resume a run with the setting it began with")
+              "counts the memory: 4 instead of 2 bytes per gradient); false: in bf16, DeepSpeed's default. Changed on "
+              "resume, DeepSpeed still loads the checkpoint (tried on CPU at ZeRO-1); keep it for exact resume")
     activation_checkpointing: bool = option(False, "recompute activations in backward (less memory, ~30% slower)")
     compile: bool = option(False, "torch.compile the model (CUDA; with compile_backend other than inductor, CPU too)")
     compile_backend: str = option(
