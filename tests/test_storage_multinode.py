@@ -11,10 +11,28 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from conftest import QUICK_TRAIN, REPO, free_port, run_train, train_env, train_losses
 from test_storage import S3Store, bucket_losses, bucket_steps
+
+
+@contextlib.contextmanager
+def s3_bucket(monkeypatch, bucket: str) -> Iterator[S3Store]:
+    """moto's S3 server with an empty `bucket`, its env set for this process and its children."""
+    store = S3Store()
+    for key, value in store.env.items():
+        monkeypatch.setenv(key, value)
+    store.start()
+    try:
+        import fsspec
+
+        store.fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        store.fs.mkdir(bucket)
+        yield store
+    finally:
+        store.stop()
 
 ZERO = ("train.zero_stage=2",)
 
@@ -63,15 +81,7 @@ def test_nodes_without_shared_disk_upload_their_ranks_and_resume_exactly(dataset
     assert full.returncode == 0, full.stderr[-3000:]
     reference = train_losses(tmp_path / "full")
 
-    store = S3Store()
-    for key, value in store.env.items():
-        monkeypatch.setenv(key, value)
-    store.start()
-    try:
-        import fsspec
-
-        store.fs = fsspec.filesystem("s3", skip_instance_cache=True)
-        store.fs.mkdir("multinode")
+    with s3_bucket(monkeypatch, "multinode") as store:
         url = "s3://multinode/runs/run"
         # Preempted after step 2: each node saves, uploads its part, and rank 0 commits the checkpoint.
         machines = tmp_path / "machines1"
@@ -95,8 +105,6 @@ def test_nodes_without_shared_disk_upload_their_ranks_and_resume_exactly(dataset
         assert not (resumed / "rng_state_rank0.pt").exists()
         assert bucket_losses(store, url) == reference
         assert bucket_steps(store, url)[6] is True
-    finally:
-        store.stop()
 
 
 def test_two_ranks_on_a_node_keep_a_sigterm_upload_alive_until_it_commits(dataset_prefix: Path, workspace: Path,
@@ -105,40 +113,33 @@ def test_two_ranks_on_a_node_keep_a_sigterm_upload_alive_until_it_commits(datase
     rank 1 has nothing to upload, and a launcher stops the other ranks of a node once one exits. The store is
     down for the first seconds after the signal, so rank 0's upload is still retrying when rank 1 is done
     saving: rank 0 must still commit the checkpoint, and the script exit 75."""
-    store, script = S3Store(), None
-    for key, value in store.env.items():
-        monkeypatch.setenv(key, value)
-    store.start()
-    try:
-        import fsspec
-
-        store.fs = fsspec.filesystem("s3", skip_instance_cache=True)
-        store.fs.mkdir("twoperhost")
-        url = "s3://twoperhost/runs/run"
-        hostfile = tmp_path / "hostfile"
-        hostfile.write_text("localhost slots=2\n")
-        env = {**train_env(2), "HOSTFILE": str(hostfile), "MASTER_PORT": free_port(), "PYTHON": sys.executable,
-               "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-        script = subprocess.Popen(
-            ["bash", str(REPO / "3_train_multi_node.sh"), "--config", str(workspace / "config.yaml"), *QUICK_TRAIN,
-             "train.train_iters=1000", "train.save_interval=1000", "train.preempt_grace_seconds=120",
-             f"train.output_model_dir={url}", f"train.local_dir={tmp_path / 'staging'}"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        deadline = time.monotonic() + 300
-        while not train_losses(tmp_path / "staging"):
-            assert script.poll() is None and time.monotonic() < deadline, script.stderr.read()[-3000:]
-            time.sleep(0.05)
-        store.stop()
-        script.send_signal(signal.SIGTERM)
-        time.sleep(8)  # the deepspeed launcher polls its ranks every second
-        store.start()
-        _, stderr = script.communicate(timeout=300)
-        assert script.returncode == 75, stderr[-3000:]
-        assert "the run is mirrored in" in stderr
-        saved = bucket_steps(store, url)
-        assert len(saved) == 1 and all(saved.values()), saved
-    finally:
-        if script is not None:  # ranks a failed script left behind
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(script.pid, signal.SIGKILL)
-        store.stop()
+    script = None
+    with s3_bucket(monkeypatch, "twoperhost") as store:
+        try:
+            url = "s3://twoperhost/runs/run"
+            hostfile = tmp_path / "hostfile"
+            hostfile.write_text("localhost slots=2\n")
+            env = {**train_env(2), "HOSTFILE": str(hostfile), "MASTER_PORT": free_port(), "PYTHON": sys.executable,
+                   "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+            script = subprocess.Popen(
+                ["bash", str(REPO / "3_train_multi_node.sh"), "--config", str(workspace / "config.yaml"), *QUICK_TRAIN,
+                 "train.train_iters=1000", "train.save_interval=1000", "train.preempt_grace_seconds=120",
+                 f"train.output_model_dir={url}", f"train.local_dir={tmp_path / 'staging'}"],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+            deadline = time.monotonic() + 300
+            while not train_losses(tmp_path / "staging"):
+                assert script.poll() is None and time.monotonic() < deadline, script.stderr.read()[-3000:]
+                time.sleep(0.05)
+            store.stop()
+            script.send_signal(signal.SIGTERM)
+            time.sleep(8)  # the deepspeed launcher polls its ranks every second
+            store.start()
+            _, stderr = script.communicate(timeout=300)
+            assert script.returncode == 75, stderr[-3000:]
+            assert "the run is mirrored in" in stderr
+            saved = bucket_steps(store, url)
+            assert len(saved) == 1 and all(saved.values()), saved
+        finally:
+            if script is not None:  # ranks a failed script left behind
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(script.pid, signal.SIGKILL)
