@@ -19,11 +19,11 @@ import pytest
 import torch
 from conftest import REPO, require_manpages, train_env, train_losses
 
+from gptpipe.data.jsonl import CUT_TO_FIT, TOO_LONG, Reasons
 from gptpipe.finetune.data import (
     IGNORE,
     Encoder,
     Row,
-    Skipped,
     collate,
     collate_packed,
     computed_positions,
@@ -112,22 +112,25 @@ def test_tsv_reader_counts_every_bad_row_and_keeps_the_rest(tmp_path: Path) -> N
     assert [(r.input, r.label) for r in rows] == [("ファイルをコピー", "1"), ("windows line", "8"),
                                                   ("last line without newline", "5")]
     assert rows[0].where == f"{path}:2"
-    assert dict(skipped.counts) == {"wrong column count": 2, "empty input": 1, "empty label": 1,
-                                    "undecodable bytes (not UTF-8)": 1}
+    # The reasons are data/jsonl.py's, the same names stages 0-2 count by.
+    assert dict(skipped.counts) == {"wrong column count": 2, "empty": 2, "undecodable utf-8": 1}
     assert skipped.examples["wrong column count"][0].startswith(f"{path}:3: 3 columns")
-    assert skipped.examples["undecodable bytes (not UTF-8)"] == [f"{path}:7: byte 4"]
-    assert "2 skipped: wrong column count" in skipped.report()
+    assert skipped.examples["empty"] == [f"{path}:5: input", f"{path}:6: label"]
+    assert skipped.examples["undecodable utf-8"] == [f"{path}:7: byte 4"]
+    assert "2 skipped: wrong column count" in skipped.lines()
 
 
 def test_jsonl_reader_with_custom_keys(tmp_path: Path) -> None:
     path = tmp_path / "rows.jsonl"
     lines = ['{"text": "ディレクトリを作る", "section": 1}', '{"text": "x"', '["a", "b"]', '{"text": "no label"}',
-             '{"text": ["list"], "section": "1"}', '{"text": "", "section": "2"}', '{"text": "ok", "section": "3"}']
+             '{"text": ["list"], "section": "1"}', '{"text": "", "section": "2"}', '{"text": "ok", "section": "3"}',
+             '{"text": "broken \\ud800 pair", "section": "1"}', '{"text": "nul\\u0000 inside", "section": "4"}']
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     rows, skipped = read_rows(path, "auto", input_key="text", label_key="section")
-    assert [(r.input, r.label) for r in rows] == [("ディレクトリを作る", "1"), ("ok", "3")]
-    assert dict(skipped.counts) == {"not valid JSON": 1, "not a JSON object": 1, "missing key 'section'": 1,
-                                    "input or label not a string": 1, "empty input": 1}
+    assert [(r.input, r.label) for r in rows] == [("ディレクトリを作る", "1"), ("ok", "3"), ("nul inside", "4")]
+    assert dict(skipped.counts) == {"invalid json": 1, "not an object": 1, "missing key": 1, "not a string": 1,
+                                    "empty": 1, "lone surrogate": 1, "nul stripped": 1}
+    assert skipped.examples["missing key"] == [f"{path}:4: 'section'"] and skipped.skipped == 6
     unlabelled, skipped = read_rows(path, "jsonl", input_key="text", label_key="section", need_label=False)
     assert ("no label", None) in [(r.input, r.label) for r in unlabelled]
 
@@ -145,14 +148,15 @@ def test_too_long_rows_are_truncated_or_dropped_and_counted() -> None:
 
     tokenizer = ByT5Tokenizer()  # bytes: one token per UTF-8 byte, needs no files
     row = Row("x" * 100, "label", "f:1")
-    skipped = Skipped()
+    skipped = Reasons()
     cut = Encoder(tokenizer, "{input} =>", 32, seq2seq=False, too_long="truncate").encode(row, skipped)
-    assert len(cut.input_ids) <= 32 and skipped.truncated == 1 and not skipped.counts
+    assert len(cut.input_ids) <= 32 and dict(skipped.counts) == {CUT_TO_FIT: 1} and not skipped.skipped
     assert tokenizer.decode(cut.input_ids[:-7]).endswith("x =>")  # the template's tail survives the cut
     dropped = Encoder(tokenizer, "{input} =>", 32, seq2seq=False, too_long="drop").encode(row, skipped)
-    assert dropped is None and skipped.counts["too long for train.seq_len"] == 1
+    assert dropped is None and skipped.counts[TOO_LONG] == 1
     assert Encoder(tokenizer, "{input}", 4, seq2seq=False).encode(Row("a", "long label", "f:2"), skipped) is None
-    assert skipped.counts["label too long for train.seq_len"] == 1
+    assert skipped.examples[TOO_LONG] == [
+        "f:1: 110 tokens, train.seq_len 32", "f:2: label of 11 tokens, train.seq_len 4"]
 
 
 def test_a_seq_len_that_cuts_training_rows_is_warned_with_the_value_that_keeps_them(
@@ -170,8 +174,8 @@ def test_a_seq_len_that_cuts_training_rows_is_warned_with_the_value_that_keeps_t
                          r"dropped\); train.seq_len=(\d+) keeps every row", short.length_warning)
     assert found, short.length_warning
     cut, share, longest = int(found[1]), int(found[2]), int(found[4])
-    assert cut == int(found[3]) == short.skipped.truncated > 0 and share == round(100 * cut / 48)
-    assert task(longest).length_warning is None and task(longest).skipped.truncated == 0
+    assert cut == int(found[3]) == short.skipped.counts[CUT_TO_FIT] > 0 and share == round(100 * cut / 48)
+    assert task(longest).length_warning is None and task(longest).skipped.counts[CUT_TO_FIT] == 0
     assert task(longest - 1).length_warning.startswith(f"train.seq_len {longest - 1} is too short for ")
     # Beyond the model's 64 positions no seq_len keeps every row: the warning names the cap; drop mode too.
     over = task(60, "task.prompt='" + "次の説明の節番号を答えてください。" * 8 + "{input}'", "data.too_long=drop")
@@ -191,7 +195,7 @@ def test_prompt_masking_puts_the_loss_on_label_tokens_only(tiny_lm: Path, task_f
     encoder = Encoder(tokenizer, "{input}\n答え:", 64, seq2seq=False)
     rows, _ = read_rows(task_files[0], "tsv")
     rows = rows[:4] + [Row("長い説明" * 3, "generation label", "f:1")]
-    batch = collate([encoder.encode(r, Skipped()) for r in rows], tokenizer.pad_token_id, seq2seq=False)
+    batch = collate([encoder.encode(r, Reasons()) for r in rows], tokenizer.pad_token_id, seq2seq=False)
     assert tokenizer.pad_token_id != tokenizer.eos_token_id
     for i, row in enumerate(rows):
         prompt = tokenizer(f"{row.input}\n答え:")["input_ids"]
@@ -247,7 +251,7 @@ def test_loss_is_normalised_by_the_label_tokens_of_the_whole_global_batch(tiny_l
     model = AutoModelForCausalLM.from_pretrained(tiny_lm).eval()
     first = order[:4]
     encoder = Encoder(tokenizer, "{input}\n答え:", 48, seq2seq=False)
-    items = [encoder.encode(Row(*pairs[i], "f"), Skipped()) for i in first]
+    items = [encoder.encode(Row(*pairs[i], "f"), Reasons()) for i in first]
     with torch.no_grad():
         lp = [-target_logprobs(model, collate(items[k:k + 2], tokenizer.pad_token_id, False), False) for k in (0, 2)]
     tokens = [sum(e.label_tokens for e in items[k:k + 2]) for k in (0, 2)]
@@ -347,7 +351,7 @@ def test_a_packed_batch_scores_every_row_as_the_padded_batch_does(tiny_lm: Path,
     model.eval()
     encoder = Encoder(tokenizer, "{input}\n答え:", 48, seq2seq=False)
     rows, _ = read_rows(task_files[0], "tsv")
-    items = [encoder.encode(r, Skipped()) for r in rows[:16]]
+    items = [encoder.encode(r, Reasons()) for r in rows[:16]]
     padded = collate(items, tokenizer.pad_token_id, seq2seq=False)
     packed = collate_packed(items, tokenizer.pad_token_id, 48)
     assert len(packed["input_ids"]) < len(items) and packed["input_ids"].shape[1] <= 48

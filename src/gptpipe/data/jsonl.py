@@ -1,9 +1,9 @@
-"""jsonl records → document texts, the same way in every stage, and the reasons a record gives none.
+"""jsonl records → texts, the same way in every stage, and the reasons a record gives none.
 
 Stages 0, 1 and 2 read a jsonl line with :func:`record_text` (stage 0 also reads whole .json arrays and
-dataset rows with :func:`object_text`). A line that cannot become a document is skipped and counted by
-reason in a :class:`Reasons`, with file:line examples; a stage fails only when nothing usable is left.
-The reasons:
+dataset rows with :func:`object_text`); stage 7 reads its labelled rows with :func:`parse_record` and
+:func:`field_text`. A line that cannot be used is skipped and counted by reason in a :class:`Reasons`, with
+file:line examples; a stage fails only when nothing usable is left. The reasons:
 
     blank line          only whitespace
     undecodable utf-8   the bytes are not UTF-8
@@ -13,10 +13,13 @@ The reasons:
     missing key         the object has no text key
     not a string        the text key holds a number, list, null, ...
     empty               the text is "" (also after removing NULs)
-    too long            over the stage's character limit (or a line too long to hold one)
+    too long            over the stage's character limit (or a line too long to hold one); stage 7: a row
+                        over train.seq_len tokens that is dropped
+    wrong column count  stage 7's TSV: a line that is not input<TAB>label
 
-NUL characters are removed and the document kept (counted as "nul stripped", a repair): they come from
-binary junk or broken extraction and mean nothing to a language model.
+Repairs, counted for records that are kept: NUL characters are removed ("nul stripped"; they come from
+binary junk or broken extraction and mean nothing to a language model), and stage 7 cuts an input that
+does not fit train.seq_len ("cut to fit").
 """
 
 from __future__ import annotations
@@ -40,8 +43,10 @@ MISSING_KEY = "missing key"
 NOT_A_STRING = "not a string"
 EMPTY = "empty"
 TOO_LONG = "too long"
+WRONG_COLUMNS = "wrong column count"
 NUL_STRIPPED = "nul stripped"
-REPAIRS = (NUL_STRIPPED,)  # reasons counted for documents that are kept
+CUT_TO_FIT = "cut to fit"
+REPAIRS = (NUL_STRIPPED, CUT_TO_FIT)  # reasons counted for records that are kept
 NO_LIMIT = sys.maxsize
 EXAMPLES_PER_REASON = 5
 
@@ -83,6 +88,21 @@ def object_text(obj: Any, text_key: str, max_chars: int = NO_LIMIT) -> tuple[str
 
 def _record_text_slowly(line: bytes, text_key: str, max_chars: int) -> tuple[str | None, str | None]:
     """The rare lines orjson refuses: name the problem, or accept what the stdlib reads (BOM, NaN, 1e400)."""
+    obj, reason = _parse_slowly(line)
+    if reason:
+        return None, reason
+    return field_text(obj, text_key, max_chars)
+
+
+def parse_record(line: bytes) -> tuple[Any, str | None]:
+    """(the JSON value of one jsonl line, None) or (None, the reason it has none)."""
+    try:
+        return orjson.loads(line), None
+    except orjson.JSONDecodeError:
+        return _parse_slowly(line)
+
+
+def _parse_slowly(line: bytes) -> tuple[Any, str | None]:
     if not line.strip():
         return None, BLANK
     try:
@@ -90,10 +110,15 @@ def _record_text_slowly(line: bytes, text_key: str, max_chars: int) -> tuple[str
     except UnicodeDecodeError:
         return None, UNDECODABLE
     try:
-        obj = json.loads(decoded)
+        return json.loads(decoded), None
     except ValueError:
         return None, INVALID_JSON
-    text, reason = object_text(obj, text_key, max_chars)
+
+
+def field_text(obj: Any, key: str, max_chars: int = NO_LIMIT) -> tuple[str | None, str | None]:
+    """:func:`object_text`, and a text with lone surrogates (which only the stdlib parser lets through)
+    refused: no tokenizer can encode it."""
+    text, reason = object_text(obj, key, max_chars)
     if text is not None:
         try:
             text.encode("utf-8")
@@ -142,6 +167,12 @@ class Reasons:
 
     def summary(self) -> str:
         return ", ".join(f"{reason}: {n:,}" for reason, n in self.counts.most_common())
+
+    def lines(self) -> str:
+        """One console line per reason with its examples; empty when nothing was skipped or repaired."""
+        return "\n".join(f"  {n:,} {'kept, ' + reason if reason in REPAIRS else 'skipped: ' + reason} "
+                         f"(e.g. {'; '.join(map(str, self.examples.get(reason, [])))})"
+                         for reason, n in self.counts.most_common())
 
     def report(self, stage: str, lines: int) -> None:
         for reason, n in self.counts.most_common():

@@ -23,8 +23,9 @@ from collections.abc import Callable
 
 import torch
 
+from gptpipe.data.jsonl import Reasons
 from gptpipe.export.verify import GREEDY_GAP_FACTOR, TORCH_DTYPES, logits_tolerance, run_gate
-from gptpipe.finetune.data import IGNORE, Encoded, Encoder, Row, Skipped, collate, map_to_label, pad_id
+from gptpipe.finetune.data import IGNORE, Encoded, Encoder, Row, collate, map_to_label, pad_id
 from gptpipe.finetune.model import as_scored, decode, generate, logits, model_class
 from gptpipe.log import get_logger
 
@@ -46,7 +47,7 @@ class TaskRows:
         return Encoder(tokenizer, t["prompt"], t["seq_len"], t["seq2seq"], t["too_long"])
 
     def encoded(self, tokenizer: Any) -> list[Encoded]:
-        scratch = Skipped()  # a row the run would drop is simply not compared
+        scratch = Reasons()  # a row the run would drop is simply not compared
         return [e for e in (self.encoder(tokenizer).encode(row, scratch) for row in self.rows) if e is not None]
 
     def max_new_tokens(self, tokenizer: Any) -> int:
@@ -107,7 +108,7 @@ def _check_tokenizer(report: dict[str, Any], tokenizer: Any, reference_tokenizer
 def _answers(model: Any, tokenizer: Any, data: TaskRows) -> tuple[list[list[int]], list[list[int]]]:
     """(the prompts' ids, the greedy answers' ids) of the first GENERATED_ROWS validation rows."""
     encoder = data.encoder(tokenizer)
-    prompts = [encoder.fit_prompt(row.input, 0, row.where, Skipped()) or [encoder.eos]
+    prompts = [encoder.fit_prompt(row.input, 0, row.where, Reasons()) or [encoder.eos]
                for row in data.rows[:GENERATED_ROWS]]
     answers = generate(model, encoder, prompts, torch.device("cpu"), max_new_tokens=data.max_new_tokens(tokenizer))
     return prompts, answers

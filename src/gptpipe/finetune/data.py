@@ -1,30 +1,31 @@
 """Labelled rows for fine-tuning: reading TSV/jsonl, the validation split, prompt masking, the training order
 (optionally grouped by length), padded or packed batches.
 
-Bad rows never stop a run: each is skipped and counted by reason, with the first file:line examples, and
-the counts are printed and kept in the run's summary. Prompt and label are tokenized separately and their
-ids concatenated, so the loss mask is exact whatever the tokenizer does at their boundary (searching for
-the label inside the tokenized whole fails with SentencePiece, whose pieces depend on context).
+Bad rows never stop a run: each is skipped and counted by data/jsonl.py's reasons (one set for every stage),
+with the first file:line examples, and the counts are printed and kept in the run's summary. Prompt and label
+are tokenized separately and their ids concatenated, so the loss mask is exact whatever the tokenizer does at
+their boundary (searching for the label inside the tokenized whole fails with SentencePiece, whose pieces
+depend on context).
 """
 
 from __future__ import annotations
 
-import json
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from collections.abc import Iterable
 
 import numpy as np
 
+from gptpipe.data.jsonl import (CUT_TO_FIT, EMPTY, LONE_SURROGATE, MISSING_KEY, NOT_A_STRING, NOT_AN_OBJECT,
+                                REPAIRS, TOO_LONG, UNDECODABLE, WRONG_COLUMNS, Reasons, field_text, parse_record)
 from gptpipe.train.data import to_device
 
 if TYPE_CHECKING:
     import torch
 
 IGNORE = -100  # label id the loss skips (prompt tokens, padding)
-EXAMPLES_PER_REASON = 3
 
 
 @dataclass(frozen=True)
@@ -34,53 +35,23 @@ class Row:
     where: str  # "file:line", for messages
 
 
-@dataclass
-class Skipped:
-    """Rows left out, by reason, with a few file:line examples each; truncations are counted apart."""
-
-    counts: Counter = field(default_factory=Counter)
-    examples: dict[str, list[str]] = field(default_factory=dict)
-    truncated: int = 0
-
-    def add(self, reason: str, where: str, detail: str = "") -> None:
-        self.counts[reason] += 1
-        shown = self.examples.setdefault(reason, [])
-        if len(shown) < EXAMPLES_PER_REASON:
-            shown.append(f"{where}{': ' + detail if detail else ''}")
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    def report(self) -> str:
-        """Lines for the console; empty when nothing was skipped or cut."""
-        lines = [f"  {n:,} skipped: {reason} (e.g. {'; '.join(self.examples[reason])})"
-                 for reason, n in self.counts.most_common()]
-        if self.truncated:
-            lines.append(f"  {self.truncated:,} inputs cut to fit train.seq_len")
-        return "\n".join(lines)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"skipped": dict(self.counts), "examples": self.examples, "truncated": self.truncated}
-
-
 def file_format(path: Path, configured: str) -> str:
     if configured != "auto":
         return configured
     return "jsonl" if path.suffix.lower() in (".jsonl", ".json") else "tsv"
 
 
-def _short(text: str, limit: int = 60) -> str:
+def _short(text: str | bytes, limit: int = 60) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 def read_rows(path: Path, fmt: str, input_key: str = "input", label_key: str = "label",
-              skipped: Skipped | None = None, need_label: bool = True) -> tuple[list[Row], Skipped]:
+              skipped: Reasons | None = None, need_label: bool = True) -> tuple[list[Row], Reasons]:
     """The good rows of a TSV (`input<TAB>label`, header optional) or jsonl file, and what was skipped.
 
     With need_label=False a TSV line may hold the input alone and a jsonl object may lack the label.
     """
-    skipped = skipped if skipped is not None else Skipped()
+    skipped = skipped if skipped is not None else Reasons()
     fmt = file_format(path, fmt)
     return list(_rows(path.read_bytes().split(b"\n"), str(path), fmt, input_key, label_key, skipped,
                       need_label)), skipped
@@ -91,55 +62,81 @@ def read_lines(lines: Iterable[str], source: str = "stdin") -> list[Row]:
     return [Row(line.strip(), None, f"{source}:{n}") for n, line in enumerate(lines, 1) if line.strip()]
 
 
-def _rows(lines: list[bytes], name: str, fmt: str, input_key: str, label_key: str, skipped: Skipped,
+def _rows(lines: list[bytes], name: str, fmt: str, input_key: str, label_key: str, skipped: Reasons,
           need_label: bool) -> Iterable[Row]:
     for number, raw in enumerate(lines, 1):
         where = f"{name}:{number}"
         raw = raw.rstrip(b"\r")
         if not raw.strip():
             continue  # blank lines (and the end of the last line) hold no row
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            skipped.add("undecodable bytes (not UTF-8)", where, f"byte {exc.start}")
-            continue
         if fmt == "tsv":
-            columns = line.split("\t")
-            if number == 1 and [c.strip() for c in columns] == [input_key, label_key]:
-                continue  # header
-            if len(columns) == 1 and not need_label:
-                columns.append("")
-            if len(columns) != 2:
-                skipped.add("wrong column count", where, f"{len(columns)} columns, expected input<TAB>label")
-                continue
-            text, label = columns
+            row = _tsv_row(raw, number == 1, input_key, label_key, need_label)
         else:
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                skipped.add("not valid JSON", where, str(exc))
-                continue
-            if not isinstance(obj, dict):
-                skipped.add("not a JSON object", where, _short(line))
-                continue
-            missing = [k for k in (input_key, label_key) if k not in obj and (need_label or k == input_key)]
-            if missing:
-                skipped.add(f"missing key {missing[0]!r}", where, _short(line))
-                continue
-            text, label = obj[input_key], obj.get(label_key, "")
-            if isinstance(label, (int, float)) and not isinstance(label, bool):
-                label = str(label)  # numeric class ids are common in jsonl
-            if not isinstance(text, str) or not isinstance(label, str):
-                skipped.add("input or label not a string", where, _short(line))
-                continue
+            row = _jsonl_row(raw, input_key, label_key, need_label)
+        if row is None:
+            continue  # the TSV header
+        if isinstance(row, Problem):
+            skipped.add(row.reason, f"{where}: {row.detail}" if row.detail else where)
+            continue
+        text, label, repaired = row
+        if repaired:
+            skipped.add(repaired, where)
         text, label = text.strip(), label.strip()
         if not text:
-            skipped.add("empty input", where)
-            continue
-        if not label and need_label:
-            skipped.add("empty label", where)
-            continue
-        yield Row(text, label or None, where)
+            skipped.add(EMPTY, f"{where}: {input_key}")
+        elif not label and need_label:
+            skipped.add(EMPTY, f"{where}: {label_key}")
+        else:
+            yield Row(text, label or None, where)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a line holds no row (one of data/jsonl.py's reasons) and what in it, for the examples."""
+
+    reason: str
+    detail: str = ""
+
+
+def _tsv_row(raw: bytes, first: bool, input_key: str, label_key: str, need_label: bool
+             ) -> tuple[str, str, None] | Problem | None:
+    """(input, label, no repair) of a TSV line, the problem, or None for a header."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return Problem(UNDECODABLE, f"byte {exc.start}")
+    columns = line.split("\t")
+    if first and [c.strip() for c in columns] == [input_key, label_key]:
+        return None
+    if len(columns) == 1 and not need_label:
+        columns.append("")
+    if len(columns) != 2:
+        return Problem(WRONG_COLUMNS, f"{len(columns)} columns, expected input<TAB>label")
+    return columns[0], columns[1], None
+
+
+def _jsonl_row(raw: bytes, input_key: str, label_key: str, need_label: bool
+               ) -> tuple[str, str, str | None] | Problem:
+    """(input, label, repair or None) of a jsonl line, or the problem; a numeric label (a class id) becomes
+    its text."""
+    obj, reason = parse_record(raw)
+    if reason:
+        return Problem(reason, _short(raw) if reason != UNDECODABLE else "")
+    if not isinstance(obj, dict):
+        return Problem(NOT_AN_OBJECT, _short(raw))
+    texts, repaired = [], None
+    for key, required in ((input_key, True), (label_key, need_label)):
+        value = obj.get(key, "")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = str(value)
+        if key not in obj and required:
+            return Problem(MISSING_KEY, repr(key))
+        text, reason = field_text({key: value}, key)
+        if reason in (NOT_A_STRING, LONE_SURROGATE):
+            return Problem(reason, f"{key}: {_short(raw)}")
+        repaired = repaired or (reason if reason in REPAIRS else None)
+        texts.append(text or "")  # "" (EMPTY) is named by the caller, after stripping
+    return texts[0], texts[1], repaired
 
 
 def split_validation(rows: list[Row], proportion: float, seed: int) -> tuple[list[Row], list[Row]]:
@@ -197,7 +194,7 @@ class Encoder:
         """Tokens the prompt may take."""
         return self.seq_len if self.seq2seq else self.seq_len - label_len
 
-    def fit_prompt(self, text: str, label_len: int, where: str, skipped: Skipped) -> list[int] | None:
+    def fit_prompt(self, text: str, label_len: int, where: str, skipped: Reasons) -> list[int] | None:
         """The prompt's ids within the budget: the input cut at its end (the template's tail, which tells the
         model where to answer, stays) or None when dropped."""
         budget = self._budget(label_len)
@@ -205,8 +202,8 @@ class Encoder:
         if len(ids) <= budget:
             return ids
         if self.too_long == "drop" or budget < len(self.prompt_ids("")):
-            skipped.add("too long for train.seq_len", where, f"{len(ids) + (0 if self.seq2seq else label_len)} "
-                                                             f"tokens, limit {self.seq_len}")
+            skipped.add(TOO_LONG, f"{where}: {len(ids) + (0 if self.seq2seq else label_len)} tokens, "
+                                  f"train.seq_len {self.seq_len}")
             return None
         low, high = 0, len(text)  # the longest prefix of the input whose prompt fits
         while low < high:
@@ -215,15 +212,15 @@ class Encoder:
                 low = mid
             else:
                 high = mid - 1
-        skipped.truncated += 1
+        skipped.add(CUT_TO_FIT, where)
         return self.prompt_ids(text[:low])
 
-    def encode(self, row: Row, skipped: Skipped, label: str | None = None) -> Encoded | None:
+    def encode(self, row: Row, skipped: Reasons, label: str | None = None) -> Encoded | None:
         """The row (or `label` in place of its own, for scoring candidates) as ids; None when dropped."""
         label_ids = self.label_ids(label if label is not None else row.label)
         limit = self.seq_len if self.seq2seq else self.seq_len - 1
         if len(label_ids) > limit:
-            skipped.add("label too long for train.seq_len", row.where, f"{len(label_ids)} tokens")
+            skipped.add(TOO_LONG, f"{row.where}: label of {len(label_ids)} tokens, train.seq_len {self.seq_len}")
             return None
         prompt = self.fit_prompt(row.input, len(label_ids), row.where, skipped)
         if prompt is None:

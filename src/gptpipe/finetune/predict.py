@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
+from gptpipe.data.jsonl import CUT_TO_FIT, Reasons
 from gptpipe.log import get_logger
 from gptpipe.stages import EXIT_BAD_INPUT
 from gptpipe.finetune.config import FinetuneConfig
 from gptpipe.finetune.data import (
     Encoder,
     Row,
-    Skipped,
     label_set,
     map_to_label,
     pad_id,
@@ -144,11 +144,11 @@ def _task_from_config(config: FinetuneConfig, folder: Path) -> dict[str, Any]:
             "too_long": config.data.too_long}
 
 
-def read_input(config: FinetuneConfig, args: argparse.Namespace) -> tuple[list[Row], Skipped, str]:
+def read_input(config: FinetuneConfig, args: argparse.Namespace) -> tuple[list[Row], Reasons, str]:
     """(rows, skipped rows, name for the output file) from --input, predict.input or data.test."""
     chosen = getattr(args, "input", None)
     if chosen == "-":
-        return read_lines(sys.stdin), Skipped(), "stdin"
+        return read_lines(sys.stdin), Reasons(), "stdin"
     path = Path(chosen) if chosen else (config.predict.input or config.data.test)
     if path is None or not path.is_file():
         raise StageInputError(f"no input to predict: {path} does not exist (give --input PATH, or - for stdin)")
@@ -166,7 +166,7 @@ def _predict(config: FinetuneConfig, args: argparse.Namespace, dist: Dist) -> in
     try:
         rows, skipped, name = read_input(config, args)
         if not rows:
-            raise StageInputError(f"no usable rows to predict in {name}:\n{skipped.report()}")
+            raise StageInputError(f"no usable rows to predict in {name}:\n{skipped.lines()}")
         predictor = load_predictor(config, settings.model or config.train.output_model_dir, dist.device)
     except StageInputError as exc:
         if dist.is_main:
@@ -177,7 +177,7 @@ def _predict(config: FinetuneConfig, args: argparse.Namespace, dist: Dist) -> in
     if dist.is_main:
         search = f"beam {settings.num_beams}" if settings.num_beams > 1 else "greedy"
         log.info(f"{predictor.source}: {len(rows):,} rows, {search}"
-                 + (f"\n{skipped.report()}" if skipped.total else ""))
+                 + (f"\n{skipped.lines()}" if skipped.counts else ""))
     model, synced = predictor.model, config.train.zero_stage == 3 and dist.world_size > 1
     if synced:
         model = _zero3(model, config, dist)
@@ -213,7 +213,7 @@ def predict_rows(model: Any, predictor: Predictor, rows: list[Row], config: Fine
     """One result per row, in input order, on the main rank (every rank gets them)."""
     settings, encoder, task = config.predict, predictor.encoder, predictor.task
     pad = pad_id(predictor.tokenizer)
-    scratch = Skipped()
+    scratch = Reasons()
     mine = shard(rows, dist)
     results = []
     for start in range(0, len(mine), settings.batch_size):
@@ -235,8 +235,8 @@ def predict_rows(model: Any, predictor: Predictor, rows: list[Row], config: Fine
                 result["label"] = row.label
             result["score"] = lp
             results.append((i, result))
-    if scratch.truncated:
-        log.info(f"rank {dist.rank}: {scratch.truncated} inputs cut to leave max_new_tokens within seq_len "
+    if scratch.counts[CUT_TO_FIT]:
+        log.info(f"rank {dist.rank}: {scratch.counts[CUT_TO_FIT]} inputs cut to leave max_new_tokens within seq_len "
                  f"{task['seq_len']}")
     return gather(results, dist)
 

@@ -28,13 +28,13 @@ import numpy as np
 import torch
 
 from gptpipe.config.core import to_plain
+from gptpipe.data.jsonl import CUT_TO_FIT, TOO_LONG, Reasons
 from gptpipe.finetune.config import FinetuneConfig
 from gptpipe.finetune.data import (
     IGNORE,
     Encoded,
     Encoder,
     Row,
-    Skipped,
     collate,
     collate_packed,
     computed_positions,
@@ -87,7 +87,7 @@ class TaskData:
     train: list[Encoded]
     validation: list[Row]
     labels: list[str] | None  # classification: the label set, most frequent first
-    skipped: Skipped
+    skipped: Reasons
     length_warning: str | None = None  # train.seq_len cut or dropped training rows: how many, what keeps them
 
     @property
@@ -110,7 +110,7 @@ def load_task(config: FinetuneConfig) -> TaskData:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     seq2seq = is_seq2seq(model_dir, config.model.kind)
     encoder = Encoder(tokenizer, config.task.prompt, config.train.seq_len, seq2seq, data.too_long)
-    skipped = Skipped()
+    skipped = Reasons()
     rows, _ = read_rows(data.train, data.format, data.input_key, data.label_key, skipped)
     if data.validation is not None:
         validation, _ = read_rows(data.validation, data.format, data.input_key, data.label_key, skipped)
@@ -120,20 +120,19 @@ def load_task(config: FinetuneConfig) -> TaskData:
     kept = [(row, e) for row, e in encoded if e is not None]
     if not kept or not validation:
         raise StageInputError(f"no usable {'training' if not kept else 'validation'} rows in {data.train}"
-                              f"{'' if kept else ' (see the skipped rows above)'}:\n{skipped.report()}")
+                              f"{'' if kept else ' (see the skipped rows above)'}:\n{skipped.lines()}")
     labels = label_set([row for row, _ in kept]) if config.task.kind == "classification" else None
     return TaskData(tokenizer, encoder, seq2seq, [r for r, _ in kept], [e for _, e in kept], validation, labels,
                     skipped, _length_warning(config, encoder, rows, skipped))
 
 
-def _length_warning(config: FinetuneConfig, encoder: Encoder, rows: list[Row], skipped: Skipped) -> str | None:
+def _length_warning(config: FinetuneConfig, encoder: Encoder, rows: list[Row], skipped: Reasons) -> str | None:
     """What train.seq_len cost the training rows (only they are encoded so far), and the value that keeps
     every row within the model's positions; None when it cost nothing."""
     from transformers import AutoConfig
 
-    dropped = skipped.counts["too long for train.seq_len"] + skipped.counts["label too long for train.seq_len"]
-    cut = skipped.truncated + dropped
-    if not cut:
+    dropped, cut = skipped.counts[TOO_LONG], skipped.counts[CUT_TO_FIT]
+    if not cut + dropped:
         return None
     longest = max(encoder.uncut_length(row) for row in rows)
     model = AutoConfig.from_pretrained(config.model.path)
@@ -141,8 +140,8 @@ def _length_warning(config: FinetuneConfig, encoder: Encoder, rows: list[Row], s
     keep = (f"train.seq_len={longest} keeps every row" if positions is None or longest <= positions else
             f"the longest needs {longest} tokens, the model takes {positions}: train.seq_len={positions} cuts "
             f"the fewest")
-    return (f"train.seq_len {config.train.seq_len} is too short for {cut:,} of {len(rows):,} training rows "
-            f"({cut / len(rows):.0%}: {skipped.truncated:,} cut, {dropped:,} dropped); {keep}")
+    return (f"train.seq_len {config.train.seq_len} is too short for {cut + dropped:,} of {len(rows):,} training "
+            f"rows ({(cut + dropped) / len(rows):.0%}: {cut:,} cut, {dropped:,} dropped); {keep}")
 
 
 def run(config: FinetuneConfig, args: argparse.Namespace) -> int:
@@ -173,8 +172,8 @@ def _finetune(config: FinetuneConfig, dist: Dist) -> int:
         kinds = f"{len(task.labels)} labels" if task.labels else "generation"
         log.info(f"{config.model.path} ({'encoder-decoder' if task.seq2seq else 'causal LM'}); "
                  f"{len(task.train):,} training rows, {len(task.validation):,} validation rows; {kinds}")
-        if task.skipped.total or task.skipped.truncated:
-            log.info(task.skipped.report())
+        if task.skipped.counts:
+            log.info(task.skipped.lines())
         if task.length_warning:
             log.warning(task.length_warning)
     try:
@@ -339,7 +338,7 @@ class FineTuner(TrainLoop):
         if self.dist.is_main:
             summary = {"task": self.task_facts(), "steps": self.step, "best": self.best, "final": self.last_eval,
                        "rows": {"train": len(self.task.train), "validation": len(self.task.validation)},
-                       "data_problems": self.task.skipped.as_dict(), "config": to_plain(self.config)}
+                       "data_problems": self.task.skipped.manifest_counts(), "config": to_plain(self.config)}
             write_text_atomic(self.run_dir / SUMMARY_FILE, json.dumps(summary, ensure_ascii=False, indent=2) + "\n")
         best = self.best or {}
         self.say(f"finished {self.step} steps; best checkpoint: step {best.get('step')} "
@@ -396,7 +395,7 @@ def evaluate(model: Any, task: TaskData, config: FinetuneConfig, dist: Dist) -> 
     results = []
     for start in range(0, len(mine), batch):
         chunk = mine[start:start + batch]
-        scratch = Skipped()  # candidates cut or dropped here are not data problems
+        scratch = Reasons()  # candidates cut or dropped here are not data problems
         # Each row's gold label, then (classification) every candidate label: one scoring pass for all.
         candidates = task.labels or []
         items = [encoder.encode(row, scratch, label=label)
