@@ -316,7 +316,7 @@ def finetune(model: Path, task: Path, run: Path, *overrides: str) -> list[str]:
 def test_finetune_export_passes_the_gate_and_predicts_like_the_run(tiny_lm, demo_task, workspace, tmp_path):
     """The best checkpoint of a fine-tune exported: gate on its validation rows, task.json, a card with the
     metrics beside the majority baseline, the same predictions as the run, ready for stage 6."""
-    from gptpipe.export.checkpoint import build_model
+    from gptpipe.train.checkpoint import model_from_checkpoint
     from gptpipe.export.convert import validation_rows
     from gptpipe.export.verify_finetune import verify_finetune_export
     from gptpipe.train.checkpoint import BEST
@@ -362,7 +362,7 @@ def test_finetune_export_passes_the_gate_and_predicts_like_the_run(tiny_lm, demo
 
     # The gate is the real one: an output head moved to the wrong rows fails it.
     checkpoint = find_checkpoint(run)
-    reference = build_model(checkpoint, consolidate(checkpoint))
+    reference = model_from_checkpoint(checkpoint, consolidate(checkpoint))
     tampered = tmp_path / "tampered"
     shutil.copytree(out, tampered)
     from safetensors.torch import load_file, save_file

@@ -23,9 +23,10 @@ from typing import Any
 from gptpipe.config.core import to_plain
 from gptpipe.export.card import (LOSS_CURVE, METRIC_CURVE, TASK_METRICS, CardFacts, FinetuneCardFacts, final_val_loss,
                                  plot_loss_curve, plot_metric_curve, render_card, render_finetune_card)
-from gptpipe.export.checkpoint import FINETUNE_SUMMARY, build_model, finetune_config, training_config
+from gptpipe.export.checkpoint import finetune_config, training_config
+from gptpipe.finetune.run_files import SUMMARY_FILE, TASK_FILE, TOKENIZER_DIR
 from gptpipe.train.bucket import local_checkpoint_source
-from gptpipe.train.checkpoint import Checkpoint, consolidate, find_checkpoint
+from gptpipe.train.checkpoint import Checkpoint, consolidate, find_checkpoint, model_from_checkpoint
 from gptpipe.export.config import ConvertConfig
 from gptpipe.log import get_logger
 from gptpipe.remote import run_stage_at, staging
@@ -39,8 +40,6 @@ log = get_logger("convert")
 
 HELDOUT_DOCUMENTS = 32
 VERIFY_ROWS = 8  # a fine-tune's validation rows the gate compares logits and tokenizers on
-# What stage 7 writes into a fine-tune run (gptpipe.finetune.train; importing it would pull in the trainer).
-FINETUNE_TOKENIZER, TASK_FILE = "tokenizer", "task.json"
 FINETUNE_CARD_KEYS = ("seq_len", "global_batch_size", "train_epochs", "train_iters", "lr", "min_lr", "lr_schedule",
                       "warmup_fraction", "weight_decay", "precision", "zero_stage", "seed", "best_metric")
 # What the export depends on (the card names the repository); privacy and branch can change without a re-export.
@@ -90,10 +89,10 @@ def reference_models(checkpoint: Checkpoint, state_dict: dict[str, Any], dtype: 
     """(the checkpoint's model in the export dtype, the same in fp32): what the exported folder must match."""
     from gptpipe.export.verify import TORCH_DTYPES, cast_parameters
 
-    reference_fp32 = build_model(checkpoint, state_dict)
+    reference_fp32 = model_from_checkpoint(checkpoint, state_dict)
     if dtype == "fp32":
         return reference_fp32, reference_fp32
-    return cast_parameters(build_model(checkpoint, state_dict), TORCH_DTYPES[dtype]), reference_fp32
+    return cast_parameters(model_from_checkpoint(checkpoint, state_dict), TORCH_DTYPES[dtype]), reference_fp32
 
 
 def export(config: ConvertConfig, checkpoint: Checkpoint, tokenizer: TokenizerInfo, datasets: list[DatasetInfo],
@@ -108,7 +107,7 @@ def export(config: ConvertConfig, checkpoint: Checkpoint, tokenizer: TokenizerIn
     state_dict = consolidate(checkpoint)
     reference, reference_fp32 = reference_models(checkpoint, state_dict, config.dtype)
 
-    exported = build_model(checkpoint, state_dict)
+    exported = model_from_checkpoint(checkpoint, state_dict)
     # The padding rows past the tokenizer's vocabulary were never trained: drop them so sampling cannot pick them.
     exported.resize_token_embeddings(tokenizer.vocab_size, mean_resizing=False)
     cast_parameters(exported, dtype)
@@ -209,12 +208,12 @@ def export_finetune(config: ConvertConfig, checkpoint: Checkpoint, data: Any) ->
     from gptpipe.finetune.data import pad_id
 
     out, run = staging(CONVERT, config.output_tokenizer_and_model_dir), checkpoint.run_dir
-    tokenizer = AutoTokenizer.from_pretrained(run / FINETUNE_TOKENIZER)
+    tokenizer = AutoTokenizer.from_pretrained(run / TOKENIZER_DIR)
     log.info(f"consolidating fine-tune checkpoint {checkpoint.path} (step {checkpoint.step}) with zero_to_fp32")
     state_dict = consolidate(checkpoint)
     reference, reference_fp32 = reference_models(checkpoint, state_dict, config.dtype)
     # Same shape as the pretrained model: its embedding rows past the tokenizer (a hub model's padding) stay.
-    exported = cast_parameters(build_model(checkpoint, state_dict), TORCH_DTYPES[config.dtype])
+    exported = cast_parameters(model_from_checkpoint(checkpoint, state_dict), TORCH_DTYPES[config.dtype])
     task = checkpoint.state["task"]
     # Deterministic answers by default, as evaluation produced them: greedy, long enough for any label.
     exported.generation_config = GenerationConfig(
@@ -227,14 +226,14 @@ def export_finetune(config: ConvertConfig, checkpoint: Checkpoint, data: Any) ->
     with atomic_dir(out) as tmp:
         log.info(f"writing {config.dtype} safetensors (shards above {config.max_shard_size}) to {out}")
         exported.save_pretrained(tmp, max_shard_size=config.max_shard_size)
-        for f in sorted((run / FINETUNE_TOKENIZER).iterdir()):
+        for f in sorted((run / TOKENIZER_DIR).iterdir()):
             if f.is_file():
                 shutil.copy2(f, tmp / f.name)
         public_task = shareable_task(task)
         write_text_atomic(tmp / TASK_FILE, json.dumps(public_task, ensure_ascii=False, indent=2) + "\n")
         report = verify_finetune_export(tmp, reference, reference_fp32, tokenizer, data, config.dtype)
         rows = read_metrics(run / "metrics.jsonl", checkpoint.step)
-        summary_path = run / FINETUNE_SUMMARY
+        summary_path = run / SUMMARY_FILE
         summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.is_file() else {}
         finetuning = to_plain(finetune_config(checkpoint))
         metrics = step_metrics(checkpoint.state, checkpoint.step)
@@ -257,7 +256,7 @@ def export_finetune(config: ConvertConfig, checkpoint: Checkpoint, data: Any) ->
 
 
 def convert_finetune(config: ConvertConfig, checkpoint: Checkpoint, args: Any) -> Manifest:
-    tokenizer_dir = checkpoint.run_dir / FINETUNE_TOKENIZER
+    tokenizer_dir = checkpoint.run_dir / TOKENIZER_DIR
     if not tokenizer_dir.is_dir():
         raise StageInputError(f"{tokenizer_dir} not found: a fine-tune run keeps its tokenizer there "
                               "(bash 7_finetune.sh writes it when it starts)")

@@ -1,17 +1,20 @@
-"""The fine-tuned model's three uses, shared by training, evaluation and `gptpipe predict`: loading a
-pretrained HF folder, teacher-forced log-likelihoods of label tokens, and batched generation."""
+"""The fine-tuned model's uses, shared by training, evaluation and `gptpipe predict`: loading a pretrained HF
+folder, teacher-forced log-likelihoods of label tokens, batched generation, and rows shared over the ranks."""
 
 from __future__ import annotations
 
 import inspect
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
 
 import torch
 
 from gptpipe.finetune.data import IGNORE, Encoded, Encoder, collate, left_padded, pad_id
 from gptpipe.train.model import inference_config
+
+if TYPE_CHECKING:
+    from gptpipe.train.engine import Dist
 
 
 def is_seq2seq(folder: Path, kind: str) -> bool:
@@ -132,3 +135,23 @@ def as_scored(prompt: list[int], continuation: list[int], seq2seq: bool) -> Enco
     if seq2seq:
         return Encoded(prompt, continuation or [IGNORE])
     return Encoded(prompt + continuation, [IGNORE] * len(prompt) + continuation)
+
+
+def shard(items: list[Any], dist: Dist) -> list[tuple[int, Any]]:
+    """This rank's (index, item) share; every rank gets the same count (the last item repeats, index -1),
+    so ZeRO-3 ranks run the same number of forward passes."""
+    per_rank = -(-len(items) // dist.world_size)
+    mine = []
+    for k in range(per_rank):
+        i = k * dist.world_size + dist.rank
+        mine.append((i, items[i]) if i < len(items) else (-1, items[-1]))
+    return mine
+
+
+def gather(results: list[tuple[int, Any]], dist: Dist) -> list[Any]:
+    """Every rank's (index, result) pairs, in index order (padding dropped)."""
+    if dist.world_size > 1:
+        parts: list[Any] = [None] * dist.world_size
+        torch.distributed.all_gather_object(parts, results)
+        results = [pair for part in parts for pair in part]
+    return [r for i, r in sorted((p for p in results if p[0] >= 0), key=lambda p: p[0])]

@@ -41,12 +41,14 @@ from gptpipe.finetune.metrics import (
 from gptpipe.finetune.model import (
     as_scored,
     decode,
+    gather,
     generate,
     is_seq2seq,
     model_class,
     score,
+    shard,
 )
-from gptpipe.finetune.train import TASK_FILE, TOKENIZER_DIR, gather, shard
+from gptpipe.finetune.run_files import TASK_FILE, TOKENIZER_DIR
 from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.train import checkpoint
 from gptpipe.train.engine import Dist
@@ -100,34 +102,10 @@ def load_predictor(config: FinetuneConfig, source: Path, device: torch.device) -
         inference_config(model.config)  # an export made before its config left the router switch off
         return Predictor(model.to(device).eval(), AutoTokenizer.from_pretrained(source), task, str(source))
 
-    from gptpipe.train.checkpoint import consolidate, find_checkpoint, hf_config_object
-
-    found = find_checkpoint(folder)
-    task = found.state["task"]
-    from transformers.initialization import no_init_weights
-
-    with no_init_weights():  # every weight comes from the checkpoint
-        model = model_class(task["seq2seq"]).from_config(hf_config_object(found.hf_config), dtype=torch.float32)
-    state = consolidate(found)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k not in _tied_names(model)]
-    if missing or unexpected:
-        raise StageInputError(f"checkpoint {folder} does not fit its config: missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]}")
-    model.tie_weights()
+    found = checkpoint.find_checkpoint(folder)
+    model = checkpoint.model_from_checkpoint(found)
     tokenizer = AutoTokenizer.from_pretrained(found.run_dir / TOKENIZER_DIR)
-    return Predictor(model.to(device).eval(), tokenizer, task, str(folder))
-
-
-def _tied_names(model: Any) -> set[str]:
-    """Parameter names that share storage with another (tied embeddings); DeepSpeed saves one of them."""
-    seen: dict[int, str] = {}
-    tied = set()
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in seen:
-            tied |= {name, seen[id(tensor)]}
-        seen[id(tensor)] = name
-    return tied
+    return Predictor(model.to(device), tokenizer, found.state["task"], str(folder))
 
 
 def _task_from_config(config: FinetuneConfig, folder: Path) -> dict[str, Any]:

@@ -53,12 +53,15 @@ from gptpipe.finetune.metrics import (
 )
 from gptpipe.finetune.model import (
     decode,
+    gather,
     generate,
     is_seq2seq,
     pretrained_factory,
     score,
+    shard,
     target_logprobs,
 )
+from gptpipe.finetune.run_files import SUMMARY_FILE, TASK_FILE, TOKENIZER_DIR
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.stages import EXIT_BAD_INPUT
@@ -70,11 +73,6 @@ from gptpipe.train.model import inference_config
 from gptpipe.train.schedule import Schedule
 
 log = get_logger("finetune")
-
-TASK_FILE = "task.json"  # what predict needs to rebuild prompts and labels
-SUMMARY_FILE = "finetune_summary.json"
-TOKENIZER_DIR = "tokenizer"
-
 
 @dataclass
 class TaskData:
@@ -361,26 +359,6 @@ def packing_leaks(model: Any, rows: list[Encoded], vocab: int, pad: int, device:
 
 
 # --- evaluation, shared with predict ------------------------------------------------------------------
-def shard(items: list[Any], dist: Dist) -> list[tuple[int, Any]]:
-    """This rank's (index, item) share; every rank gets the same count (the last item repeats, index -1),
-    so ZeRO-3 ranks run the same number of forward passes."""
-    per_rank = -(-len(items) // dist.world_size)
-    mine = []
-    for k in range(per_rank):
-        i = k * dist.world_size + dist.rank
-        mine.append((i, items[i]) if i < len(items) else (-1, items[-1]))
-    return mine
-
-
-def gather(results: list[tuple[int, Any]], dist: Dist) -> list[Any]:
-    """Every rank's (index, result) pairs, in index order (padding dropped)."""
-    if dist.world_size > 1:
-        parts: list[Any] = [None] * dist.world_size
-        torch.distributed.all_gather_object(parts, results)
-        results = [pair for part in parts for pair in part]
-    return [r for i, r in sorted((p for p in results if p[0] >= 0), key=lambda p: p[0])]
-
-
 @torch.no_grad()
 def evaluate(model: Any, task: TaskData, config: FinetuneConfig, dist: Dist) -> dict[str, Any]:
     """Validation metrics of `model` (a DeepSpeed engine or a bare model), on every rank.

@@ -275,6 +275,41 @@ def hf_config_object(hf_config: dict[str, Any]) -> Any:
     return inference_config(AutoConfig.for_model(values.pop("model_type"), **values))
 
 
+def model_from_checkpoint(checkpoint: Checkpoint, state_dict: dict[str, Any] | None = None) -> Any:
+    """The trained model in fp32, exactly as the checkpoint holds it (vocab still padded): a causal LM, or
+    an encoder-decoder for a seq2seq fine-tune.
+
+    The parameters are the state dict's own tensors (``assign``), so several models built from one
+    consolidated checkpoint (``state_dict``; None: consolidated here) cost no extra memory until one of them
+    is cast or resized. Stage 4 and `gptpipe predict` load checkpoints with it.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from transformers.initialization import no_init_weights
+
+    if state_dict is None:
+        state_dict = consolidate(checkpoint)
+    model_class = AutoModelForSeq2SeqLM if checkpoint.seq2seq else AutoModelForCausalLM
+    with no_init_weights():  # every weight is replaced below: skip the random init (minutes at 3B)
+        model = model_class.from_config(hf_config_object(checkpoint.hf_config), dtype=torch.float32)
+    expected = set(model.state_dict())
+    missing = sorted(expected - set(state_dict))
+    unexpected = sorted(set(state_dict) - expected)
+    # Tied weights appear under one name or all, depending on how DeepSpeed recorded the sharing.
+    missing = [k for k in missing if k not in tied_copies(model)]
+    if missing or unexpected:
+        raise StageInputError(
+            f"checkpoint {checkpoint.path} does not fit its {HF_CONFIG} ({checkpoint.hf_config.get('model_type')}): "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+    try:
+        model.load_state_dict(state_dict, strict=False, assign=True)
+    except RuntimeError as exc:  # shape mismatches
+        raise StageInputError(f"checkpoint {checkpoint.path} does not fit its {HF_CONFIG}: {exc}") from None
+    model.tie_weights()
+    return model.eval()
+
+
 def tied_copies(model: Any) -> set[str]:
     """Names of weights tied to one listed before them (an output head or T5's per-stack embeddings, tied to
     the input embedding): tie_weights() fills them from that first one."""
