@@ -34,7 +34,6 @@ class Stage:
     number: str
     name: str  # the `gptpipe` subcommand
     script: str  # what a user runs
-    module: str  # where the work lives: the numbered script calls it through the CLI
     output_file: str | None = None  # the file name it writes, where a later stage reads one file
     beside_prefix: bool = False  # manifest at <prefix>.manifest.json (a dataset) instead of <folder>/manifest.json
     usable: Callable[[Manifest], list[str]] | None = None  # the stage's own acceptance rule, beyond completeness
@@ -103,13 +102,13 @@ def _verified(manifest: Manifest) -> list[str]:
     return [f"it did not pass verification ({reasons})"]
 
 
-PREPARE = Stage("0", "prepare", "python 0_prepare_corpus.py", "gptpipe.corpus.prepare", output_file="corpus.jsonl")
-TRAIN_TOKENIZER = Stage("1", "train-tokenizer", "python 1_train_sentencepiece_tokenizer.py", "gptpipe.tokenizer.build")
-TOKENIZE = Stage("2", "tokenize", "bash 2_tokenize.sh", "gptpipe.data.tokenize", beside_prefix=True)
-TRAIN = Stage("3", "train", "bash 3_train_node1.sh", "gptpipe.train.train")  # checkpoints carry markers, no manifest
-CONVERT = Stage("4", "convert", "bash 4_convert_to_HF.sh", "gptpipe.export.convert", usable=_verified)
-DEMO_TASK = Stage("7", "make-demo-task", "gptpipe make-demo-task", "gptpipe.finetune.demo_task")
-EVALUATE = Stage("7", "evaluate", "gptpipe evaluate", "gptpipe.finetune.evaluate")
+PREPARE = Stage("0", "prepare", "python 0_prepare_corpus.py", output_file="corpus.jsonl")
+TRAIN_TOKENIZER = Stage("1", "train-tokenizer", "python 1_train_sentencepiece_tokenizer.py")
+TOKENIZE = Stage("2", "tokenize", "bash 2_tokenize.sh", beside_prefix=True)
+TRAIN = Stage("3", "train", "bash 3_train_node1.sh")  # checkpoints carry markers, no manifest
+CONVERT = Stage("4", "convert", "bash 4_convert_to_HF.sh", usable=_verified)
+DEMO_TASK = Stage("7", "make-demo-task", "gptpipe make-demo-task")
+EVALUATE = Stage("7", "evaluate", "gptpipe evaluate")
 
 
 def check_input_files(patterns: list[Path], key: str, upstream: Stage) -> tuple[list[Path], dict[str, Any]]:

@@ -13,11 +13,10 @@ from typing import Any
 
 import yaml
 
+from gptpipe.finetune.metrics import TASK_METRICS
+
 LOSS_CURVE = "loss_curve.png"
 METRIC_CURVE = "metric_curve.png"
-# The validation figures a fine-tune logs (metrics.jsonl: val_<name>), by task kind, and their baseline.
-TASK_METRICS = {"classification": (("accuracy", "accuracy"), ("macro_f1", "macro-F1")),
-                "generation": (("exact_match", "exact match"), ("chrf", "chrF"))}
 
 
 @dataclass
@@ -85,7 +84,7 @@ class FinetuneCardFacts:
 def plot_metric_curve(rows: list[dict[str, Any]], kind: str, png: Path) -> bool:
     """The task's validation metrics against steps, with the majority baseline dashed (classification);
     False when no evaluation was logged."""
-    evals = [r for r in rows if any(isinstance(r.get(f"val_{k}"), (int, float)) for k, _ in TASK_METRICS[kind])]
+    evals = [r for r in rows if any(isinstance(r.get(f"val_{m.key}"), (int, float)) for m in TASK_METRICS[kind])]
     if not evals:
         return False
     import matplotlib
@@ -94,7 +93,7 @@ def plot_metric_curve(rows: list[dict[str, Any]], kind: str, png: Path) -> bool:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    for key, label in TASK_METRICS[kind]:
+    for key, label in ((m.key, m.label) for m in TASK_METRICS[kind]):
         points = [(r["step"], r[f"val_{key}"]) for r in evals if isinstance(r.get(f"val_{key}"), (int, float))]
         line, = ax.plot(*zip(*points), label=f"validation {label}", marker="o" if len(points) < 30 else None)
         baseline = [(r["step"], r[f"val_majority_{key}"]) for r in evals if f"val_majority_{key}" in r]
@@ -200,7 +199,7 @@ def _metric_rows(facts: FinetuneCardFacts) -> list[str]:
     kind = facts.task["kind"]
     if kind == "classification":
         lines = ["| validation metric | this model | majority baseline |", "| --- | --- | --- |"]
-        lines += [f"| {label} | {m[key]:.4f} | {m[f'majority_{key}']:.4f} |" for key, label in TASK_METRICS[kind]]
+        lines += [f"| {x.label} | {x.show(m[x.key])} | {x.show(m['majority_' + x.key])} |" for x in TASK_METRICS[kind]]
         lines += ["", f"The majority baseline always answers the most frequent training label "
                       f"({facts.task.get('majority_label')!r})."]
         if m.get("per_class"):
@@ -209,7 +208,7 @@ def _metric_rows(facts: FinetuneCardFacts) -> list[str]:
                       for label, c in m["per_class"].items()]
     else:
         lines = ["| validation metric | this model |", "| --- | --- |"]
-        lines += [f"| {label} | {m[key]:.4f} |" for key, label in TASK_METRICS[kind]]
+        lines += [f"| {x.label} | {x.show(m[x.key])} |" for x in TASK_METRICS[kind]]
     if isinstance(m.get("val_loss"), (int, float)):
         lines += ["", f"Validation loss on the gold labels: {m['val_loss']:.4f} nats per label token."]
     return lines

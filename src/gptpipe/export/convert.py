@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from gptpipe.config.core import to_plain
-from gptpipe.export.card import (LOSS_CURVE, METRIC_CURVE, TASK_METRICS, CardFacts, FinetuneCardFacts, final_val_loss,
+from gptpipe.export.card import (LOSS_CURVE, METRIC_CURVE, CardFacts, FinetuneCardFacts, final_val_loss,
                                  plot_loss_curve, plot_metric_curve, render_card, render_finetune_card)
 from gptpipe.export.checkpoint import finetune_config, training_config
+from gptpipe.finetune.metrics import TASK_METRICS
 from gptpipe.finetune.run_files import SUMMARY_FILE, TASK_FILE, TOKENIZER_DIR
 from gptpipe.train.bucket import local_checkpoint_source
 from gptpipe.train.checkpoint import Checkpoint, consolidate, find_checkpoint, model_from_checkpoint
@@ -248,7 +249,7 @@ def export_finetune(config: ConvertConfig, checkpoint: Checkpoint, data: Any) ->
         repo_id = f"{config.organization or 'YOUR_HF_USER'}/{config.repo_name or out.name}"
         write_text_atomic(tmp / "README.md", render_finetune_card(facts, repo_id))
         files = sorted(p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file())
-    headline = {key: metrics[key] for key, _ in TASK_METRICS[task["kind"]]} if metrics else {}
+    headline = {m.key: metrics[m.key] for m in TASK_METRICS[task["kind"]]} if metrics else {}
     counts = {"checkpoint": str(checkpoint.path), "step": checkpoint.step, "task": task["kind"],
               "best_step": (checkpoint.state.get("best") or {}).get("step"), "parameters": parameters, **headline,
               "files": len(files), "bytes": sum((out / f).stat().st_size for f in files), **report}

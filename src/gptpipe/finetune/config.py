@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Literal
 
 from gptpipe.config.core import option
+from gptpipe.finetune.metrics import best_metric_choices
 from gptpipe.train.config import LoggingConfig, LoopConfig
 
 # Metrics a classification / generation run can select its best checkpoint by; all higher-is-better but val_loss.
-CLASSIFICATION_METRICS = ("accuracy", "macro_f1", "val_loss")
-GENERATION_METRICS = ("exact_match", "chrf", "val_loss")
 
 
 @dataclass
@@ -129,7 +128,7 @@ class FinetuneConfig:
         problems = []
         if "{input}" not in self.task.prompt:
             problems.append(("task.prompt", "must contain {input}"))
-        allowed = CLASSIFICATION_METRICS if self.task.kind == "classification" else GENERATION_METRICS
+        allowed = best_metric_choices(self.task.kind)
         if self.train.best_metric not in allowed:
             problems.append(("train.best_metric", f"must be one of {', '.join(allowed)} for a {self.task.kind} "
                                                   f"task, got {self.train.best_metric!r}"))

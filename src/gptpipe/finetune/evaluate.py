@@ -191,12 +191,6 @@ def results_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def read_results(folder: Path) -> dict[str, Any] | None:
-    """A model folder's evaluation results (for its model card), or None when it was never evaluated."""
-    path = folder / "evaluation" / "results.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-
-
 def _device_and_dtype(config: EvaluateConfig) -> tuple[str, str]:
     import torch
 

@@ -1,9 +1,47 @@
 """Task metrics: classification by scikit-learn (with the majority-class baseline beside them, since
-imbalanced label sets are the norm), generation by exact match and chrF (sacrebleu, computed locally)."""
+imbalanced label sets are the norm), generation by exact match and chrF (sacrebleu, computed locally); and
+the catalogue every reader of them shares (training's best checkpoint, the console, predict, the card)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One validation figure of a fine-tune: its key (metrics.jsonl logs it as val_<key>), its name in text,
+    which way is better and how it prints."""
+
+    key: str
+    label: str
+    higher_is_better: bool = True
+    digits: int = 4
+
+    def show(self, value: float) -> str:
+        return f"{value:.{self.digits}f}"
+
+
+VAL_LOSS = Metric("val_loss", "loss", higher_is_better=False)
+TASK_METRICS = {"classification": (Metric("accuracy", "accuracy"), Metric("macro_f1", "macro-F1")),
+                "generation": (Metric("exact_match", "exact match"), Metric("chrf", "chrF", digits=2))}
+
+
+def metric(key: str) -> Metric:
+    """The catalogue's entry for a train.best_metric value."""
+    return next(m for ms in (*TASK_METRICS.values(), (VAL_LOSS,)) for m in ms if m.key == key)
+
+
+def best_metric_choices(kind: str) -> tuple[str, ...]:
+    """The figures that may pick a `kind` task's best checkpoint."""
+    return (*(m.key for m in TASK_METRICS[kind]), VAL_LOSS.key)
+
+
+def headline(m: dict[str, Any], kind: str) -> str:
+    """The task's figures on one console line (classification: the per-class table below it)."""
+    if kind == "classification":
+        return format_classification(m)
+    return "  ".join(f"{x.label} {x.show(m[x.key])}" for x in TASK_METRICS[kind])
 
 
 def classification_metrics(gold: list[str], predicted: list[str], labels: list[str],
@@ -43,8 +81,9 @@ def generation_metrics(gold: list[str], predicted: list[str]) -> dict[str, Any]:
 
 def format_classification(m: dict[str, Any]) -> str:
     """The console table: headline figures beside the baseline, then one line per class."""
-    lines = [f"accuracy {m['accuracy']:.4f}  macro-F1 {m['macro_f1']:.4f}  (majority baseline: accuracy "
-             f"{m['majority_accuracy']:.4f}, macro-F1 {m['majority_macro_f1']:.4f})"]
+    figures = TASK_METRICS["classification"]
+    lines = ["  ".join(f"{x.label} {x.show(m[x.key])}" for x in figures) + "  (majority baseline: "
+             + ", ".join(f"{x.label} {x.show(m['majority_' + x.key])}" for x in figures) + ")"]
     if "mapped" in m:
         lines[0] += f"  generated labels: accuracy {m['generated_accuracy']:.4f}, {m['mapped']} needed mapping"
     for label, c in m["per_class"].items():

@@ -35,8 +35,8 @@ from gptpipe.finetune.data import (
 )
 from gptpipe.finetune.metrics import (
     classification_metrics,
-    format_classification,
     generation_metrics,
+    headline,
 )
 from gptpipe.finetune.model import (
     as_scored,
@@ -169,8 +169,7 @@ def _predict(config: FinetuneConfig, args: argparse.Namespace, dist: Dist) -> in
     metrics = prediction_metrics(results, predictor.task)
     if metrics:
         write_text_atomic(output.with_suffix(".metrics.json"), json.dumps(metrics, ensure_ascii=False, indent=2))
-        log.info("" + (format_classification(metrics) if "macro_f1" in metrics else
-                                 f"exact match {metrics['exact_match']:.4f}  chrF {metrics['chrf']:.2f}"))
+        log.info(headline(metrics, predictor.task["kind"]))
     return 0
 
 

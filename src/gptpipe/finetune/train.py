@@ -48,8 +48,9 @@ from gptpipe.finetune.data import (
 )
 from gptpipe.finetune.metrics import (
     classification_metrics,
-    format_classification,
     generation_metrics,
+    headline,
+    metric,
 )
 from gptpipe.finetune.model import (
     decode,
@@ -200,7 +201,7 @@ class FineTuner(TrainLoop):
         self.counted = [0, 0]  # real and computed positions of the steps since the last train line
         by_epochs = math.ceil(train.train_epochs * len(task.train) / train.global_batch_size)
         self.steps = train.train_iters or max(1, by_epochs)
-        self.higher_is_better = train.best_metric != "val_loss"
+        self.higher_is_better = metric(train.best_metric).higher_is_better
         if dist.is_main:
             task.tokenizer.save_pretrained(self.run_dir / TOKENIZER_DIR)  # checkpoints are usable without model.path
             write_text_atomic(self.run_dir / TASK_FILE, json.dumps(self.task_facts(), ensure_ascii=False, indent=2))
@@ -325,11 +326,10 @@ class FineTuner(TrainLoop):
 
     def _eval_console(self, m: dict[str, Any], improved: bool) -> str:
         head = f"validation  step {self.step}  loss {m['val_loss']:.4f}  "
-        body = format_classification(m) if "macro_f1" in m else \
-            f"exact match {m['exact_match']:.4f}  chrF {m['chrf']:.2f}"
-        best = self.best
-        tail = (f"\n    new best {self.train_cfg.best_metric} {m[self.train_cfg.best_metric]:.4f}" if improved
-                else f"\n    best so far: step {best['step']} ({self.train_cfg.best_metric} {best['value']:.4f})")
+        body = headline(m, self.config.task.kind)
+        best, chosen = self.best, metric(self.train_cfg.best_metric)
+        tail = (f"\n    new best {chosen.key} {chosen.show(m[chosen.key])}" if improved
+                else f"\n    best so far: step {best['step']} ({chosen.key} {chosen.show(best['value'])})")
         return head + body + tail
 
     def finish(self) -> None:
