@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from gptpipe.committed import CommittedFolder, local_matches
 from gptpipe.config.core import to_plain
 from gptpipe.log import get_logger
-from gptpipe.stage import Manifest, StageInputError, StageResult, run_stage
+from gptpipe.stage import Manifest, StageInputError, StageResult, run_local
 from gptpipe.storage import cache_folder, filesystem, is_url
 
 if TYPE_CHECKING:
@@ -162,13 +162,10 @@ def publish(stage: Stage, local: Path, url: str) -> None:
              f"s) and then the manifest to {url}")
 
 
-def run_stage_at(stage: Stage, location: Any, config: Any, inputs: dict[str, Any], work: Callable[[], StageResult],
-                 force: bool = False, versions: tuple[str, ...] = ()) -> Manifest:
-    """``run_stage`` for an output that may be a URL: skipped when the bucket's manifest is current (same config
-    and inputs, files there); else made in ``staging(stage, location)`` (``work`` writes there) and published."""
-    if not is_url(location):
-        return run_stage(stage, Path(location), config, inputs, work, force=force, versions=versions)
-    url = str(location)
+def run_published(stage: Stage, url: str, config: Any, inputs: dict[str, Any], work: Callable[[], StageResult],
+                  force: bool = False, versions: tuple[str, ...] = ()) -> Manifest:
+    """``Stage.run`` for a URL: skipped when the bucket's manifest is current (same config and inputs, files
+    there); else made in ``staging(stage, url)`` (``work`` writes there) and published."""
     if not force:
         fs = filesystem(url)
         found = read_remote_manifest(stage, url, fs)
@@ -178,6 +175,6 @@ def run_stage_at(stage: Stage, location: Any, config: Any, inputs: dict[str, Any
                 log.info(f"{url} is up to date (same inputs and config); nothing to do. Use --force to redo.")
                 return old
     local = staging(stage, url)
-    manifest = run_stage(stage, local, config, inputs, work, force=force, versions=versions)
+    manifest = run_local(stage, local, config, inputs, work, force=force, versions=versions)
     publish(stage, local, url)
     return manifest

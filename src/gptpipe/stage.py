@@ -162,7 +162,7 @@ class StageResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def run_stage(
+def run_local(
     stage: Stage,
     location: Path,
     config: Any,
@@ -171,7 +171,8 @@ def run_stage(
     force: bool = False,
     versions: tuple[str, ...] = (),
 ) -> Manifest:
-    """Run ``work`` unless ``stage``'s outputs at ``location`` are current for these inputs and this config.
+    """``Stage.run`` for a local ``location``: run ``work`` unless ``stage``'s outputs there are current for
+    these inputs and this config.
 
     Current means: same config and inputs, and usable by a later stage (complete, files intact, the stage's
     own rule: a stage-4 folder that failed verification is redone even when nothing changed, since the fix

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
-from gptpipe.stage import Manifest, StageInputError, file_fingerprint, manifest_fingerprint, outputs_intact
+from gptpipe.stage import (Manifest, StageInputError, StageResult, file_fingerprint, manifest_fingerprint,
+                           outputs_intact, run_local)
 from gptpipe.storage import is_url
 
 EXIT_OK = 0
@@ -54,9 +55,20 @@ class Stage:
     def has_manifest(self, location: Path) -> bool:
         return self.manifest_path(location).is_file()
 
-    def local(self, location: Path | str, only: Callable[[str], bool] | None = None) -> Path:
-        """``location`` itself, or for a URL (s3://, gs://...) its outputs fetched into the verified local cache
-        (gptpipe.remote; ``only`` picks which outputs are downloaded, the manifest always is)."""
+    def run(self, location: Path | str, config: Any, inputs: dict[str, Any], work: Callable[[], StageResult],
+            force: bool = False, versions: tuple[str, ...] = ()) -> Manifest:
+        """Make this stage's outputs at ``location`` with ``work`` unless they are current (same config and
+        inputs, usable); ``force`` redoes them. The manifest is marked incomplete first and written last. A URL
+        is made in a local staging folder (``work`` writes there) and published (gptpipe.remote)."""
+        if is_url(location):
+            from gptpipe.remote import run_published
+
+            return run_published(self, str(location), config, inputs, work, force, versions)
+        return run_local(self, Path(location), config, inputs, work, force, versions)
+
+    def local_copy(self, location: Path | str, only: Callable[[str], bool] | None = None) -> Path:
+        """``location`` itself, or for a URL (s3://, gs://...) its outputs downloaded into the verified local
+        cache (gptpipe.remote; ``only`` picks which outputs are downloaded, the manifest always is)."""
         if not is_url(location):
             return Path(location)
         from gptpipe.remote import fetch
@@ -66,7 +78,7 @@ class Stage:
     def fingerprint(self, location: Path | str) -> dict[str, Any]:
         """This stage's output at ``location`` as a later stage's input: it changes whenever this stage reruns
         (a URL's manifest is the same bytes as the local one it was published from)."""
-        return manifest_fingerprint(self.manifest_path(self.local(location, only=lambda name: False)))
+        return manifest_fingerprint(self.manifest_path(self.local_copy(location, only=lambda name: False)))
 
     def problems(self, manifest: Manifest, root: Path) -> list[str]:
         """Why a finished manifest's outputs cannot be used (empty: they can)."""
@@ -80,7 +92,7 @@ class Stage:
     def require(self, location: Path | str) -> Manifest:
         """The manifest of this stage's finished output at ``location`` (a URL: of its verified local copy, see
         ``local``); a clear StageInputError otherwise."""
-        location = self.local(location)
+        location = self.local_copy(location)
         path = self.manifest_path(location)
         if not path.is_file():
             raise StageInputError(f"{path} not found: the {self.title} outputs are missing. {self.hint()}")
@@ -118,7 +130,7 @@ def check_input_files(patterns: list[Path], key: str, upstream: Stage) -> tuple[
     ``patterns`` are paths or glob patterns (each expanded in sorted order). Any readable file will do, a
     user's own jsonl too, whatever its name, except an upstream stage's output that its manifest does not
     vouch for: a file beside that stage's manifest (a run writes one marked incomplete before its outputs,
-    see ``run_stage``) must be listed, intact, by a complete manifest. Its fingerprint then also holds the
+    see ``Stage.run``) must be listed, intact, by a complete manifest. Its fingerprint then also holds the
     manifest's hash, so rerunning the upstream stage reruns this one.
     """
     files: list[Path] = []
@@ -207,7 +219,7 @@ class TokenizerInfo:
 def read_tokenizer(folder: Path | str) -> TokenizerInfo:
     """The tokenizer in ``folder`` (a stage-1 output_dir, or its URL: then its local copy), after checking its
     manifest and files."""
-    folder = TRAIN_TOKENIZER.local(folder)
+    folder = TRAIN_TOKENIZER.local_copy(folder)
     manifest = TRAIN_TOKENIZER.require(folder)
     models = [name for name in manifest.outputs if name.endswith(".model")]
     if len(models) != 1:
@@ -237,7 +249,7 @@ class DatasetInfo:
 
 
 def read_dataset(prefix: Path | str) -> DatasetInfo:
-    local = TOKENIZE.local(prefix)
+    local = TOKENIZE.local_copy(prefix)
     manifest = TOKENIZE.require(local)
     c = manifest.counts
     return DatasetInfo(local, c["dtype"], int(c["documents"]), int(c["tokens"]), manifest, str(prefix))
@@ -258,7 +270,7 @@ class ExportInfo:
 def read_export(folder: Path | str) -> ExportInfo:
     """A stage-4 folder whose files are intact and which passed the verification gate (a URL: its verified
     local copy, which ``folder`` of the result names)."""
-    local = CONVERT.local(folder)
+    local = CONVERT.local_copy(folder)
     manifest = CONVERT.require(local)
     c = manifest.counts
     return ExportInfo(local, tuple(sorted(manifest.outputs)), c.get("step"), c.get("dtype", ""),

@@ -120,6 +120,8 @@ def filesystem(url: str, endpoint_url: str | None = None) -> Any:
         options["requests_timeout"] = aiohttp.ClientTimeout(sock_connect=5, sock_read=60)
         if os.environ.get("STORAGE_EMULATOR_HOST"):
             options["endpoint_url"] = os.environ["STORAGE_EMULATOR_HOST"]
+    elif proto == "file":  # a folder behind a URL: parent folders made as needed, as a bucket's keys need none
+        options["auto_mkdir"] = True
     return fsspec.filesystem(proto, **options)
 
 

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from gptpipe.corpus.config import CorpusConfig
 from gptpipe.corpus.sources import fingerprint, read_source
 from gptpipe.log import get_logger
-from gptpipe.stage import StageFailed, StageResult, atomic_path, run_stage
+from gptpipe.stage import StageFailed, StageResult, atomic_path
 from gptpipe.stages import PREPARE
 
 if TYPE_CHECKING:
@@ -83,6 +83,6 @@ def build_corpus(config: CorpusConfig) -> StageResult:
 def run(config: PipelineConfig, args: argparse.Namespace) -> int:
     corpus = config.corpus
     inputs = {f"source{i}": fingerprint(s) for i, s in enumerate(corpus.sources)}
-    run_stage(PREPARE, corpus.output_dir, corpus, inputs, lambda: build_corpus(corpus),
-              force=args.force)
+    PREPARE.run(corpus.output_dir, corpus, inputs, lambda: build_corpus(corpus),
+                force=args.force)
     return 0

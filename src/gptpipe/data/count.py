@@ -46,7 +46,7 @@ def count_dataset(prefix: Path | str, split: str, seed: int) -> DatasetCounts:
     (refused, with what to run, when the dataset's manifest is incomplete). A URL prefix is checked in the
     bucket and only its .idx is fetched (training fetches the .bin, train/data.py)."""
     if is_url(prefix):
-        local = TOKENIZE.local(prefix, only=lambda name: name.endswith(".idx"))
+        local = TOKENIZE.local_copy(prefix, only=lambda name: name.endswith(".idx"))
     else:
         local = prefix
         TOKENIZE.require(prefix)

@@ -37,8 +37,8 @@ from gptpipe.data.ranges import BLOCK_BYTES, LineNumbers, plan_tasks
 from gptpipe.data.shards import parse_shard, read_shards, shard_prefix
 from gptpipe.data.worker import WorkerSettings, encode_task, init_worker
 from gptpipe.log import get_logger
-from gptpipe.remote import run_stage_at, staging
-from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_path, run_stage
+from gptpipe.remote import staging
+from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_path
 from gptpipe.stages import PREPARE, TOKENIZE, TRAIN_TOKENIZER, check_input_files, read_tokenizer
 from gptpipe.storage import is_url
 from gptpipe.data.base_tokenizer import is_pretrained_tokenizer, read_pretrained_tokenizer
@@ -197,7 +197,7 @@ def run(config: PipelineConfig, args: argparse.Namespace) -> int:
         result.counts["boundaries"] = boundaries
         return result
 
-    run_stage_at(TOKENIZE, prefix, _manifest_config(cfg, **extra), inputs, work, force=args.force,
+    TOKENIZE.run(prefix, _manifest_config(cfg, **extra), inputs, work, force=args.force,
                  versions=("sentencepiece", "tokenizers", "numpy", "orjson"))
     return 0
 
@@ -236,6 +236,6 @@ def merge(config: PipelineConfig, args: argparse.Namespace) -> int:
                                           **{k: manifests[0].counts[k] for k in ("boundaries",)
                                              if k in manifests[0].counts}))
 
-    run_stage(TOKENIZE, prefix, _manifest_config(cfg, merged_shards=count), inputs, work,
-              force=args.force, versions=("numpy",))
+    TOKENIZE.run(prefix, _manifest_config(cfg, merged_shards=count), inputs, work,
+                 force=args.force, versions=("numpy",))
     return 0

@@ -30,7 +30,7 @@ from gptpipe.train.bucket import local_checkpoint_source
 from gptpipe.train.checkpoint import Checkpoint, consolidate, find_checkpoint, model_from_checkpoint
 from gptpipe.export.config import ConvertConfig
 from gptpipe.log import get_logger
-from gptpipe.remote import run_stage_at, staging
+from gptpipe.remote import staging
 from gptpipe.stage import (Manifest, StageFailed, StageInputError, StageResult, atomic_dir, file_fingerprint,
                            tree_fingerprint, write_text_atomic)
 from gptpipe.stages import (CONVERT, EXIT_OK, TOKENIZE, TRAIN_TOKENIZER, DatasetInfo, TokenizerInfo, read_dataset,
@@ -158,8 +158,8 @@ def convert_pretrained(config: ConvertConfig, checkpoint: Checkpoint, args: Any)
     settings = {k: getattr(config, k) for k in EXPORT_KEYS}
     heldout = heldout_documents(datasets[0].prefix, HELDOUT_DOCUMENTS, tokenizer.eod_id, training.data.split,
                                 training.data.seed)
-    return run_stage_at(
-        CONVERT, config.output_tokenizer_and_model_dir, settings, inputs,
+    return CONVERT.run(
+        config.output_tokenizer_and_model_dir, settings, inputs,
         lambda: export(config, checkpoint, tokenizer, datasets, heldout),
         force=args.force, versions=("torch", "transformers", "deepspeed", "safetensors", "tokenizers", "sentencepiece"))
 
@@ -269,8 +269,8 @@ def convert_finetune(config: ConvertConfig, checkpoint: Checkpoint, args: Any) -
         "validation": {"path": str(data_file), **file_fingerprint(data_file)},
     }
     settings = {k: getattr(config, k) for k in EXPORT_KEYS}
-    return run_stage_at(
-        CONVERT, config.output_tokenizer_and_model_dir, settings, inputs,
+    return CONVERT.run(
+        config.output_tokenizer_and_model_dir, settings, inputs,
         lambda: export_finetune(config, checkpoint, data), force=args.force,
         versions=("torch", "transformers", "deepspeed", "safetensors", "tokenizers"))
 

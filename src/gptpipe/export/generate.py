@@ -98,7 +98,7 @@ def _print_piece(text: str) -> None:
 def run(config: ConvertConfig, args: Any) -> int:
     import torch
 
-    model_dir = args.model or CONVERT.local(config.output_tokenizer_and_model_dir)  # a URL: the verified cache
+    model_dir = args.model or CONVERT.local_copy(config.output_tokenizer_and_model_dir)  # a URL: the verified cache
     if args.model is None and not model_dir.is_dir():
         raise StageInputError(f"{model_dir} does not exist: export a model first (bash 4_convert_to_HF.sh) "
                               "or name one with --model")

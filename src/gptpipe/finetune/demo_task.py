@@ -22,7 +22,7 @@ import yaml
 from gptpipe.config.core import option
 from gptpipe.corpus.manpages import find_manpages, read_manpage
 from gptpipe.log import get_logger
-from gptpipe.stage import StageInputError, StageResult, atomic_path, run_stage, tree_fingerprint
+from gptpipe.stage import StageInputError, StageResult, atomic_path, tree_fingerprint
 from gptpipe.stages import DEMO_TASK
 
 TASK_NAME = "manpage_section"
@@ -297,8 +297,8 @@ def make_demo_task(config: DemoTaskConfig, force: bool = False) -> Path:
         raise StageInputError(f"{config.man_dir} not found: install the Japanese man pages "
                               "(apt-get install manpages-ja manpages-ja-dev) or set demo_task.man_dir")
     pages = [p for p in config.man_dir.glob("man*/*") if p.is_file()]
-    manifest = run_stage(DEMO_TASK, config.output_dir, config,
-                         {"man_pages": tree_fingerprint(pages)}, lambda: build(config), force=force)
+    manifest = DEMO_TASK.run(config.output_dir, config,
+                             {"man_pages": tree_fingerprint(pages)}, lambda: build(config), force=force)
     log.info(f"{config.output_dir}\n{report(manifest.counts)}")
     return config.output_dir
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from gptpipe.config.core import option
 from gptpipe.finetune.demo_task import TASK_NAME, DemoTaskConfig
 from gptpipe.log import get_logger
-from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_path, run_stage, tree_fingerprint
+from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_path, tree_fingerprint
 from gptpipe.stages import CONVERT, DEMO_TASK, EVALUATE
 
 STAGE = EVALUATE.name
@@ -240,8 +240,8 @@ def evaluate(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
                                             for t, r in tasks.items()},
                            timings={"evaluate_s": round(time.time() - started, 3)})
 
-    run_stage(EVALUATE, out, settings, inputs, work, force=force,
-              versions=("lm_eval", "transformers", "torch", "datasets"))
+    EVALUATE.run(out, settings, inputs, work, force=force,
+                 versions=("lm_eval", "transformers", "torch", "datasets"))
     results = json.loads((out / "results.json").read_text(encoding="utf-8"))
     log.info(f"{folder} → {out}\n{results_markdown(results)}")
     return results

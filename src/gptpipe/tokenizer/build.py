@@ -5,7 +5,7 @@ training lines (sample.py); train SentencePiece (unigram or BPE, ids unk=0 <unk>
 <pad>, then the user-defined symbols); round its scores (hf.py explains why); write the HF fast tokenizer; check
 that HF and SentencePiece give identical ids on the held-out documents and the tricky strings (and, with identity
 normalization, that decoding gives the text back). Everything is built in a temporary folder inside output_dir and
-published only after the checks pass; the manifest comes last (run_stage).
+published only after the checks pass; the manifest comes last (Stage.run).
 
 The document separator (eod) is eos "</s>", as in Megatron's SentencePiece tokenizer; "<EOD>" stays an
 ordinary user-defined symbol of the original pipeline's vocabulary.
@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from tqdm import tqdm
 
 from gptpipe.log import get_logger
-from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_dir, atomic_path, run_stage
+from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_dir, atomic_path
 from gptpipe.stages import PREPARE, TOKENIZER_HF_DIR, TRAIN_TOKENIZER, check_input_files
 from gptpipe.tokenizer import hf
 from gptpipe.tokenizer.config import TokenizerConfig
@@ -250,7 +250,7 @@ def run(config: TokenizerConfig, args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise StageInputError(str(exc)) from None
     versions = ("sentencepiece", "tokenizers", "transformers") + (("fugashi", "unidic-lite") if splitter else ())
-    run_stage(TRAIN_TOKENIZER, config.output_dir, config, {"files": fingerprints},
-              lambda: train_tokenizer(config, files, splitter),
-              force=args.force, versions=versions)
+    TRAIN_TOKENIZER.run(config.output_dir, config, {"files": fingerprints},
+                        lambda: train_tokenizer(config, files, splitter),
+                        force=args.force, versions=versions)
     return 0

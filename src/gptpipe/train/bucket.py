@@ -11,7 +11,7 @@ trusted (listing caches and eventually consistent stores can serve a stale one).
 shared disk adds one marker per node but the first, `global_step{N}/nodes/node{K}.json`, naming the files that
 node uploaded; the marker `complete` comes only after all of them.
 
-The writer is the uploader process of a training run (train/mirror.py); the readers are a resumed run and
+The writer is the uploader process of a training run (train/uploader.py); the readers are a resumed run and
 stage 4 (`fetch_checkpoint`).
 """
 

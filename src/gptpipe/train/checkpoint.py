@@ -31,7 +31,7 @@ from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.stages import TRAIN
 from gptpipe.storage import is_url
 
-if TYPE_CHECKING:  # torch is imported where it is used: the uploader process (train/mirror.py) needs none
+if TYPE_CHECKING:  # torch is imported where it is used: the uploader process (train/uploader.py) needs none
     from gptpipe.train.engine import Dist
 
 COMPLETE_MARKER = "complete"

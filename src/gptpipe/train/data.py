@@ -109,7 +109,7 @@ def build_datasets(data_cfg: DataConfig, stats: list[DatasetCounts], seq_len: in
         random_seed=data_cfg.seed,
         sequence_length=seq_len,
         # A URL prefix reads its verified local copy (the .bin fetched here, once per machine: gptpipe.remote).
-        blend=([str(TOKENIZE.local(s.prefix)) for s in stats], weights),
+        blend=([str(TOKENIZE.local_copy(s.prefix)) for s in stats], weights),
         split=data_cfg.split,
         # "" (not None, which megatron-core replaces with a folder beside the data) builds without a cache.
         path_to_cache="" if cache_dir is None else str(cache_dir),

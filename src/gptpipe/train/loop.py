@@ -45,7 +45,8 @@ from gptpipe.train import checkpoint
 from gptpipe.train.config import LoopConfig
 from gptpipe.train.engine import Dist, StepResult, StopFlag, forward_loss, setup_distributed, train_step
 from gptpipe.train.logging import RunLogger
-from gptpipe.train.mirror import SIDE_SYNC_SECONDS, open_mirror
+from gptpipe.train.mirror import open_mirror
+from gptpipe.train.uploader import SIDE_SYNC_SECONDS
 
 
 def seed_everything(seed: int) -> None:
