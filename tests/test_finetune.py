@@ -463,7 +463,8 @@ def test_baselines_are_reported_beside_the_model(tiny_lm: Path, task_files: tupl
     assert scratch["steps"] == summary["steps"] == 3
     assert train_losses(scratch_run)[1] != train_losses(run)[1]
     assert "did it help?" in done.stderr
-    verdict = "beats" if model["accuracy"] > classical["accuracy"] else "does NOT beat"
+    verdict = {1: "beats", 0: "ties with", -1: "does NOT beat"}[
+        (model["accuracy"] > classical["accuracy"]) - (model["accuracy"] < classical["accuracy"])]
     assert f"{verdict} classical: accuracy {model['accuracy']:.4f} vs {classical['accuracy']:.4f}" in done.stderr
 
 

@@ -109,3 +109,21 @@ def test_sigkilled_blended_run_resumes_with_identical_losses(blended_run, datase
     assert f"resumed from {killed / 'checkpoints'}/global_step{max(saved)}" in resumed.stderr
     assert train_losses(killed) == train_losses(reference)
     assert validation_rows(killed) == validation_rows(reference)
+
+
+@pytest.mark.ranks
+def test_two_zero3_ranks_evaluate_each_source_as_one_rank_does(blended_run, dataset_prefix: Path,
+                                                               english_prefix: Path, workspace: Path,
+                                                               tmp_path: Path) -> None:
+    """Each rank takes its share of every source's validation samples and runs as many forward passes as the
+    other (ZeRO-3 gathers weights in step): the figures are the one-rank run's."""
+    reference, _ = blended_run
+    run = tmp_path / "run"
+    done = run_train("--config", workspace / "config.yaml", *blended(dataset_prefix, english_prefix),
+                     "train.zero_stage=3", f"train.output_model_dir={run}", ranks=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = validation_rows(reference)
+    got = validation_rows(run)
+    assert sorted(got) == sorted(expected)
+    for step, row in expected.items():
+        assert got[step] == pytest.approx(row, rel=1e-4), step

@@ -82,5 +82,6 @@ def format_comparison(table: dict[str, dict[str, float]], model_origin: str, bes
         if name == "model" or mine is None or theirs is None:
             continue
         better = mine < theirs if lower_is_better else mine > theirs
-        lines.append(f"  {'beats' if better else 'does NOT beat'} {name}: {best_metric} {mine:.4f} vs {theirs:.4f}")
+        verdict = "beats" if better else "ties with" if mine == theirs else "does NOT beat"
+        lines.append(f"  {verdict} {name}: {best_metric} {mine:.4f} vs {theirs:.4f}")
     return "\n".join(lines)
