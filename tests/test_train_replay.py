@@ -74,6 +74,11 @@ def test_mixture_is_printed_and_recorded_in_tokens_and_shares(blended_run) -> No
     assert abs(mixture["ja"]["share"] - share) <= 1 / (STEPS * BATCH)
     assert f"  ja: {mixture['ja']['tokens']:,} tokens ({mixture['ja']['share']:.1%})" in stderr
     assert 0 < mixture["en"]["epochs"]
+    # The validation budget of eval_iters global batches, shared by the sources as the blend draws them.
+    eval_samples = EVAL_ITERS * BATCH
+    assert row["validation_samples"] == {"ja": eval_samples * WEIGHTS[0] // sum(WEIGHTS),
+                                       "en": eval_samples * WEIGHTS[1] // sum(WEIGHTS)}
+    assert "validation samples per source: ja 12, en 4" in stderr
 
 
 def test_each_source_has_its_validation_loss_from_step_0(blended_run) -> None:

@@ -120,10 +120,21 @@ class Pretrainer(TrainLoop):
     def begin(self) -> None:
         """The data mixture as megatron built it; with several sources, an evaluation before the first step, so
         each source's validation loss has its starting point (the base model's, when continuing pretraining)."""
-        self.log.record({"step": self.step, "mixture": {m.name: {"tokens": m.tokens, "share": m.share,
-                                                                 "epochs": m.epochs} for m in self.mixture}},
-                        console="data mixture of the run (megatron's blend index):\n"
-                                + "\n".join(f"  {m.line()}" for m in self.mixture))
+        console = "data mixture of the run (megatron's blend index):\n" + "\n".join(f"  {m.line()}"
+                                                                                   for m in self.mixture)
+        row: dict[str, Any] = {"step": self.step, "mixture": {m.name: {"tokens": m.tokens, "share": m.share,
+                                                                       "epochs": m.epochs} for m in self.mixture}}
+        if len(self.sources) > 1:
+            # eval_batches keeps a multiple of the ranks of each source's validation samples
+            world = self.dist.world_size
+            counts = [n // world * world for n in source_counts(self.valid_data, self.plan.eval_samples,
+                                                                len(self.sources))]
+            row["validation_samples"] = dict(zip(self.sources, counts))
+            console += "\n  validation samples per source: " + ", ".join(
+                f"{name} {n}" for name, n in zip(self.sources, counts))
+            if not all(counts):
+                console += " (a source without any has no val_loss/<name>: raise train.eval_iters)"
+        self.log.record(row, console=console)
         if self.step == 0 and len(self.sources) > 1:
             self.evaluate()
 
