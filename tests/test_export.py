@@ -343,6 +343,10 @@ def test_finetune_export_passes_the_gate_and_predicts_like_the_run(tiny_lm, demo
     assert f"| macro-F1 | {metrics['macro_f1']:.4f} | {metrics['majority_macro_f1']:.4f} |" in card
     assert ", ".join(f"`{label}`" for label in labels) in card and "Verified." in card
     assert "![validation metrics](metric_curve.png)" in card
+    # baseline.classical is on by default: the card shows the model beside it on the same rows
+    classical = summary["comparison"]["classical"]
+    assert (f"| classical: character 1-4-gram TF-IDF + logistic regression | {classical['accuracy']:.4f} | "
+            f"{classical['macro_f1']:.4f} | - |") in card
     assert (out / "metric_curve.png").stat().st_size > 1000 and (out / "loss_curve.png").stat().st_size > 1000
 
     # The exported folder predicts exactly what the run's best checkpoint predicts.

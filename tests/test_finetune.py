@@ -441,6 +441,44 @@ def test_finetune_evaluates_and_keeps_the_best_checkpoint_beyond_keep_last_n(
     assert f"global_step{best_step}" in done.stderr and not out.with_suffix(".metrics.json").exists()
 
 
+def test_baselines_are_reported_beside_the_model(tiny_lm: Path, task_files: tuple[Path, Path],
+                                                 tmp_path: Path) -> None:
+    """baseline.model=scratch fine-tunes the same architecture from random weights in <run>/baselines/scratch;
+    the classical baseline scores the same 12 validation rows; the summary and console hold them side by side."""
+    run = tmp_path / "run"
+    done = gptpipe("finetune", *finetune_args(tiny_lm, task_files, run, "train.global_batch_size=8",
+                                              "train.train_iters=3", "train.eval_interval=1000",
+                                              "train.best_metric=accuracy", "baseline.model=scratch",
+                                              "baseline.classical=true"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((run / "finetune_summary.json").read_text(encoding="utf-8"))
+    scratch_run = run / "baselines" / "scratch"
+    scratch = json.loads((scratch_run / "finetune_summary.json").read_text(encoding="utf-8"))
+    table = summary["comparison"]
+    assert list(table) == ["model", "scratch", "classical", "majority"]
+    model, classical = summary["best"]["metrics"], summary["baselines"]["classical"]
+    assert table["model"] == {k: model[k] for k in ("accuracy", "macro_f1", "val_loss")}
+    assert table["scratch"] == {k: scratch["best"]["metrics"][k] for k in ("accuracy", "macro_f1", "val_loss")}
+    assert table["classical"] == {k: classical[k] for k in ("accuracy", "macro_f1")}
+    assert table["majority"] == {"accuracy": model["majority_accuracy"], "macro_f1": model["majority_macro_f1"]}
+    assert sum(map(sum, classical["confusion_matrix"])) == 12 and classical["labels"] == ["1", "2", "3"]
+    # The scratch run trained its own, freshly initialised weights with the same settings and rows.
+    assert scratch["task"]["pretrained_model"] is None and scratch["task"]["architecture_of"] == str(tiny_lm)
+    assert scratch["steps"] == summary["steps"] == 3
+    assert train_losses(scratch_run)[1] != train_losses(run)[1]
+    assert "did it help?" in done.stderr
+    verdict = {1: "beats", 0: "ties with", -1: "does NOT beat"}[
+        (model["accuracy"] > classical["accuracy"]) - (model["accuracy"] < classical["accuracy"])]
+    assert f"{verdict} classical: accuracy {model['accuracy']:.4f} vs {classical['accuracy']:.4f}" in done.stderr
+
+
+def test_a_base_model_baseline_is_refused_until_exports_record_it(tmp_path: Path) -> None:
+    done = gptpipe("finetune", "--config", REPO / "finetune_config.yaml", "baseline.model=base",
+                   f"train.output_model_dir={tmp_path / 'run'}")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "baseline.model: base needs the model a continued-pretraining run started from" in done.stderr
+
+
 def kill_after_step(args: list[str], run: Path, step: int) -> None:
     """Start `gptpipe finetune args`, SIGKILL it once `step` is logged (no handler runs)."""
     process = subprocess.Popen([sys.executable, "-m", "gptpipe", "finetune", *args], env=train_env(),

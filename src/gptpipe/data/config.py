@@ -65,9 +65,15 @@ class DataConfig:
     prefixes: list[Url | Path] = option(
         factory=lambda: [Path("data/tokenized/ja_text_document")],
         doc="Megatron dataset prefixes (without .bin/.idx) written by stage 2; URLs (s3://..., gs://...) are "
-            "fetched once into a verified local cache")
+            "fetched once into a verified local cache. With several (e.g. a new corpus and replay of the base "
+            "model's language), each evaluation also reports every prefix's own validation loss, "
+            "val_loss/<name> (the file name without _text_document), over its part of the same "
+            "eval_iters x global_batch_size samples (so a small share gets few: raise train.eval_iters), "
+            "beginning with an evaluation before the first step")
     weights: list[float] | None = option(
-        None, "blend weights, one per prefix (None: proportional to each prefix's token count)")
+        None, "blend weights, one per prefix: each prefix's share of the training tokens, normalised to sum 1 (a "
+              "prefix smaller than its share is repeated; the plan and the start of training print each "
+              "prefix's tokens, share and epochs). None: proportional to each prefix's token count")
     split: str = option("969,30,1", "train,valid,test proportions over documents")
     seed: int = option(1234, "seed of the document shuffle the splits are cut from, and of the sample order "
                              "(a pure function of seed, data and consumed samples)")

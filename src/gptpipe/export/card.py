@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from gptpipe.finetune.metrics import TASK_METRICS
+from gptpipe.finetune.metrics import TASK_METRICS, metric
 
 LOSS_CURVE = "loss_curve.png"
 METRIC_CURVE = "metric_curve.png"
@@ -79,6 +79,7 @@ class FinetuneCardFacts:
     verification: dict[str, Any]
     has_loss_curve: bool = False
     has_metric_curve: bool = False
+    comparison: dict[str, dict[str, float]] | None = None  # the run summary's: model and baselines side by side
 
 
 def plot_metric_curve(rows: list[dict[str, Any]], kind: str, png: Path) -> bool:
@@ -214,6 +215,20 @@ def _metric_rows(facts: FinetuneCardFacts) -> list[str]:
     return lines
 
 
+def _comparison_rows(comparison: dict[str, dict[str, float]], best_metric: str | None) -> list[str]:
+    """The run's best checkpoint beside its baselines (finetune_config.yaml `baseline:`), on the same rows."""
+    from gptpipe.finetune.baseline import DESCRIPTIONS
+
+    keys = list(dict.fromkeys(k for figures in comparison.values() for k in figures))
+    lines = ["", f"Compared with baselines on the same validation rows (the run's best checkpoint by {best_metric}):",
+             "", "| | " + " | ".join(keys) + " |", "| --- |" + " --- |" * len(keys)]
+    for name, figures in comparison.items():
+        label = "this model" if name == "model" else f"{name}: {DESCRIPTIONS.get(name, name)}"
+        lines.append(f"| {label} | " + " | ".join(metric(k).show(figures[k]) if k in figures else "-" for k in keys)
+                     + " |")
+    return lines
+
+
 def _finetune_verification_text(report: dict[str, Any]) -> str:
     if not report.get("verified"):
         return "**Verification FAILED**: " + "; ".join(report.get("failures", []))
@@ -253,6 +268,8 @@ def render_finetune_card(facts: FinetuneCardFacts, repo_id: str | None) -> str:
         lines.append("- rows skipped while reading: " + ", ".join(f"{n} {reason}" for reason, n in
                                                                    rows["skipped"].items()))
     lines += ["", "## Results", ""] + _metric_rows(facts)
+    if facts.comparison:
+        lines += _comparison_rows(facts.comparison, task.get("best_metric"))
     if best.get("step") not in (None, facts.step):
         lines += ["", f"(The run's best evaluation was step {best['step']}, {task.get('best_metric')} "
                       f"{best['value']:.4f}; this export is step {facts.step}.)"]

@@ -245,7 +245,8 @@ def export_finetune(config: ConvertConfig, checkpoint: Checkpoint, data: Any) ->
             rows={**summary.get("rows", {}), "skipped": summary.get("data_problems", {}).get("skipped", {})},
             training_config={k: finetuning["train"][k] for k in FINETUNE_CARD_KEYS},
             verification=report, has_loss_curve=plot_loss_curve(rows, tmp / LOSS_CURVE),
-            has_metric_curve=plot_metric_curve(rows, task["kind"], tmp / METRIC_CURVE))
+            has_metric_curve=plot_metric_curve(rows, task["kind"], tmp / METRIC_CURVE),
+            comparison=summary.get("comparison"))
         repo_id = f"{config.organization or 'YOUR_HF_USER'}/{config.repo_name or out.name}"
         write_text_atomic(tmp / "README.md", render_finetune_card(facts, repo_id))
         files = sorted(p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file())

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,13 @@ import torch
 
 from gptpipe.config.core import to_plain
 from gptpipe.data.jsonl import CUT_TO_FIT, TOO_LONG, Reasons
+from gptpipe.finetune.baseline import (
+    SCRATCH_DIR,
+    classical_baseline,
+    comparison,
+    format_comparison,
+    scratch_factory,
+)
 from gptpipe.finetune.config import FinetuneConfig
 from gptpipe.finetune.data import (
     IGNORE,
@@ -65,7 +72,7 @@ from gptpipe.finetune.model import (
 from gptpipe.finetune.run_files import SUMMARY_FILE, TASK_FILE, TOKENIZER_DIR
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
-from gptpipe.stages import EXIT_BAD_INPUT
+from gptpipe.stages import EXIT_BAD_INPUT, EXIT_OK
 from gptpipe.train import checkpoint
 from gptpipe.train.data import sample_positions
 from gptpipe.train.engine import Dist, EngineConfigError, build_engine, deepspeed_config
@@ -181,7 +188,35 @@ def _finetune(config: FinetuneConfig, dist: Dist) -> int:
         if dist.is_main:
             log.error(f"refused: {exc}")
         return EXIT_BAD_INPUT
-    return tuner.fit()
+    code = tuner.fit()
+    if code != EXIT_OK:
+        return code
+    return _baselines(config, task, tuner, micro, accumulation, ds_config, wandb_block, dist)
+
+
+def _baselines(config: FinetuneConfig, task: TaskData, tuner: FineTuner, micro: int, accumulation: int,
+               ds_config: dict[str, Any], wandb_block: dict[str, Any], dist: Dist) -> int:
+    """The baselines of finetune_config.yaml's `baseline:` after the model's own run, then the summary and
+    the console comparison; returns the exit code (a scratch run stopped by a signal: 75, rerun to resume)."""
+    baselines: dict[str, dict[str, Any]] = {}
+    if config.baseline.model == "scratch":
+        tuner.engine = None  # the model's engine is done: its memory goes before the scratch model's comes
+        scratch_config = replace(config, train=replace(config.train,
+                                                       output_model_dir=tuner.run_dir / SCRATCH_DIR))
+        scratch = FineTuner(scratch_config, task, micro, accumulation, ds_config, wandb_block, dist,
+                            from_scratch=True)
+        code = scratch.fit()
+        if code != EXIT_OK:
+            return code
+        assert scratch.best is not None
+        baselines["scratch"] = scratch.best["metrics"]
+    if config.baseline.classical and task.labels:
+        baselines["classical"] = classical_baseline(task)
+    if baselines and tuner.best is not None:
+        tuner.write_summary(baselines)
+        table = comparison(config.task.kind, tuner.best["metrics"], baselines)
+        tuner.say(format_comparison(table, f"fine-tuned from {config.model.path}", config.train.best_metric))
+    return EXIT_OK
 
 
 class FineTuner(TrainLoop):
@@ -190,9 +225,9 @@ class FineTuner(TrainLoop):
     name = "finetune"
 
     def __init__(self, config: FinetuneConfig, task: TaskData, micro: int, accumulation: int,
-                 ds_config: dict[str, Any], wandb_block: dict[str, Any], dist: Dist):
+                 ds_config: dict[str, Any], wandb_block: dict[str, Any], dist: Dist, from_scratch: bool = False):
         super().__init__(config, config.train, dist, ds_config, wandb_block)
-        self.task = task
+        self.task, self.from_scratch = task, from_scratch
         train = config.train
         self.micro, self.accumulation = micro, accumulation
         self.pad = pad_id(task.tokenizer)
@@ -211,7 +246,8 @@ class FineTuner(TrainLoop):
         self.hf_config = inference_config(AutoConfig.from_pretrained(config.model.path))
         self.engine, _ = build_engine(train, self.hf_config.model_type, self.hf_config, ds_config,
                                       Schedule.for_run(train, self.steps), dist.device,
-                                      make_model=pretrained_factory(config.model.path, task.seq2seq, dist.device))
+                                      make_model=(scratch_factory if from_scratch else pretrained_factory)(
+                                          config.model.path, task.seq2seq, dist.device))
         if train.packing:
             self.engine.eval()
             leaks = packing_leaks(self.engine, task.train, len(task.tokenizer), self.pad, dist.device)
@@ -228,8 +264,9 @@ class FineTuner(TrainLoop):
         c = self.config
         return {"kind": c.task.kind, "prompt": c.task.prompt, "labels": self.task.labels,
                 "majority_label": self.task.majority, "seq2seq": self.task.seq2seq, "seq_len": c.train.seq_len,
-                "too_long": c.data.too_long, "pretrained_model": str(c.model.path), "train_file": str(c.data.train),
-                "best_metric": c.train.best_metric}
+                "too_long": c.data.too_long, "pretrained_model": None if self.from_scratch else str(c.model.path),
+                "train_file": str(c.data.train), "best_metric": c.train.best_metric,
+                **({"architecture_of": str(c.model.path)} if self.from_scratch else {})}
 
     def model_origin(self) -> str:
         return f"model.path {self.config.model.path}"
@@ -332,12 +369,20 @@ class FineTuner(TrainLoop):
                 else f"\n    best so far: step {best['step']} ({chosen.key} {chosen.show(best['value'])})")
         return head + body + tail
 
+    def write_summary(self, baselines: dict[str, dict[str, Any]] | None = None) -> None:
+        """<run>/finetune_summary.json; with `baselines` (their validation metrics), the comparison too."""
+        if not self.dist.is_main:
+            return
+        summary = {"task": self.task_facts(), "steps": self.step, "best": self.best, "final": self.last_eval,
+                   "rows": {"train": len(self.task.train), "validation": len(self.task.validation)},
+                   "data_problems": self.task.skipped.manifest_counts(), "config": to_plain(self.config)}
+        if baselines and self.best:
+            summary["baselines"] = baselines
+            summary["comparison"] = comparison(self.config.task.kind, self.best["metrics"], baselines)
+        write_text_atomic(self.run_dir / SUMMARY_FILE, json.dumps(summary, ensure_ascii=False, indent=2) + "\n")
+
     def finish(self) -> None:
-        if self.dist.is_main:
-            summary = {"task": self.task_facts(), "steps": self.step, "best": self.best, "final": self.last_eval,
-                       "rows": {"train": len(self.task.train), "validation": len(self.task.validation)},
-                       "data_problems": self.task.skipped.manifest_counts(), "config": to_plain(self.config)}
-            write_text_atomic(self.run_dir / SUMMARY_FILE, json.dumps(summary, ensure_ascii=False, indent=2) + "\n")
+        self.write_summary()
         best = self.best or {}
         self.say(f"finished {self.step} steps; best checkpoint: step {best.get('step')} "
                  f"({self.train_cfg.best_metric} {best.get('value', float('nan')):.4f}) in "

@@ -14,6 +14,7 @@ with the seed, and step s on data-parallel rank r reads fixed positions of that 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from collections.abc import Iterator
@@ -50,6 +51,53 @@ def blend_weights(data_cfg: DataConfig, stats: list[DatasetCounts]) -> list[floa
     if data_cfg.weights is not None:
         return list(data_cfg.weights)
     return [float(s.tokens) for s in stats]
+
+
+def source_names(prefixes: list[Any]) -> list[str]:
+    """A short unique name per prefix for its metrics (val_loss/<name>): the file name without stage 2's
+    `_text_document` suffix, with -2, -3... after a name already taken."""
+    names: list[str] = []
+    for prefix in prefixes:
+        stem = Path(str(prefix)).name.removesuffix("_text_document") or "data"
+        name, n = stem, 1
+        while name in names:
+            n += 1
+            name = f"{stem}-{n}"
+        names.append(name)
+    return names
+
+
+@dataclass
+class SourceShare:
+    """What one source gives the training mix."""
+
+    name: str
+    tokens: int
+    share: float  # of the run's training tokens
+    epochs: float  # passes over the source's own train split
+
+    def line(self) -> str:
+        return f"{self.name}: {self.tokens:,} tokens ({self.share:.1%}), {self.epochs:.2f} epochs of its train split"
+
+
+def source_counts(dataset: Any, samples: int, sources: int) -> list[int]:
+    """How many of a training dataset's first `samples` samples each source gives (from the blend's index)."""
+    import numpy
+
+    index = getattr(dataset, "dataset_index", None)
+    if index is None:
+        return [samples]
+    return numpy.bincount(numpy.asarray(index[:samples]), minlength=sources).tolist()
+
+
+def mixture(samples: list[float], stats: list[DatasetCounts], seq_len: int) -> list[SourceShare]:
+    """Each source's part of a run that reads `samples[i]` samples of source i. Every sample is seq_len tokens,
+    so a data.weights entry is a token share: megatron normalises the weights and draws each sample from the
+    source furthest below its share."""
+    total = sum(samples) or 1
+    names = source_names([s.prefix for s in stats])
+    return [SourceShare(name, round(n * seq_len), n / total, n * seq_len / max(s.split_tokens[0], 1))
+            for name, n, s in zip(names, samples, stats)]
 
 
 def index_bytes(stats: list[DatasetCounts], weights: list[float] | None, sizes: list[int], seq_len: int) -> int:
@@ -140,7 +188,7 @@ def sample_positions(consumed: int, micro_step: int, micro_batch: int, dp_rank: 
     return range(start, start + micro_batch)
 
 
-def collate(dataset: Any, positions: range, device: torch.device) -> dict[str, torch.Tensor]:
+def collate(dataset: Any, positions: range | list[int], device: torch.device) -> dict[str, torch.Tensor]:
     """Input ids and next-token labels (-100 where megatron masks padding), on `device`."""
     import torch
 
@@ -162,11 +210,24 @@ def to_device(batch: dict[str, Any], device: torch.device | str) -> dict[str, An
 
 
 def eval_batches(dataset: Any, samples: int, micro_batch: int, dp_rank: int, dp_size: int,
-                 device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
-    """This rank's share of the first `samples` validation samples: the same set at every evaluation."""
-    mine = list(range(dp_rank, samples, dp_size))
-    for i in range(0, len(mine), micro_batch):
-        yield collate(dataset, mine[i:i + micro_batch], device)  # type: ignore[arg-type]
+                 device: torch.device) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """(source, batch): this rank's share of the first `samples` validation samples, the same set at every
+    evaluation, grouped by the source each comes from (0 for a single prefix), so each source's loss is over
+    its share of the blend's own samples. Of a blend, a source keeps a multiple of dp_size samples: every rank
+    then runs the same number of forward passes (ZeRO-3 gathers weights in step)."""
+    sources = getattr(dataset, "dataset_index", None)
+    if sources is None:
+        groups = [(0, list(range(dp_rank, samples, dp_size)))]
+    else:
+        import numpy
+
+        groups = []
+        for source in range(len(dataset.datasets)):
+            positions = numpy.flatnonzero(numpy.asarray(sources[:samples]) == source)
+            groups.append((source, positions[:len(positions) // dp_size * dp_size][dp_rank::dp_size].tolist()))
+    for source, mine in groups:
+        for i in range(0, len(mine), micro_batch):
+            yield source, collate(dataset, mine[i:i + micro_batch], device)
 
 
 def available_host_ram() -> int:

@@ -85,7 +85,7 @@ class RunLogger:
         self.metrics.flush()
         step = row["step"]
         numbers = {k: v for k, v in clean.items() if isinstance(v, (int, float)) and k != "step"}
-        if self.tensorboard:
+        if self.tensorboard and numbers:
             for key, value in numbers.items():
                 self.tensorboard.add_scalar(key, value, step)
             self.tensorboard.flush()
@@ -94,7 +94,7 @@ class RunLogger:
                 self.tensorboard.close()
                 self.tensorboard = type(self.tensorboard)(self.tensorboard.log_dir)
                 self.tensorboard_opened = time.monotonic()
-        if self.wandb:
+        if self.wandb and numbers:
             self.wandb.log(numbers, step=step)
         self.say(console if console is not None else "  ".join(f"{k} {_format(v)}" for k, v in row.items()))
 

@@ -10,6 +10,7 @@ the final evaluation and save, and the exit code. A stage subclasses it and fill
     forward(engine, batch)   (loss, aux loss) of one micro-batch (default: the pretraining LM loss)
     log_train(window)        the train row and console line of a log step
     evaluate()               validation; True asks for a checkpoint of this step now (a new best)
+    begin()                  anything to show or do before the first step (default: nothing)
     checkpoint_state()       the stage's part of gptpipe_state.json; restore(state) reads it back on resume
     finish()                 the last word of a finished run
 
@@ -154,6 +155,9 @@ class TrainLoop(ABC):
     def after_save(self, step: int) -> None:
         """Called on every rank once the checkpoint of `step` is complete."""
 
+    def begin(self) -> None:
+        """Called once the run's logger is open (self.log), before the first step of this process."""
+
     def finish(self) -> None:
         """The last word of a finished run, after its final evaluation and save."""
 
@@ -237,6 +241,7 @@ class TrainLoop(ABC):
 
         try:
             try:
+                self.begin()
                 code = self._loop()
             finally:
                 self.log.close()

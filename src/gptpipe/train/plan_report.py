@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from gptpipe.log import get_logger
 from gptpipe.stages import EXIT_BAD_INPUT
 from gptpipe.storage import is_url
-from gptpipe.train.data import DataError
+from gptpipe.train.data import DataError, mixture
 from gptpipe.train.memory import GIB
 from gptpipe.train.plan import ASSUMED_MFU, Plan, PlanError, check_parameter_count, make_plan
 
@@ -31,16 +31,22 @@ def format_plan(plan: Plan, config: PipelineConfig) -> str:
     s, train = plan.shape, config.train
     g = lambda b: f"{b / GIB:.2f} GiB"
     m, c = plan.memory, plan.memory_checkpointed
+    planned_mixture = ""
+    if plan.weights:  # the weights' shares of the run; training prints those megatron's blend index gives
+        run_samples = plan.steps * train.global_batch_size
+        planned_mixture = "; ".join(share.line() for share in mixture(
+            [run_samples * w / sum(plan.weights) for w in plan.weights], plan.stats, train.seq_len)) + (
+            f" (data.weights {'as given' if config.data.weights else 'from the token counts'}, normalised)")
     rows = [
         ("model", f"{s.arch} {config.model.preset}: {s.num_layers} layers, hidden {s.hidden_size}, "
                   f"{s.num_attn_heads} heads ({s.num_kv_heads} KV), FFN {s.ffn_hidden_size}"
                   + (f", {s.num_experts} experts top-{s.experts_top_k}" if s.num_experts > 1 else "")),
         ("parameters", f"{plan.parameters:,} (vocab {s.vocab_size:,} padded to a multiple of 128)"),
         ("FLOPs per token", f"{plan.flops_per_token:.3g} (6·N + 12·L·h·s, training)"),
-        ("data", ", ".join(f"{st.prefix.name}: {st.documents:,} docs, {st.tokens:,} tokens" for st in plan.stats)
-         + (f"; weights {[round(w / sum(plan.weights), 3) for w in plan.weights]}" if plan.weights else "")),
+        ("data", ", ".join(f"{st.prefix.name}: {st.documents:,} docs, {st.tokens:,} tokens" for st in plan.stats)),
         ("split", f"{config.data.split}: train/valid/test documents "
                   f"{'/'.join(str(sum(st.split_documents[i] for st in plan.stats)) for i in range(3))}"),
+        *([("mixture", planned_mixture)] if planned_mixture else []),
         ("batch", f"global {train.global_batch_size} = micro {plan.settings.micro_batch} × accumulation "
                   f"{plan.accumulation} × {plan.dp} data-parallel ranks; {plan.tokens_per_step:,} tokens/step"),
         ("run", f"{plan.steps:,} steps, {plan.train_tokens:,} tokens, from {plan.run_length}"

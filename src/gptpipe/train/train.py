@@ -21,7 +21,8 @@ import torch
 from gptpipe.config.core import to_plain
 from gptpipe.log import get_logger
 from gptpipe.stages import EXIT_BAD_INPUT, read_tokenizer
-from gptpipe.train.data import DataError, build_datasets, collate, eval_batches, sample_positions
+from gptpipe.train.data import (DataError, build_datasets, collate, eval_batches, mixture, sample_positions,
+                                source_counts, source_names)
 from gptpipe.train.engine import Dist, EngineConfigError, build_engine, deepspeed_config
 from gptpipe.train.loop import LogWindow, TrainLoop, run_ranks
 from gptpipe.train.model import build_model_config, expert_shares, router_loss
@@ -79,6 +80,10 @@ class Pretrainer(TrainLoop):
         cache = config.data.cache_dir or (None if own_disks else self.run_dir / "data_cache")
         self.train_data, self.valid_data, _ = build_datasets(config.data, plan.stats, train.seq_len, sizes, cache,
                                                              tokenizer.vocab_size, tokenizer.eod_id)
+        self.sources = source_names(config.data.prefixes)
+        # What each source really gives the run: megatron's blend index over the samples the run will read.
+        self.mixture = mixture(source_counts(self.train_data, plan.steps * train.global_batch_size,
+                                             len(plan.stats)), plan.stats, train.seq_len)
         self.consumed = 0
         self.last_val_loss: float | None = None
 
@@ -112,6 +117,27 @@ class Pretrainer(TrainLoop):
         self.last_val_loss = state.get("val_loss")
 
     # --- what the run shows -------------------------------------------------------------------------
+    def begin(self) -> None:
+        """The data mixture as megatron built it; with several sources, an evaluation before the first step, so
+        each source's validation loss has its starting point (the base model's, when continuing pretraining)."""
+        console = "data mixture of the run (megatron's blend index):\n" + "\n".join(f"  {m.line()}"
+                                                                                   for m in self.mixture)
+        row: dict[str, Any] = {"step": self.step, "mixture": {m.name: {"tokens": m.tokens, "share": m.share,
+                                                                       "epochs": m.epochs} for m in self.mixture}}
+        if len(self.sources) > 1:
+            # eval_batches keeps a multiple of the ranks of each source's validation samples
+            world = self.dist.world_size
+            counts = [n // world * world for n in source_counts(self.valid_data, self.plan.eval_samples,
+                                                                len(self.sources))]
+            row["validation_samples"] = dict(zip(self.sources, counts))
+            console += "\n  validation samples per source: " + ", ".join(
+                f"{name} {n}" for name, n in zip(self.sources, counts))
+            if not all(counts):
+                console += " (a source without any has no val_loss/<name>: raise train.eval_iters)"
+        self.log.record(row, console=console)
+        if self.step == 0 and len(self.sources) > 1:
+            self.evaluate()
+
     def log_train(self, window: LogWindow) -> None:
         plan = self.plan
         tokens_per_s = window.steps * plan.tokens_per_step / max(window.seconds, 1e-9)
@@ -155,31 +181,41 @@ class Pretrainer(TrainLoop):
 
     @torch.no_grad()
     def evaluate(self) -> bool:
-        """Validation loss over the same eval_iters × global_batch_size samples every time, then samples."""
+        """Validation loss over the same eval_iters × global_batch_size samples every time, and each source's
+        over its part of them (val_loss/<source>, with several prefixes), then samples."""
         engine, plan = self.engine, self.plan
         engine.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.dist.device)
+        totals = torch.zeros(len(self.sources), 2, dtype=torch.float64, device=self.dist.device)
         moe = hasattr(self.hf_config, "output_router_logits")
         extra = {"output_router_logits": True} if moe else {}  # the routing on held-out text
         counts = None
         if self.fused_loss:  # Liger skips the logits only in training mode unless told: they would not fit
             extra["skip_logits"] = True
-        for batch in eval_batches(self.valid_data, plan.eval_samples, plan.settings.micro_batch, self.dist.rank,
-                                  self.dist.world_size, self.dist.device):
+        for source, batch in eval_batches(self.valid_data, plan.eval_samples, plan.settings.micro_batch,
+                                          self.dist.rank, self.dist.world_size, self.dist.device):
             out = engine(input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["labels"],
                          use_cache=False, **extra)
             count = (batch["labels"] != -100).sum()
-            totals += torch.stack([out.loss.double() * count, count.double()])
+            totals[source] += torch.stack([out.loss.double() * count, count.double()])
             if moe:
                 step_counts = router_loss(out.router_logits, self.hf_config.num_experts_per_tok).counts
                 counts = step_counts if counts is None else counts + step_counts
         torch.distributed.all_reduce(totals)
-        loss = (totals[0] / totals[1]).item()
+        overall = totals.sum(0)
+        loss = (overall[0] / overall[1]).item()
         self.last_val_loss = loss
         ppl = math.exp(min(loss, 50.0))
         row: dict[str, Any] = {"step": self.step, "val_loss": loss, "val_ppl": ppl}
+        per_source = ""
+        if len(self.sources) > 1:
+            for name, (loss_sum, count) in zip(self.sources, totals.tolist()):
+                if count:  # a source with no validation sample in the budget has no loss to show
+                    row[f"val_loss/{name}"] = loss_sum / count
+            per_source = "  (" + ", ".join(f"{name} {row[f'val_loss/{name}']:.4f}" if f"val_loss/{name}" in row
+                                           else f"{name} -" for name in self.sources) + ")"
         routing = self._routing(counts, row, "val_") if counts is not None else ""
-        self.log.record(row, console=f"validation  step {self.step}  loss {loss:.4f}  perplexity {ppl:.2f}{routing}")
+        self.log.record(row, console=f"validation  step {self.step}  loss {loss:.4f}{per_source}  "
+                                     f"perplexity {ppl:.2f}{routing}")
         self.log.samples(self.step, self._generate())
         engine.train()
         return False  # checkpoints follow save_interval

@@ -1,0 +1,86 @@
+"""Stage 7's "did it help?": the fine-tuned model beside baselines on the same rows (finetune_config.yaml
+`baseline:`), in the summary, the console and the exported card.
+
+- scratch: model.path's architecture from random initialisation, fine-tuned with the same settings and rows in
+  <run>/baselines/scratch. A pretrained start that does not beat it did not help the task.
+- classical (classification): character 1-4-gram TF-IDF and logistic regression (scikit-learn), fitted on the
+  training rows the model trained on and scored on the same validation rows, with the same metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gptpipe.finetune.metrics import TASK_METRICS, VAL_LOSS, classification_metrics, metric
+from gptpipe.finetune.model import model_class
+from gptpipe.train.model import inference_config
+
+if TYPE_CHECKING:
+    from gptpipe.finetune.train import TaskData
+
+SCRATCH_DIR = Path("baselines") / "scratch"  # the scratch fine-tune's run folder, inside the model's
+DESCRIPTIONS = {"scratch": "the same architecture from random initialisation, fine-tuned alike",
+                "classical": "character 1-4-gram TF-IDF + logistic regression",
+                "majority": "always the most frequent training label"}
+
+
+def scratch_factory(folder: Path, seq2seq: bool, device: torch.device) -> Callable[[], Any]:
+    """A callable building `folder`'s architecture with freshly initialised fp32 weights (the loop seeds it)."""
+
+    def make() -> Any:
+        from transformers import AutoConfig
+
+        config = inference_config(AutoConfig.from_pretrained(folder))
+        return model_class(seq2seq).from_config(config, torch_dtype=torch.float32).to(device)
+
+    return make
+
+
+def classical_baseline(task: TaskData) -> dict[str, Any]:
+    """Validation metrics of char n-gram TF-IDF + logistic regression fitted on the training rows."""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+
+    assert task.labels and task.majority
+    inputs, labels = [r.input for r in task.train_rows], [str(r.label) for r in task.train_rows]
+    validation = [r.input for r in task.validation]
+    if len(set(labels)) < 2:  # logistic regression needs two classes; one label is all it could answer
+        predicted = [labels[0]] * len(validation)
+    else:
+        model = make_pipeline(TfidfVectorizer(analyzer="char_wb", ngram_range=(1, 4), sublinear_tf=True),
+                              LogisticRegression(max_iter=2000))
+        predicted = [str(p) for p in model.fit(inputs, labels).predict(validation)]
+    return classification_metrics([str(r.label) for r in task.validation], predicted, task.labels, task.majority)
+
+
+def comparison(kind: str, model: dict[str, Any], baselines: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """{"model": figures, <baseline>: figures, "majority": ...}: the headline validation figures side by side."""
+    # The task's figures, and val_loss where the baseline is a language model.
+    keys = (*(m.key for m in TASK_METRICS[kind]), VAL_LOSS.key)
+    table = {name: {k: float(m[k]) for k in keys if k in m} for name, m in {"model": model, **baselines}.items()}
+    if "majority_accuracy" in model:
+        table["majority"] = {"accuracy": model["majority_accuracy"], "macro_f1": model["majority_macro_f1"]}
+    return table
+
+
+def format_comparison(table: dict[str, dict[str, float]], model_origin: str, best_metric: str) -> str:
+    """The console lines: one per model, then whether the pretrained start beat each baseline."""
+    lines = [f"did it help? validation figures of the best checkpoint (by {best_metric}) beside the baselines:"]
+    for name, figures in table.items():
+        what = model_origin if name == "model" else DESCRIPTIONS[name]
+        lines.append(f"  {name:<9} " + "  ".join(f"{k} {metric(k).show(v)}" for k, v in figures.items())
+                     + f"  ({what})")
+    mine, chosen = table["model"].get(best_metric), metric(best_metric)
+    for name, figures in table.items():
+        theirs = figures.get(best_metric)
+        if name == "model" or mine is None or theirs is None:
+            continue
+        better = mine > theirs if chosen.higher_is_better else mine < theirs
+        verdict = "beats" if better else "ties with" if mine == theirs else "does NOT beat"
+        lines.append(f"  {verdict} {name}: {best_metric} {chosen.show(mine)} vs {chosen.show(theirs)}")
+    return "\n".join(lines)
