@@ -9,7 +9,8 @@ tokenizer must be the one stage 2 encoded the data with. The checks, all before 
   the tokenizer it was encoded with; they must be the folder's (`check_data`);
 - the step-0 gate (initialising run): the engine's loss on the first validation sample equals the loss that
   transformers' own `from_pretrained` of the folder gives in fp32 (`reference_loss`, `loss_tolerance`), and the
-  folder's tokenizer re-encodes held-out documents of the data to the same ids (`round_trip_problems`);
+  folder's tokenizer encodes the source text of the data's first documents to the ids the data holds
+  (`tokenizer_problems`; held-out documents decoded and re-encoded where the source is not readable);
 - the folder itself: at initialisation the run records every file's size and SHA-256 (`fingerprint`) in its
   checkpoints; a resumed run and the export refuse a folder whose files changed since (`folder_changes`). A
   folder altered before the run initialised cannot be told apart: the run trains, records and exports the
@@ -206,6 +207,71 @@ def heldout_token_documents(prefix: Path, split: str, seed: int, count: int = RO
         if len(docs) == count:
             break
     return docs
+
+
+def source_texts(manifest: Any, count: int = ROUND_TRIP_DOCUMENTS) -> list[str] | None:
+    """The texts of a stage-2 dataset's first `count` documents, read back from the jsonl it was encoded from;
+    None when that cannot be done exactly: a merged or sharded dataset, lines that became no document (skipped),
+    or an input that is gone or changed since."""
+    import orjson
+
+    from gptpipe.stage import file_fingerprint
+
+    counts, files = manifest.counts, (manifest.inputs.get("files") or {})
+    if counts.get("documents") != counts.get("lines") or "shard" in counts or not files:
+        return None
+    texts: list[str] = []
+    for name, recorded in files.items():
+        path = Path(name)
+        if not path.is_file() or file_fingerprint(path)["size"] != recorded.get("size") or \
+                file_fingerprint(path)["mtime_ns"] != recorded.get("mtime_ns"):
+            return None
+        with open(path, "rb") as fh:
+            for line in fh:
+                texts.append(orjson.loads(line)[manifest.config.get("text_key", "text")])
+                if len(texts) == count:
+                    return texts
+    return texts
+
+
+def reencode_problems(tokenizer: Any, texts: list[str], documents: list[list[int]], bos_id: int | None,
+                      eod_id: int) -> list[str]:
+    """Documents of the data whose source text `tokenizer` encodes to other ids than the data holds (between the
+    base's BOS, where its tokenizer adds one, and EOS): the data was encoded with another tokenizer."""
+    problems = []
+    for n, (text, doc) in enumerate(zip(texts, documents)):
+        ids = ([bos_id] if bos_id is not None else []) + tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids.append(eod_id)
+        if ids != doc:
+            at = next((i for i, (a, b) in enumerate(zip(ids, doc)) if a != b), min(len(ids), len(doc)))
+            problems.append(f"document {n}: the data has ids {doc[at:at + 5]} at token {at}, the tokenizer "
+                            f"gives {ids[at:at + 5]} for its text")
+    return problems
+
+
+def first_documents(prefix: Path, count: int) -> list[list[int]]:
+    """The first `count` documents of a dataset prefix, as ids."""
+    from gptpipe.data.indexed import IndexedDataset
+
+    reader = IndexedDataset(prefix)
+    return [reader[i].tolist() for i in range(min(count, len(reader)))]
+
+
+def tokenizer_problems(tokenizer: Any, base: BaseModel, prefix: Path, split: str, seed: int) -> tuple[list[str], str]:
+    """(the problems, what was checked) of the base's tokenizer against the data in `prefix`: the first documents'
+    source texts re-encoded (`source_texts`), else held-out documents decoded and re-encoded (a weaker check: a
+    tokenizer with some pieces' ids swapped decodes and re-encodes consistently)."""
+    from gptpipe.stages import read_dataset
+
+    bos, eod = base.tokenizer.bos_id, base.tokenizer.eod_id
+    texts = source_texts(read_dataset(prefix).manifest)
+    if texts:
+        return (reencode_problems(tokenizer, texts, first_documents(prefix, len(texts)), bos, eod),
+                f"re-encodes the source text of {len(texts)} documents to the data's ids")
+    documents = heldout_token_documents(prefix, split, seed)
+    return (round_trip_problems(tokenizer, documents, bos, eod),
+            f"decodes and re-encodes {len(documents)} held-out documents to the data's ids (their source jsonl is "
+            "not readable as it was encoded)")
 
 
 def round_trip_problems(tokenizer: Any, documents: list[list[int]], bos_id: int | None, eod_id: int) -> list[str]:

@@ -225,12 +225,14 @@ def build_model(hf_config: PretrainedConfig, device: torch.device | str = "cpu",
     import torch
     from transformers import AutoModelForCausalLM
 
+    # Gemma 2 caps its attention scores (attn_logit_softcapping), which only the eager attention does.
+    attention = "eager" if getattr(hf_config, "attn_logit_softcapping", None) else "sdpa"
     if init_from is not None:
         model = AutoModelForCausalLM.from_pretrained(init_from, dtype=torch.float32,
-                                                     attn_implementation="sdpa").to(device)
+                                                     attn_implementation=attention).to(device)
     else:
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention, dtype=torch.float32)
     if hasattr(model, "router_aux_loss_coef"):
         # transformers adds its load-balancing loss, pooled over the layers, to the loss it returns; the
         # per-layer ones (router_loss) replace it, added by engine.forward_loss with the configured weight.

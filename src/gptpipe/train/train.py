@@ -28,8 +28,7 @@ from gptpipe.stage import StageInputError
 from gptpipe.stages import EXIT_BAD_INPUT
 from gptpipe.train import checkpoint
 from gptpipe.train.base_model import (BASE_STATE_KEY, BaseModel, base_record, check_unchanged, gate_batch,
-                                      heldout_token_documents, loss_tolerance, reference_loss, round_trip_problems,
-                                      stage3_model)
+                                      loss_tolerance, reference_loss, stage3_model, tokenizer_problems)
 from gptpipe.train.data import DataError, build_datasets, collate, eval_batches, sample_positions, to_device
 from gptpipe.train.engine import Dist, EngineConfigError, build_engine, deepspeed_config
 from gptpipe.train.loop import LogWindow, TrainLoop, run_ranks
@@ -118,7 +117,7 @@ class Pretrainer(TrainLoop):
         self.gate_sample = gate_batch(self.valid_data)
         self.gate_reference: float | None = None
         self.gate_problems: list[str] = []
-        self.round_trip_documents = 0
+        self.tokenizer_checked = ""
         if not self.dist.is_main:
             return
         from transformers import AutoTokenizer
@@ -126,10 +125,8 @@ class Pretrainer(TrainLoop):
         self.base_record = base_record(base)
         self.gate_reference = reference_loss(base.folder, self.gate_sample)
         data = self.config.data
-        documents = heldout_token_documents(self.plan.stats[0].prefix, data.split, data.seed)
-        self.round_trip_documents = len(documents)
-        self.gate_problems = round_trip_problems(AutoTokenizer.from_pretrained(base.folder), documents,
-                                                 base.tokenizer.bos_id, base.tokenizer.eod_id)
+        self.gate_problems, self.tokenizer_checked = tokenizer_problems(
+            AutoTokenizer.from_pretrained(base.folder), base, self.plan.stats[0].prefix, data.split, data.seed)
 
     @torch.no_grad()
     def _step0_gate(self) -> bool:
@@ -152,8 +149,7 @@ class Pretrainer(TrainLoop):
                 problems.append(line)
             problems += self.gate_problems
             if not problems:
-                self.say(f"step-0 gate passed: {line}; the tokenizer re-encodes {self.round_trip_documents} "
-                         "held-out documents to the data's ids")
+                self.say(f"step-0 gate passed: {line}; the tokenizer {self.tokenizer_checked}")
         refused = torch.tensor([len(problems)], dtype=torch.int32, device=self.dist.device)
         torch.distributed.all_reduce(refused)  # every rank stops when rank 0 refuses
         if problems:
