@@ -213,19 +213,21 @@ def test_each_family_initialises_passes_the_gate_and_exports(model_type: str, to
     check_export(out, base, model_type)
 
 
+@pytest.mark.slow
 def test_a_tokenizer_other_than_the_datas_is_refused_before_any_work(datasets, tokenizers, workspace: Path,
-                                                                    tmp_path: Path, capfd) -> None:
+                                                                    tmp_path: Path) -> None:
     """A base whose tokenizer is not the one stage 2 encoded the data with: refused naming both, nothing made."""
     base = make_base("llama", tokenizers["sp"], tmp_path / "sp-base")
     run = tmp_path / "run"
-    code = main([str(a) for a in train_args(workspace, base, datasets["bpe"], run)])
-    assert code == EXIT_BAD_INPUT
-    err = capfd.readouterr().err
+    done = run_train(*train_args(workspace, base, datasets["bpe"], run))
+    assert done.returncode == EXIT_BAD_INPUT
+    err = done.stderr
     assert f"the data was not tokenized with model.init_from {base}'s tokenizer" in err
     assert str(datasets["bpe"]) in err and "tokenizer_sha256" in err
     assert not run.exists()
 
 
+@pytest.mark.slow
 def test_same_ids_and_boundaries_but_another_tokenizer_fails_the_step_0_gate(datasets, tokenizers, corpus,
                                                                             workspace: Path, tmp_path: Path) -> None:
     """The tokenizer.json of the data's tokenizer with two frequent pieces' ids swapped: same vocabulary size,
