@@ -52,6 +52,18 @@ def sentencepiece_bpe(texts: list[str], folder: Path) -> Path:
     return folder
 
 
+def qwen_bpe(byte_level: Path, folder: Path) -> Path:
+    """Qwen2's own tokenizer class on a byte-level BPE's vocabulary and merges: transformers loads a qwen2
+    folder's tokenizer through that class, which builds its own pipeline (pre-tokenizer, normalizer)."""
+    from transformers import Qwen2Tokenizer
+
+    state = json.loads((byte_level / "tokenizer.json").read_text())
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in state["model"]["merges"]]
+    Qwen2Tokenizer(vocab=state["model"]["vocab"], merges=merges, eos_token="<|end_of_text|>",
+                   pad_token="<|end_of_text|>", unk_token=None, chat_template=CHAT_TEMPLATE).save_pretrained(folder)
+    return folder
+
+
 def tiny_config(model_type: str, vocab_size: int, bos: int, eos: int):
     """A two-layer config of `model_type`: GQA where the family has it, Gemma with its own head_dim."""
     from transformers import AutoConfig
@@ -96,13 +108,14 @@ def corpus(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
 
 @pytest.fixture(scope="module")
 def tokenizers(corpus, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The two tokenizer folders: "bpe" (byte-level, ids past 65,535: int32 data) and "sp" (SentencePiece-style)."""
+    """The tokenizer folders: "bpe" (byte-level, ids past 65,535: int32 data), "sp" (SentencePiece-style) and
+    "qwen" (the byte-level one through Qwen2's tokenizer class)."""
     root = tmp_path_factory.mktemp("cpt-tokenizers")
     texts = corpus[1]
     bpe = byte_level_bpe(texts, root / "bpe", adds_bos=False, shift=SHIFT)
     config = json.loads((bpe / "tokenizer_config.json").read_text())
     (bpe / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
-    return {"bpe": bpe, "sp": sentencepiece_bpe(texts, root / "sp")}
+    return {"bpe": bpe, "sp": sentencepiece_bpe(texts, root / "sp"), "qwen": qwen_bpe(bpe, root / "qwen")}
 
 
 @pytest.fixture(scope="module")
@@ -198,14 +211,18 @@ def test_llama_with_a_large_bpe_vocabulary_end_to_end(datasets, tokenizers, work
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type,tokenizer,extra_vocab", [
-    ("qwen2", "sp", 64), ("mistral", "sp", 0), ("gemma2", "sp", 0), ("gemma3_text", "bpe", 0), ("gpt2", "bpe", 0),
+    ("qwen2", "qwen", 64), ("mistral", "sp", 0), ("gemma2", "sp", 0), ("gemma3_text", "bpe", 0), ("gpt2", "bpe", 0),
     ("mixtral", "sp", 0)])
 def test_each_family_initialises_passes_the_gate_and_exports(model_type: str, tokenizer: str, extra_vocab: int,
-                                                             datasets, tokenizers, workspace: Path,
+                                                             corpus, tokenizers, workspace: Path,
                                                              tmp_path: Path) -> None:
     base = make_base(model_type, tokenizers[tokenizer], tmp_path / f"{model_type}-base", extra_vocab)
+    # Stage 2 with the base folder itself, as a user would: transformers may load a tokenizer folder differently
+    # beside a config.json (Qwen2's tokenizer class rebuilds the pipeline and adds <|endoftext|>).
+    run_cli("tokenize", "--config", workspace / "config.yaml", f"tokenize.input=[{corpus[0]}]",
+            f"tokenize.tokenizer_dir={base}", f"tokenize.output_prefix={tmp_path / 'data'}", "tokenize.workers=1")
     run = tmp_path / "run"
-    done = run_train(*train_args(workspace, base, datasets[tokenizer], run))
+    done = run_train(*train_args(workspace, base, tmp_path / "data_text_document", run))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step-0 gate passed" in done.stderr and f"initialised from {base}" in done.stderr
     out = tmp_path / "export"
