@@ -61,15 +61,17 @@ class ModelConfig:
     tie_word_embeddings: bool | None = option(
         None, "share input embedding and output head (None: the architecture's default, tied only for gpt2)")
 
+    def __post_init__(self) -> None:
+        if self.init_from is None:  # from scratch: the documented defaults
+            self.arch = self.arch or "llama"
+            self.preset = self.preset or "tiny"
+
     def check(self) -> list[tuple[str, str]]:
         problems = []
         if self.init_from is not None:
             problems += [(name, f"is set together with model.init_from ({self.init_from}), whose config.json "
                                 "decides the architecture and size: remove it")
                          for name in FOLDER_DECIDES if getattr(self, name) is not None]
-        else:  # from scratch: the documented defaults
-            self.arch = self.arch or "llama"
-            self.preset = self.preset or "tiny"
         for name in ("num_layers", "hidden_size", "num_attn_heads", "num_kv_heads", "ffn_hidden_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
