@@ -163,8 +163,8 @@ def check_export(out: Path, base: Path, model_type: str) -> dict:
 
 
 @pytest.mark.slow
-def test_llama_with_a_large_bpe_vocabulary_end_to_end(datasets, tokenizers, workspace: Path,
-                                                      tmp_path: Path) -> None:
+def test_llama_with_a_large_bpe_vocabulary_end_to_end(datasets, tokenizers, workspace: Path, tmp_path: Path,
+                                                      capfd) -> None:
     """Llama on a byte-level BPE of ~66k ids (int32 data): the step-0 gate, the continued-pretraining schedule,
     a resume from the checkpoint (not from the base), the export, and a base folder altered after the run
     initialised, refused on resume and at export."""
@@ -173,6 +173,11 @@ def test_llama_with_a_large_bpe_vocabulary_end_to_end(datasets, tokenizers, work
     base = make_base("llama", tokenizers["bpe"], tmp_path / "llama-base")
     assert json.loads((base / "config.json").read_text())["vocab_size"] > UINT16_VOCAB_LIMIT
     run = tmp_path / "run"
+    # `gptpipe plan` reads the base's shape and vocabulary, and prints the re-warm's values.
+    assert main(["plan", *map(str, train_args(workspace, base, prefix, run))]) == 0
+    plan = capfd.readouterr().err
+    assert f"llama from {base}: 2 layers, hidden 32, 4 heads (2 KV)" in plan and "vocab 66,500 as the base" in plan
+    assert "warmup 1 steps to 2.5e-05, 2.5e-06 at step 2 (warmup from train.warmup_steps=1000" in plan
     done = run_train(*train_args(workspace, base, prefix, run, "train.save_interval=1"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step-0 gate passed" in done.stderr and f"initialised from {base}" in done.stderr
@@ -308,3 +313,22 @@ def test_gate_tolerance_is_stated(tmp_path: Path) -> None:
 
     assert loss_tolerance(11.0, "fp32") == pytest.approx(11.0 * FP32_TOLERANCE)
     assert loss_tolerance(11.0, "bf16") == pytest.approx(11.0 * GATE_HALF_RELATIVE)
+
+
+def test_the_planner_reads_a_base_models_config() -> None:
+    """Llama 3.2 1B's published shape (GQA 32/8, tied embeddings, 128,256 ids): the meta-device count is its
+    published 1,235,814,400 parameters, the vocabulary stays unpadded, and at 4,096 tokens the unfused loss over
+    the logits is the largest activation: over ten times what one block saves for backward."""
+    from transformers import LlamaConfig
+
+    from gptpipe.train.memory import EngineSettings, estimate_memory
+    from gptpipe.train.model import base_shape, meta_parameters
+
+    config = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True, head_dim=64)
+    shape = base_shape(config)
+    assert (shape.vocab_size, shape.num_kv_heads, shape.head_dim, shape.tie_word_embeddings) == (128256, 8, 64, True)
+    parameters = meta_parameters(config)
+    assert parameters == 1_235_814_400
+    memory = estimate_memory(shape, parameters, 4096, "bf16", 1, EngineSettings(1, 1, False, False), False, True)
+    assert memory.logits == 4096 * 128256 * 12 and memory.logits > 10 * memory.activations / shape.num_layers
