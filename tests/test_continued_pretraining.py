@@ -215,19 +215,22 @@ def test_llama_with_a_large_bpe_vocabulary_end_to_end(datasets, tokenizers, work
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type,tokenizer,extra_vocab", [
-    ("qwen2", "qwen", 64), ("mistral", "sp", 0), ("gemma2", "sp", 0), ("gemma3_text", "bpe", 0), ("gpt2", "bpe", 0),
-    ("mixtral", "sp", 0)])
+@pytest.mark.parametrize("model_type,tokenizer,extra_vocab,precision", [
+    ("qwen2", "qwen", 64, "fp32"), ("mistral", "sp", 0, "bf16"), ("gemma2", "sp", 0, "fp32"),
+    ("gemma3_text", "bpe", 0, "fp32"), ("gpt2", "bpe", 0, "fp32"), ("mixtral", "sp", 0, "fp32")])
 def test_each_family_initialises_passes_the_gate_and_exports(model_type: str, tokenizer: str, extra_vocab: int,
-                                                             corpus, tokenizers, workspace: Path,
+                                                             precision: str, corpus, tokenizers, workspace: Path,
                                                              tmp_path: Path) -> None:
+    """Each family from its folder: stage 2 with it, the step-0 gate (bf16 for one: its stated tolerance of the
+    fp32 reference's loss), two steps, the export."""
     base = make_base(model_type, tokenizers[tokenizer], tmp_path / f"{model_type}-base", extra_vocab)
     # Stage 2 with the base folder itself, as a user would: transformers may load a tokenizer folder differently
     # beside a config.json (Qwen2's tokenizer class rebuilds the pipeline and adds <|endoftext|>).
     run_cli("tokenize", "--config", workspace / "config.yaml", f"tokenize.input=[{corpus[0]}]",
             f"tokenize.tokenizer_dir={base}", f"tokenize.output_prefix={tmp_path / 'data'}", "tokenize.workers=1")
     run = tmp_path / "run"
-    done = run_train(*train_args(workspace, base, tmp_path / "data_text_document", run))
+    done = run_train(*train_args(workspace, base, tmp_path / "data_text_document", run,
+                                 f"train.precision={precision}"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step-0 gate passed" in done.stderr and f"initialised from {base}" in done.stderr
     out = tmp_path / "export"

@@ -264,11 +264,12 @@ def tokenizer_problems(tokenizer: Any, base: BaseModel, prefix: Path, split: str
     from gptpipe.stages import read_dataset
 
     bos, eod = base.tokenizer.bos_id, base.tokenizer.eod_id
-    texts = source_texts(read_dataset(prefix).manifest)
+    dataset = read_dataset(prefix)  # a URL prefix: its verified local copy
+    texts = source_texts(dataset.manifest)
     if texts:
-        return (reencode_problems(tokenizer, texts, first_documents(prefix, len(texts)), bos, eod),
+        return (reencode_problems(tokenizer, texts, first_documents(dataset.prefix, len(texts)), bos, eod),
                 f"re-encodes the source text of {len(texts)} documents to the data's ids")
-    documents = heldout_token_documents(prefix, split, seed)
+    documents = heldout_token_documents(dataset.prefix, split, seed)
     return (round_trip_problems(tokenizer, documents, bos, eod),
             f"decodes and re-encodes {len(documents)} held-out documents to the data's ids (their source jsonl is "
             "not readable as it was encoded)")
