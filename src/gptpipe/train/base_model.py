@@ -42,8 +42,8 @@ NOT_COPIED = ("config.json", "README.md")
 # The step-0 gate's sample: the first validation sample, cut to this many tokens (the fp32 reference runs on
 # the host, where a long sample of a large model would take minutes).
 GATE_TOKENS = 512
-# Held-out documents the tokenizer must re-encode to the data's ids, and the longest one used (whole documents
-# only: a cut inside a word may merge differently).
+# Documents the gate's tokenizer check encodes (source texts, or held-out documents decoded), and the longest
+# held-out one used (whole documents only: a cut inside a word may merge differently).
 ROUND_TRIP_DOCUMENTS = 8
 ROUND_TRIP_MAX_TOKENS = 4096
 # Relative tolerance of the gate's loss comparison below fp32: the engine's bf16/fp16 forward against the fp32
