@@ -4,6 +4,7 @@ are trained here with the `tokenizers` library (no hub): a byte-level BPE as GPT
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -75,7 +76,9 @@ def test_a_base_models_tokenizer_gives_its_own_ids_and_document_boundaries(adds_
         assert (got[i][0] == reference.bos_token_id) == adds_bos
     counts = TOKENIZE.require(prefix).counts
     assert counts["boundaries"] == {"tokenizer": "hf", "bos_id": reference.bos_token_id if adds_bos else None,
-                                    "eod_id": reference.eos_token_id, "vocab_size": len(reference)}
+                                    "eod_id": reference.eos_token_id, "vocab_size": len(reference),
+                                    "tokenizer_sha256": hashlib.sha256((folder / "tokenizer.json").read_bytes())
+                                    .hexdigest()}
     if adds_bos:
         assert counts["dtype"] == "uint16"
     else:  # a vocabulary past uint16's range: int32 on disk, and ids above it really occur

@@ -22,3 +22,8 @@ class PipelineConfig:
     train: TrainConfig = option(factory=TrainConfig, doc="stage 3 schedule and engine")
     logging: LoggingConfig = option(factory=LoggingConfig, doc="stage 3 logging")
     storage: StorageConfig = option(factory=StorageConfig, doc="object storage (bucket URLs in any section)")
+
+    def check(self) -> list[tuple[str, str]]:
+        """Cross-section defaults: the schedule follows whether training starts from a base model."""
+        return [(f"train.{key}", message)
+                for key, message in self.train.resolve_schedule(continued=self.model.init_from is not None)]

@@ -11,6 +11,7 @@ recorded in the dataset's manifest.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,8 +40,10 @@ class PretrainedTokenizer:
         return tree_fingerprint([self.folder / name for name in FILES if (self.folder / name).is_file()])
 
     def boundaries(self) -> dict[str, Any]:
-        """What the manifest records, for stage 3 to check against the model it trains."""
-        return {"tokenizer": "hf", "bos_id": self.bos_id, "eod_id": self.eod_id, "vocab_size": self.vocab_size}
+        """What the manifest records, for stage 3 to check against the model it trains: the conventions and
+        the tokenizer's identity (the hash of its tokenizer.json, wherever the folder lies)."""
+        return {"tokenizer": "hf", "bos_id": self.bos_id, "eod_id": self.eod_id, "vocab_size": self.vocab_size,
+                "tokenizer_sha256": hashlib.sha256(self.tokenizer_json.read_bytes()).hexdigest()}
 
 
 def is_pretrained_tokenizer(folder: Path) -> bool:

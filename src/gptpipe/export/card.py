@@ -35,6 +35,7 @@ class CardFacts:
     final_val_loss: float | None
     verification: dict[str, Any]
     has_loss_curve: bool = False
+    base_model: dict[str, Any] | None = None  # continued pretraining: the base's {"name", "model_type"}
 
 
 def plot_loss_curve(rows: list[dict[str, Any]], png: Path) -> bool:
@@ -139,11 +140,14 @@ def _verification_text(report: dict[str, Any]) -> str:
     if not report.get("verified"):
         return "**Verification FAILED**: " + "; ".join(report.get("failures", []))
     same = report.get("greedy_matches_checkpoint")
+    tokenizer = (f"the base model's tokenizer files copied byte for byte ({', '.join(report['base_files'])}), its "
+                 f"ids identical to the training data's on {report['tokenizer_texts']} held-out documents"
+                 if "base_files" in report else
+                 f"tokenizer ids identical to SentencePiece on {report['tokenizer_texts']} texts")
     return (f"Exported by `gptpipe convert` and checked against the training checkpoint on held-out data: "
             f"logits max |Δ| = {report['logits_max_abs_diff']:.3g} ({report['dtype']}, tolerance "
-            f"{report['logits_tolerance']:.3g}); tokenizer ids identical to SentencePiece on "
-            f"{report['tokenizer_texts']} texts; greedy generation picks the checkpoint's top token at every step "
-            f"(largest gap {report['greedy_max_gap']:.3g}, tolerance {report['greedy_gap_tolerance']:.3g}). "
+            f"{report['logits_tolerance']:.3g}); {tokenizer}; greedy generation picks the checkpoint's top token at "
+            f"every step (largest gap {report['greedy_max_gap']:.3g}, tolerance {report['greedy_gap_tolerance']:.3g}). "
             "Verified.\n\n"
             f"For information (not part of the check): the greedy sample is {report['greedy_sample']!r}"
             + ("" if same is None else f", {'the same' if same else 'not the same'} text as the checkpoint's") + ".")
@@ -151,24 +155,30 @@ def _verification_text(report: dict[str, Any]) -> str:
 
 def render_card(facts: CardFacts, repo_id: str | None) -> str:
     cfg = facts.model_config
+    base = facts.base_model
     front = {"language": ["ja"], "library_name": "transformers", "pipeline_tag": "text-generation",
-             "tags": ["gptpipe", cfg.model_type, "pretrained-from-scratch"]}
+             "tags": ["gptpipe", cfg.model_type, "continued-pretraining" if base else "pretrained-from-scratch"],
+             **({"base_model": base["name"]} if base else {})}
     name = repo_id or facts.title
     loss = facts.final_val_loss
+    how = (f"continued from the base model `{base['name']}` ({base['model_type']}) with gptpipe: "
+           f"{facts.step:,} more steps" if base else f"pretrained from scratch with gptpipe for {facts.step:,} steps")
     lines = ["---", yaml.safe_dump(front, allow_unicode=True, sort_keys=False).strip(), "---", "",
              f"# {facts.title}", "",
-             f"A {facts.parameters / 1e6:,.1f}M-parameter {cfg.model_type} language model pretrained from scratch "
-             f"with gptpipe for {facts.step:,} steps"
-             + (f" ({facts.tokens_seen:,} tokens)." if facts.tokens_seen else "."), ""]
+             f"A {facts.parameters / 1e6:,.1f}M-parameter {cfg.model_type} language model {how}"
+             + (f" ({facts.tokens_seen:,} tokens trained)." if facts.tokens_seen else "."), ""]
     lines += ["## Data", ""]
     lines += [f"- corpus: {c}" for c in facts.corpus] or ["- corpus: (not recorded)"]
     for d in facts.datasets:
         lines.append(f"- tokenized dataset `{Path(d['prefix']).name}`: {d.get('documents', '?'):,} documents, "
                      f"{d.get('tokens', '?'):,} tokens")
     tok = facts.tokenizer
-    lines += [f"- tokenizer: SentencePiece, {tok.get('vocab_size', '?'):,} pieces"
-              + (f", {tok['chars_per_token']:.2f} characters per token" if tok.get("chars_per_token") else "")
-              + "; shipped here as a fast tokenizer (tokenizer.json) with identical ids", ""]
+    if base:
+        lines += [f"- tokenizer: the base model's ({tok.get('vocab_size', '?'):,} ids), its files unchanged", ""]
+    else:
+        lines += [f"- tokenizer: SentencePiece, {tok.get('vocab_size', '?'):,} pieces"
+                  + (f", {tok['chars_per_token']:.2f} characters per token" if tok.get("chars_per_token") else "")
+                  + "; shipped here as a fast tokenizer (tokenizer.json) with identical ids", ""]
     lines += ["## Architecture", "", "| | |", "| --- | --- |"]
     lines += [f"| {k} | {v} |" for k, v in _architecture_rows(cfg, facts.parameters)]
     lines += ["", "## Training", ""]

@@ -6,6 +6,9 @@ manifest.json with the verification report. The gate (verify.py) runs before the
 older one; a folder that fails it is still written, for inspection, but its manifest says
 ``verified: false`` and stage 6 refuses to upload it.
 
+A run continued from a base model (model.init_from) is exported with the base's config, generation_config.json
+and tokenizer files, byte for byte, once the base folder is checked to be the one the run recorded.
+
 ``input_model_dir`` may also be a fine-tune run (stage 7, `gptpipe finetune`): its best checkpoint (or
 checkpoint_step) is exported the same way, as a causal LM or an encoder-decoder, with the run's tokenizer,
 its task.json (what `gptpipe predict` needs) and a card holding the task, the label set, the validation
@@ -16,6 +19,7 @@ validation rows of the fine-tune's data.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,7 +31,8 @@ from gptpipe.export.checkpoint import finetune_config, training_config
 from gptpipe.finetune.metrics import TASK_METRICS
 from gptpipe.finetune.run_files import SUMMARY_FILE, TASK_FILE, TOKENIZER_DIR
 from gptpipe.train.bucket import local_checkpoint_source
-from gptpipe.train.checkpoint import Checkpoint, consolidate, find_checkpoint, model_from_checkpoint
+from gptpipe.train.base_model import BaseModel, is_copied
+from gptpipe.train.checkpoint import STATE, Checkpoint, consolidate, find_checkpoint, model_from_checkpoint
 from gptpipe.export.config import ConvertConfig
 from gptpipe.log import get_logger
 from gptpipe.remote import staging
@@ -97,10 +102,12 @@ def reference_models(checkpoint: Checkpoint, state_dict: dict[str, Any], dtype: 
 
 
 def export(config: ConvertConfig, checkpoint: Checkpoint, tokenizer: TokenizerInfo, datasets: list[DatasetInfo],
-           heldout: Any) -> StageResult:
+           heldout: Any, base: BaseModel | None = None) -> StageResult:
+    """The stage-4 folder of a pretraining run; `base`: the base model a continued run started from, whose
+    config, generation_config.json and tokenizer files the folder keeps (no padding to drop)."""
     from transformers import GenerationConfig
 
-    from gptpipe.export.verify import TORCH_DTYPES, cast_parameters, verify_export
+    from gptpipe.export.verify import TORCH_DTYPES, cast_parameters, verify_continued_export, verify_export
 
     out = staging(CONVERT, config.output_tokenizer_and_model_dir)
     dtype = TORCH_DTYPES[config.dtype]
@@ -109,32 +116,43 @@ def export(config: ConvertConfig, checkpoint: Checkpoint, tokenizer: TokenizerIn
     reference, reference_fp32 = reference_models(checkpoint, state_dict, config.dtype)
 
     exported = model_from_checkpoint(checkpoint, state_dict)
-    # The padding rows past the tokenizer's vocabulary were never trained: drop them so sampling cannot pick them.
-    exported.resize_token_embeddings(tokenizer.vocab_size, mean_resizing=False)
+    if base is None:
+        # The padding rows past the tokenizer's vocabulary were never trained: drop them so sampling cannot pick
+        # them.
+        exported.resize_token_embeddings(tokenizer.vocab_size, mean_resizing=False)
+        exported.generation_config = GenerationConfig(
+            bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+            **GENERATION_DEFAULTS)
     cast_parameters(exported, dtype)
-    exported.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
-        **GENERATION_DEFAULTS)
     parameters = exported.num_parameters()
 
     with atomic_dir(out) as tmp:
         log.info(f"writing {config.dtype} safetensors (shards above {config.max_shard_size}) to {out}")
         exported.save_pretrained(tmp, max_shard_size=config.max_shard_size)
-        for f in sorted(tokenizer.hf_dir.iterdir()):
+        # A base's files replace what save_pretrained wrote (its generation_config.json), byte for byte.
+        source = [base.folder / n for n in sorted(os.listdir(base.folder)) if is_copied(n)] if base else \
+            sorted(tokenizer.hf_dir.iterdir())
+        for f in source:
             if f.is_file():
                 shutil.copy2(f, tmp / f.name)
-        report = verify_export(tmp, reference, reference_fp32, tokenizer, heldout, config.test_prompt_text,
-                               config.dtype)
+        if base:
+            report = verify_continued_export(tmp, reference, reference_fp32, base, heldout, config.test_prompt_text,
+                                             config.dtype)
+        else:
+            report = verify_export(tmp, reference, reference_fp32, tokenizer, heldout, config.test_prompt_text,
+                                   config.dtype)
         rows = read_metrics(checkpoint.run_dir / "metrics.jsonl", checkpoint.step)
         training = to_plain(training_config(checkpoint))
         facts = CardFacts(
             title=config.repo_name or out.name, model_config=exported.config, parameters=parameters,
             step=checkpoint.step, tokens_seen=checkpoint.state.get("tokens"), corpus=_corpus_lines(training),
             datasets=[d.card_facts() for d in datasets],
-            tokenizer={"vocab_size": tokenizer.vocab_size, "chars_per_token": tokenizer.chars_per_token},
+            tokenizer={"vocab_size": tokenizer.vocab_size,
+                       "chars_per_token": getattr(tokenizer, "chars_per_token", None)},
             training_config={k: training[k] for k in ("model", "train", "data")},
             final_val_loss=final_val_loss(checkpoint.state, rows), verification=report,
-            has_loss_curve=plot_loss_curve(rows, tmp / LOSS_CURVE))
+            has_loss_curve=plot_loss_curve(rows, tmp / LOSS_CURVE),
+            base_model={"name": base.folder.name, "model_type": base.model_type} if base else None)
         repo_id = f"{config.organization or 'YOUR_HF_USER'}/{config.repo_name or out.name}"
         write_text_atomic(tmp / "README.md", render_card(facts, repo_id))
         files = sorted(p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file())
@@ -144,8 +162,38 @@ def export(config: ConvertConfig, checkpoint: Checkpoint, tokenizer: TokenizerIn
     return StageResult(outputs=files, counts=counts)
 
 
+def convert_continued(config: ConvertConfig, checkpoint: Checkpoint, training: Any, args: Any) -> Manifest:
+    """A run continued from a base model (model.init_from): the base folder must still hold the files the run
+    recorded when it initialised from them."""
+    from gptpipe.train.base_model import BASE_STATE_KEY, check_unchanged, open_base
+
+    state_file = checkpoint.path / STATE
+    record = checkpoint.state.get(BASE_STATE_KEY)
+    if record is None:
+        raise StageInputError(f"{state_file}: the run record names model.init_from {training.model.init_from} but "
+                              "holds no record of its files")
+    base = open_base(training.model.init_from)
+    check_unchanged(record, base.folder, str(state_file))
+    datasets = [read_dataset(p) for p in training.data.prefixes]
+    inputs = {
+        "checkpoint": {"path": str(checkpoint.path),
+                       **tree_fingerprint([p for p in checkpoint.path.rglob("*") if p.is_file()])},
+        "base_model": {"folder": str(base.folder), "sha256": {n: f["sha256"] for n, f in record["files"].items()}},
+        "datasets": [TOKENIZE.fingerprint(d.prefix) for d in datasets],
+    }
+    settings = {k: getattr(config, k) for k in EXPORT_KEYS}
+    heldout = heldout_documents(datasets[0].prefix, HELDOUT_DOCUMENTS, base.tokenizer.eod_id, training.data.split,
+                                training.data.seed)
+    return CONVERT.run(
+        config.output_tokenizer_and_model_dir, settings, inputs,
+        lambda: export(config, checkpoint, base.tokenizer, datasets, heldout, base),
+        force=args.force, versions=("torch", "transformers", "deepspeed", "safetensors", "tokenizers"))
+
+
 def convert_pretrained(config: ConvertConfig, checkpoint: Checkpoint, args: Any) -> Manifest:
     training = training_config(checkpoint)  # the run record, never the config.yaml on disk (it may have changed)
+    if training.model.init_from is not None:
+        return convert_continued(config, checkpoint, training, args)
     tokenizer = read_tokenizer(training.tokenize.tokenizer_dir)
     check_tokenizer_fits(checkpoint, tokenizer)
     datasets = [read_dataset(p) for p in training.data.prefixes]

@@ -8,8 +8,9 @@ model did not train on (documents of its validation/test split, cut from the see
 3. tokenizer: the same ids as the SentencePiece model the training data was encoded with;
 4. generation: greedy decoding through `generate` (the folder's generation_config.json, its KV cache) picks,
    at every step, a token the checkpoint's model also ranks first, up to a near-tie (`GREEDY_GAP_FACTOR`).
-The report also records, as information only, the greedy text and whether it equals the checkpoint's own
-greedy text: after a near-tie the two may legitimately continue differently.
+A continued run's export (model.init_from) checks the base model's files and tokenizer instead of 1 and 3
+(`verify_continued_export`). The report also records, as information only, the greedy text and whether it
+equals the checkpoint's own greedy text: after a near-tie the two may legitimately continue differently.
 """
 
 from __future__ import annotations
@@ -176,6 +177,74 @@ def verify_export(folder: Path, reference: Any, reference_fp32: Any, tokenizer_i
         }
 
     return run_gate(folder, AutoModelForCausalLM, dtype, checks)
+
+
+# config.json keys that may differ from the base's: the export's own dtype and the writer's version.
+BASE_CONFIG_IGNORED = ("dtype", "torch_dtype", "transformers_version", "_name_or_path")
+
+
+def _check_base_files(report: dict[str, Any], model: Any, folder: Path, base: Any, dtype: str) -> list[str]:
+    """A continued run's export against its base model: the dtype, config.json the base's (vocabulary, tied
+    embeddings, rope scaling, special ids: nothing padded or renamed) and every file the export copies from the
+    base (tokenizer files, generation_config.json) byte-identical."""
+    from transformers import AutoConfig
+
+    from gptpipe.train.base_model import is_copied
+
+    failures = []
+    if model.dtype != TORCH_DTYPES[dtype]:
+        failures.append(f"the folder loads as {model.dtype}, expected {TORCH_DTYPES[dtype]}")
+    names = sorted(p.name for p in base.folder.iterdir() if p.is_file() and is_copied(p.name))
+    differ = [n for n in names if not (folder / n).is_file()
+              or (folder / n).read_bytes() != (base.folder / n).read_bytes()]
+    report.update(base_files=names, base_files_differing=differ)
+    if differ:
+        failures.append(f"not byte-identical to the base model {base.folder}'s: {', '.join(differ)}")
+    mine, theirs = AutoConfig.from_pretrained(folder).to_dict(), AutoConfig.from_pretrained(base.folder).to_dict()
+    keys = sorted(k for k in set(mine) | set(theirs) if k not in BASE_CONFIG_IGNORED and mine.get(k) != theirs.get(k))
+    if keys:
+        failures.append(f"config.json differs from the base model's in {', '.join(keys)}")
+    return failures
+
+
+def _check_base_tokenizer(report: dict[str, Any], tokenizer: Any, base: Any, heldout: HeldOut) -> list[str]:
+    """The folder's tokenizer gives the training data's ids on the held-out documents' text."""
+    from gptpipe.train.base_model import round_trip_problems
+
+    failures = round_trip_problems(tokenizer, heldout.documents, base.tokenizer.bos_id, base.tokenizer.eod_id)
+    report.update(tokenizer_texts=len(heldout.documents), tokenizer_mismatches=len(failures))
+    return failures
+
+
+def verify_continued_export(folder: Path, reference: Any, reference_fp32: Any, base: Any, heldout: HeldOut,
+                            prompt: str, dtype: str) -> dict[str, Any]:
+    """The gate of a continued run's export (`base`: its train.base_model.BaseModel): verify_export's logits and
+    generation checks, with the base's files and tokenizer in place of the stage-1 tokenizer's."""
+    from transformers import AutoModelForCausalLM
+
+    def checks(model: Any, tokenizer: Any, report: dict[str, Any]) -> dict[str, Callable[[], list[str]]]:
+        return {
+            "base files": lambda: _check_base_files(report, model, folder, base, dtype),
+            "logits": lambda: _check_logits(report, model, reference, reference_fp32, heldout,
+                                            base.tokenizer.eod_id, dtype),
+            "tokenizer": lambda: _check_base_tokenizer(report, tokenizer, base, heldout),
+            "generation": lambda: _check_generation(report, _plain_greedy(model), reference, tokenizer, prompt,
+                                                    dtype),
+        }
+
+    return run_gate(folder, AutoModelForCausalLM, dtype, checks)
+
+
+def _plain_greedy(model: Any) -> Any:
+    """`model` generating with its special ids only: a base's generation_config.json is its author's (sampling
+    settings, a repetition penalty), copied unchanged and checked byte for byte, so the generation check tests
+    the cached decoding with nothing else changing the choice."""
+    from transformers import GenerationConfig
+
+    own = model.generation_config
+    model.generation_config = GenerationConfig(bos_token_id=own.bos_token_id, eos_token_id=own.eos_token_id,
+                                               pad_token_id=own.pad_token_id)
+    return model
 
 
 def run_gate(folder: Path, loader: Any, dtype: str,

@@ -16,14 +16,36 @@ from typing import Literal
 from gptpipe.config.core import Url, option
 
 
+# Stage 3's schedule defaults (TrainConfig.resolve_schedule).
+SCRATCH_LR = 6.0e-4
+SCRATCH_WARMUP_FRACTION = 0.01
+CONTINUED_LR = 2.5e-5
+CONTINUED_WARMUP_STEPS = 1000
+
+# The model keys a base model's folder decides (model.init_from): setting any of them with it is refused.
+FOLDER_DECIDES = ("arch", "preset", "num_layers", "hidden_size", "num_attn_heads", "num_kv_heads", "ffn_hidden_size",
+                  "init_std", "tie_word_embeddings")
+
+
 @dataclass
 class ModelConfig:
-    """The transformers model class trained (so the HF export is exact) and its size."""
+    """The transformers model class trained (so the HF export is exact) and its size, or the open model whose
+    training continues (init_from)."""
 
-    arch: Literal["llama", "gpt2", "mixtral"] = option(
-        "llama", "llama (RoPE, RMSNorm, SwiGLU), gpt2 (the original's architecture) or mixtral (mixture of experts)")
-    preset: Literal["tiny", "125m", "350m", "1b", "custom"] = option(
-        "tiny", "size preset; any field below that is set overrides it (custom: only the fields below)")
+    init_from: Path | None = option(
+        None, "continued pretraining: a base model's local HF folder (config.json, weights, tokenizer.json; a hub "
+              "model: `hf download <id> --local-dir <folder>` first, so its files can be hashed and copied). "
+              "Architecture, weights and tokenizer are the folder's: arch, preset and "
+              "the size keys below must then stay unset (refused when set), and num_experts, experts_top_k, "
+              "router_aux_loss_coef, rope_theta, dropout are the folder's config.json's. Supported model types: "
+              "llama, mistral, qwen2, qwen3, gemma2, gemma3_text (Gemma3ForCausalLM), gpt2, mixtral. The data must "
+              "be tokenized with the folder's tokenizer (tokenize.tokenizer_dir: the same folder)")
+    arch: Literal["llama", "gpt2", "mixtral"] | None = option(
+        None, "llama (RoPE, RMSNorm, SwiGLU), gpt2 (the original's architecture) or mixtral (mixture of experts) "
+              "(None: llama; with init_from: the folder's)")
+    preset: Literal["tiny", "125m", "350m", "1b", "custom"] | None = option(
+        None, "size preset; any field below that is set overrides it (custom: only the fields below) (None: tiny; "
+              "with init_from: the folder's size)")
     num_layers: int | None = option(None, "transformer blocks (None: from the preset)")
     hidden_size: int | None = option(None, "model width (None: from the preset)")
     num_attn_heads: int | None = option(None, "attention heads (None: from the preset)")
@@ -39,8 +61,17 @@ class ModelConfig:
     tie_word_embeddings: bool | None = option(
         None, "share input embedding and output head (None: the architecture's default, tied only for gpt2)")
 
+    def __post_init__(self) -> None:
+        if self.init_from is None:  # from scratch: the documented defaults
+            self.arch = self.arch or "llama"
+            self.preset = self.preset or "tiny"
+
     def check(self) -> list[tuple[str, str]]:
         problems = []
+        if self.init_from is not None:
+            problems += [(name, f"is set together with model.init_from ({self.init_from}), whose config.json "
+                                "decides the architecture and size: remove it")
+                         for name in FOLDER_DECIDES if getattr(self, name) is not None]
         for name in ("num_layers", "hidden_size", "num_attn_heads", "num_kv_heads", "ffn_hidden_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -132,22 +163,44 @@ class LoopConfig:
             problems.append(("train_epochs", "must be > 0"))
         if self.train_iters is not None and self.train_iters < 1:
             problems.append(("train_iters", "must be >= 1 (or null)"))
-        if self.lr <= 0:
-            problems.append(("lr", "must be > 0"))
-        if not 0 <= self.min_lr <= self.lr:
-            problems.append(("min_lr", f"must be between 0 and lr ({self.lr}), got {self.min_lr}"))
-        if not 0 <= self.warmup_fraction < 1:
-            problems.append(("warmup_fraction", "must be in [0, 1)"))
+        problems += self.schedule_problems()
         if self.zero_stage not in (0, 1, 2, 3):
             problems.append(("zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}"))
         if self.offload_optimizer and self.zero_stage == 0:
             problems.append(("offload_optimizer", "needs zero_stage >= 1"))
         return problems
 
+    def schedule_problems(self) -> list[tuple[str, str]]:
+        """lr, min_lr and warmup_fraction; stage 3 leaves them None until PipelineConfig.check fills them in."""
+        problems = []
+        if self.lr is not None and self.lr <= 0:
+            problems.append(("lr", "must be > 0"))
+        if self.lr is not None and self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
+            problems.append(("min_lr", f"must be between 0 and lr ({self.lr}), got {self.min_lr}"))
+        if self.warmup_fraction is not None and not 0 <= self.warmup_fraction < 1:
+            problems.append(("warmup_fraction", "must be in [0, 1)"))
+        return problems
+
 
 @dataclass
 class TrainConfig(LoopConfig):
-    """How long, how fast and on what engine settings to pretrain (the loop's keys, then stage 3's own)."""
+    """How long, how fast and on what engine settings to pretrain (the loop's keys, then stage 3's own).
+
+    lr, min_lr and the warmup default by what is trained (`resolve_schedule`): from scratch 6e-4 to 6e-5 after a
+    1% warmup; continued pretraining (model.init_from) re-warms over 1,000 steps to 2.5e-5 and decays to a tenth
+    of it, the scale of public continual-pretraining recipes (e.g. Ibrahim et al. 2024, "Simple and Scalable
+    Strategies to Continually Pre-train Large Language Models": re-warm, peak well below the original's, decay).
+    """
+
+    lr: float | None = option(
+        None, f"peak learning rate (None: {SCRATCH_LR:g} from scratch, {CONTINUED_LR:g} with model.init_from)")
+    min_lr: float | None = option(None, "learning rate at the last step (None: a tenth of lr)")
+    warmup_fraction: float | None = option(
+        None, f"share of the run spent warming up linearly from 0 (None: {SCRATCH_WARMUP_FRACTION:g} from scratch; "
+              "with model.init_from, warmup_steps applies)")
+    warmup_steps: int | None = option(
+        None, f"warmup length in optimizer steps, instead of warmup_fraction (None: from warmup_fraction; with "
+              f"model.init_from and neither set, {CONTINUED_WARMUP_STEPS:,}); capped at the run's steps - 1")
 
     train_tokens: int | None = option(
         None, "stop after this many tokens (count_tokens.py writes it; None: use train_epochs)")
@@ -173,7 +226,11 @@ class TrainConfig(LoopConfig):
             problems.append(("eval_iters", "must be >= 1"))
         if self.train_tokens is not None and self.train_tokens < 1:
             problems.append(("train_tokens", "must be >= 1 (or null to use train_epochs)"))
-        if self.lr_schedule == "wsd" and not 0 < self.lr_decay_fraction <= 1 - self.warmup_fraction:
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            problems.append(("warmup_steps", "must be >= 0 (or null)"))
+        if self.warmup_steps is not None and self.warmup_fraction is not None:
+            problems.append(("warmup_steps", "set warmup_steps or warmup_fraction, not both"))
+        if self.lr_schedule == "wsd" and not 0 < self.lr_decay_fraction <= 1 - (self.warmup_fraction or 0.0):
             problems.append(("lr_decay_fraction", "must be in (0, 1 - warmup_fraction]"))
         if self.gpu_memory_gib is not None and self.gpu_memory_gib <= 0:
             problems.append(("gpu_memory_gib", "must be > 0 (or null to detect)"))
@@ -186,6 +243,20 @@ class TrainConfig(LoopConfig):
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             problems.append(("peak_tflops", "must be > 0 (or null)"))
         return problems
+
+    def resolve_schedule(self, continued: bool) -> list[tuple[str, str]]:
+        """Fill the unset lr, min_lr and warmup with the defaults of a from-scratch or a continued (`continued`)
+        run (see the class doc) and check the result; called once the whole config.yaml is known."""
+        if self.lr is None:
+            self.lr = CONTINUED_LR if continued else SCRATCH_LR
+        if self.min_lr is None:
+            self.min_lr = self.lr / 10
+        if self.warmup_steps is None and self.warmup_fraction is None:
+            if continued:
+                self.warmup_steps = CONTINUED_WARMUP_STEPS
+            else:
+                self.warmup_fraction = SCRATCH_WARMUP_FRACTION
+        return self.schedule_problems()
 
 
 @dataclass

@@ -19,8 +19,12 @@ PEAK_TFLOPS = [(r"H100.*NVL", 835.0), (r"H100.*PCIE", 756.0), (r"H100", 989.0), 
                (r"A100", 312.0), (r"L40S", 362.0), (r"L40\b", 181.0), (r"A10G", 125.0), (r"L4\b", 121.0),
                (r"V100", 125.0)]
 
-# The architectures Liger patches (apply_liger in train/engine.py): it has no GPT-2 patch.
-LIGER_ARCHS = ("llama", "mixtral")
+# The architectures (model.arch, or a base model's model_type) Liger patches, with its function
+# (liger_kernel.transformers.apply_liger_kernel_to_<name>) and the name of its fused-MLP switch: apply_liger in
+# train/engine.py. It has no GPT-2 patch. Mixtral's experts stay eager (the planner counts them so).
+LIGER_ARCHS = {"llama": ("llama", "swiglu"), "mistral": ("mistral", "swiglu"), "qwen2": ("qwen2", "swiglu"),
+               "qwen3": ("qwen3", "swiglu"), "gemma2": ("gemma2", "geglu"), "gemma3_text": ("gemma3_text", "geglu"),
+               "mixtral": ("mixtral", None)}
 
 
 def detect_device() -> tuple[bool, str, float]:

@@ -1,6 +1,6 @@
 """DeepSpeed around a transformers model: process group, config from the template, one training step.
 
-On CUDA: NCCL, SDPA attention, Liger's fused kernels for llama/mixtral when installed (RMSNorm, RoPE, SwiGLU
+On CUDA: NCCL, SDPA attention, Liger's fused kernels (devices.LIGER_ARCHS) when installed (RMSNorm, RoPE, SwiGLU
 and the fused linear cross-entropy, so the vocab-sized logits never materialize), torch's fused AdamW, optional
 torch.compile and activation checkpointing. On CPU: gloo, torch's fused AdamW, OMP_NUM_THREADS set.
 No C++ extension is built at run time: the optimizer is torch's ("torch_adam": true, not DeepSpeed's
@@ -28,7 +28,7 @@ import torch
 
 from gptpipe.log import get_logger
 from gptpipe.train.config import LoopConfig
-from gptpipe.train.devices import host_threads_per_rank, loss_path, triton_missing
+from gptpipe.train.devices import LIGER_ARCHS, host_threads_per_rank, loss_path, triton_missing
 from gptpipe.train.memory import gradient_bytes
 from gptpipe.train.model import RouterStats, build_model, parameter_groups, router_loss
 from gptpipe.train.schedule import Schedule
@@ -203,10 +203,12 @@ def apply_liger(arch: str) -> None:
     """Patch transformers' classes with Liger's Triton kernels for `arch` (one of devices.LIGER_ARCHS, where
     devices.loss_path decided the fused loss runs), before the model is built: then logits never materialize
     in training."""
-    from liger_kernel.transformers import apply_liger_kernel_to_llama, apply_liger_kernel_to_mixtral
+    import liger_kernel.transformers
 
-    patch = {"llama": apply_liger_kernel_to_llama, "mixtral": apply_liger_kernel_to_mixtral}[arch]
-    patch(rope=True, rms_norm=True, swiglu=arch == "llama", cross_entropy=False, fused_linear_cross_entropy=True)
+    name, mlp = LIGER_ARCHS[arch]
+    patch = getattr(liger_kernel.transformers, f"apply_liger_kernel_to_{name}")
+    patch(rope=True, rms_norm=True, cross_entropy=False, fused_linear_cross_entropy=True,
+          **({mlp: True} if mlp else {"swiglu": False}))
 
 
 def build_engine(train: LoopConfig, arch: str, hf_config: Any, ds_config: dict[str, Any], schedule: Schedule,

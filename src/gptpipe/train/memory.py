@@ -121,10 +121,12 @@ LOSS_BYTES_PER_LOGIT = 12
 def activation_bytes_per_token(shape: Shape, precision: str, fused_kernels: bool) -> float:
     """Bytes autograd keeps per token and block, as torch.autograd.graph.saved_tensors_hooks records them
     (tests/test_train_plan.py measures them on 1- and 2-layer models). `fused_kernels`: Liger's RMSNorm (and,
-    for llama, SwiGLU) replace transformers' eager ones (apply_liger in train/engine.py)."""
+    for llama, SwiGLU) replace transformers' eager ones (apply_liger in train/engine.py). A base model's block
+    (model.init_from: mistral, qwen2/3, gemma2/3) is counted as llama's, measured for llama only."""
     p = bytes_per_value(precision)
     h, f, kv, heads = shape.hidden_size, shape.ffn_hidden_size, shape.kv_dim, shape.num_attn_heads
-    attention = p * (2 * h + 2 * kv) + 4 * heads  # q, k, v into attention, its output, fp32 log-sum-exp per head
+    q = heads * shape.head_dim  # = h, except for base models with their own head_dim (Gemma, Qwen3)
+    attention = p * (2 * q + 2 * kv) + 4 * heads  # q, k, v into attention, its output, fp32 log-sum-exp per head
     if shape.arch == "gpt2":
         # 2 LayerNorms (input and output, mean and rstd), attention, and the MLP's activation input and
         # output (gelu_pytorch_tanh: one kernel saving its input only).

@@ -9,6 +9,7 @@ use tensor-core-friendly shapes; the padding ids never occur in the data, so the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gptpipe.train.config import ModelConfig
@@ -46,21 +47,22 @@ PRESETS = {
 class Shape:
     """The resolved size of the model: preset plus overrides, with the architecture's defaults filled."""
 
-    arch: str
+    arch: str  # model.arch, or a base model's model_type (model.init_from)
     num_layers: int
     hidden_size: int
     num_attn_heads: int
     num_kv_heads: int
     ffn_hidden_size: int
-    vocab_size: int  # padded
+    vocab_size: int  # padded from scratch; a base model's own
     init_std: float
     tie_word_embeddings: bool
     num_experts: int  # 1 unless mixtral
     experts_top_k: int
+    explicit_head_dim: int | None = None  # a base model's head_dim where it is not hidden / heads (Gemma, Qwen3)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attn_heads
+        return self.explicit_head_dim or self.hidden_size // self.num_attn_heads
 
     @property
     def kv_dim(self) -> int:
@@ -110,6 +112,33 @@ def resolve_shape(model_cfg: ModelConfig, vocab_size: int) -> Shape:
     )
 
 
+def base_shape(config: PretrainedConfig) -> Shape:
+    """The shape of a base model (model.init_from) from its transformers config: vocabulary as it has it."""
+    if config.model_type == "gpt2":
+        heads = config.n_head
+        return Shape(arch="gpt2", num_layers=config.n_layer, hidden_size=config.n_embd, num_attn_heads=heads,
+                     num_kv_heads=heads, ffn_hidden_size=config.n_inner or 4 * config.n_embd,
+                     vocab_size=config.vocab_size, init_std=config.initializer_range,
+                     tie_word_embeddings=bool(config.tie_word_embeddings), num_experts=1, experts_top_k=1)
+    heads = config.num_attention_heads
+    return Shape(arch=config.model_type, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+                 num_attn_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                 ffn_hidden_size=config.intermediate_size, vocab_size=config.vocab_size,
+                 init_std=config.initializer_range, tie_word_embeddings=bool(config.tie_word_embeddings),
+                 num_experts=getattr(config, "num_local_experts", 1),
+                 experts_top_k=getattr(config, "num_experts_per_tok", 1),
+                 explicit_head_dim=getattr(config, "head_dim", None))
+
+
+def meta_parameters(hf_config: PretrainedConfig) -> int:
+    """The parameters of the model `hf_config` describes, counted on the meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config).num_parameters()
+
+
 def count_parameters(shape: Shape, seq_len: int) -> int:
     """Parameters of the model `build_model_config` describes, computed from the shape alone."""
     h, f, kv, L, V = shape.hidden_size, shape.ffn_hidden_size, shape.kv_dim, shape.num_layers, shape.vocab_size
@@ -129,12 +158,13 @@ def count_parameters(shape: Shape, seq_len: int) -> int:
     return embeddings + L * (attention + mlp + norms) + h + head
 
 
-def active_matmul_parameters(shape: Shape, seq_len: int) -> int:
+def active_matmul_parameters(shape: Shape, seq_len: int, total: int | None = None) -> int:
     """Parameters each token multiplies through: all but the embedding lookups and the unused experts.
 
-    This is the N of "6·N FLOPs per token" used for FLOPs and MFU.
+    This is the N of "6·N FLOPs per token" used for FLOPs and MFU. `total`: all parameters where they are known
+    (a base model's, counted by `meta_parameters`), else count_parameters(shape).
     """
-    total = count_parameters(shape, seq_len)
+    total = count_parameters(shape, seq_len) if total is None else total
     lookups = shape.vocab_size * shape.hidden_size * (0 if shape.tie_word_embeddings else 1)
     if shape.arch == "gpt2":
         lookups += seq_len * shape.hidden_size
@@ -142,9 +172,11 @@ def active_matmul_parameters(shape: Shape, seq_len: int) -> int:
     return total - lookups - shape.num_layers * unused_experts
 
 
-def flops_per_token(shape: Shape, seq_len: int) -> float:
-    """Training FLOPs per token: 6·N for the matmuls plus 12·L·h·s for attention scores (forward+backward)."""
-    return 6 * active_matmul_parameters(shape, seq_len) + 12 * shape.num_layers * shape.hidden_size * seq_len
+def flops_per_token(shape: Shape, seq_len: int, total: int | None = None) -> float:
+    """Training FLOPs per token: 6·N for the matmuls plus 12·L·(heads·head_dim)·s for attention scores
+    (forward+backward); `total` as in active_matmul_parameters."""
+    return (6 * active_matmul_parameters(shape, seq_len, total)
+            + 12 * shape.num_layers * shape.num_attn_heads * shape.head_dim * seq_len)
 
 
 def build_model_config(model_cfg: ModelConfig, tokenizer_info: Any, seq_len: int) -> PretrainedConfig:
@@ -182,8 +214,10 @@ def build_model_config(model_cfg: ModelConfig, tokenizer_info: Any, seq_len: int
     return LlamaConfig(**common)
 
 
-def build_model(hf_config: PretrainedConfig, device: torch.device | str = "cpu") -> PreTrainedModel:
-    """A freshly initialized model (weights drawn with initializer_range), in fp32 on `device`.
+def build_model(hf_config: PretrainedConfig, device: torch.device | str = "cpu",
+                init_from: Path | None = None) -> PreTrainedModel:
+    """A freshly initialized model (weights drawn with initializer_range), or a base model's weights
+    (`init_from`, whose config `hf_config` is), in fp32 on `device`.
 
     Every rank builds the whole model from the same seed; under ZeRO-3 `deepspeed.initialize` then
     partitions it (the presets fit one GPU whole in fp32, so `deepspeed.zero.Init` is not needed).
@@ -191,8 +225,14 @@ def build_model(hf_config: PretrainedConfig, device: torch.device | str = "cpu")
     import torch
     from transformers import AutoModelForCausalLM
 
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
+    # Gemma 2 caps its attention scores (attn_logit_softcapping), which only the eager attention does.
+    attention = "eager" if getattr(hf_config, "attn_logit_softcapping", None) else "sdpa"
+    if init_from is not None:
+        model = AutoModelForCausalLM.from_pretrained(init_from, dtype=torch.float32,
+                                                     attn_implementation=attention).to(device)
+    else:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention, dtype=torch.float32)
     if hasattr(model, "router_aux_loss_coef"):
         # transformers adds its load-balancing loss, pooled over the layers, to the loss it returns; the
         # per-layer ones (router_loss) replace it, added by engine.forward_loss with the configured weight.

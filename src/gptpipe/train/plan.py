@@ -32,7 +32,8 @@ from gptpipe.train.memory import (
     memory_budget,
     optimizer_bytes_per_parameter,
 )
-from gptpipe.train.model import Shape, count_parameters, flops_per_token, resolve_shape
+from gptpipe.train.model import (Shape, base_shape, count_parameters, flops_per_token, meta_parameters,
+                                 resolve_shape)
 from gptpipe.train.schedule import Schedule
 
 if TYPE_CHECKING:
@@ -124,8 +125,11 @@ def world_size() -> int:
 
 
 def make_plan(config: PipelineConfig, vocab_size: int, dp: int | None = None, device_memory_gib: float | None = None,
-              device_name: str | None = None, gpus_per_node: int | None = None) -> Plan:
-    """Work out the run and check it fits; raises PlanError (or DataError) with a concrete fix."""
+              device_name: str | None = None, gpus_per_node: int | None = None, base_config: Any = None) -> Plan:
+    """Work out the run and check it fits; raises PlanError (or DataError) with a concrete fix.
+
+    `base_config`: the transformers config of model.init_from's folder, which then decides the shape (its
+    parameters counted on the meta device, its vocabulary unpadded)."""
     train, data = config.train, config.data
     dp = dp or world_size()
     node_ranks = min(dp, gpus_per_node or ranks_per_node(dp))
@@ -141,10 +145,12 @@ def make_plan(config: PipelineConfig, vocab_size: int, dp: int | None = None, de
         # CPU ranks of one machine share its RAM
         device_bytes = detected_memory if on_gpu else detected_memory / node_ranks
     budget = memory_budget(device_bytes, on_gpu)
-    loss = loss_path(config.model.arch, on_gpu, train.liger_kernels, other_machine)
-
-    shape = resolve_shape(config.model, vocab_size)
-    parameters = count_parameters(shape, train.seq_len)
+    if base_config is not None:
+        shape, parameters = base_shape(base_config), meta_parameters(base_config)
+    else:
+        shape = resolve_shape(config.model, vocab_size)
+        parameters = count_parameters(shape, train.seq_len)
+    loss = loss_path(shape.arch, on_gpu, train.liger_kernels, other_machine)
 
     if train.global_batch_size % dp:
         raise PlanError(f"train.global_batch_size {train.global_batch_size} is not divisible by the {dp} "
@@ -218,7 +224,8 @@ def make_plan(config: PipelineConfig, vocab_size: int, dp: int | None = None, de
                            measured_tokens_per_s(train.output_model_dir, tokens_per_step, setup))
     p = bytes_per_value(train.precision)
     checkpoint_bytes = parameters * (p + 8 + (4 if settings.zero_stage > 0 or p == 2 else 0))
-    return Plan(shape=shape, parameters=parameters, flops_per_token=flops_per_token(shape, train.seq_len), dp=dp,
+    return Plan(shape=shape, parameters=parameters, dp=dp,
+                flops_per_token=flops_per_token(shape, train.seq_len, parameters),
                 on_gpu=on_gpu, device_name=name, budget=budget, settings=settings,
                 accumulation=per_rank // settings.micro_batch,
                 memory=memory_of(replace(settings, checkpointing=False)),
@@ -274,11 +281,7 @@ def _refusal(memory: Memory, budget: Budget, device: str, settings: EngineSettin
 
 def check_parameter_count(plan: Plan, hf_config: Any) -> int:
     """Instantiate the model on the meta device (no memory) and compare its size with the plan's."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        actual = AutoModelForCausalLM.from_config(hf_config).num_parameters()
+    actual = meta_parameters(hf_config)
     if actual != plan.parameters:
         raise PlanError(f"planner bug: it counts {plan.parameters:,} parameters, the model has {actual:,}")
     return actual

@@ -31,6 +31,7 @@ def format_plan(plan: Plan, config: PipelineConfig) -> str:
     s, train = plan.shape, config.train
     g = lambda b: f"{b / GIB:.2f} GiB"
     m, c = plan.memory, plan.memory_checkpointed
+    base = config.model.init_from
     planned_mixture = ""
     if plan.weights:  # the weights' shares of the run; training prints those megatron's blend index gives
         run_samples = plan.steps * train.global_batch_size
@@ -38,10 +39,14 @@ def format_plan(plan: Plan, config: PipelineConfig) -> str:
             [run_samples * w / sum(plan.weights) for w in plan.weights], plan.stats, train.seq_len)) + (
             f" (data.weights {'as given' if config.data.weights else 'from the token counts'}, normalised)")
     rows = [
-        ("model", f"{s.arch} {config.model.preset}: {s.num_layers} layers, hidden {s.hidden_size}, "
-                  f"{s.num_attn_heads} heads ({s.num_kv_heads} KV), FFN {s.ffn_hidden_size}"
-                  + (f", {s.num_experts} experts top-{s.experts_top_k}" if s.num_experts > 1 else "")),
-        ("parameters", f"{plan.parameters:,} (vocab {s.vocab_size:,} padded to a multiple of 128)"),
+        ("model", f"{s.arch} {f'from {base}' if base else config.model.preset}: {s.num_layers} layers, hidden "
+                  f"{s.hidden_size}, {s.num_attn_heads} heads ({s.num_kv_heads} KV), head_dim {s.head_dim}, FFN "
+                  f"{s.ffn_hidden_size}" + (f", {s.num_experts} experts top-{s.experts_top_k}" if s.num_experts > 1
+                                            else "")
+                  + (", tied embeddings" if s.tie_word_embeddings else "")),
+        ("parameters", f"{plan.parameters:,} (vocab {s.vocab_size:,} "
+                       + ("as the base model has it, not padded; counted on the meta device)" if base else
+                          "padded to a multiple of 128)")),
         ("FLOPs per token", f"{plan.flops_per_token:.3g} (6·N + 12·L·h·s, training)"),
         ("data", ", ".join(f"{st.prefix.name}: {st.documents:,} docs, {st.tokens:,} tokens" for st in plan.stats)),
         ("split", f"{config.data.split}: train/valid/test documents "
@@ -51,9 +56,13 @@ def format_plan(plan: Plan, config: PipelineConfig) -> str:
                   f"{plan.accumulation} × {plan.dp} data-parallel ranks; {plan.tokens_per_step:,} tokens/step"),
         ("run", f"{plan.steps:,} steps, {plan.train_tokens:,} tokens, from {plan.run_length}"
                 + (f"; capped by train.train_iters={train.train_iters}" if train.train_iters else "")),
-        ("lr", f"{plan.schedule.kind}: warmup {plan.schedule.warmup_steps} steps to {train.lr:g}, "
-               f"{train.min_lr:g} at step {plan.steps}" if plan.schedule.kind != "constant"
-         else f"constant {train.lr:g}"),
+        ("lr", (f"{plan.schedule.kind}: warmup {plan.schedule.warmup_steps} steps to {train.lr:g}, "
+                f"{train.min_lr:g} at step {plan.steps}" if plan.schedule.kind != "constant"
+                else f"constant {train.lr:g}")
+         + (f" (warmup from train.warmup_steps={train.warmup_steps}" if train.warmup_steps is not None else
+            f" (warmup from train.warmup_fraction={train.warmup_fraction:g}")
+         + ("; unset lr/min_lr/warmup default to continued pretraining's re-warm from model.init_from)" if base
+            else ")")),
         ("engine", f"{train.precision}, {plan.settings.describe(plan.dp, train.global_batch_size)}"),
         (f"memory/{'GPU' if plan.on_gpu else 'process'}",
          f"weights {g(m.weights)}, gradients {g(m.gradients)}, optimizer {g(m.optimizer)}, logits {g(m.logits)}"),
@@ -91,16 +100,16 @@ def format_plan(plan: Plan, config: PipelineConfig) -> str:
 
 def run(config: PipelineConfig, args: argparse.Namespace) -> int:
     """`gptpipe plan`: print the plan; exit 2 when the run would not fit."""
-    from gptpipe.stages import read_tokenizer
-    from gptpipe.train.model import build_model_config
+    from gptpipe.train.base_model import stage3_model
 
-    tokenizer = read_tokenizer(config.tokenize.tokenizer_dir)
+    tokenizer, hf_config, base = stage3_model(config)
     try:
         plan = make_plan(config, tokenizer.vocab_size, dp=args.gpus, device_memory_gib=args.gpu_memory,
-                         device_name=args.gpu_name, gpus_per_node=args.gpus_per_node)
+                         device_name=args.gpu_name, gpus_per_node=args.gpus_per_node,
+                         base_config=base.config if base else None)
     except (PlanError, DataError) as exc:
         log.error(f"refused: {exc}")
         return EXIT_BAD_INPUT
-    check_parameter_count(plan, build_model_config(config.model, tokenizer, config.train.seq_len))
+    check_parameter_count(plan, hf_config)
     log.info(f"stage 3 with {args.config}:\n{format_plan(plan, config)}")
     return 0

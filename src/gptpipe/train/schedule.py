@@ -26,10 +26,15 @@ class Schedule:
 
     @classmethod
     def for_run(cls, train_cfg, total_steps: int) -> Schedule:
-        """Warmup and decay as fractions of `total_steps` (what the run will really do)."""
-        warmup = min(round(train_cfg.warmup_fraction * total_steps), total_steps - 1)
-        if train_cfg.warmup_fraction > 0 and total_steps > 1:
-            warmup = max(warmup, 1)
+        """Warmup and decay as fractions of `total_steps` (what the run will really do), or the warmup as
+        train.warmup_steps says (stage 3), capped at the run's length."""
+        fixed = getattr(train_cfg, "warmup_steps", None)  # fine-tuning's config has no warmup_steps
+        if fixed is not None:
+            warmup = min(fixed, total_steps - 1)
+        else:
+            warmup = min(round(train_cfg.warmup_fraction * total_steps), total_steps - 1)
+            if train_cfg.warmup_fraction > 0 and total_steps > 1:
+                warmup = max(warmup, 1)
         # Fine-tuning's config has no wsd schedule, hence no lr_decay_fraction.
         decay = max(1, round(getattr(train_cfg, "lr_decay_fraction", 0.0) * total_steps))
         return cls(total_steps=total_steps, warmup_steps=warmup, peak_lr=train_cfg.lr, min_lr=train_cfg.min_lr,

@@ -1,8 +1,10 @@
 """Stage 3: `gptpipe train` (3_train_node1.sh) — plan, build, then train/loop.py's loop over train_step.
 
-Pretraining's part of the loop: batches from the Megatron dataset by samples consumed (so a resumed run reads
-exactly what the killed one would have), the train line with tokens, throughput and MFU, the validation loss
-and sample generations at each evaluation, and the run record in every checkpoint.
+Pretraining's part of the loop, from scratch or continued from a base model (model.init_from, see
+train/base_model.py: its weights when no checkpoint exists yet, after the step-0 gate): batches from the
+Megatron dataset by samples consumed (so a resumed run reads exactly what the killed one would have), the
+train line with tokens, throughput and MFU, the validation loss and sample generations at each evaluation,
+and the run record in every checkpoint.
 
 Exit codes (train/loop.py): 0 finished; 1 failed (e.g. too many non-finite steps in a row); 2 refused before
 starting (config, inputs, or a plan that does not fit); 75 stopped by SIGTERM/SIGINT after saving a
@@ -13,19 +15,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gptpipe.config.core import to_plain
 from gptpipe.log import get_logger
-from gptpipe.stages import EXIT_BAD_INPUT, read_tokenizer
+from gptpipe.stage import StageInputError
+from gptpipe.stages import EXIT_BAD_INPUT
+from gptpipe.train import checkpoint
+from gptpipe.train.base_model import (BASE_STATE_KEY, BaseModel, base_record, check_unchanged, gate_batch,
+                                      loss_tolerance, reference_loss, stage3_model, tokenizer_problems)
 from gptpipe.train.data import (DataError, build_datasets, collate, eval_batches, mixture, sample_positions,
-                                source_counts, source_names)
+                                source_counts, source_names, to_device)
 from gptpipe.train.engine import Dist, EngineConfigError, build_engine, deepspeed_config
 from gptpipe.train.loop import LogWindow, TrainLoop, run_ranks
-from gptpipe.train.model import build_model_config, expert_shares, router_loss
+from gptpipe.train.model import build_model, expert_shares, router_loss
 from gptpipe.train.plan import Plan, PlanError, check_parameter_count, make_plan
 from gptpipe.train.plan_report import format_plan
 
@@ -41,38 +49,36 @@ def run(config: PipelineConfig, args: argparse.Namespace) -> int:
 
 
 def _train(config: PipelineConfig, dist: Dist) -> int:
-    tokenizer = read_tokenizer(config.tokenize.tokenizer_dir)
+    tokenizer, hf_config, base = stage3_model(config)
     try:
-        plan = make_plan(config, tokenizer.vocab_size, dp=dist.world_size)
+        plan = make_plan(config, tokenizer.vocab_size, dp=dist.world_size, base_config=base.config if base else None)
         ds_config, wandb_block = deepspeed_config(config.train, plan.settings.micro_batch, plan.accumulation,
                                                   dist.world_size, dist.device.type == "cuda")
     except (PlanError, DataError, EngineConfigError) as exc:
         if dist.is_main:
             log.error(f"refused: {exc}")
         return EXIT_BAD_INPUT
-    hf_config = build_model_config(config.model, tokenizer, config.train.seq_len)
     if dist.is_main:
         check_parameter_count(plan, hf_config)
         log.info(f"plan:\n{format_plan(plan, config)}")
-    return Pretrainer(config, plan, ds_config, wandb_block, hf_config, tokenizer, dist).fit()
+    return Pretrainer(config, plan, ds_config, wandb_block, hf_config, tokenizer, dist, base).fit()
 
 
 class Pretrainer(TrainLoop):
-    """Pretraining from scratch on the tokenized corpus, as the plan says."""
+    """Pretraining, from scratch or continued from a base model (`base`), on the tokenized corpus, as the plan
+    says."""
 
     name = "train"
 
     def __init__(self, config: PipelineConfig, plan: Plan, ds_config: dict[str, Any], wandb_block: dict[str, Any],
-                 hf_config: Any, tokenizer: Any, dist: Dist):
+                 hf_config: Any, tokenizer: Any, dist: Dist, base: BaseModel | None = None):
         super().__init__(config, config.train, dist, ds_config, wandb_block)
-        self.plan, self.tokenizer, self.hf_config = plan, tokenizer, hf_config
+        self.plan, self.tokenizer, self.hf_config, self.base = plan, tokenizer, hf_config, base
         self.steps = plan.steps
         self.on_gpu = dist.device.type == "cuda"
         train = config.train
         if self.mirror and dist.is_main:  # the plan of this run beside its checkpoints, in the bucket
             (self.run_dir / "plan.txt").write_text(format_plan(plan, config) + "\n", encoding="utf-8")
-        self.engine, self.fused_loss = build_engine(train, config.model.arch, hf_config, ds_config, plan.schedule,
-                                                    dist.device)
         sizes = [plan.train_samples, plan.eval_samples, plan.eval_samples]
         # megatron-core builds the index cache on global rank 0 and the other ranks read it: nodes staging on their
         # own disks share no folder for it, so there every rank builds the indices in memory (None) instead.
@@ -84,8 +90,85 @@ class Pretrainer(TrainLoop):
         # What each source really gives the run: megatron's blend index over the samples the run will read.
         self.mixture = mixture(source_counts(self.train_data, plan.steps * train.global_batch_size,
                                              len(plan.stats)), plan.stats, train.seq_len)
+        # A base model's weights initialise the model only when there is no checkpoint to resume from.
+        self.initialising = base is not None and checkpoint.newest_checkpoint(self.ckpt_root) is None
+        self.base_record: dict[str, Any] | None = None
+        if base is not None and not self.initialising:
+            self.base_record = self._check_resumed_base(base)
+        elif self.initialising:
+            self._prepare_gate(base)
+        make_model = (lambda: build_model(hf_config, dist.device, base.folder)) if self.initialising else None
+        self.engine, self.fused_loss = build_engine(train, plan.shape.arch, hf_config, ds_config, plan.schedule,
+                                                    dist.device, make_model)
         self.consumed = 0
         self.last_val_loss: float | None = None
+
+    # --- continued pretraining: the base model ----------------------------------------------------------------
+    def _check_resumed_base(self, base: BaseModel) -> dict[str, Any]:
+        """The base's record in the checkpoint resumed from, after checking the folder still holds those files."""
+        folder = checkpoint.newest_checkpoint(self.ckpt_root)
+        state_file = folder / checkpoint.STATE
+        record = json.loads(state_file.read_text(encoding="utf-8")).get(BASE_STATE_KEY)
+        if record is None:
+            raise StageInputError(f"{folder} was trained from scratch, not from a base model: model.init_from "
+                                  f"{base.folder} cannot continue it; set train.output_model_dir to a new folder")
+        check_unchanged(record, base.folder, str(state_file))
+        return record
+
+    def _prepare_gate(self, base: BaseModel) -> None:
+        """What the step-0 gate compares the engine with, computed before Liger may patch the model classes (rank
+        0): transformers' fp32 loss of the base on the gate's sample, and the tokenizer's re-encoding of held-out
+        documents. Also records the base's files (their hashes) for the checkpoints."""
+        self.gate_sample = gate_batch(self.valid_data)
+        self.gate_reference: float | None = None
+        self.gate_problems: list[str] = []
+        self.tokenizer_checked = ""
+        if not self.dist.is_main:
+            return
+        from transformers import AutoTokenizer
+
+        self.base_record = base_record(base)
+        self.gate_reference = reference_loss(base.folder, self.gate_sample)
+        data = self.config.data
+        self.gate_problems, self.tokenizer_checked = tokenizer_problems(
+            AutoTokenizer.from_pretrained(base.folder), base, self.plan.stats[0].prefix, data.split, data.seed)
+
+    @torch.no_grad()
+    def _step0_gate(self) -> bool:
+        """Before the first optimizer step of an initialising run: does the engine hold the base model, and does
+        its tokenizer match the data? Logs the comparison; True when every rank may train."""
+        base, precision = self.base, self.train_cfg.precision
+        batch = to_device(self.gate_sample, self.dist.device)
+        self.engine.eval()
+        out = self.engine(input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["labels"],
+                          use_cache=False, **({"skip_logits": True} if self.fused_loss else {}))
+        self.engine.train()
+        problems = []
+        if self.dist.is_main:
+            got, want = float(out.loss), self.gate_reference
+            tolerance = loss_tolerance(want, precision)
+            line = (f"the engine's loss on the first validation sample ({batch['input_ids'].shape[1]} tokens) is "
+                    f"{got:.6f} in {precision}, transformers' from_pretrained of {base.folder} gives {want:.6f} in "
+                    f"fp32 (|Δ| {abs(got - want):.2g}, tolerance {tolerance:.2g})")
+            if not abs(got - want) <= tolerance:
+                problems.append(line)
+            problems += self.gate_problems
+            if not problems:
+                self.say(f"step-0 gate passed: {line}; the tokenizer {self.tokenizer_checked}")
+        refused = torch.tensor([len(problems)], dtype=torch.int32, device=self.dist.device)
+        torch.distributed.all_reduce(refused)  # every rank stops when rank 0 refuses
+        if problems:
+            log.error(f"refused: the run would not train model.init_from {base.folder}:\n  - "
+                      + "\n  - ".join(problems))
+        return int(refused.item()) == 0
+
+    def fit(self) -> int:
+        if self.initialising:
+            if not self._step0_gate():
+                return EXIT_BAD_INPUT
+            self.say(f"initialised from {self.base.folder} ({self.base.model_type}, "
+                     f"{self.plan.parameters:,} parameters)")
+        return super().fit()
 
     # --- data and position --------------------------------------------------------------------------
     def batches(self):
@@ -110,6 +193,8 @@ class Pretrainer(TrainLoop):
             # The run record: the whole resolved config.yaml this run trained with. Stage 4 reads the tokenizer,
             # the data and its split from here, never from a config.yaml that may have changed since.
             "config": to_plain(self.config),
+            # The base model's files as the run initialised from them: a resume and stage 4 refuse other ones.
+            **({BASE_STATE_KEY: self.base_record} if self.base_record else {}),
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -222,24 +307,37 @@ class Pretrainer(TrainLoop):
 
     def _generate(self) -> list[tuple[str, str]]:
         """Greedy continuations of train.sample_prompts (every rank runs them: ZeRO-3 needs all in step)."""
-        import sentencepiece as spm
-
         train, tok = self.train_cfg, self.tokenizer
         if not train.sample_prompts or train.sample_tokens < 1:
             return []
-        sp = spm.SentencePieceProcessor(model_file=str(tok.model_path))
+        encode, decode = self._codec()
+        # Documents in the data start right after a separator (and the base's BOS where its tokenizer adds one).
+        start = [tok.eod_id] + ([tok.bos_id] if self.base and tok.bos_id is not None else [])
         padding = list(range(tok.vocab_size, self.plan.shape.vocab_size)) or None
         results = []
         # A compiled model would recompile for every new sequence length: generate eagerly.
         with torch.compiler.set_stance("force_eager") if train.compile else contextlib.nullcontext():
             for prompt in train.sample_prompts:
-                ids = [tok.eod_id] + sp.encode(prompt)  # documents in the data start right after a separator
+                ids = start + encode(prompt)
                 out = self.engine.module.generate(
                     torch.tensor([ids], device=self.dist.device), max_new_tokens=train.sample_tokens,
-                    do_sample=False, suppress_tokens=padding, eos_token_id=tok.eos_id, pad_token_id=tok.eos_id,
+                    do_sample=False, suppress_tokens=padding, eos_token_id=tok.eod_id, pad_token_id=tok.eod_id,
                     synced_gpus=train.zero_stage == 3 and self.dist.world_size > 1)
-                results.append((prompt, sp.decode([i for i in out[0, len(ids):].tolist() if i < tok.vocab_size])))
+                results.append((prompt, decode([i for i in out[0, len(ids):].tolist() if i < tok.vocab_size])))
         return results
+
+    def _codec(self) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
+        """(encode, decode) of the run's tokenizer: the base's HF tokenizer, or the stage-1 SentencePiece model."""
+        if self.base:
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(self.base.folder)
+            return (lambda text: hf(text, add_special_tokens=False)["input_ids"],
+                    lambda ids: hf.decode(ids, skip_special_tokens=True))
+        import sentencepiece as spm
+
+        sp = spm.SentencePieceProcessor(model_file=str(self.tokenizer.model_path))
+        return sp.encode, sp.decode
 
     def finish(self) -> None:
         self.say(f"finished {self.step} steps, {self.consumed * self.train_cfg.seq_len:,} tokens; "

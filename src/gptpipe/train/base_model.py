@@ -1,0 +1,307 @@
+"""Continued pretraining (`model.init_from`): the open model a run starts from, and the checks that it is the one
+trained.
+
+A base model is a local HF folder: its config.json decides the architecture and size, its weights initialise the
+model (only when the run folder has no checkpoint yet; a resumed run loads its checkpoint as always) and its
+tokenizer must be the one stage 2 encoded the data with. The checks, all before the first optimizer step:
+
+- data: every dataset's manifest records the boundaries (BOS, EOS, vocabulary) and the tokenizer.json hash of
+  the tokenizer it was encoded with; they must be the folder's (`check_data`);
+- the step-0 gate (initialising run): the engine's loss on the first validation sample equals the loss that
+  transformers' own `from_pretrained` of the folder gives in fp32 (`reference_loss`, `loss_tolerance`), and the
+  folder's tokenizer encodes the source text of the data's first documents to the ids the data holds
+  (`tokenizer_problems`; held-out documents decoded and re-encoded where the source is not readable);
+- the folder itself: at initialisation the run records every file's size and SHA-256 (`fingerprint`) in its
+  checkpoints; a resumed run and the export refuse a folder whose files changed since (`folder_changes`). A
+  folder altered before the run initialised cannot be told apart: the run trains, records and exports the
+  folder as it was when the run started.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gptpipe.data.base_tokenizer import PretrainedTokenizer, read_pretrained_tokenizer
+from gptpipe.stage import StageInputError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
+
+# model_type → the causal-LM class transformers loads it with (Gemma 3's text-only model is "gemma3_text").
+SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+             "gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM"}
+# Files of a base folder that are weights or the model card: the export writes its own; every other file
+# (tokenizer files, generation_config.json, licence) is copied into the export byte for byte.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf")
+NOT_COPIED = ("config.json", "README.md")
+# The step-0 gate's sample: the first validation sample, cut to this many tokens (the fp32 reference runs on
+# the host, where a long sample of a large model would take minutes).
+GATE_TOKENS = 512
+# Documents the gate's tokenizer check encodes (source texts, or held-out documents decoded), and the longest
+# held-out one used (whole documents only: a cut inside a word may merge differently).
+ROUND_TRIP_DOCUMENTS = 8
+ROUND_TRIP_MAX_TOKENS = 4096
+# Relative tolerance of the gate's loss comparison below fp32: the engine's bf16/fp16 forward against the fp32
+# reference. Four bf16 rounding steps (2^-8 each, export/verify.py's BF16_RELATIVE) of the mean loss: a model
+# loaded wrongly (a missing or misplaced weight) is off by far more.
+GATE_HALF_RELATIVE = 4 * 2.0 ** -8
+BASE_STATE_KEY = "base_model"  # the key of gptpipe_state.json holding the base's record
+
+
+@dataclass(frozen=True)
+class BaseModel:
+    """A base model's folder, its transformers config and its tokenizer's conventions."""
+
+    folder: Path
+    config: PretrainedConfig
+    tokenizer: PretrainedTokenizer
+
+    @property
+    def model_type(self) -> str:
+        return self.config.model_type
+
+
+def open_base(folder: Path) -> BaseModel:
+    """The base model in `folder` (model.init_from); a clear error when it is no supported HF model folder."""
+    from transformers import AutoConfig
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise StageInputError(f"model.init_from {folder}: not a HuggingFace model folder (no config.json there)")
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except Exception as exc:  # transformers raises many kinds for a broken config.json
+        raise StageInputError(f"model.init_from {folder}: its config.json does not load ({exc})") from None
+    if config.model_type not in SUPPORTED:
+        raise StageInputError(f"model.init_from {folder}: model_type {config.model_type!r} is not supported; "
+                              f"supported: {', '.join(SUPPORTED)}")
+    return BaseModel(folder, config, read_pretrained_tokenizer(folder))
+
+
+def check_data(base: BaseModel, manifests: dict[str, Any]) -> None:
+    """Refuse datasets (prefix → its stage-2 manifest) not encoded with the base's tokenizer, naming both."""
+    want = base.tokenizer.boundaries()
+    problems = []
+    for prefix, manifest in manifests.items():
+        got = manifest.counts.get("boundaries") or {}
+        differ = [f"{key} {got.get(key)!r} in the data, {value!r} in the base"
+                  for key, value in want.items() if key in got and got[key] != value]
+        if got.get("tokenizer") != "hf":
+            differ = [f"it was encoded with a {got.get('tokenizer', 'unrecorded')} tokenizer, not an HF folder's"]
+        if differ:
+            problems.append(f"{prefix}: " + "; ".join(differ))
+    if problems:
+        raise StageInputError(f"the data was not tokenized with model.init_from {base.folder}'s tokenizer (set "
+                              f"tokenize.tokenizer_dir to that folder and rerun stage 2):\n  - "
+                              + "\n  - ".join(problems))
+    if base.tokenizer.vocab_size > base.config.vocab_size:
+        raise StageInputError(f"model.init_from {base.folder}: its tokenizer has {base.tokenizer.vocab_size} ids, "
+                              f"its config.json vocab_size only {base.config.vocab_size} embedding rows")
+
+
+# --- the folder's record --------------------------------------------------------------------------------------
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fingerprint(folder: Path, previous: dict[str, Any] | None = None) -> dict[str, Any]:
+    """{relative path: {size, mtime_ns, sha256}} of every file under `folder`. A file whose size and mtime equal
+    `previous`'s record keeps its recorded hash (rewriting a file changes its mtime), so a resumed run rehashes
+    only what may have changed."""
+    previous = previous or {}
+    files = {}
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file() and ".cache" not in p.parts):
+        name, st = path.relative_to(folder).as_posix(), path.stat()
+        old = previous.get(name)
+        same = old and old["size"] == st.st_size and old["mtime_ns"] == st.st_mtime_ns
+        files[name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                       "sha256": old["sha256"] if same else _sha256(path)}
+    return files
+
+
+def base_record(base: BaseModel) -> dict[str, Any]:
+    """What a run records of its base model (gptpipe_state.json's `base_model`): stage 4 reads it back."""
+    return {"folder": str(base.folder), "model_type": base.model_type, "files": fingerprint(base.folder)}
+
+
+def folder_changes(record: dict[str, Any], folder: Path) -> list[str]:
+    """How `folder` differs from the base `record`ed when the run initialised (empty: the same files)."""
+    if not Path(folder).is_dir():
+        return [f"{folder} does not exist"]
+    recorded = record["files"]
+    now = fingerprint(folder, recorded)
+    changes = [f"{name} is new" for name in now if name not in recorded]
+    changes += [f"{name} is gone" for name in recorded if name not in now]
+    changes += [f"{name} changed (size {recorded[name]['size']:,} → {now[name]['size']:,}, sha256 "
+                f"{recorded[name]['sha256'][:12]} → {now[name]['sha256'][:12]})"
+                for name in now if name in recorded and now[name]["sha256"] != recorded[name]["sha256"]]
+    return changes
+
+
+def check_unchanged(record: dict[str, Any], folder: Path, where: str) -> None:
+    """Refuse a base folder whose files differ from the run's record (`where`: the record's file)."""
+    changes = folder_changes(record, folder)
+    if changes:
+        raise StageInputError(f"model.init_from {folder} is not the base model this run initialised from "
+                              f"({record['folder']}, recorded in {where}): " + "; ".join(changes[:5])
+                              + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
+                              + ". Restore the folder, or start a new run (train.output_model_dir)")
+
+
+def is_copied(name: str) -> bool:
+    """Whether a top-level file of the base folder goes into the export unchanged (see NOT_COPIED)."""
+    return not (name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json") or name in NOT_COPIED
+                or name.startswith("."))
+
+
+# --- the model ------------------------------------------------------------------------------------------------
+def gate_batch(valid_data: Any) -> dict[str, torch.Tensor]:
+    """The step-0 gate's batch: the first validation sample (the first of every evaluation), cut to GATE_TOKENS."""
+    from gptpipe.train.data import collate
+
+    batch = collate(valid_data, range(1), "cpu")
+    return {k: v[:, :GATE_TOKENS] for k, v in batch.items()}
+
+
+def reference_loss(folder: Path, batch: dict[str, torch.Tensor]) -> float:
+    """The folder's loss on `batch` through transformers alone: from_pretrained in fp32 on the host, eager
+    attention. Call before Liger patches the model classes (build_engine), so the reference stays unpatched."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        out = model(input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["labels"],
+                    use_cache=False)
+    return float(out.loss)
+
+
+def loss_tolerance(reference: float, precision: str) -> float:
+    """Largest |Δ| allowed between the engine's step-0 loss and the fp32 reference's: fp32 rounding (the export
+    gate's FP32_TOLERANCE, relative to the loss) or GATE_HALF_RELATIVE of it in bf16/fp16."""
+    from gptpipe.export.verify import FP32_TOLERANCE
+
+    return max(1.0, abs(reference)) * (FP32_TOLERANCE if precision == "fp32" else GATE_HALF_RELATIVE)
+
+
+def heldout_token_documents(prefix: Path, split: str, seed: int, count: int = ROUND_TRIP_DOCUMENTS) -> list[list[int]]:
+    """Up to `count` whole documents of the data's validation/test split (training never reads them), as ids."""
+    from gptpipe.data.indexed import IndexedDataset
+    from gptpipe.data.split import unseen_documents
+
+    reader = IndexedDataset(prefix)
+    docs = []
+    for i in unseen_documents(split, len(reader), seed):
+        doc = reader[int(i)].tolist()
+        if len(doc) <= ROUND_TRIP_MAX_TOKENS:
+            docs.append(doc)
+        if len(docs) == count:
+            break
+    return docs
+
+
+def source_texts(manifest: Any, count: int = ROUND_TRIP_DOCUMENTS) -> list[str] | None:
+    """The texts of a stage-2 dataset's first `count` documents, read back from the jsonl it was encoded from;
+    None when that cannot be done exactly: a merged or sharded dataset, lines that became no document (skipped),
+    or an input that is gone or changed since."""
+    import orjson
+
+    from gptpipe.stage import file_fingerprint
+
+    counts, files = manifest.counts, (manifest.inputs.get("files") or {})
+    if counts.get("documents") != counts.get("lines") or "shard" in counts or not files:
+        return None
+    texts: list[str] = []
+    for name, recorded in files.items():
+        path = Path(name)
+        if not path.is_file() or file_fingerprint(path)["size"] != recorded.get("size") or \
+                file_fingerprint(path)["mtime_ns"] != recorded.get("mtime_ns"):
+            return None
+        with open(path, "rb") as fh:
+            for line in fh:
+                texts.append(orjson.loads(line)[manifest.config.get("text_key", "text")])
+                if len(texts) == count:
+                    return texts
+    return texts
+
+
+def reencode_problems(tokenizer: Any, texts: list[str], documents: list[list[int]], bos_id: int | None,
+                      eod_id: int) -> list[str]:
+    """Documents of the data whose source text `tokenizer` encodes to other ids than the data holds (between the
+    base's BOS, where its tokenizer adds one, and EOS): the data was encoded with another tokenizer."""
+    problems = []
+    for n, (text, doc) in enumerate(zip(texts, documents)):
+        ids = ([bos_id] if bos_id is not None else []) + tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids.append(eod_id)
+        if ids != doc:
+            at = next((i for i, (a, b) in enumerate(zip(ids, doc)) if a != b), min(len(ids), len(doc)))
+            problems.append(f"document {n}: the data has ids {doc[at:at + 5]} at token {at}, the tokenizer "
+                            f"gives {ids[at:at + 5]} for its text")
+    return problems
+
+
+def first_documents(prefix: Path, count: int) -> list[list[int]]:
+    """The first `count` documents of a dataset prefix, as ids."""
+    from gptpipe.data.indexed import IndexedDataset
+
+    reader = IndexedDataset(prefix)
+    return [reader[i].tolist() for i in range(min(count, len(reader)))]
+
+
+def tokenizer_problems(tokenizer: Any, base: BaseModel, prefix: Path, split: str, seed: int) -> tuple[list[str], str]:
+    """(the problems, what was checked) of the base's tokenizer against the data in `prefix`: the first documents'
+    source texts re-encoded (`source_texts`), else held-out documents decoded and re-encoded (a weaker check: a
+    tokenizer with some pieces' ids swapped decodes and re-encodes consistently)."""
+    from gptpipe.stages import read_dataset
+
+    bos, eod = base.tokenizer.bos_id, base.tokenizer.eod_id
+    dataset = read_dataset(prefix)  # a URL prefix: its verified local copy
+    texts = source_texts(dataset.manifest)
+    if texts:
+        return (reencode_problems(tokenizer, texts, first_documents(dataset.prefix, len(texts)), bos, eod),
+                f"re-encodes the source text of {len(texts)} documents to the data's ids")
+    documents = heldout_token_documents(dataset.prefix, split, seed)
+    return (round_trip_problems(tokenizer, documents, bos, eod),
+            f"decodes and re-encodes {len(documents)} held-out documents to the data's ids (their source jsonl is "
+            "not readable as it was encoded)")
+
+
+def round_trip_problems(tokenizer: Any, documents: list[list[int]], bos_id: int | None, eod_id: int) -> list[str]:
+    """Documents of the data (ids, with their BOS/EOS) that `tokenizer` does not re-encode to the same ids after
+    decoding them: the data was encoded with another tokenizer."""
+    problems = []
+    for n, doc in enumerate(documents):
+        body = doc[1:] if bos_id is not None and doc[:1] == [bos_id] else doc
+        body = body[:-1] if body[-1:] == [eod_id] else body
+        text = tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        again = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if again != body:
+            at = next((i for i, (a, b) in enumerate(zip(again, body)) if a != b), min(len(again), len(body)))
+            problems.append(f"held-out document {n}: the data has ids {body[at:at + 5]} at token {at}, the "
+                            f"tokenizer gives {again[at:at + 5]} for the same text")
+    return problems
+
+
+
+def stage3_model(config: Any) -> tuple[Any, Any, BaseModel | None]:
+    """(tokenizer facts, transformers config, base model or None) of the model stage 3 trains: model.init_from's
+    folder, its data checked against its tokenizer; else a new model of model.arch/preset on the stage-1
+    tokenizer."""
+    from gptpipe.stages import read_dataset, read_tokenizer
+    from gptpipe.train.model import build_model_config
+
+    if config.model.init_from is not None:
+        base = open_base(config.model.init_from)
+        check_data(base, {str(p): read_dataset(p).manifest for p in config.data.prefixes})
+        return base.tokenizer, base.config, base
+    tokenizer = read_tokenizer(config.tokenize.tokenizer_dir)
+    return tokenizer, build_model_config(config.model, tokenizer, config.train.seq_len), None

@@ -1,0 +1,339 @@
+"""Continued pretraining (model.init_from): tiny random base models of every supported family that this
+transformers has, each saved with a tokenizer trained here (a byte-level BPE past uint16's range, or a
+SentencePiece-style BPE), go through stage 2 with their own tokenizer, stage 3 from their weights (the step-0
+gate, the refusals) and stage 4 (the base's class, config and tokenizer files, logits against the checkpoint).
+
+The corpus is the first CORPUS_DOCS documents of the man-page corpus, as a user's own jsonl."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import orjson
+import pytest
+from conftest import QUIET_RUN, corpus_texts, manifest_counts, metrics, run_cli, run_train
+from test_pretrained_tokenizer import SHIFT, byte_level_bpe
+
+from gptpipe.cli import main
+from gptpipe.config.core import load_config
+from gptpipe.data.indexed import UINT16_VOCAB_LIMIT
+from gptpipe.pipeline import PipelineConfig
+from gptpipe.stages import EXIT_BAD_INPUT, TOKENIZE
+from gptpipe.train.base_model import GATE_HALF_RELATIVE, SUPPORTED, is_copied
+from gptpipe.train.checkpoint import STATE, newest_checkpoint
+from gptpipe.train.config import CONTINUED_LR, CONTINUED_WARMUP_STEPS
+from gptpipe.train.devices import LIGER_ARCHS, loss_path
+
+CORPUS_DOCS = 300
+STEPS = 2
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+# A short continued run: the base's architecture and size (arch/preset unset), the schedule's continued-
+# pretraining defaults (lr/min_lr unset), 32-token samples.
+CONTINUED_RUN = (*QUIET_RUN, "model.arch=null", "model.preset=null", "train.lr=null", "train.min_lr=null",
+                 "train.seq_len=32", "train.global_batch_size=2", "train.precision=fp32", "data.split=90,10,0")
+
+
+def sentencepiece_bpe(texts: list[str], folder: Path) -> Path:
+    """A SentencePiece-style BPE (Llama 2, Mistral, Gemma: "▁" for spaces, BOS added to every text)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=3000, special_tokens=specials))
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+        ("<s>", tokenizer.token_to_id("<s>"))])
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                            chat_template=CHAT_TEMPLATE).save_pretrained(folder)
+    return folder
+
+
+def qwen_bpe(byte_level: Path, folder: Path) -> Path:
+    """Qwen2's own tokenizer class on a byte-level BPE's vocabulary and merges: transformers loads a qwen2
+    folder's tokenizer through that class, which builds its own pipeline (pre-tokenizer, normalizer)."""
+    from transformers import Qwen2Tokenizer
+
+    state = json.loads((byte_level / "tokenizer.json").read_text())
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in state["model"]["merges"]]
+    Qwen2Tokenizer(vocab=state["model"]["vocab"], merges=merges, eos_token="<|end_of_text|>",
+                   pad_token="<|end_of_text|>", unk_token=None, chat_template=CHAT_TEMPLATE).save_pretrained(folder)
+    return folder
+
+
+def tiny_config(model_type: str, vocab_size: int, bos: int, eos: int):
+    """A two-layer config of `model_type`: GQA where the family has it, Gemma with its own head_dim."""
+    from transformers import AutoConfig
+
+    ids = dict(vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos)
+    if model_type == "gpt2":
+        return AutoConfig.for_model("gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64, **ids)
+    extra = {"head_dim": 16} if model_type.startswith("gemma") else {}
+    if model_type == "mixtral":
+        extra = {"num_local_experts": 4, "num_experts_per_tok": 2}
+    return AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                tie_word_embeddings=model_type in ("qwen2", "gemma3_text"), **extra, **ids)
+
+
+def make_base(model_type: str, tokenizer_folder: Path, folder: Path, extra_vocab: int = 0) -> Path:
+    """A random base model of `model_type` on the tokenizer in `tokenizer_folder`, with a generation_config.json
+    of its own, saved as a HF folder; `extra_vocab` embedding rows past the tokenizer (as Qwen has)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    shutil.copytree(tokenizer_folder, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    config = tiny_config(model_type, len(tokenizer) + extra_vocab, tokenizer.bos_token_id, tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
+                                               eos_token_id=tokenizer.eos_token_id, do_sample=True, temperature=0.6,
+                                               top_p=0.9, repetition_penalty=1.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def corpus(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """The first CORPUS_DOCS documents of the man-page corpus as a user's own jsonl, and their texts."""
+    texts = corpus_texts(corpus_dir)[:CORPUS_DOCS]
+    path = tmp_path_factory.mktemp("cpt-corpus") / "corpus.jsonl"
+    path.write_bytes(b"".join(orjson.dumps({"text": t}) + b"\n" for t in texts))
+    return path, texts
+
+
+@pytest.fixture(scope="module")
+def tokenizers(corpus, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tokenizer folders: "bpe" (byte-level, ids past 65,535: int32 data), "sp" (SentencePiece-style) and
+    "qwen" (the byte-level one through Qwen2's tokenizer class)."""
+    root = tmp_path_factory.mktemp("cpt-tokenizers")
+    texts = corpus[1]
+    bpe = byte_level_bpe(texts, root / "bpe", adds_bos=False, shift=SHIFT)
+    config = json.loads((bpe / "tokenizer_config.json").read_text())
+    (bpe / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return {"bpe": bpe, "sp": sentencepiece_bpe(texts, root / "sp"), "qwen": qwen_bpe(bpe, root / "qwen")}
+
+
+@pytest.fixture(scope="module")
+def datasets(corpus, tokenizers, workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Stage 2 of the corpus with each tokenizer folder → {tokenizer name: dataset prefix}."""
+    root = tmp_path_factory.mktemp("cpt-data")
+    prefixes = {}
+    for name, folder in tokenizers.items():
+        run_cli("tokenize", "--config", workspace / "config.yaml", f"tokenize.input=[{corpus[0]}]",
+                f"tokenize.tokenizer_dir={folder}", f"tokenize.output_prefix={root / name}", "tokenize.workers=1")
+        prefixes[name] = root / f"{name}_text_document"
+    return prefixes
+
+
+def train_args(workspace: Path, base: Path, prefix: Path, run: Path, *extra: str) -> list[object]:
+    return ["--config", workspace / "config.yaml", *CONTINUED_RUN, f"model.init_from={base}",
+            f"data.prefixes=[{prefix}]", f"train.output_model_dir={run}", f"train.train_iters={STEPS}", *extra]
+
+
+def convert(workspace: Path, run: Path, out: Path, dtype: str = "fp32") -> int:
+    return main(["convert", "--config", str(workspace / "convert_config.yaml"), f"input_model_dir={run}",
+                 f"output_tokenizer_and_model_dir={out}", f"dtype={dtype}"])
+
+
+def check_export(out: Path, base: Path, model_type: str) -> dict:
+    """The export loads with the base's class, keeps its config, vocabulary and files, and passed the gate."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    counts = manifest_counts(out)
+    assert counts["verified"], counts["failures"]
+    assert counts["logits_max_abs_diff"] <= counts["logits_tolerance"]
+    assert counts["tokenizer_mismatches"] == 0 and counts["tokenizer_texts"] > 0
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == SUPPORTED[model_type]
+    exported, original = AutoConfig.from_pretrained(out), AutoConfig.from_pretrained(base)
+    assert exported.vocab_size == original.vocab_size  # nothing padded, nothing cut
+    assert exported.tie_word_embeddings == original.tie_word_embeddings
+    copied = sorted(p.name for p in base.iterdir() if is_copied(p.name))
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(copied)
+    assert all((out / name).read_bytes() == (base / name).read_bytes() for name in copied)
+    assert AutoTokenizer.from_pretrained(out).chat_template == CHAT_TEMPLATE
+    card = (out / "README.md").read_text()
+    assert f"continued from the base model `{base.name}`" in card and "tokens trained" in card
+    return counts
+
+
+@pytest.mark.slow
+def test_llama_with_a_large_bpe_vocabulary_end_to_end(datasets, tokenizers, workspace: Path, tmp_path: Path,
+                                                      capfd) -> None:
+    """Llama on a byte-level BPE of ~66k ids (int32 data): the step-0 gate, the continued-pretraining schedule,
+    a resume from the checkpoint (not from the base), the export, and a base folder altered after the run
+    initialised, refused on resume and at export."""
+    prefix = datasets["bpe"]
+    assert TOKENIZE.require(prefix).counts["dtype"] == "int32"
+    base = make_base("llama", tokenizers["bpe"], tmp_path / "llama-base")
+    assert json.loads((base / "config.json").read_text())["vocab_size"] > UINT16_VOCAB_LIMIT
+    run = tmp_path / "run"
+    # `gptpipe plan` reads the base's shape and vocabulary, and prints the re-warm's values.
+    assert main(["plan", *map(str, train_args(workspace, base, prefix, run))]) == 0
+    plan = capfd.readouterr().err
+    assert f"llama from {base}: 2 layers, hidden 32, 4 heads (2 KV)" in plan and "vocab 66,500 as the base" in plan
+    assert "warmup 1 steps to 2.5e-05, 2.5e-06 at step 2 (warmup from train.warmup_steps=1000" in plan
+    done = run_train(*train_args(workspace, base, prefix, run, "train.save_interval=1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step-0 gate passed" in done.stderr and f"initialised from {base}" in done.stderr
+    assert "resumed from" not in done.stderr
+    # The plan prints the base's shape and the re-warm defaults: 2.5e-5, warmup capped at the run, a tenth.
+    assert f"llama from {base}" in done.stderr and "as the base model has it, not padded" in done.stderr
+    rows = [r for r in metrics(run) if "loss" in r]
+    assert rows[-1]["lr"] == pytest.approx(CONTINUED_LR / 10)
+    config = load_config(PipelineConfig, workspace / "config.yaml", [str(a) for a in CONTINUED_RUN[:]] +
+                         [f"model.init_from={base}"])
+    assert (config.train.lr, config.train.warmup_steps) == (CONTINUED_LR, CONTINUED_WARMUP_STEPS)
+    state = json.loads((newest_checkpoint(run / "checkpoints") / STATE).read_text())
+    assert state["base_model"]["files"]["model.safetensors"]["size"] == (base / "model.safetensors").stat().st_size
+
+    # More steps: the run resumes from its checkpoint, the base's weights are not loaded again.
+    done = run_train(*train_args(workspace, base, prefix, run, "train.save_interval=1", "train.train_iters=3"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr and "step 2" in done.stderr and "initialised from" not in done.stderr
+
+    out = tmp_path / "export"
+    assert convert(workspace, run, out, dtype="bf16") == 0
+    check_export(out, base, "llama")
+
+    # The base folder altered after the run initialised from it: refused on resume and at export, naming the file.
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(base / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 2
+    save_file(weights, base / "model.safetensors", metadata={"format": "pt"})
+    done = run_train(*train_args(workspace, base, prefix, run, "train.train_iters=4"))
+    assert done.returncode == EXIT_BAD_INPUT
+    assert "is not the base model this run initialised from" in done.stderr
+    assert "model.safetensors changed" in done.stderr
+    assert convert(workspace, run, tmp_path / "export2") == EXIT_BAD_INPUT
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type,tokenizer,extra_vocab,precision", [
+    ("qwen2", "qwen", 64, "fp32"), ("mistral", "sp", 0, "bf16"), ("gemma2", "sp", 0, "fp32"),
+    ("gemma3_text", "bpe", 0, "fp32"), ("gpt2", "bpe", 0, "fp32"), ("mixtral", "sp", 0, "fp32")])
+def test_each_family_initialises_passes_the_gate_and_exports(model_type: str, tokenizer: str, extra_vocab: int,
+                                                             precision: str, corpus, tokenizers, workspace: Path,
+                                                             tmp_path: Path) -> None:
+    """Each family from its folder: stage 2 with it, the step-0 gate (bf16 for one: its stated tolerance of the
+    fp32 reference's loss), two steps, the export."""
+    base = make_base(model_type, tokenizers[tokenizer], tmp_path / f"{model_type}-base", extra_vocab)
+    # Stage 2 with the base folder itself, as a user would: transformers may load a tokenizer folder differently
+    # beside a config.json (Qwen2's tokenizer class rebuilds the pipeline and adds <|endoftext|>).
+    run_cli("tokenize", "--config", workspace / "config.yaml", f"tokenize.input=[{corpus[0]}]",
+            f"tokenize.tokenizer_dir={base}", f"tokenize.output_prefix={tmp_path / 'data'}", "tokenize.workers=1")
+    run = tmp_path / "run"
+    # bf16 at ZeRO-2: DeepSpeed's bf16 ZeRO-1 checkpoint (bf16_zero_pp_rank_*) is one stage 4's zero_to_fp32
+    # does not read, continued run or not.
+    done = run_train(*train_args(workspace, base, tmp_path / "data_text_document", run,
+                                 f"train.precision={precision}", f"train.zero_stage={2 if precision == 'bf16' else 1}"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step-0 gate passed" in done.stderr and f"initialised from {base}" in done.stderr
+    out = tmp_path / "export"
+    assert convert(workspace, run, out) == 0
+    check_export(out, base, model_type)
+
+
+@pytest.mark.slow
+def test_a_tokenizer_other_than_the_datas_is_refused_before_any_work(datasets, tokenizers, workspace: Path,
+                                                                    tmp_path: Path) -> None:
+    """A base whose tokenizer is not the one stage 2 encoded the data with: refused naming both, nothing made."""
+    base = make_base("llama", tokenizers["sp"], tmp_path / "sp-base")
+    run = tmp_path / "run"
+    done = run_train(*train_args(workspace, base, datasets["bpe"], run))
+    assert done.returncode == EXIT_BAD_INPUT
+    err = done.stderr
+    assert f"the data was not tokenized with model.init_from {base}'s tokenizer" in err
+    assert str(datasets["bpe"]) in err and "tokenizer_sha256" in err
+    assert not run.exists()
+
+
+@pytest.mark.slow
+def test_same_ids_and_boundaries_but_another_tokenizer_fails_the_step_0_gate(datasets, tokenizers, corpus,
+                                                                            workspace: Path, tmp_path: Path) -> None:
+    """The tokenizer.json of the data's tokenizer with two frequent pieces' ids swapped: same vocabulary size,
+    BOS and EOS, and the recorded hash made to match, so only the gate's re-encoding of the source text can tell
+    (decoding and re-encoding would not: the swap is consistent)."""
+    tokenizer_dir = shutil.copytree(tokenizers["sp"], tmp_path / "swapped")
+    state = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab = state["model"]["vocab"]
+    frequent = sorted((p for p in vocab if len(p) > 1 and not p.startswith("<")), key=vocab.get)[:2]
+    vocab[frequent[0]], vocab[frequent[1]] = vocab[frequent[1]], vocab[frequent[0]]
+    (tokenizer_dir / "tokenizer.json").write_text(json.dumps(state, ensure_ascii=False))
+    base = make_base("llama", tokenizer_dir, tmp_path / "base")
+    prefix = shutil.copytree(datasets["sp"].parent, tmp_path / "data") / datasets["sp"].name
+    manifest = json.loads(TOKENIZE.manifest_path(prefix).read_text())
+    from gptpipe.data.base_tokenizer import read_pretrained_tokenizer
+
+    manifest["counts"]["boundaries"]["tokenizer_sha256"] = read_pretrained_tokenizer(base).boundaries()[
+        "tokenizer_sha256"]
+    TOKENIZE.manifest_path(prefix).write_text(json.dumps(manifest))
+    done = run_train(*train_args(workspace, base, prefix, tmp_path / "run"))
+    assert done.returncode == EXIT_BAD_INPUT, done.stderr[-3000:]
+    assert "refused: the run would not train model.init_from" in done.stderr
+    assert "document 0: the data has ids" in done.stderr and "for its text" in done.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists() or not list((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_size_keys_with_init_from_are_refused(tmp_path: Path) -> None:
+    from gptpipe.config.core import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(PipelineConfig, None, [f"model.init_from={tmp_path}", "model.hidden_size=64", "model.arch=gpt2"])
+    assert "model.hidden_size: is set together with model.init_from" in str(err.value)
+    assert "model.arch: is set together with model.init_from" in str(err.value)
+
+
+def test_an_unsupported_model_type_is_refused_naming_the_supported_ones(tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    from gptpipe.stage import StageInputError
+    from gptpipe.train.base_model import open_base
+
+    AutoConfig.for_model("bert", hidden_size=32, num_hidden_layers=1, num_attention_heads=4).save_pretrained(tmp_path)
+    with pytest.raises(StageInputError, match="model_type 'bert' is not supported; supported: llama, mistral"):
+        open_base(tmp_path)
+
+
+def test_liger_covers_every_supported_family_it_patches() -> None:
+    """The one decision the planner and the engine read: fused on a GPU machine for every family Liger patches
+    (the function apply_liger calls exists in liger-kernel 0.8's API), never for GPT-2."""
+    for model_type in SUPPORTED:
+        fused = loss_path(model_type, on_gpu=True, liger_kernels=True, other_machine=True).fused
+        assert fused == (model_type != "gpt2"), model_type
+    assert set(LIGER_ARCHS) == set(SUPPORTED) - {"gpt2"}
+    assert {name for name, _ in LIGER_ARCHS.values()} == {"llama", "mistral", "qwen2", "qwen3", "gemma2",
+                                                          "gemma3_text", "mixtral"}
+
+
+def test_gate_tolerance_is_stated(tmp_path: Path) -> None:
+    from gptpipe.export.verify import FP32_TOLERANCE
+    from gptpipe.train.base_model import loss_tolerance
+
+    assert loss_tolerance(11.0, "fp32") == pytest.approx(11.0 * FP32_TOLERANCE)
+    assert loss_tolerance(11.0, "bf16") == pytest.approx(11.0 * GATE_HALF_RELATIVE)
+
+
+def test_the_planner_reads_a_base_models_config() -> None:
+    """Llama 3.2 1B's published shape (GQA 32/8, tied embeddings, 128,256 ids): the meta-device count is its
+    published 1,235,814,400 parameters, the vocabulary stays unpadded, and at 4,096 tokens the unfused loss over
+    the logits is the largest activation: over ten times what one block saves for backward."""
+    from transformers import LlamaConfig
+
+    from gptpipe.train.memory import EngineSettings, estimate_memory
+    from gptpipe.train.model import base_shape, meta_parameters
+
+    config = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True, head_dim=64)
+    shape = base_shape(config)
+    assert (shape.vocab_size, shape.num_kv_heads, shape.head_dim, shape.tie_word_embeddings) == (128256, 8, 64, True)
+    parameters = meta_parameters(config)
+    assert parameters == 1_235_814_400
+    memory = estimate_memory(shape, parameters, 4096, "bf16", 1, EngineSettings(1, 1, False, False), False, True)
+    assert memory.logits == 4096 * 128256 * 12 and memory.logits > 10 * memory.activations / shape.num_layers
