@@ -11,13 +11,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, require_manpages, train_env, train_losses
+from conftest import REPO, require_manpages, train_env, train_losses, wait_for_step
 
 from gptpipe.finetune.data import (
     IGNORE,
@@ -441,10 +440,7 @@ def kill_after_step(args: list[str], run: Path, step: int) -> None:
     """Start `gptpipe finetune args`, SIGKILL it once `step` is logged (no handler runs)."""
     process = subprocess.Popen([sys.executable, "-m", "gptpipe", "finetune", *args], env=train_env(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 600
-    while not ((run / "metrics.jsonl").is_file() and f'"step": {step},' in (run / "metrics.jsonl").read_text()):
-        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
-        time.sleep(0.02)
+    wait_for_step(run, step, process, timeout=600)
     process.send_signal(signal.SIGKILL)
     process.wait()
 
@@ -508,9 +504,7 @@ def test_sigterm_saves_and_exits_75(tiny_lm: Path, task_files: tuple[Path, Path]
                                                "train.micro_batch_size=2", "train.train_iters=1000",
                                                "train.eval_interval=1000", "train.save_interval=1000")],
                                env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    while not (run / "metrics.jsonl").is_file() or '"step": 1,' not in (run / "metrics.jsonl").read_text():
-        assert process.poll() is None, process.stderr.read()[-3000:]
-        time.sleep(0.02)
+    wait_for_step(run, 1, process)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
