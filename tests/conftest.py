@@ -12,9 +12,11 @@ for every test marked ``ranks`` (it starts a multi-rank launcher: torchrun or de
 
 from __future__ import annotations
 
-import os
 import contextlib
+import gzip
 import json
+import os
+import re
 import shutil
 import socket
 import subprocess
@@ -301,17 +303,6 @@ def tiny_t5(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="session")
-def demo_task(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The man-page section task (`gptpipe make-demo-task` with the shipped evaluate_config.yaml): the folder
-    with train/validation/test.tsv and the lm-eval task YAML."""
-    require_manpages()
-    folder = tmp_path_factory.mktemp("demo-task")
-    shutil.copy(REPO / "evaluate_config.yaml", folder)
-    run_cli("make-demo-task", "--config", folder / "evaluate_config.yaml")
-    return folder / "data" / "finetune" / "manpage_section"
-
-
 # --- object stores on 127.0.0.1 -------------------------------------------------------------------------
 # Fake credentials: the servers accept anything, and none of these may ever be written or printed.
 FAKE_KEY_ID = "AKIAGPTPIPEFAKE7Q2X"
@@ -446,3 +437,97 @@ def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
                             server.url + "/{repo_id}/resolve/{revision}/{filename}")
         yield server
     huggingface_hub.utils.logging.set_verbosity_warning()
+
+
+# --- stage 7 -------------------------------------------------------------------------------------------
+# Small fine-tune runs: short rows, fp32, every step logged, no warm-up, wandb and TensorBoard off.
+FINETUNE_QUICK = ("train.seq_len=48", "train.precision=fp32", "train.log_interval=1", "train.warmup_fraction=0",
+         "logging.wandb=false", "logging.tensorboard=false", "train.lr=1e-3")
+
+
+# --- labelled rows from the man pages -------------------------------------------------------------------
+def manpage_rows(sections: tuple[str, ...] = ("1", "2", "3"), per_section: int = 24) -> list[tuple[str, str]]:
+    """(NAME description, section) of the first man pages of each section that have one."""
+    require_manpages()
+    rows = []
+    for section in sections:
+        found = 0
+        for page in sorted(Path("/usr/share/man/ja").glob(f"man{section}/*.gz")):
+            text = gzip.decompress(page.read_bytes()).decode("utf-8", errors="replace")
+            match = re.search(r'^\.SH\s+"?(?:名前|NAME)"?\s*\n(.+)$', text, re.MULTILINE)
+            if not match or "\\-" not in match.group(1):
+                continue
+            description = re.sub(r"\\f[BIRP]", "", match.group(1).split("\\-", 1)[1]).strip()
+            if description and "\t" not in description:
+                rows.append((description, section))
+                found += 1
+            if found == per_section:
+                break
+    return rows
+
+
+def write_tsv(path: Path, rows: list[tuple[str, str]]) -> Path:
+    path.write_text("".join(f"{a}\t{b}\n" for a, b in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def task_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """train.tsv (48 rows) and validation.tsv (12 rows) over sections 1, 2, 3, interleaved."""
+    rows = manpage_rows(per_section=20)
+    rows = [rows[i + k * 20] for i in range(20) for k in range(3)]  # interleave the sections
+    folder = tmp_path_factory.mktemp("task")
+    return write_tsv(folder / "train.tsv", rows[:48]), write_tsv(folder / "validation.tsv", rows[48:])
+
+
+def gptpipe_command(command: str, *argv: object, ranks: int = 1, stdin: str | None = None,
+            timeout: float = 900) -> subprocess.CompletedProcess:
+    """A gptpipe subcommand in a subprocess (its process group must not leak into the test process)."""
+    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                   "--nproc_per_node", str(ranks)]
+    return subprocess.run([*launcher, "-m", "gptpipe", command, *map(str, argv)], env=train_env(ranks), input=stdin,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def finetune_args(model: Path, task_files: tuple[Path, Path], run: Path, *overrides: str) -> list[str]:
+    train, validation = task_files
+    return [f"model.path={model}", f"data.train={train}", f"data.validation={validation}", "data.test=null",
+            f"train.output_model_dir={run}", *FINETUNE_QUICK, *overrides]
+
+
+def metrics_rows(run: Path) -> list[dict]:
+    """Every row of a run folder's metrics.jsonl (training, evaluation, samples), in order."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+
+# The classifier run test_finetune checks (evaluation at every step, the best checkpoint kept beyond keep-last-1)
+# and test_export exports: tiny_lm on task_files, 5 steps of 8 rows.
+CLASSIFIER_RUN = ("train.global_batch_size=8", "train.train_iters=5", "train.eval_interval=1", "train.save_interval=1",
+                  "train.keep_checkpoints=1", "train.best_metric=accuracy")
+
+
+@pytest.fixture(scope="session")
+def classifier_run(tiny_lm: Path, task_files: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
+    """(run folder, its `gptpipe finetune` arguments, its stderr) of CLASSIFIER_RUN. Tests only read the folder."""
+    run = tmp_path_factory.mktemp("classifier") / "run"
+    args = finetune_args(tiny_lm, task_files, run, *CLASSIFIER_RUN)
+    done = gptpipe_command("finetune", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run, args, done.stderr
+
+
+# The encoder-decoder run test_finetune predicts with and test_export exports (a chosen, not the newest, step).
+T5_RUN = ("train.global_batch_size=8", "train.train_iters=3", "train.save_interval=2", "train.eval_interval=1000",
+          "train.seq_len=64", "task.prompt='入力: {input}'")
+
+
+@pytest.fixture(scope="session")
+def t5_run(tiny_t5: Path, task_files: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
+    """(run folder, its `gptpipe finetune` arguments, its stderr) of T5_RUN: tiny_t5 fine-tuned 3 steps with
+    checkpoints at steps 2 and 3. Tests only read the folder."""
+    run = tmp_path_factory.mktemp("t5") / "run"
+    args = finetune_args(tiny_t5, task_files, run, *T5_RUN)
+    done = gptpipe_command("finetune", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run, args, done.stderr
