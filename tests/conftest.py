@@ -236,8 +236,9 @@ def reference_run(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytes
 def tiny_run(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory):
     """Factory: ``tiny_run(arch, zero, bf16, ranks)`` → the run folder of a real `gptpipe train` of the tiny
     preset, TINY_STEPS steps on the man pages (`ranks` CPU ranks through torchrun), with its one checkpoint
-    global_step{TINY_STEPS}. Made once per argument set."""
+    global_step{TINY_STEPS}. Made once per argument set; ``tiny_run.stderr[folder]`` is that run's stderr."""
     made: dict[tuple, Path] = {}
+    stderr: dict[Path, str] = {}
 
     def make(arch: str = "llama", zero: int = 1, bf16: bool = False, ranks: int = 1) -> Path:
         key = (arch, zero, bf16, ranks)
@@ -247,9 +248,10 @@ def tiny_run(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytest.Tem
                              f"train.zero_stage={zero}", f"train.precision={'bf16' if bf16 else 'fp32'}",
                              f"train.output_model_dir={run}", ranks=ranks)
             assert done.returncode == 0, done.stderr[-3000:]
-            made[key] = run
+            made[key], stderr[run] = run, done.stderr
         return made[key]
 
+    make.stderr = stderr
     return make
 
 
