@@ -5,7 +5,7 @@ the shipped YAMLs, so later stages' tests consume real outputs of earlier stages
 pages skip outside CI when they are not installed, and fail in CI (which installs them).
 
 Tiers (markers, added here from the fixtures a test uses): ``manpages`` for every test that needs the man
-pages, ``slow`` for every test that needs the stage-1 tokenizer (minutes per session) or trains a model, and
+pages, ``slow`` for every test that needs the stage-1 tokenizer (minutes per session) or fine-tunes tiny_t5, and
 for every test marked ``ranks`` (it starts a multi-rank launcher: torchrun or deepspeed's);
 ``pytest -m "not slow"`` is the quick tier.
 """
@@ -45,7 +45,8 @@ SHIPPED_TOKENIZER = load_config(TokenizerConfig, REPO / "sentence_piece_config.y
 
 MANPAGE_FIXTURES = {"corpus_dir"}  # every later stage's fixture depends on it
 # Stage 1 trains the shipped 32k tokenizer on the man pages (~3 min on 2 cores); everything after it is slower.
-SLOW_FIXTURES = {"tokenizer_dir"}
+# tiny_t5 needs no man pages, but every test that takes it starts `gptpipe finetune` (minutes under load).
+SLOW_FIXTURES = {"tokenizer_dir", "tiny_t5"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
