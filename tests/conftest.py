@@ -5,18 +5,25 @@ the shipped YAMLs, so later stages' tests consume real outputs of earlier stages
 pages skip outside CI when they are not installed, and fail in CI (which installs them).
 
 Tiers (markers, added here from the fixtures a test uses): ``manpages`` for every test that needs the man
-pages, ``slow`` for every test that needs the stage-1 tokenizer (minutes per session) or trains a model, and
+pages, ``slow`` for every test that needs the stage-1 tokenizer (minutes per session) or fine-tunes tiny_t5, and
 for every test marked ``ranks`` (it starts a multi-rank launcher: torchrun or deepspeed's);
 ``pytest -m "not slow"`` is the quick tier.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gzip
+import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -38,7 +45,8 @@ SHIPPED_TOKENIZER = load_config(TokenizerConfig, REPO / "sentence_piece_config.y
 
 MANPAGE_FIXTURES = {"corpus_dir"}  # every later stage's fixture depends on it
 # Stage 1 trains the shipped 32k tokenizer on the man pages (~3 min on 2 cores); everything after it is slower.
-SLOW_FIXTURES = {"tokenizer_dir"}
+# tiny_t5 needs no man pages, but every test that takes it starts `gptpipe finetune` (minutes under load).
+SLOW_FIXTURES = {"tokenizer_dir", "tiny_t5"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -172,10 +180,8 @@ def train_env(ranks: int = 1) -> dict[str, str]:
     return env
 
 
-def start_train(config: Path, *overrides: str):
+def start_train(config: Path, *overrides: str) -> subprocess.Popen:
     """A quick stage-3 run (QUICK_TRAIN) in the background, stderr captured: for tests that signal or kill it."""
-    import subprocess
-
     return subprocess.Popen(train_command("--config", config, *QUICK_TRAIN, *overrides), env=train_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
@@ -187,12 +193,53 @@ def run_train(*argv: object, ranks: int = 1, launcher: str = "torchrun", timeout
                           capture_output=True, text=True, timeout=timeout)
 
 
+def wait_for_step(run: Path, step: int, process: subprocess.Popen, timeout: float = 300) -> None:
+    """Wait until `run`/metrics.jsonl has a row for `step` (a training or evaluation row); fail at once, with its
+    stderr, if the process ends first (a run that died must not look like a slow one)."""
+    deadline = time.monotonic() + timeout
+    needle = f'"step": {step},'
+    while time.monotonic() < deadline:
+        path = run / "metrics.jsonl"
+        if path.is_file() and needle in path.read_text(encoding="utf-8"):
+            return
+        assert process.poll() is None, process.stderr.read()[-3000:] if process.stderr else process.returncode
+        time.sleep(0.02)
+    raise AssertionError(f"step {step} not logged within {timeout} s")
+
+
+# The uninterrupted run the fault tests compare against: REFERENCE_STEPS quick steps, a checkpoint every 2.
+REFERENCE_STEPS = 8
+REFERENCE_RUN = (f"train.train_iters={REFERENCE_STEPS}", "train.save_interval=2")
+
+
+@pytest.fixture(scope="session")
+def reference_run(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Factory: ``reference_run(zero_stage)`` → the folder of an uninterrupted QUICK_TRAIN + REFERENCE_RUN run
+    (made once per ZeRO stage): the per-step losses that a killed, preempted or bucket-mirrored run of the same
+    settings must reproduce bit for bit, and the final checkpoint a resumed run's export must equal.
+    Tests only read it."""
+    made: dict[int, Path] = {}
+
+    def make(zero_stage: int = 1) -> Path:
+        if zero_stage not in made:
+            run = tmp_path_factory.mktemp(f"reference-z{zero_stage}")
+            done = run_train("--config", workspace / "config.yaml", *QUICK_TRAIN, *REFERENCE_RUN,
+                             f"train.zero_stage={zero_stage}", f"train.output_model_dir={run}")
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert sorted(train_losses(run)) == list(range(1, REFERENCE_STEPS + 1))
+            made[zero_stage] = run
+        return made[zero_stage]
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def tiny_run(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory):
     """Factory: ``tiny_run(arch, zero, bf16, ranks)`` → the run folder of a real `gptpipe train` of the tiny
     preset, TINY_STEPS steps on the man pages (`ranks` CPU ranks through torchrun), with its one checkpoint
-    global_step{TINY_STEPS}. Made once per argument set."""
+    global_step{TINY_STEPS}. Made once per argument set; ``tiny_run.stderr[folder]`` is that run's stderr."""
     made: dict[tuple, Path] = {}
+    stderr: dict[Path, str] = {}
 
     def make(arch: str = "llama", zero: int = 1, bf16: bool = False, ranks: int = 1) -> Path:
         key = (arch, zero, bf16, ranks)
@@ -202,9 +249,10 @@ def tiny_run(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytest.Tem
                              f"train.zero_stage={zero}", f"train.precision={'bf16' if bf16 else 'fp32'}",
                              f"train.output_model_dir={run}", ranks=ranks)
             assert done.returncode == 0, done.stderr[-3000:]
-            made[key] = run
+            made[key], stderr[run] = run, done.stderr
         return made[key]
 
+    make.stderr = stderr
     return make
 
 
@@ -256,3 +304,233 @@ def tiny_t5(tmp_path_factory: pytest.TempPathFactory) -> Path:
     T5ForConditionalGeneration(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+# --- object stores on 127.0.0.1 -------------------------------------------------------------------------
+# Fake credentials: the servers accept anything, and none of these may ever be written or printed.
+FAKE_KEY_ID = "AKIAGPTPIPEFAKE7Q2X"
+FAKE_SECRET = "gptpipe-fake-secret-9f3Kq2LmVx"
+FAKE_TOKEN = "gptpipe-fake-session-token-Zr81"
+
+
+class S3Store:
+    """moto's standalone S3 server in a thread; its objects survive stop() and start() (a store outage)."""
+
+    scheme = "s3"
+
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.port = int(free_port())
+        self._server_class = ThreadedMotoServer
+        self.running = False
+        self.env = {"AWS_ACCESS_KEY_ID": FAKE_KEY_ID, "AWS_SECRET_ACCESS_KEY": FAKE_SECRET,
+                    "AWS_SESSION_TOKEN": FAKE_TOKEN, "AWS_DEFAULT_REGION": "us-east-1",
+                    "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{self.port}"}
+
+    def start(self) -> None:
+        self.server = self._server_class(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+        self.running = True
+
+    def stop(self) -> None:
+        if self.running:
+            self.server.stop()
+            self.running = False
+
+
+class GCSStore:
+    """gcp-storage-emulator (in memory) in a thread."""
+
+    scheme = "gs"
+
+    def __init__(self) -> None:
+        self.port = int(free_port())
+        self.env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{self.port}",
+                    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}  # else each bucket call stalls ~60 s
+
+    def start(self) -> None:
+        from gcp_storage_emulator.server import create_server
+
+        self.server = create_server("127.0.0.1", self.port, in_memory=True)
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@contextlib.contextmanager
+def open_store(kind: str, monkeypatch: pytest.MonkeyPatch, bucket: str | None = None) -> Iterator:
+    """A running store ("s3" or "gs") with an empty bucket (`bucket`, or a fresh `runs-<hex>`), its env set for
+    this process and its children; ``store.fs``, ``store.bucket`` and ``store.url`` (scheme://bucket)."""
+    import fsspec
+
+    store = S3Store() if kind == "s3" else GCSStore()
+    for key, value in store.env.items():
+        monkeypatch.setenv(key, value)
+    store.start()
+    try:
+        store.fs = fsspec.filesystem(store.scheme, skip_instance_cache=True)
+        # Not the module `random`: in-process stages seed it, so its names would repeat from session to session
+        # (and the reader caches under $TMPDIR, keyed by URL, would meet an earlier session's).
+        store.bucket = bucket or f"runs-{uuid.uuid4().hex[:12]}"
+        store.fs.mkdir(store.bucket)
+        store.url = f"{store.scheme}://{store.bucket}"
+        yield store
+    finally:
+        store.stop()
+
+
+def bucket_losses(store, url: str) -> dict[int, float]:
+    """Per-step losses from the metrics.jsonl in the bucket; a repeated step must repeat its loss exactly."""
+    seen: dict[int, float] = {}
+    for line in store.fs.cat_file(f"{url}/metrics.jsonl").decode().splitlines():
+        row = json.loads(line)
+        if "loss" in row:
+            assert seen.setdefault(row["step"], row["loss"]) == row["loss"], f"step {row['step']} differs"
+    return seen
+
+
+def bucket_steps(store, url: str) -> dict[int, bool]:
+    """{step: has its marker} for every checkpoint folder in the bucket."""
+    store.fs.invalidate_cache()
+    found: dict[int, bool] = {}
+    for name in store.fs.find(f"{url}/checkpoints"):
+        parts = name.split("/")
+        if parts[-2].startswith("global_step"):
+            step = int(parts[-2].removeprefix("global_step"))
+            found[step] = found.get(step, False) or parts[-1] == "complete"
+    return found
+
+
+def assert_no_secret(texts: list[str], folders: list[Path], store, url: str) -> None:
+    """No fake credential in any output, local file or object of the run."""
+    blobs = [t.encode() for t in texts]
+    blobs += [p.read_bytes() for folder in folders if folder.is_dir() for p in folder.rglob("*") if p.is_file()]
+    store.fs.invalidate_cache()
+    blobs += [store.fs.cat_file(name) for name in store.fs.find(url)]
+    for secret in (FAKE_KEY_ID, FAKE_SECRET, FAKE_TOKEN):
+        assert not any(secret.encode() in blob for blob in blobs), f"{secret} leaked"
+
+
+# --- a local HuggingFace hub ------------------------------------------------------------------------------
+HUB_TOKEN = "hf_gptpipeTestSecret0123456789"
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """A local hub (tests/hub_server.py) on 127.0.0.1 accepting HUB_TOKEN; the client is pointed at it and has no
+    login store unless a test writes one.
+
+    huggingface_hub reads HF_ENDPOINT and HF_HUB_DISABLE_XET when it is imported (transformers already did),
+    so its constants are set too; the uploader itself reads HF_ENDPOINT when it runs.
+    """
+    import huggingface_hub
+    from hub_server import HubServer
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "login" / "token"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+    huggingface_hub.utils.logging.set_verbosity_debug()  # if the client logged secrets, the scan would see them
+    with HubServer(HUB_TOKEN) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", server.url)
+        monkeypatch.setattr(huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                            server.url + "/{repo_id}/resolve/{revision}/{filename}")
+        yield server
+    huggingface_hub.utils.logging.set_verbosity_warning()
+
+
+# --- stage 7 -------------------------------------------------------------------------------------------
+# Small fine-tune runs: short rows, fp32, every step logged, no warm-up, wandb and TensorBoard off.
+FINETUNE_QUICK = ("train.seq_len=48", "train.precision=fp32", "train.log_interval=1", "train.warmup_fraction=0",
+         "logging.wandb=false", "logging.tensorboard=false", "train.lr=1e-3")
+
+
+# --- labelled rows from the man pages -------------------------------------------------------------------
+def manpage_rows(sections: tuple[str, ...] = ("1", "2", "3"), per_section: int = 24) -> list[tuple[str, str]]:
+    """(NAME description, section) of the first man pages of each section that have one."""
+    require_manpages()
+    rows = []
+    for section in sections:
+        found = 0
+        for page in sorted(Path("/usr/share/man/ja").glob(f"man{section}/*.gz")):
+            text = gzip.decompress(page.read_bytes()).decode("utf-8", errors="replace")
+            match = re.search(r'^\.SH\s+"?(?:名前|NAME)"?\s*\n(.+)$', text, re.MULTILINE)
+            if not match or "\\-" not in match.group(1):
+                continue
+            description = re.sub(r"\\f[BIRP]", "", match.group(1).split("\\-", 1)[1]).strip()
+            if description and "\t" not in description:
+                rows.append((description, section))
+                found += 1
+            if found == per_section:
+                break
+    return rows
+
+
+def write_tsv(path: Path, rows: list[tuple[str, str]]) -> Path:
+    path.write_text("".join(f"{a}\t{b}\n" for a, b in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def task_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """train.tsv (48 rows) and validation.tsv (12 rows) over sections 1, 2, 3, interleaved."""
+    rows = manpage_rows(per_section=20)
+    rows = [rows[i + k * 20] for i in range(20) for k in range(3)]  # interleave the sections
+    folder = tmp_path_factory.mktemp("task")
+    return write_tsv(folder / "train.tsv", rows[:48]), write_tsv(folder / "validation.tsv", rows[48:])
+
+
+def gptpipe_command(command: str, *argv: object, ranks: int = 1, stdin: str | None = None,
+            timeout: float = 900) -> subprocess.CompletedProcess:
+    """A gptpipe subcommand in a subprocess (its process group must not leak into the test process)."""
+    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                   "--nproc_per_node", str(ranks)]
+    return subprocess.run([*launcher, "-m", "gptpipe", command, *map(str, argv)], env=train_env(ranks), input=stdin,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def finetune_args(model: Path, task_files: tuple[Path, Path], run: Path, *overrides: str) -> list[str]:
+    train, validation = task_files
+    return [f"model.path={model}", f"data.train={train}", f"data.validation={validation}", "data.test=null",
+            f"train.output_model_dir={run}", *FINETUNE_QUICK, *overrides]
+
+
+def metrics_rows(run: Path) -> list[dict]:
+    """Every row of a run folder's metrics.jsonl (training, evaluation, samples), in order."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+
+# The classifier run test_finetune checks (evaluation at every step, the best checkpoint kept beyond keep-last-1)
+# and test_export exports: tiny_lm on task_files, 5 steps of 8 rows.
+CLASSIFIER_RUN = ("train.global_batch_size=8", "train.train_iters=5", "train.eval_interval=1", "train.save_interval=1",
+                  "train.keep_checkpoints=1", "train.best_metric=accuracy")
+
+
+@pytest.fixture(scope="session")
+def classifier_run(tiny_lm: Path, task_files: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
+    """(run folder, its `gptpipe finetune` arguments, its stderr) of CLASSIFIER_RUN. Tests only read the folder."""
+    run = tmp_path_factory.mktemp("classifier") / "run"
+    args = finetune_args(tiny_lm, task_files, run, *CLASSIFIER_RUN)
+    done = gptpipe_command("finetune", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run, args, done.stderr
+
+
+# The encoder-decoder run test_finetune predicts with and test_export exports (a chosen, not the newest, step).
+T5_RUN = ("train.global_batch_size=8", "train.train_iters=3", "train.save_interval=2", "train.eval_interval=1000",
+          "train.seq_len=64", "task.prompt='入力: {input}'")
+
+
+@pytest.fixture(scope="session")
+def t5_run(tiny_t5: Path, task_files: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
+    """(run folder, its `gptpipe finetune` arguments, its stderr) of T5_RUN: tiny_t5 fine-tuned 3 steps with
+    checkpoints at steps 2 and 3. Tests only read the folder."""
+    run = tmp_path_factory.mktemp("t5") / "run"
+    args = finetune_args(tiny_t5, task_files, run, *T5_RUN)
+    done = gptpipe_command("finetune", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run, args, done.stderr

@@ -18,12 +18,17 @@ from gptpipe.stage import Manifest
 
 pytest.importorskip("lm_eval", reason="needs lm-eval (pip install 'lm-eval[hf]')")
 
+TEST_FRACTION = 0.05
+
 
 @pytest.fixture(scope="module")
 def eval_workspace(exported_model: Path, workspace: Path) -> Path:
-    """The session workspace (stage 4's models/hf/demo beside convert_config.yaml) plus the demo task."""
+    """The session workspace (stage 4's models/hf/demo beside convert_config.yaml) plus the demo task, with 5%
+    of each section's pages in its test split (83 documents, not the shipped 166): the zero-shot run scores the
+    whole split, and each document costs one forward pass per label."""
     shutil.copy(REPO / "evaluate_config.yaml", workspace / "evaluate_config.yaml")
-    run_cli("make-demo-task", "--config", workspace / "evaluate_config.yaml")
+    run_cli("make-demo-task", "--config", workspace / "evaluate_config.yaml",
+            f"demo_task.test_fraction={TEST_FRACTION}")
     return workspace
 
 
@@ -38,7 +43,7 @@ def test_zero_shot_on_the_demo_task_writes_accuracy_and_stderr(eval_workspace: P
     task = results["tasks"]["manpage_section"]
     assert task["n_shot"] == 0
     test_rows = (eval_workspace / "data/finetune/manpage_section/test.tsv").read_text(encoding="utf-8").splitlines()
-    assert task["samples"] == len(test_rows) > 100  # the whole test split
+    assert task["samples"] == len(test_rows) > 50  # the whole test split: no limit unless one is set
     for metric in ("acc", "acc_norm"):
         value, stderr = task["metrics"][metric]["value"], task["metrics"][metric]["stderr"]
         assert 0 <= value <= 1

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, require_manpages, train_env
+from conftest import SHIPPED, TINY_STEPS, gptpipe_command
+from conftest import manifest_counts as counts
 from safetensors import safe_open
 
-from conftest import SHIPPED, TINY_STEPS
-from conftest import manifest_counts as counts
 from gptpipe.cli import main
 from gptpipe.train.checkpoint import consolidate, find_checkpoint
 from gptpipe.export.convert import HELDOUT_DOCUMENTS, heldout_documents, reference_models
@@ -283,37 +282,14 @@ def test_failed_folder_is_marked_and_redone(tiny_run, workspace, tokenizer_dir, 
 
 
 # --- a fine-tune run (stage 7) through the same command ---------------------------------------------------------
-@pytest.fixture(scope="module")
-def demo_task(tmp_path_factory) -> Path:
-    """The man-page section task (gptpipe make-demo-task with the shipped evaluate_config.yaml)."""
-    require_manpages()
-    folder = tmp_path_factory.mktemp("demo-task")
-    shutil.copy(REPO / "evaluate_config.yaml", folder)
-    assert main(["make-demo-task", "--config", str(folder / "evaluate_config.yaml")]) == 0
-    return folder / "data" / "finetune" / "manpage_section"
-
-
 def gptpipe(*argv: object) -> None:
     """A gptpipe subcommand in a subprocess (a fine-tune's process group must not leak into this process)."""
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-m", "gptpipe", *map(str, argv)], check=False, env=train_env(),
-                          capture_output=True, text=True, timeout=900)
+    done = gptpipe_command(*argv)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def finetune(model: Path, task: Path, run: Path, *overrides: str) -> list[str]:
-    """`gptpipe finetune` on the demo task; returns its arguments, for predict."""
-    args = [f"model.path={model}", f"data.train={task / 'train.tsv'}", f"data.validation={task / 'validation.tsv'}",
-            "data.test=null", f"train.output_model_dir={run}", "train.seq_len=48", "train.precision=fp32",
-            "train.global_batch_size=8", "train.warmup_fraction=0", "train.lr=1e-3", "logging.wandb=false",
-            "logging.tensorboard=false", *overrides]
-    gptpipe("finetune", *args)
-    return args
-
-
-def test_finetune_export_passes_the_gate_and_predicts_like_the_run(tiny_lm, demo_task, workspace, tmp_path):
+def test_finetune_export_passes_the_gate_and_predicts_like_the_run(classifier_run, tiny_lm, task_files, workspace,
+                                                                   tmp_path):
     """The best checkpoint of a fine-tune exported: gate on its validation rows, task.json, a card with the
     metrics beside the majority baseline, the same predictions as the run, ready for stage 6."""
     from gptpipe.train.checkpoint import model_from_checkpoint
@@ -321,9 +297,7 @@ def test_finetune_export_passes_the_gate_and_predicts_like_the_run(tiny_lm, demo
     from gptpipe.export.verify_finetune import verify_finetune_export
     from gptpipe.train.checkpoint import BEST
 
-    run = tmp_path / "run"
-    args = finetune(tiny_lm, demo_task, run, "train.train_iters=4", "train.eval_interval=2", "train.save_interval=1",
-                    "train.keep_checkpoints=1", "train.best_metric=val_loss")
+    run, args, _ = classifier_run  # conftest's CLASSIFIER_RUN: the best of 5 evaluated steps, by accuracy
     best = (run / "checkpoints" / BEST).read_text().split()[0]
     out = tmp_path / "export"
     assert convert(workspace, run, out, "dtype=fp32", "huggingface_name=ft-test") == 0
@@ -350,15 +324,14 @@ def test_finetune_export_passes_the_gate_and_predicts_like_the_run(tiny_lm, demo
     assert (out / "metric_curve.png").stat().st_size > 1000 and (out / "loss_curve.png").stat().st_size > 1000
 
     # The exported folder predicts exactly what the run's best checkpoint predicts.
-    rows = tmp_path / "rows.tsv"
-    rows.write_text("".join((demo_task / "test.tsv").read_text().splitlines(keepends=True)[:16]))
+    rows = task_files[1]  # 12 labelled rows
     predictions = {}
     for name, model in (("run", run), ("export", out)):
         predicted = tmp_path / f"{name}.jsonl"
         gptpipe("predict", "--input", rows, "--output", predicted, *args, f"predict.model={model}",
                 "predict.num_beams=2")
         predictions[name] = [json.loads(line) for line in predicted.read_text().splitlines()]
-    assert predictions["export"] == predictions["run"] and len(predictions["run"]) == 16
+    assert predictions["export"] == predictions["run"] and len(predictions["run"]) == 12
 
     # Stage 6 takes it unchanged: every file the gate checked, task.json included.
     assert main(["upload", "--config", str(workspace / "convert_config.yaml"), f"output_tokenizer_and_model_dir={out}",
@@ -399,15 +372,14 @@ def test_finetune_export_passes_the_gate_and_predicts_like_the_run(tiny_lm, demo
     assert [f for f in failed["failures"] if "not greedy under the checkpoint's model" in f] == failed["failures"]
 
 
-def test_seq2seq_finetune_exports_as_an_encoder_decoder(tiny_t5, demo_task, workspace, tmp_path):
-    """The small random T5 with the ByT5 tokenizer (conftest), fine-tuned 2 steps, exported in bf16."""
+def test_seq2seq_finetune_exports_as_an_encoder_decoder(t5_run, workspace, tmp_path):
+    """The small random T5 with the ByT5 tokenizer (conftest's T5_RUN, 3 steps), exported in bf16."""
     from transformers import AutoModelForSeq2SeqLM
 
-    run = tmp_path / "run"
-    finetune(tiny_t5, demo_task, run, "train.train_iters=2", "train.eval_interval=1000", "train.seq_len=96",
-             "task.prompt='入力: {input}'")
+    run = t5_run[0]
+    assert find_checkpoint(run).step == 3
     out = tmp_path / "export"
-    assert convert(workspace, run, out, "checkpoint_step=2") == 0  # bf16, a chosen step
+    assert convert(workspace, run, out, "checkpoint_step=2") == 0  # bf16, a chosen step, not the newest
     report = counts(out)
     assert report["verified"] is True and report["step"] == 2 and report["dtype"] == "bf16"
     assert json.loads((out / "config.json").read_text())["is_encoder_decoder"] is True

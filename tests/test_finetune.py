@@ -5,19 +5,19 @@ Labelled rows come from the man pages: a page's NAME description → its manual 
 
 from __future__ import annotations
 
-import gzip
 import json
 import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, require_manpages, train_env, train_losses
+from conftest import (REPO, finetune_args, manpage_rows, metrics_rows, train_env, train_losses, wait_for_step,
+                      write_tsv)
+from conftest import gptpipe_command as gptpipe
 
 from gptpipe.data.jsonl import CUT_TO_FIT, TOO_LONG, Reasons
 from gptpipe.finetune.data import (
@@ -36,64 +36,6 @@ from gptpipe.finetune.data import (
 )
 from gptpipe.stages import EXIT_PREEMPTED
 from gptpipe.train.checkpoint import BEST, complete_checkpoints
-
-QUICK = ("train.seq_len=48", "train.precision=fp32", "train.log_interval=1", "train.warmup_fraction=0",
-         "logging.wandb=false", "logging.tensorboard=false", "train.lr=1e-3")
-
-
-# --- labelled rows from the man pages -------------------------------------------------------------------
-def manpage_rows(sections: tuple[str, ...] = ("1", "2", "3"), per_section: int = 24) -> list[tuple[str, str]]:
-    """(NAME description, section) of the first man pages of each section that have one."""
-    require_manpages()
-    rows = []
-    for section in sections:
-        found = 0
-        for page in sorted(Path("/usr/share/man/ja").glob(f"man{section}/*.gz")):
-            text = gzip.decompress(page.read_bytes()).decode("utf-8", errors="replace")
-            match = re.search(r'^\.SH\s+"?(?:名前|NAME)"?\s*\n(.+)$', text, re.MULTILINE)
-            if not match or "\\-" not in match.group(1):
-                continue
-            description = re.sub(r"\\f[BIRP]", "", match.group(1).split("\\-", 1)[1]).strip()
-            if description and "\t" not in description:
-                rows.append((description, section))
-                found += 1
-            if found == per_section:
-                break
-    return rows
-
-
-def write_tsv(path: Path, rows: list[tuple[str, str]]) -> Path:
-    path.write_text("".join(f"{a}\t{b}\n" for a, b in rows), encoding="utf-8")
-    return path
-
-
-@pytest.fixture(scope="module")
-def task_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """train.tsv (48 rows) and validation.tsv (12 rows) over sections 1, 2, 3, interleaved."""
-    rows = manpage_rows(per_section=20)
-    rows = [rows[i + k * 20] for i in range(20) for k in range(3)]  # interleave the sections
-    folder = tmp_path_factory.mktemp("task")
-    return write_tsv(folder / "train.tsv", rows[:48]), write_tsv(folder / "validation.tsv", rows[48:])
-
-
-def gptpipe(command: str, *argv: object, ranks: int = 1, stdin: str | None = None,
-            timeout: float = 900) -> subprocess.CompletedProcess:
-    """A gptpipe subcommand in a subprocess (its process group must not leak into the test process)."""
-    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                   "--nproc_per_node", str(ranks)]
-    return subprocess.run([*launcher, "-m", "gptpipe", command, *map(str, argv)], env=train_env(ranks), input=stdin,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def finetune_args(model: Path, task_files: tuple[Path, Path], run: Path, *overrides: str) -> list[str]:
-    train, validation = task_files
-    return [f"model.path={model}", f"data.train={train}", f"data.validation={validation}", "data.test=null",
-            f"train.output_model_dir={run}", *QUICK, *overrides]
-
-
-def metrics_rows(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
-
 
 # --- readers ------------------------------------------------------------------------------------------
 def test_tsv_reader_counts_every_bad_row_and_keeps_the_rest(tmp_path: Path) -> None:
@@ -409,12 +351,8 @@ def test_generated_text_is_mapped_onto_the_nearest_label() -> None:
 
 # --- training, evaluation, best checkpoint ------------------------------------------------------------
 def test_finetune_evaluates_and_keeps_the_best_checkpoint_beyond_keep_last_n(
-        tiny_lm: Path, task_files: tuple[Path, Path], tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    done = gptpipe("finetune", *finetune_args(tiny_lm, task_files, run, "train.global_batch_size=8",
-                                              "train.train_iters=5", "train.eval_interval=1", "train.save_interval=1",
-                                              "train.keep_checkpoints=1", "train.best_metric=accuracy"))
-    assert done.returncode == 0, done.stderr[-3000:]
+        classifier_run, tiny_lm: Path, task_files: tuple[Path, Path], tmp_path: Path) -> None:
+    run, _, stderr = classifier_run  # conftest's CLASSIFIER_RUN: 5 steps, evaluated every step, keep 1 + best
     evals = [r for r in metrics_rows(run) if "val_accuracy" in r]
     assert [r["step"] for r in evals] == [1, 2, 3, 4, 5]
     for r in evals:
@@ -426,7 +364,7 @@ def test_finetune_evaluates_and_keeps_the_best_checkpoint_beyond_keep_last_n(
     root = run / "checkpoints"
     assert (root / BEST).read_text().split()[0] == f"global_step{best_step}"
     assert {step for step, _ in complete_checkpoints(root)} == {best_step, 5}  # keep 1 newest + the best
-    assert f"best checkpoint: step {best_step} (accuracy {best_value:.4f})" in done.stderr
+    assert f"best checkpoint: step {best_step} (accuracy {best_value:.4f})" in stderr
     summary = json.loads((run / "finetune_summary.json").read_text(encoding="utf-8"))
     assert summary["best"]["step"] == best_step and summary["task"]["labels"] == ["1", "2", "3"]
 
@@ -483,10 +421,7 @@ def kill_after_step(args: list[str], run: Path, step: int) -> None:
     """Start `gptpipe finetune args`, SIGKILL it once `step` is logged (no handler runs)."""
     process = subprocess.Popen([sys.executable, "-m", "gptpipe", "finetune", *args], env=train_env(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 600
-    while not ((run / "metrics.jsonl").is_file() and f'"step": {step},' in (run / "metrics.jsonl").read_text()):
-        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
-        time.sleep(0.02)
+    wait_for_step(run, step, process, timeout=600)
     process.send_signal(signal.SIGKILL)
     process.wait()
 
@@ -550,9 +485,7 @@ def test_sigterm_saves_and_exits_75(tiny_lm: Path, task_files: tuple[Path, Path]
                                                "train.micro_batch_size=2", "train.train_iters=1000",
                                                "train.eval_interval=1000", "train.save_interval=1000")],
                                env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    while not (run / "metrics.jsonl").is_file() or '"step": 1,' not in (run / "metrics.jsonl").read_text():
-        assert process.poll() is None, process.stderr.read()[-3000:]
-        time.sleep(0.02)
+    wait_for_step(run, 1, process)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
@@ -617,14 +550,10 @@ def test_mixtral_finetunes_and_predicts_with_beams(tokenizer_dir: Path, task_fil
     assert len(out.read_text(encoding="utf-8").splitlines()) == 12
 
 
-def test_t5_with_byt5_tokenizer_finetunes_and_predicts(tiny_t5: Path, task_files: tuple[Path, Path],
+def test_t5_with_byt5_tokenizer_finetunes_and_predicts(t5_run, task_files: tuple[Path, Path],
                                                        tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    args = finetune_args(tiny_t5, task_files, run, "train.global_batch_size=8", "train.train_iters=3",
-                         "train.eval_interval=1000", "train.seq_len=64", "task.prompt='入力: {input}'")
-    done = gptpipe("finetune", *args)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "(encoder-decoder)" in done.stderr
+    run, args, stderr = t5_run  # conftest's T5_RUN: 3 steps, prompt '入力: {input}'
+    assert "(encoder-decoder)" in stderr
     assert [r for r in metrics_rows(run) if "val_macro_f1" in r]
     out = tmp_path / "pred.jsonl"
     done = gptpipe("predict", "--input", task_files[1], "--output", out, *args, "predict.num_beams=2",

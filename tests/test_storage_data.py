@@ -5,53 +5,43 @@ there."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
-import random
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TINY_RUN, corpus_texts, run_cli, run_train, train_losses
-from test_storage import FAKE_KEY_ID, FAKE_SECRET, FAKE_TOKEN, GCSStore, S3Store
-from test_upload import TOKEN, hub  # noqa: F401 (the local hub server fixture)
+from conftest import (FAKE_KEY_ID, FAKE_SECRET, FAKE_TOKEN, TINY_RUN, corpus_texts, open_store, run_cli, run_train,
+                      train_losses)
+from conftest import HUB_TOKEN as TOKEN
 
 from gptpipe.cli import main
 from gptpipe.stage import Manifest
 
 
-def open_store(kind: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """A running store with an empty bucket, its env set for this process and its children; the fetch cache
-    (under the system temp folder) moved into ``tmp_path``."""
-    import fsspec
-
-    store = S3Store() if kind == "s3" else GCSStore()
-    for key, value in store.env.items():
-        monkeypatch.setenv(key, value)
+@contextlib.contextmanager
+def data_store(kind: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator:
+    """conftest's store, with the fetch cache (under the system temp folder) moved into ``tmp_path``."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    store.start()
-    store.fs = fsspec.filesystem(store.scheme, skip_instance_cache=True)
-    store.bucket = f"data-{random.randrange(10**6)}"
-    store.fs.mkdir(store.bucket)
-    store.url = f"{store.scheme}://{store.bucket}"
-    return store
+    with open_store(kind, monkeypatch) as store:
+        yield store
 
 
 @pytest.fixture(params=["s3", "gs"])
 def store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    store = open_store(request.param, monkeypatch, tmp_path)
-    yield store
-    store.stop()
+    with data_store(request.param, monkeypatch, tmp_path) as store:
+        yield store
 
 
 @pytest.fixture
 def s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    store = open_store("s3", monkeypatch, tmp_path)
-    yield store
-    store.stop()
+    with data_store("s3", monkeypatch, tmp_path) as store:
+        yield store
 
 
 def test_stage0_reads_the_same_corpus_from_a_bucket(store, tmp_path: Path, capfd) -> None:
@@ -165,7 +155,7 @@ def test_incomplete_dataset_in_a_bucket_is_refused(s3, workspace: Path, dataset_
     assert f"{url}.manifest.json not found" in err and "Run: bash 2_tokenize.sh" in err
 
 
-def test_stage4_exports_to_a_bucket_and_stage6_uploads_from_it(s3, hub, workspace: Path,  # noqa: F811
+def test_stage4_exports_to_a_bucket_and_stage6_uploads_from_it(s3, hub, workspace: Path,
                                                                exported_model: Path, monkeypatch, capsys) -> None:
     convert = workspace / "convert_config.yaml"
     url = f"{s3.url}/models/demo"

@@ -11,28 +11,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-from conftest import QUICK_TRAIN, REPO, free_port, run_train, train_env, train_losses
-from test_storage import S3Store, bucket_losses, bucket_steps
+from conftest import (QUICK_TRAIN, REPO, bucket_losses, bucket_steps, free_port, open_store, run_train, train_env,
+                      train_losses, wait_for_step)
 
-
-@contextlib.contextmanager
-def s3_bucket(monkeypatch, bucket: str) -> Iterator[S3Store]:
-    """moto's S3 server with an empty `bucket`, its env set for this process and its children."""
-    store = S3Store()
-    for key, value in store.env.items():
-        monkeypatch.setenv(key, value)
-    store.start()
-    try:
-        import fsspec
-
-        store.fs = fsspec.filesystem("s3", skip_instance_cache=True)
-        store.fs.mkdir(bucket)
-        yield store
-    finally:
-        store.stop()
 
 ZERO = ("train.zero_stage=2",)
 
@@ -81,8 +64,8 @@ def test_nodes_without_shared_disk_upload_their_ranks_and_resume_exactly(dataset
     assert full.returncode == 0, full.stderr[-3000:]
     reference = train_losses(tmp_path / "full")
 
-    with s3_bucket(monkeypatch, "multinode") as store:
-        url = "s3://multinode/runs/run"
+    with open_store("s3", monkeypatch) as store:
+        url = f"{store.url}/runs/run"
         # Preempted after step 2: each node saves, uploads its part, and rank 0 commits the checkpoint.
         machines = tmp_path / "machines1"
         first = run_two_nodes(config, machines, *run, f"train.output_model_dir={url}", stop_after=2)
@@ -114,9 +97,9 @@ def test_two_ranks_on_a_node_keep_a_sigterm_upload_alive_until_it_commits(datase
     down for the first seconds after the signal, so rank 0's upload is still retrying when rank 1 is done
     saving: rank 0 must still commit the checkpoint, and the script exit 75."""
     script = None
-    with s3_bucket(monkeypatch, "twoperhost") as store:
+    with open_store("s3", monkeypatch) as store:
         try:
-            url = "s3://twoperhost/runs/run"
+            url = f"{store.url}/runs/run"
             hostfile = tmp_path / "hostfile"
             hostfile.write_text("localhost slots=2\n")
             env = {**train_env(2), "HOSTFILE": str(hostfile), "MASTER_PORT": free_port(), "PYTHON": sys.executable,
@@ -126,10 +109,7 @@ def test_two_ranks_on_a_node_keep_a_sigterm_upload_alive_until_it_commits(datase
                  "train.train_iters=1000", "train.save_interval=1000", "train.preempt_grace_seconds=120",
                  f"train.output_model_dir={url}", f"train.local_dir={tmp_path / 'staging'}"],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-            deadline = time.monotonic() + 300
-            while not train_losses(tmp_path / "staging"):
-                assert script.poll() is None and time.monotonic() < deadline, script.stderr.read()[-3000:]
-                time.sleep(0.05)
+            wait_for_step(tmp_path / "staging", 1, script)
             store.stop()
             script.send_signal(signal.SIGTERM)
             time.sleep(8)  # the deepspeed launcher polls its ranks every second

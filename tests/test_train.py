@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import QUICK_TRAIN, SHIPPED, TRAINED, TRAINED_RUN, metrics, run_train, train_env
+from conftest import SHIPPED, TINY_STEPS, TRAINED, TRAINED_RUN, metrics, train_env
 
 from gptpipe.config.core import load_config, to_plain
 from gptpipe.data.indexed import IndexedDataset
@@ -87,18 +87,21 @@ def test_run_is_observable(trained_run: Path) -> None:
     assert ds_config["zero_optimization"]["stage"] == TRAINED.zero_stage
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "mixtral"])
-def test_other_architectures_train(arch: str, dataset_prefix: Path, workspace: Path, tmp_path: Path) -> None:
-    done = run_train("--config", workspace / "config.yaml", *QUICK_TRAIN, f"model.arch={arch}", "train.train_iters=2",
-                     f"train.output_model_dir={tmp_path}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    train = [r for r in metrics(tmp_path) if "loss" in r]
-    assert len(train) == 2 and all(math.isfinite(r["loss"]) for r in train)
+# The runs test_export exports (conftest's tiny_run): gpt2 in bf16 with ZeRO-2, mixtral with ZeRO-3 on two ranks.
+OTHER_ARCHITECTURES = {"gpt2": ("gpt2", 2, True, 1), "mixtral": ("mixtral", 3, False, 2)}
+
+
+@pytest.mark.parametrize("arch", list(OTHER_ARCHITECTURES))
+def test_other_architectures_train(arch: str, tiny_run) -> None:
+    run = tiny_run(*OTHER_ARCHITECTURES[arch])
+    stderr = tiny_run.stderr[run]
+    train = [r for r in metrics(run) if "loss" in r]
+    assert len(train) == TINY_STEPS and all(math.isfinite(r["loss"]) for r in train)
     if arch == "mixtral":  # the router's load-balancing loss and each layer's smallest expert share are logged
-        assert all(r["aux_loss"] >= 1 for r in train) and "router-aux" in done.stderr
+        assert all(r["aux_loss"] >= 1 for r in train) and "router-aux" in stderr
         assert all(0 <= r[f"expert_share_min/layer{i}"] <= 1 / 8 for r in train for i in range(4))
-        assert "expert-min" in done.stderr and all(isinstance(r["experts_starved"], int) for r in train)
-    hf = json.loads((tmp_path / "checkpoints" / "global_step2" / HF_CONFIG).read_text())
+        assert "expert-min" in stderr and all(isinstance(r["experts_starved"], int) for r in train)
+    hf = json.loads((run / "checkpoints" / f"global_step{TINY_STEPS}" / HF_CONFIG).read_text())
     assert hf["model_type"] == arch
     assert hf.get("output_router_logits", False) is False  # a training switch, off in every saved config
 

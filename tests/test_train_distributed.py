@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import QUICK_TRAIN, REPO, free_port, run_train, train_env, train_losses
+from conftest import QUICK_TRAIN, REPO, free_port, run_train, train_env, train_losses, wait_for_step
 
 STEPS = 4
 
@@ -43,7 +43,6 @@ def test_two_ranks_sigterm_to_3_train_node1_saves_and_exits_75(dataset_prefix: P
                                                               tmp_path: Path) -> None:
     """torchrun turns the ranks' 75 into 1; the script must still say "saved, run again"."""
     import signal
-    import time
 
     run = tmp_path / "run"
     env = {**train_env(2), "NPROC": "2", "PYTHON": sys.executable}
@@ -51,10 +50,7 @@ def test_two_ranks_sigterm_to_3_train_node1_saves_and_exits_75(dataset_prefix: P
                                 *QUICK_TRAIN, "train.train_iters=1000", "train.save_interval=1000",
                                 f"train.output_model_dir={run}"], env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not train_losses(run):
-        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
-        time.sleep(0.05)
+    wait_for_step(run, 1, process)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == 75, stderr[-3000:]

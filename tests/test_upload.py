@@ -9,35 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import HUB_TOKEN as TOKEN
+
 from gptpipe.cli import main
 from gptpipe.stage import file_fingerprint, tree_fingerprint
-from hub_server import HubServer
 
-TOKEN = "hf_gptpipeTestSecret0123456789"
 LOCAL_ONLY = {"manifest.json", "config.yaml"}
-
-
-@pytest.fixture
-def hub(monkeypatch, tmp_path):
-    """A local hub; the client is pointed at it and has no login store unless a test writes one.
-
-    huggingface_hub reads HF_ENDPOINT and HF_HUB_DISABLE_XET when it is imported (transformers already did),
-    so its constants are set too; the uploader itself reads HF_ENDPOINT when it runs.
-    """
-    import huggingface_hub
-
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "login" / "token"))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
-    huggingface_hub.utils.logging.set_verbosity_debug()  # if the client logged secrets, the scan would see them
-    with HubServer(TOKEN) as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.url)
-        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", server.url)
-        monkeypatch.setattr(huggingface_hub.constants, "HUGGINGFACE_CO_URL_TEMPLATE",
-                            server.url + "/{repo_id}/resolve/{revision}/{filename}")
-        yield server
-    huggingface_hub.utils.logging.set_verbosity_warning()
 
 
 @pytest.fixture
