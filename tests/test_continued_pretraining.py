@@ -13,8 +13,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from conftest import QUIET_RUN, corpus_texts, manifest_counts, metrics, run_cli, run_train
-from test_pretrained_tokenizer import SHIFT, byte_level_bpe
+from conftest import QUIET_RUN, SHIFT, byte_level_bpe, corpus_texts, manifest_counts, metrics, run_cli, run_train
 
 from gptpipe.cli import main
 from gptpipe.config.core import load_config

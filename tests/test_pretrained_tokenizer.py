@@ -10,43 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import corpus_texts, run_cli
+from conftest import SHIFT, byte_level_bpe, corpus_texts, run_cli
 
 from gptpipe.cli import main
 from gptpipe.data.indexed import UINT16_VOCAB_LIMIT, bin_path
 from gptpipe.stages import EXIT_BAD_INPUT, TOKENIZE
-
-SHIFT = 65_000  # the trained pieces' ids are moved up by this much, so most of them need int32
-
-
-def byte_level_bpe(texts: list[str], folder: Path, adds_bos: bool, shift: int = 0) -> Path:
-    """A byte-level BPE tokenizer trained on ``texts``, saved as an HF folder. ``shift`` moves every trained
-    piece's id up, leaving unreachable filler pieces below (a large vocabulary without a long training)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|begin_of_text|>", "<|end_of_text|>"]
-    trained = Tokenizer(models.BPE())
-    trained.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trained.train_from_iterator(texts[:300], trainers.BpeTrainer(vocab_size=1500, special_tokens=specials,
-                                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    state = json.loads(trained.to_str())
-    vocab = state["model"]["vocab"]
-    if shift:
-        vocab = {**{f"\u0100filler{i}\u0100": i for i in range(shift)}, **{p: i + shift for p, i in vocab.items()}}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m) if isinstance(m, list) else tuple(m.split(" "))
-                                                          for m in state["model"]["merges"]]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(specials)
-    bos = tokenizer.token_to_id(specials[0])
-    if adds_bos:  # as Llama 3's tokenizer does
-        tokenizer.post_processor = processors.TemplateProcessing(single=f"{specials[0]} $A", special_tokens=[
-            (specials[0], bos)])
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=specials[0], eos_token=specials[1]).save_pretrained(
-        folder)
-    return folder
-
 
 def documents(prefix: Path) -> list[np.ndarray]:
     from megatron.core.datasets.indexed_dataset import IndexedDataset

@@ -10,8 +10,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import QUICK_TRAIN, metrics, run_cli, run_train, start_train, train_losses
-from test_train_resume import wait_for_step
+from conftest import QUICK_TRAIN, metrics, run_cli, run_train, start_train, train_losses, wait_for_step
 
 from gptpipe.train.checkpoint import complete_checkpoints
 
