@@ -214,21 +214,22 @@ REFERENCE_RUN = (f"train.train_iters={REFERENCE_STEPS}", "train.save_interval=2"
 
 @pytest.fixture(scope="session")
 def reference_run(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory):
-    """Factory: ``reference_run(zero_stage)`` → the folder of an uninterrupted QUICK_TRAIN + REFERENCE_RUN run
-    (made once per ZeRO stage): the per-step losses that a killed, preempted or bucket-mirrored run of the same
-    settings must reproduce bit for bit, and the final checkpoint a resumed run's export must equal.
-    Tests only read it."""
-    made: dict[int, Path] = {}
+    """Factory: ``reference_run(zero_stage, precision)`` → the folder of an uninterrupted QUICK_TRAIN +
+    REFERENCE_RUN run (made once per setting): the per-step losses that a killed, preempted or bucket-mirrored
+    run of the same settings must reproduce bit for bit, and the final checkpoint a resumed run's export must
+    equal. Tests only read it."""
+    made: dict[tuple[int, str], Path] = {}
 
-    def make(zero_stage: int = 1) -> Path:
-        if zero_stage not in made:
-            run = tmp_path_factory.mktemp(f"reference-z{zero_stage}")
+    def make(zero_stage: int = 1, precision: str = "fp32") -> Path:
+        if (zero_stage, precision) not in made:
+            run = tmp_path_factory.mktemp(f"reference-z{zero_stage}-{precision}")
             done = run_train("--config", workspace / "config.yaml", *QUICK_TRAIN, *REFERENCE_RUN,
-                             f"train.zero_stage={zero_stage}", f"train.output_model_dir={run}")
+                             f"train.zero_stage={zero_stage}", f"train.precision={precision}",
+                             f"train.output_model_dir={run}")
             assert done.returncode == 0, done.stderr[-3000:]
             assert sorted(train_losses(run)) == list(range(1, REFERENCE_STEPS + 1))
-            made[zero_stage] = run
-        return made[zero_stage]
+            made[zero_stage, precision] = run
+        return made[zero_stage, precision]
 
     return make
 

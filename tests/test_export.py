@@ -8,14 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SHIPPED, TINY_STEPS, gptpipe_command
+from conftest import SHIPPED, TINY_STEPS, finetune_args, gptpipe_command
 from conftest import manifest_counts as counts
 from safetensors import safe_open
 
 from gptpipe.cli import main
 from gptpipe.train.checkpoint import consolidate, find_checkpoint
 from gptpipe.export.convert import HELDOUT_DOCUMENTS, heldout_documents, reference_models
-from gptpipe.export.verify import FP32_TOLERANCE, verify_export
+from gptpipe.export.verify import verify_export
+from gptpipe.tolerance import FP32_TOLERANCE
 from gptpipe.stage import StageInputError, file_fingerprint
 from gptpipe.stages import read_tokenizer
 from gptpipe.train.checkpoint import COMPLETE_MARKER, HF_CONFIG, STATE, complete_checkpoints
@@ -72,6 +73,58 @@ def test_export_gate_passes_for_every_architecture(tiny_run, workspace, tokenize
     generator = pipeline("text-generation", model=str(out))
     text = generator("日本語の", max_new_tokens=8, do_sample=False)[0]["generated_text"]
     assert text.startswith("日本語の") and len(text) > len("日本語の")
+
+
+def bf16_optimizer_master_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of DeepSpeed's BF16_Optimizer (bf16 at ZeRO-1 with fp32 gradients), read
+    through its own per-parameter map (param_slice_mappings: where each rank's fragment of each parameter lies
+    in that rank's flat partition), not through the flat layout that consolidate reassembles."""
+    files = sorted(folder.glob("bf16_zero_pp_rank_*_optim_states.pt"), key=lambda f: int(f.name.split("_")[4]))
+    fragments: dict[str, list[torch.Tensor]] = {}
+    for file in files:
+        state = torch.load(file, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        for partition, mapping in zip(state["single_partition_of_fp32_groups"], state["param_slice_mappings"]):
+            for name, address in mapping.items():
+                fragments.setdefault(name, []).append(partition[address.start:address.start + address.numel])
+    return {name: torch.cat(parts) for name, parts in fragments.items()}
+
+
+def assert_exports_bf16_master_weights(run: Path, out: Path, ranks: int) -> float:
+    """consolidate and the fp32 export of a bf16 ZeRO-1 run hold the optimizer's fp32 master weights, not the
+    bf16 module's; returns max |export - master|."""
+    checkpoint = find_checkpoint(run)
+    assert len(list(checkpoint.path.glob("bf16_zero_pp_rank_*_optim_states.pt"))) == ranks
+    master = bf16_optimizer_master_weights(checkpoint.path)
+    module = torch.load(checkpoint.path / "mp_rank_00_model_states.pt", map_location="cpu",
+                        weights_only=False)["module"]
+    state_dict = consolidate(checkpoint)
+    assert set(master) <= set(state_dict) and len(master) > 10
+    for name, weights in master.items():
+        assert torch.equal(state_dict[name].flatten(), weights), name
+        assert torch.equal(state_dict[name].bfloat16(), module[name]), name  # the module is the master rounded
+    # fp32 precision survived: the master is not the bf16 module upcast
+    assert any(not torch.equal(state_dict[name], module[name].float()) for name in master)
+
+    from safetensors.torch import load_file
+
+    exported = load_file(out / "model.safetensors")
+    compared = [name for name in master if name in exported]
+    assert len(compared) >= len(master) - 2  # at most tied copies left out of the file
+    # The padded vocabulary's extra embedding rows are dropped from the export: compare its rows.
+    return max((exported[name].flatten() - master[name][:exported[name].numel()]).abs().max().item()
+               for name in compared)
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.ranks)])
+def test_bf16_zero1_run_exports_its_fp32_master_weights(tiny_run, workspace, tmp_path, ranks):
+    """The default GPU setting (bf16, ZeRO-1, fp32 gradients) saves DeepSpeed's BF16_Optimizer files, which
+    zero_to_fp32 refuses: stage 4 must still export the exact fp32 master weights and pass the gate."""
+    run = tiny_run("llama", 1, True, ranks)
+    out = tmp_path / "export"
+    assert convert(workspace, run, out, "dtype=fp32") == 0
+    report = counts(out)
+    assert report["verified"] is True and report["failures"] == [] and report["logits_max_abs_diff"] == 0
+    assert assert_exports_bf16_master_weights(run, out, ranks) == 0
 
 
 def test_exported_mixtral_generates_padded_batches_and_beams(tiny_run, workspace, tmp_path):
@@ -394,3 +447,32 @@ def test_seq2seq_finetune_exports_as_an_encoder_decoder(t5_run, workspace, tmp_p
     problems, sample = check_hub_copy(out, out, list(read_export(out).files), "入力: ls")
     output = sample.split(" → ", 1)[1]
     assert problems == [] and sample.startswith("入力: ls → ") and "入力" not in output
+
+
+@pytest.mark.slow  # a fine-tune, two exports' worth of reading and two predicts: minutes on 2 cores
+def test_bf16_zero1_finetune_exports_and_predicts_from_its_fp32_master_weights(tiny_t5, task_files, workspace,
+                                                                                 tmp_path):
+    """Stage 7 at the default GPU setting (bf16, ZeRO-1): `gptpipe predict` on the run and stage 4 both read
+    its checkpoint (BF16_Optimizer's files) through consolidate; T5's tied embeddings included."""
+    run = tmp_path / "run"
+    args = finetune_args(tiny_t5, task_files, run, "train.train_iters=2", "train.eval_interval=1000",
+                         "train.seq_len=96", "task.prompt='入力: {input}'", "train.precision=bf16",
+                         "train.zero_stage=1")
+    done = gptpipe_command("finetune", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "export"
+    assert convert(workspace, run, out, "dtype=fp32") == 0
+    report = counts(out)
+    assert report["verified"] is True and report["failures"] == [] and report["logits_max_abs_diff"] == 0
+    assert assert_exports_bf16_master_weights(run, out, 1) == 0
+
+    rows = tmp_path / "rows.tsv"
+    rows.write_text("".join(task_files[1].read_text().splitlines(keepends=True)[:4]))
+    predictions = {}
+    for name, model in (("run", run), ("export", out)):
+        predicted = tmp_path / f"{name}.jsonl"
+        done = gptpipe_command("predict", "--input", rows, "--output", predicted, *args, f"predict.model={model}",
+                               "predict.max_new_tokens=4")
+        assert done.returncode == 0, done.stderr[-3000:]
+        predictions[name] = [json.loads(line) for line in predicted.read_text().splitlines()]
+    assert predictions["export"] == predictions["run"] and len(predictions["run"]) == 4

@@ -24,14 +24,10 @@ import torch
 
 from gptpipe.log import get_logger
 from gptpipe.tokenizer.hf import compare
+from gptpipe.tolerance import logits_tolerance
 
 log = get_logger("convert")
 
-# fp32 export: the same weights through the same code, so only summation order may differ: 1e-4 absolute.
-# bf16 export: both sides are bf16 models built the same way (on CPU they agree exactly); allow one bf16
-# rounding step (2^-8 relative) of the largest logit, far below what a wrong or misplaced weight causes.
-FP32_TOLERANCE = 1e-4
-BF16_RELATIVE = 2.0 ** -8
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BATCH_ROWS = 4
 BATCH_TOKENS = 256
@@ -98,11 +94,6 @@ def _check_ids(model: Any, tokenizer: Any, tokenizer_info: Any, dtype: str) -> l
     return failures
 
 
-def logits_tolerance(expected: torch.Tensor, dtype: str) -> float:
-    """Largest |Δ| allowed between the folder's logits and the reference's `expected` ones (see FP32_TOLERANCE)."""
-    return FP32_TOLERANCE + (BF16_RELATIVE * expected.abs().max().item() if dtype == "bf16" else 0.0)
-
-
 def _check_logits(report: dict[str, Any], model: Any, reference: Any, reference_fp32: Any, heldout: HeldOut,
                   separator: int, dtype: str) -> list[str]:
     batch = heldout.batch(separator, model.config.max_position_embeddings)
@@ -111,7 +102,7 @@ def _check_logits(report: dict[str, Any], model: Any, reference: Any, reference_
     exported = _logits(model, batch, vocab)
     expected = _logits(reference, batch, vocab)
     diff = (exported - expected).abs().max().item()
-    tolerance = logits_tolerance(expected, dtype)
+    tolerance = logits_tolerance(expected.abs().max().item(), dtype)
     report.update(logits_max_abs_diff=diff, logits_tolerance=tolerance, heldout_batch=list(batch.shape),
                   heldout_source=heldout.source)
     if reference_fp32 is not reference:  # how far rounding to bf16 moved the logits, for the record
@@ -147,7 +138,7 @@ def _check_generation(report: dict[str, Any], model: Any, reference: Any, tokeni
     # The reference's logits at the positions that chose each generated token.
     logits = _logits(reference, ids, model.config.vocab_size)[0, len(prompt_ids) - 1:-1]
     gaps = logits.max(dim=-1).values - logits.gather(-1, ids[0, len(prompt_ids):, None])[:, 0]
-    tolerance = GREEDY_GAP_FACTOR * logits_tolerance(logits, dtype)
+    tolerance = GREEDY_GAP_FACTOR * logits_tolerance(logits.abs().max().item(), dtype)
     step = int(gaps.argmax())
     worst = gaps[step].item()
     report.update(greedy_max_gap=worst, greedy_gap_tolerance=tolerance)

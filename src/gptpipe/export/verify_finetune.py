@@ -24,10 +24,11 @@ from collections.abc import Callable
 import torch
 
 from gptpipe.data.jsonl import Reasons
-from gptpipe.export.verify import GREEDY_GAP_FACTOR, TORCH_DTYPES, logits_tolerance, run_gate
+from gptpipe.export.verify import GREEDY_GAP_FACTOR, TORCH_DTYPES, run_gate
 from gptpipe.finetune.data import IGNORE, Encoded, Encoder, Row, collate, map_to_label, pad_id
 from gptpipe.finetune.model import as_scored, decode, generate, logits, model_class
 from gptpipe.log import get_logger
+from gptpipe.tolerance import logits_tolerance
 
 log = get_logger("convert")
 
@@ -83,7 +84,7 @@ def _check_logits(report: dict[str, Any], model: Any, reference: Any, reference_
         exported = logits(model, batch, seq2seq)[real].float()
         expected = logits(reference, batch, seq2seq)[real].float()
         diff = (exported - expected).abs().max().item()
-        tolerance = logits_tolerance(expected, dtype)
+        tolerance = logits_tolerance(expected.abs().max().item(), dtype)
         report.update(logits_max_abs_diff=diff, logits_tolerance=tolerance,
                       heldout_batch=list(batch["input_ids"].shape), heldout_source=data.source)
         if reference_fp32 is not reference:  # how far rounding to bf16 moved the logits, for the record
@@ -137,7 +138,7 @@ def _check_generation(report: dict[str, Any], model: Any, reference: Any, tokeni
     targets = batch["targets"]
     gaps = chosen_logits.max(dim=-1).values - chosen_logits.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
     gaps = gaps.masked_fill(targets == IGNORE, 0.0)
-    tolerance = GREEDY_GAP_FACTOR * logits_tolerance(chosen_logits, dtype)
+    tolerance = GREEDY_GAP_FACTOR * logits_tolerance(chosen_logits.abs().max().item(), dtype)
     worst = gaps.max().item()
     report.update(greedy_max_gap=worst, greedy_gap_tolerance=tolerance)
     if worst <= tolerance:

@@ -46,10 +46,6 @@ GATE_TOKENS = 512
 # held-out one used (whole documents only: a cut inside a word may merge differently).
 ROUND_TRIP_DOCUMENTS = 8
 ROUND_TRIP_MAX_TOKENS = 4096
-# Relative tolerance of the gate's loss comparison below fp32: the engine's bf16/fp16 forward against the fp32
-# reference. Four bf16 rounding steps (2^-8 each, export/verify.py's BF16_RELATIVE) of the mean loss: a model
-# loaded wrongly (a missing or misplaced weight) is off by far more.
-GATE_HALF_RELATIVE = 4 * 2.0 ** -8
 BASE_STATE_KEY = "base_model"  # the key of gptpipe_state.json holding the base's record
 
 
@@ -183,14 +179,6 @@ def reference_loss(folder: Path, batch: dict[str, torch.Tensor]) -> float:
         out = model(input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["labels"],
                     use_cache=False)
     return float(out.loss)
-
-
-def loss_tolerance(reference: float, precision: str) -> float:
-    """Largest |Δ| allowed between the engine's step-0 loss and the fp32 reference's: fp32 rounding (the export
-    gate's FP32_TOLERANCE, relative to the loss) or GATE_HALF_RELATIVE of it in bf16/fp16."""
-    from gptpipe.export.verify import FP32_TOLERANCE
-
-    return max(1.0, abs(reference)) * (FP32_TOLERANCE if precision == "fp32" else GATE_HALF_RELATIVE)
 
 
 def heldout_token_documents(prefix: Path, split: str, seed: int, count: int = ROUND_TRIP_DOCUMENTS) -> list[list[int]]:

@@ -240,22 +240,51 @@ def _zero_stage(folder: Path) -> int:
     return int(meta.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0))
 
 
+def _bf16_optimizer_fp32(folder: Path) -> dict[str, Any]:
+    """The fp32 master weights in the bf16_zero_pp_rank_* files of DeepSpeed's BF16_Optimizer (bf16 at ZeRO-1
+    with fp32 gradient accumulation, train.fp32_gradients), which zero_to_fp32 refuses as "not a zero
+    checkpoint".
+
+    Their single_partition_of_fp32_groups are laid out as ZeRO-1/2's: per parameter group, the parameters of
+    param_shapes flattened in order, padded at the end to a multiple of 2 x ranks and cut into one equal slice
+    per rank. So zero_to_fp32's own ZeRO-2 merge reassembles them (shared weights, buffers and its padding
+    check included); only the reading of the files is ours.
+    """
+    import torch
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARTITION_COUNT, SINGLE_PARTITION_OF_FP32_GROUPS
+    from deepspeed.utils import zero_to_fp32
+
+    model_states = zero_to_fp32.parse_model_states(zero_to_fp32.get_model_state_files(str(folder)))
+    files = zero_to_fp32.get_optim_files(str(folder))  # in rank order (natural sort: rank_10 after rank_9)
+    shards = [torch.load(f, map_location="cpu", mmap=True, weights_only=False)[OPTIMIZER_STATE_DICT] for f in files]
+    ranks = max(shards[0][PARTITION_COUNT])
+    if ranks != len(shards):
+        raise StageInputError(f"checkpoint {folder} was saved by {ranks} ranks but has {len(shards)} optimizer "
+                              f"files: a shard is missing. Export another step (checkpoint_step=N) or retrain")
+    partitions = [shard[SINGLE_PARTITION_OF_FP32_GROUPS] for shard in shards]
+    return zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(ranks, partitions, model_states,
+                                                                   exclude_frozen_parameters=False)
+
+
 def consolidate(checkpoint: Checkpoint) -> dict[str, Any]:
-    """The full fp32 state dict, gathered from every rank's shard by DeepSpeed's own zero_to_fp32.
+    """The full fp32 state dict (the optimizer's master weights), gathered from every rank's shard by
+    DeepSpeed's own zero_to_fp32.
 
     ZeRO stage 0 keeps no partitioned master weights: its model-states file holds the whole module.
     """
     import torch
-
 
     folder = checkpoint.path
     try:
         if _zero_stage(folder) == 0:
             module = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
             return {k: v.float() if v.is_floating_point() else v for k, v in module["module"].items()}
+        from deepspeed.checkpoint.constants import BF16_ZERO_FILE_PREFIX
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         with contextlib.redirect_stdout(sys.stderr):  # it prints progress; stdout stays for results
+            if any(folder.glob(f"{BF16_ZERO_FILE_PREFIX}*_optim_states.pt")):
+                return _bf16_optimizer_fp32(folder)
             return get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
     except StageInputError:
         raise

@@ -28,11 +28,12 @@ from gptpipe.stage import StageInputError
 from gptpipe.stages import EXIT_BAD_INPUT
 from gptpipe.train import checkpoint
 from gptpipe.train.base_model import (BASE_STATE_KEY, BaseModel, base_record, check_unchanged, gate_batch,
-                                      loss_tolerance, reference_loss, stage3_model, tokenizer_problems)
+                                      reference_loss, stage3_model, tokenizer_problems)
 from gptpipe.train.data import (DataError, build_datasets, collate, eval_batches, mixture, sample_positions,
                                 source_counts, source_names, to_device)
 from gptpipe.train.engine import Dist, EngineConfigError, build_engine, deepspeed_config
 from gptpipe.train.loop import LogWindow, TrainLoop, run_ranks
+from gptpipe.tolerance import loss_tolerance
 from gptpipe.train.model import build_model, expert_shares, router_loss
 from gptpipe.train.plan import Plan, PlanError, check_parameter_count, make_plan
 from gptpipe.train.plan_report import format_plan
