@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -122,13 +123,16 @@ def gptpipe_config(cache: Path, corpus: Path, tokenizer: Path) -> Path:
     return config
 
 
-def timed(command: list[str], env: dict) -> tuple[float, str]:
+def timed(command: list[str], env: dict) -> tuple[float, float, str]:
+    """(wall seconds, CPU seconds of the process and its waited-for children, output)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if result.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
-    return wall, result.stdout + result.stderr
+    return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, result.stdout + result.stderr
 
 
 def documents(prefix: Path) -> list[np.ndarray]:
@@ -191,19 +195,21 @@ def main() -> None:
                                {**env, "PYTHONPATH": str(megatron)}),
     }
     walls: dict[tuple[str, int], list[float]] = {}
+    cpus: dict[tuple[str, int], list[float]] = {}
     loops: dict[int, list[float]] = {}
     for rep in range(args.repeat):
         for workers in args.workers:
             order = ["gptpipe", "megatron"] if rep % 2 == 0 else ["megatron", "gptpipe"]
             for tool in order:
-                wall, log = timed(*commands[tool](workers))
+                wall, cpu, log = timed(*commands[tool](workers))
                 walls.setdefault((tool, workers), []).append(wall)
+                cpus.setdefault((tool, workers), []).append(cpu)
                 if tool == "megatron":  # its own figure for the encoding loop alone (after start-up)
                     rate = re.findall(r"Processed (\d+) documents \(([\d.]+) docs/s", log)
                     loops.setdefault((tool, workers), []).append(int(rate[-1][0]) / float(rate[-1][1]))
                 else:  # stage 2's own log line: read, encode, write, .idx (after imports and the manifest checks)
                     loops.setdefault((tool, workers), []).append(float(re.findall(r"tokens \(\w+\) in ([\d.]+) s", log)[-1]))
-                print(f"  rep {rep + 1} {tool} w{workers}: {wall:.2f} s (load {os.getloadavg()[0]:.1f})", flush=True)
+                print(f"  rep {rep + 1} {tool} w{workers}: {wall:.2f} s, CPU {cpu:.2f} s (load {os.getloadavg()[0]:.1f})", flush=True)
 
     from gptpipe.data.indexed import bin_path  # noqa: F401 (gptpipe importable: the agreement check below)
 
@@ -211,16 +217,20 @@ def main() -> None:
     tokens = len(np.memmap(f"{prefix['gptpipe', args.workers[0]]}.bin", dtype=np.uint16 if args.vocab_size < 65_500
                            else np.int32, mode="r"))
     print(f"\n{tokens:,} tokens; load at the end {os.getloadavg()}\n")
-    print("| tool | workers | wall s (median) | min–max s | MB/s | MB/s per worker | Mtokens/s | gptpipe ÷ Megatron |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| tool | workers | wall s (median) | min–max s | MB/s | MB/s per worker | Mtokens/s | gptpipe ÷ Megatron "
+          "| CPU s (median) | MB per CPU-s | gptpipe ÷ Megatron per CPU-s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for workers in args.workers:
         for tool in ("gptpipe", "megatron"):
             times = walls[tool, workers]
             median = statistics.median(times)
             ratio = statistics.median(walls["megatron", workers]) / statistics.median(walls["gptpipe", workers])
+            cpu_ratio = statistics.median(cpus["megatron", workers]) / statistics.median(cpus["gptpipe", workers])
             print(f"| {tool} | {workers} | {median:.2f} | {min(times):.2f}–{max(times):.2f} | {input_mb / median:.2f} "
                   f"| {input_mb / median / workers:.2f} | {tokens / median / 1e6:.2f} "
-                  f"| {f'**{ratio:.2f}×**' if tool == 'gptpipe' else ''} |")
+                  f"| {f'**{ratio:.2f}×**' if tool == 'gptpipe' else ''} "
+                  f"| {statistics.median(cpus[tool, workers]):.2f} | {input_mb / statistics.median(cpus[tool, workers]):.2f} "
+                  f"| {f'**{cpu_ratio:.2f}×**' if tool == 'gptpipe' else ''} |")
     print("\n| tool | workers | work s (own log) | work MB/s | start-up and the rest s |")
     print("| --- | --- | --- | --- | --- |")
     for workers in args.workers:
