@@ -196,7 +196,7 @@ def main() -> None:
     }
     walls: dict[tuple[str, int], list[float]] = {}
     cpus: dict[tuple[str, int], list[float]] = {}
-    loops: dict[int, list[float]] = {}
+    loops: dict[tuple[str, int], list[float]] = {}  # each tool's own timing of its work, after start-up
     for rep in range(args.repeat):
         for workers in args.workers:
             order = ["gptpipe", "megatron"] if rep % 2 == 0 else ["megatron", "gptpipe"]
@@ -208,10 +208,10 @@ def main() -> None:
                     rate = re.findall(r"Processed (\d+) documents \(([\d.]+) docs/s", log)
                     loops.setdefault((tool, workers), []).append(int(rate[-1][0]) / float(rate[-1][1]))
                 else:  # stage 2's own log line: read, encode, write, .idx (after imports and the manifest checks)
-                    loops.setdefault((tool, workers), []).append(float(re.findall(r"tokens \(\w+\) in ([\d.]+) s", log)[-1]))
-                print(f"  rep {rep + 1} {tool} w{workers}: {wall:.2f} s, CPU {cpu:.2f} s (load {os.getloadavg()[0]:.1f})", flush=True)
-
-    from gptpipe.data.indexed import bin_path  # noqa: F401 (gptpipe importable: the agreement check below)
+                    seconds = re.findall(r"tokens \(\w+\) in ([\d.]+) s", log)[-1]
+                    loops.setdefault((tool, workers), []).append(float(seconds))
+                print(f"  rep {rep + 1} {tool} w{workers}: {wall:.2f} s, CPU {cpu:.2f} s "
+                      f"(load {os.getloadavg()[0]:.1f})", flush=True)
 
     prefix = {(t, w): out / f"{t}_w{w}_text_document" for t, w in walls}
     tokens = len(np.memmap(f"{prefix['gptpipe', args.workers[0]]}.bin", dtype=np.uint16 if args.vocab_size < 65_500
@@ -223,13 +223,13 @@ def main() -> None:
     for workers in args.workers:
         for tool in ("gptpipe", "megatron"):
             times = walls[tool, workers]
-            median = statistics.median(times)
+            median, cpu = statistics.median(times), statistics.median(cpus[tool, workers])
             ratio = statistics.median(walls["megatron", workers]) / statistics.median(walls["gptpipe", workers])
             cpu_ratio = statistics.median(cpus["megatron", workers]) / statistics.median(cpus["gptpipe", workers])
-            print(f"| {tool} | {workers} | {median:.2f} | {min(times):.2f}–{max(times):.2f} | {input_mb / median:.2f} "
+            print(f"| {tool} | {workers} | {median:.2f} | {min(times):.2f}–{max(times):.2f} | "
+                  f"{input_mb / median:.2f} "
                   f"| {input_mb / median / workers:.2f} | {tokens / median / 1e6:.2f} "
-                  f"| {f'**{ratio:.2f}×**' if tool == 'gptpipe' else ''} "
-                  f"| {statistics.median(cpus[tool, workers]):.2f} | {input_mb / statistics.median(cpus[tool, workers]):.2f} "
+                  f"| {f'**{ratio:.2f}×**' if tool == 'gptpipe' else ''} | {cpu:.2f} | {input_mb / cpu:.2f} "
                   f"| {f'**{cpu_ratio:.2f}×**' if tool == 'gptpipe' else ''} |")
     print("\n| tool | workers | work s (own log) | work MB/s | start-up and the rest s |")
     print("| --- | --- | --- | --- | --- |")
