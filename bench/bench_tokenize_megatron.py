@@ -3,13 +3,16 @@
 Both tools get the same jsonl corpus and the same HF tokenizer folder (a 32k byte-level BPE trained here with
 the `tokenizers` library) and are timed as whole programs (start to finish, wall clock), side by side in one
 run: for every repeat, each worker count, both tools one after the other (the order flips every repeat).
-It prints a markdown table (MB/s of jsonl input, tokens/s, per core) and checks that the two outputs hold the
-same documents and token ids.
+It prints a markdown table (MB/s of jsonl input, tokens/s, per worker, and CPU seconds of each whole process
+tree: gptpipe's single in-process worker encodes with the `tokenizers` thread pool, so it can use more than
+one core), each tool's own timing of its work after start-up, and checks that the two outputs hold the same
+documents and token ids.
 
     PYTHONPATH=src .venv/bin/python bench/bench_tokenize_megatron.py [--workers 1 2] [--repeat 5] [--target-mb 50]
 
 Set-up is idempotent and cached under --cache (default .bench-cache/, git-ignored):
-  megatron-lm-<commit>/  tools/ and megatron/ of the Megatron-LM mirror (git archive; never part of gptpipe)
+  megatron-lm-<commit>/  tools/ and megatron/ of the Megatron-LM mirror at --megatron-rev (git archive; never
+                         part of gptpipe); default core_v0.16.1 = the installed megatron-core
   megatron-venv/         a venv whose site-packages includes .venv's (a .pth file) plus what Megatron's tools
                          import and gptpipe does not need (triton, via megatron.training → megatron.core)
   work/                  stage 0 (`gptpipe prepare`) on the demo's man pages, when --corpus is not given
