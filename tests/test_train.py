@@ -151,6 +151,7 @@ from gptpipe.train.schedule import Schedule
 
 dist = setup_distributed()
 train = TrainConfig(precision="bf16", global_batch_size=2, micro_batch_size=2)
+train.resolve_schedule(continued=False)  # what loading config.yaml does: lr and warmup from their defaults
 config = build_model_config(ModelConfig(preset="tiny"), SimpleNamespace(vocab_size=1000, bos_id=1, eos_id=2, pad_id=3),
                             2048)
 exact = build_model(config).model.rotary_emb.inv_freq  # what from_pretrained builds at inference
