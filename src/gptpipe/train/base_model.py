@@ -198,11 +198,10 @@ def heldout_token_documents(prefix: Path, split: str, seed: int, count: int = RO
 
 
 def source_texts(manifest: Any, count: int = ROUND_TRIP_DOCUMENTS) -> list[str] | None:
-    """The texts of a stage-2 dataset's first `count` documents, read back from the jsonl it was encoded from;
-    None when that cannot be done exactly: a merged or sharded dataset, lines that became no document (skipped),
-    or an input that is gone or changed since."""
-    import orjson
-
+    """The texts of a stage-2 dataset's first `count` documents, read back from the jsonl it was encoded from the
+    way stage 2 read it (data/jsonl.py's record_text, NULs stripped); None when that cannot be done exactly: a
+    merged or sharded dataset, lines that became no document (skipped), or an input that is gone or changed."""
+    from gptpipe.data.jsonl import record_text
     from gptpipe.stage import file_fingerprint
 
     counts, files = manifest.counts, (manifest.inputs.get("files") or {})
@@ -211,12 +210,12 @@ def source_texts(manifest: Any, count: int = ROUND_TRIP_DOCUMENTS) -> list[str] 
     texts: list[str] = []
     for name, recorded in files.items():
         path = Path(name)
-        if not path.is_file() or file_fingerprint(path)["size"] != recorded.get("size") or \
-                file_fingerprint(path)["mtime_ns"] != recorded.get("mtime_ns"):
+        if not path.is_file() or any(file_fingerprint(path)[k] != recorded.get(k) for k in ("size", "mtime_ns")):
             return None
         with open(path, "rb") as fh:
             for line in fh:
-                texts.append(orjson.loads(line)[manifest.config.get("text_key", "text")])
+                text, _ = record_text(line, manifest.config.get("text_key", "text"))
+                texts.append(text)
                 if len(texts) == count:
                     return texts
     return texts
@@ -277,7 +276,6 @@ def round_trip_problems(tokenizer: Any, documents: list[list[int]], bos_id: int 
             problems.append(f"held-out document {n}: the data has ids {body[at:at + 5]} at token {at}, the "
                             f"tokenizer gives {again[at:at + 5]} for the same text")
     return problems
-
 
 
 def stage3_model(config: Any) -> tuple[Any, Any, BaseModel | None]:
