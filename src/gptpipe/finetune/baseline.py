@@ -9,15 +9,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 
 from gptpipe.finetune.metrics import TASK_METRICS, VAL_LOSS, classification_metrics, metric
-from gptpipe.finetune.model import model_class
-from gptpipe.train.model import inference_config
 
 if TYPE_CHECKING:
     from gptpipe.finetune.train import TaskData
@@ -26,18 +22,6 @@ SCRATCH_DIR = Path("baselines") / "scratch"  # the scratch fine-tune's run folde
 DESCRIPTIONS = {"scratch": "the same architecture from random initialisation, fine-tuned alike",
                 "classical": "character 1-4-gram TF-IDF + logistic regression",
                 "majority": "always the most frequent training label"}
-
-
-def scratch_factory(folder: Path, seq2seq: bool, device: torch.device) -> Callable[[], Any]:
-    """A callable building `folder`'s architecture with freshly initialised fp32 weights (the loop seeds it)."""
-
-    def make() -> Any:
-        from transformers import AutoConfig
-
-        config = inference_config(AutoConfig.from_pretrained(folder))
-        return model_class(seq2seq).from_config(config, torch_dtype=torch.float32).to(device)
-
-    return make
 
 
 def classical_baseline(task: TaskData) -> dict[str, Any]:

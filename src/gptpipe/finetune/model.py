@@ -32,10 +32,17 @@ def model_class(seq2seq: bool) -> Any:
     return AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
 
 
-def pretrained_factory(folder: Path, seq2seq: bool, device: torch.device) -> Callable[[], Any]:
-    """A callable loading the pretrained weights in fp32 (DeepSpeed casts for bf16/fp16 itself)."""
+def pretrained_factory(folder: Path, seq2seq: bool, device: torch.device, scratch: bool = False
+                       ) -> Callable[[], Any]:
+    """A callable loading the pretrained weights in fp32 (DeepSpeed casts for bf16/fp16 itself); with `scratch`,
+    the folder's architecture with freshly initialised weights instead (the loop seeds it)."""
 
     def make() -> Any:
+        if scratch:
+            from transformers import AutoConfig
+
+            config = inference_config(AutoConfig.from_pretrained(folder))
+            return model_class(seq2seq).from_config(config, dtype=torch.float32).to(device)
         model = model_class(seq2seq).from_pretrained(folder, dtype=torch.float32).to(device)
         inference_config(model.config)  # the fine-tune's loss has no router term; evaluation generates
         return model

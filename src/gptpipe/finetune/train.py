@@ -34,7 +34,6 @@ from gptpipe.finetune.baseline import (
     classical_baseline,
     comparison,
     format_comparison,
-    scratch_factory,
 )
 from gptpipe.finetune.config import FinetuneConfig
 from gptpipe.finetune.data import (
@@ -246,8 +245,8 @@ class FineTuner(TrainLoop):
         self.hf_config = inference_config(AutoConfig.from_pretrained(config.model.path))
         self.engine, _ = build_engine(train, self.hf_config.model_type, self.hf_config, ds_config,
                                       Schedule.for_run(train, self.steps), dist.device,
-                                      make_model=(scratch_factory if from_scratch else pretrained_factory)(
-                                          config.model.path, task.seq2seq, dist.device))
+                                      make_model=pretrained_factory(config.model.path, task.seq2seq, dist.device,
+                                                                    scratch=from_scratch))
         if train.packing:
             self.engine.eval()
             leaks = packing_leaks(self.engine, task.train, len(task.tokenizer), self.pad, dist.device)
