@@ -1,7 +1,8 @@
 """Continued pretraining (model.init_from): tiny random base models of every supported family that this
-transformers has, each saved with a tokenizer trained here (a byte-level BPE past uint16's range, or a
-SentencePiece-style BPE), go through stage 2 with their own tokenizer, stage 3 from their weights (the step-0
-gate, the refusals) and stage 4 (the base's class, config and tokenizer files, logits against the checkpoint).
+transformers has, each saved with a tokenizer trained here (a byte-level BPE past uint16's range, a
+SentencePiece-style BPE, or a SentencePiece unigram tokenizer.model), go through stage 2 with their own
+tokenizer, stage 3 from their weights (the step-0 gate, the refusals) and stage 4 (the base's class, config and
+tokenizer files, logits against the checkpoint).
 
 The corpus is the first CORPUS_DOCS documents of the man-page corpus, as a user's own jsonl."""
 
@@ -49,6 +50,25 @@ def sentencepiece_bpe(texts: list[str], folder: Path) -> Path:
         ("<s>", tokenizer.token_to_id("<s>"))])
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                             chat_template=CHAT_TEMPLATE).save_pretrained(folder)
+    return folder
+
+
+def sentencepiece_unigram(texts: list[str], folder: Path) -> Path:
+    """A real SentencePiece unigram model as older Llama-family bases ship it: tokenizer.model and
+    tokenizer_config.json only, so transformers converts the model file itself when it loads the folder."""
+    import io
+
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=model, vocab_size=3000,
+                                   model_type="unigram", character_coverage=0.9995, byte_fallback=True,
+                                   unk_id=0, bos_id=1, eos_id=2, minloglevel=2)
+    folder.mkdir()
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True, "add_eos_token": False, "legacy": False, "chat_template": CHAT_TEMPLATE}))
     return folder
 
 
@@ -108,14 +128,15 @@ def corpus(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
 
 @pytest.fixture(scope="module")
 def tokenizers(corpus, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The tokenizer folders: "bpe" (byte-level, ids past 65,535: int32 data), "sp" (SentencePiece-style) and
-    "qwen" (the byte-level one through Qwen2's tokenizer class)."""
+    """The tokenizer folders: "bpe" (byte-level, ids past 65,535: int32 data), "sp" (SentencePiece-style),
+    "spm" (a SentencePiece unigram tokenizer.model) and "qwen" (the byte-level one through Qwen2's class)."""
     root = tmp_path_factory.mktemp("cpt-tokenizers")
     texts = corpus[1]
     bpe = byte_level_bpe(texts, root / "bpe", adds_bos=False, shift=SHIFT)
     config = json.loads((bpe / "tokenizer_config.json").read_text())
     (bpe / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
-    return {"bpe": bpe, "sp": sentencepiece_bpe(texts, root / "sp"), "qwen": qwen_bpe(bpe, root / "qwen")}
+    return {"bpe": bpe, "sp": sentencepiece_bpe(texts, root / "sp"), "qwen": qwen_bpe(bpe, root / "qwen"),
+            "spm": sentencepiece_unigram(texts, root / "spm")}
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +175,8 @@ def check_export(out: Path, base: Path, model_type: str) -> dict:
     assert exported.vocab_size == original.vocab_size  # nothing padded, nothing cut
     assert exported.tie_word_embeddings == original.tie_word_embeddings
     copied = sorted(p.name for p in base.iterdir() if is_copied(p.name))
-    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(copied)
+    assert {"tokenizer_config.json", "generation_config.json"} <= set(copied)
+    assert {"tokenizer.json", "tokenizer.model"} & set(copied)
     assert all((out / name).read_bytes() == (base / name).read_bytes() for name in copied)
     assert AutoTokenizer.from_pretrained(out).chat_template == CHAT_TEMPLATE
     card = (out / "README.md").read_text()
@@ -216,8 +238,9 @@ def test_llama_with_a_large_bpe_vocabulary_end_to_end(datasets, tokenizers, work
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type,tokenizer,extra_vocab,precision", [
-    ("qwen2", "qwen", 64, "fp32"), ("mistral", "sp", 0, "bf16"), ("gemma2", "sp", 0, "fp32"),
-    ("gemma3_text", "bpe", 0, "fp32"), ("gpt2", "bpe", 0, "fp32"), ("mixtral", "sp", 0, "fp32")])
+    ("qwen2", "qwen", 64, "fp32"), ("qwen3", "bpe", 0, "fp32"), ("mistral", "sp", 0, "bf16"),
+    ("gemma2", "sp", 0, "fp32"), ("gemma3_text", "bpe", 0, "fp32"), ("gpt2", "bpe", 0, "fp32"),
+    ("mixtral", "sp", 0, "fp32"), ("llama", "spm", 0, "fp32")])
 def test_each_family_initialises_passes_the_gate_and_exports(model_type: str, tokenizer: str, extra_vocab: int,
                                                              precision: str, corpus, tokenizers, workspace: Path,
                                                              tmp_path: Path) -> None:

@@ -1,12 +1,14 @@
-"""A base model's own HF tokenizer (a folder with tokenizer.json) as stage 2's tokenizer, and its conventions.
+"""A base model's own HF tokenizer (a folder with tokenizer.json, or with only a SentencePiece tokenizer.model
+that transformers converts) as stage 2's tokenizer, and its conventions.
 
 Continued pretraining keeps the base model's tokenizer: byte-level BPE (GPT-2, Llama 3, Qwen) or
 SentencePiece-based (Llama 2, Gemma, Mistral), of any vocabulary size. Stage 2 encodes with the folder's
 tokenizer.json through the `tokenizers` library (the backend of transformers' fast tokenizer, so the ids are
-the ones ``AutoTokenizer`` gives), and separates documents the way the base model was trained to read them:
-its BOS before each document when its tokenizer adds one, its EOS after each. The convention is read off the
-tokenizer itself (what ``tokenizer(text)`` adds around ``tokenizer(text, add_special_tokens=False)``) and
-recorded in the dataset's manifest.
+the ones ``AutoTokenizer`` gives; a folder without tokenizer.json is encoded with the conversion transformers
+makes of its tokenizer.model when it loads the folder), and separates documents the way the base model was
+trained to read them: its BOS before each document when its tokenizer adds one, its EOS after each. The
+convention is read off the tokenizer itself (what ``tokenizer(text)`` adds around
+``tokenizer(text, add_special_tokens=False)``) and recorded in the dataset's manifest.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from typing import Any
 from gptpipe.stage import StageInputError, tree_fingerprint
 
 TOKENIZER_JSON = "tokenizer.json"
+SENTENCEPIECE_MODEL = "tokenizer.model"
 # The files that decide the ids: the fingerprint a dataset records of its tokenizer.
-FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
 
 
 @dataclass(frozen=True)
@@ -31,23 +34,33 @@ class PretrainedTokenizer:
     vocab_size: int  # one above the largest id the tokenizer can produce, added tokens included
     bos_id: int | None  # put before every document when the tokenizer adds it to a text
     eod_id: int  # its EOS, after every document
+    converted: str | None = None  # transformers' tokenizer.json made from tokenizer.model, if the folder has none
 
-    @property
-    def tokenizer_json(self) -> Path:
-        return self.folder / TOKENIZER_JSON
+    def tokenizer_json(self, scratch: Path) -> Path:
+        """The tokenizer.json to encode with: the folder's own, or the conversion written into `scratch`."""
+        if self.converted is None:
+            return self.folder / TOKENIZER_JSON
+        path = Path(scratch) / TOKENIZER_JSON
+        path.write_text(self.converted, encoding="utf-8")
+        return path
 
     def fingerprint(self) -> dict[str, Any]:
         return tree_fingerprint([self.folder / name for name in FILES if (self.folder / name).is_file()])
 
     def boundaries(self) -> dict[str, Any]:
         """What the manifest records, for stage 3 to check against the model it trains: the conventions and
-        the tokenizer's identity (the hash of its tokenizer.json, wherever the folder lies)."""
+        the tokenizer's identity (the hash of the tokenizer.json it encodes with, wherever the folder lies)."""
+        encoded = self.converted.encode() if self.converted is not None else \
+            (self.folder / TOKENIZER_JSON).read_bytes()
         return {"tokenizer": "hf", "bos_id": self.bos_id, "eod_id": self.eod_id, "vocab_size": self.vocab_size,
-                "tokenizer_sha256": hashlib.sha256(self.tokenizer_json.read_bytes()).hexdigest()}
+                "tokenizer_sha256": hashlib.sha256(encoded).hexdigest()}
 
 
 def is_pretrained_tokenizer(folder: Path) -> bool:
-    return (Path(folder) / TOKENIZER_JSON).is_file()
+    """An HF tokenizer folder: tokenizer.json, or a SentencePiece tokenizer.model beside tokenizer_config.json."""
+    folder = Path(folder)
+    return (folder / TOKENIZER_JSON).is_file() or \
+        ((folder / SENTENCEPIECE_MODEL).is_file() and (folder / "tokenizer_config.json").is_file())
 
 
 def read_pretrained_tokenizer(folder: Path) -> PretrainedTokenizer:
@@ -70,4 +83,5 @@ def read_pretrained_tokenizer(folder: Path) -> PretrainedTokenizer:
     bos = tokenizer.bos_token_id
     adds_bos = bos is not None and len(full) > len(plain) and full[0] == bos and full[1:len(plain) + 1] == plain
     vocab_size = max(tokenizer.get_vocab().values()) + 1
-    return PretrainedTokenizer(Path(folder), vocab_size, bos if adds_bos else None, tokenizer.eos_token_id)
+    converted = None if (Path(folder) / TOKENIZER_JSON).is_file() else tokenizer.backend_tokenizer.to_str()
+    return PretrainedTokenizer(Path(folder), vocab_size, bos if adds_bos else None, tokenizer.eos_token_id, converted)

@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import shutil
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -168,10 +169,12 @@ def run(config: PipelineConfig, args: argparse.Namespace) -> int:
                               f"local path for the shard runs (it is {cfg.output_prefix}), or tokenize in one run")
     files, fingerprints = check_input_files(cfg.input, "tokenize.input", PREPARE)
     prefix = cfg.dataset_prefix if shard is None else shard_prefix(cfg.dataset_prefix, *shard)
+    scratch = tempfile.TemporaryDirectory(prefix="gptpipe-tokenize-")  # a converted tokenizer.json, if any
     if not is_url(cfg.tokenizer_dir) and not TRAIN_TOKENIZER.has_manifest(cfg.tokenizer_dir) \
             and is_pretrained_tokenizer(cfg.tokenizer_dir):  # a base model's own tokenizer (continued pretraining)
         base = read_pretrained_tokenizer(cfg.tokenizer_dir)
-        model_path, eod_id, bos_id, vocab_size = str(base.tokenizer_json), base.eod_id, base.bos_id, base.vocab_size
+        model_path = str(base.tokenizer_json(Path(scratch.name)))
+        eod_id, bos_id, vocab_size = base.eod_id, base.bos_id, base.vocab_size
         inputs = {"files": fingerprints, "tokenizer": base.fingerprint()}
         boundaries = base.boundaries()
     else:
@@ -197,8 +200,9 @@ def run(config: PipelineConfig, args: argparse.Namespace) -> int:
         result.counts["boundaries"] = boundaries
         return result
 
-    TOKENIZE.run(prefix, _manifest_config(cfg, **extra), inputs, work, force=args.force,
-                 versions=("sentencepiece", "tokenizers", "numpy", "orjson"))
+    with scratch:
+        TOKENIZE.run(prefix, _manifest_config(cfg, **extra), inputs, work, force=args.force,
+                     versions=("sentencepiece", "tokenizers", "numpy", "orjson"))
     return 0
 
 
