@@ -211,7 +211,7 @@ def hf_tensors(folder: Path) -> Iterator[tuple[str, np.ndarray]]:
         raise StageInputError(f"no *.safetensors in {folder}")
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
                 yield name, handle.get_tensor(name).float().numpy()
 
 
@@ -222,7 +222,7 @@ def model_config(folder: Path) -> tuple[str, Any]:
     if not (folder / "config.json").is_file():
         raise StageInputError(f"{folder / 'config.json'} not found: --model must be an exported HuggingFace folder")
     config = AutoConfig.from_pretrained(str(folder))
-    names = config.architectures or []
+    names = config.architectures or [config.model_type]
     arch = next((ARCHITECTURES[n] for n in names if n in ARCHITECTURES), None)
     if arch is None:
         raise StageInputError(f"{folder / 'config.json'}: architecture {names} is not supported by `gptpipe gguf` "
@@ -327,10 +327,7 @@ def write_gguf(folder: Path, path: Path, outtype: str, name: str) -> dict[str, A
             tensor_type = qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32
             if tensor_type == gguf.GGMLQuantizationType.Q8_0 and data.shape[-1] % 32:
                 tensor_type, kept_f16 = gguf.GGMLQuantizationType.F16, kept_f16 + 1  # Q8_0 blocks are 32 wide
-            quantized = gguf.quants.quantize(data, tensor_type)
-            shape = gguf.quant_shape_from_byte_shape(quantized.shape, tensor_type) if quantized.dtype == np.uint8 \
-                else quantized.shape
-            writer.add_tensor(new_name, quantized, raw_shape=shape, raw_dtype=tensor_type)
+            writer.add_tensor(new_name, gguf.quants.quantize(data, tensor_type), raw_dtype=tensor_type)
             tensors += 1
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
