@@ -5,7 +5,7 @@
 #                whose pip serves CPU wheels locally this is the CPU build; on a CUDA machine PyPI's wheel is
 #                the CUDA build. For a CPU-only build elsewhere, point PIP_EXTRA_INDEX_URL at PyTorch's CPU index.
 #   PYTHON       interpreter for the venv (default python3, 3.10+)
-#   EXTRAS       gptpipe's extras (default ja,datasets,notebook,eval,cloud,test)
+#   EXTRAS       gptpipe's extras (default ja,datasets,notebook,eval,cloud,gguf,test)
 #   CONSTRAINTS  the tested versions of every other package (default constraints.txt); empty: newest within
 #                pyproject.toml's ranges
 # pip runs only when .venv is new or one of these inputs changed since the last install (a hash in .venv).
@@ -15,7 +15,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-EXTRAS=${EXTRAS:-ja,datasets,notebook,eval,cloud,test}
+EXTRAS=${EXTRAS:-ja,datasets,notebook,eval,cloud,gguf,test}
 CONSTRAINTS=${CONSTRAINTS-constraints.txt}
 STAMP=.venv/gptpipe-setup.sha256
 

@@ -133,6 +133,16 @@ def tokenizer_dir(corpus_dir: Path, workspace: Path) -> Path:
     return workspace / "tokenizers" / "ja_32k"
 
 
+SMALL_TOKENIZER = ("vocab_size=2000", "input_sentence_size=20000", "heldout_documents=50")
+
+
+def train_small_tokenizer(workspace: Path, out: Path, *overrides: str, force: bool = False) -> int:
+    """Stage 1 through the CLI on the workspace corpus with small settings (seconds); the exit code."""
+    argv = ["train-tokenizer", "--config", str(workspace / "sentence_piece_config.yaml"), f"output_dir={out}",
+            *SMALL_TOKENIZER, *overrides]
+    return main(argv + (["--force"] if force else []))
+
+
 @pytest.fixture(scope="session")
 def dataset_prefix(tokenizer_dir: Path, workspace: Path) -> Path:
     """Stage 2: data/tokenized/ja_text_document.bin/.idx."""

@@ -15,6 +15,7 @@ import sentencepiece as spm
 from transformers import AutoTokenizer
 
 from conftest import SHIPPED_TOKENIZER
+from conftest import train_small_tokenizer as train
 from conftest import corpus_texts as documents
 from conftest import manifest_counts as counts
 from gptpipe.cli import main
@@ -26,16 +27,6 @@ from gptpipe.stages import TOKENIZE, read_tokenizer
 from gptpipe.tokenizer.morpheme import DELIMITER
 from gptpipe.tokenizer.sample import cut_utf8, sample_corpus, scan_corpus
 from gptpipe.tokenizer.build import expected_sample_share
-
-SMALL = ("vocab_size=2000", "input_sentence_size=20000", "heldout_documents=50")
-
-
-def train(workspace: Path, out: Path, *overrides: str, force: bool = False) -> int:
-    """Stage 1 through the CLI on the workspace corpus with the small settings; the exit code."""
-    argv = ["train-tokenizer", "--config", str(workspace / "sentence_piece_config.yaml"), f"output_dir={out}",
-            *SMALL, *overrides]
-    return main(argv + (["--force"] if force else []))
-
 
 def assert_identical_ids(folder: Path, texts: list[str]) -> None:
     """HF (as users load it) gives SentencePiece's ids on every text, and both decode back to the text."""

@@ -52,6 +52,12 @@ def _predict_arguments(parser: argparse.ArgumentParser) -> None:
     predict_arguments(parser)
 
 
+def _gguf_arguments(parser: argparse.ArgumentParser) -> None:
+    from gptpipe.export.gguf import gguf_arguments
+
+    gguf_arguments(parser)
+
+
 FINETUNE = "gptpipe.finetune.config:FinetuneConfig"
 EVALUATE = "gptpipe.finetune.evaluate:EvaluateConfig"
 PIPELINE = "gptpipe.pipeline:PipelineConfig"
@@ -75,6 +81,8 @@ COMMANDS = [
             "saved on SIGTERM/SIGINT, rerun to continue)", "gptpipe.train.train:run", PIPELINE, "config.yaml"),
     Command("convert", "stage 4: export a stage-3 checkpoint to a verified HuggingFace folder",
             "gptpipe.export.convert:run", CONVERT, "convert_config.yaml"),
+    Command("gguf", "stage 4: write the exported folder as a GGUF file for llama.cpp / Ollama (f16, bf16, q8_0)",
+            "gptpipe.export.gguf:run", CONVERT, "convert_config.yaml", _gguf_arguments),
     Command("generate", "stage 5: generate text from the exported folder (streamed; --interactive for a prompt loop)",
             "gptpipe.export.generate:run", CONVERT, "convert_config.yaml", generate_arguments),
     Command("upload", "stage 6: upload the verified folder to the HuggingFace hub (token: HF_TOKEN or `hf auth login`)",

@@ -119,6 +119,7 @@ TRAIN_TOKENIZER = Stage("1", "train-tokenizer", "python 1_train_sentencepiece_to
 TOKENIZE = Stage("2", "tokenize", "bash 2_tokenize.sh", beside_prefix=True)
 TRAIN = Stage("3", "train", "bash 3_train_node1.sh")  # checkpoints carry markers, no manifest
 CONVERT = Stage("4", "convert", "bash 4_convert_to_HF.sh", usable=_verified)
+GGUF = Stage("4", "gguf", "gptpipe gguf")
 DEMO_TASK = Stage("7", "make-demo-task", "gptpipe make-demo-task")
 EVALUATE = Stage("7", "evaluate", "gptpipe evaluate")
 

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's llama-tokenize and llama-simple from the llama-cpp-python source distribution on PyPI
+# (it vendors llama.cpp), for the `llamacpp` test tier and for checking a `gptpipe gguf` file by hand.
+#   scripts/build_llamacpp.sh            # into ~/.cache/gptpipe-llamacpp (GPTPIPE_LLAMACPP overrides)
+# Needs cmake and a C++ compiler; about 10 minutes with JOBS=2. Rerunning it reuses the finished build.
+set -euo pipefail
+
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+CACHE="${GPTPIPE_LLAMACPP:-$HOME/.cache/gptpipe-llamacpp}"
+JOBS="${JOBS:-2}"
+PYTHON="${PYTHON:-python3}"
+
+SDIST="$CACHE/src/llama_cpp_python-$VERSION"
+if [ ! -d "$SDIST/vendor/llama.cpp" ]; then
+    mkdir -p "$CACHE/src"
+    "$PYTHON" -m pip download --no-binary :all: --no-deps --dest "$CACHE/src" "llama-cpp-python==$VERSION"
+    tar -xzf "$CACHE/src/llama_cpp_python-$VERSION.tar.gz" -C "$CACHE/src"
+fi
+
+# Static libraries: the two tools run from the cache folder without an install step.
+cmake -S "$SDIST/vendor/llama.cpp" -B "$CACHE/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+    -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
+cmake --build "$CACHE/build" -j "$JOBS" --target llama-tokenize llama-simple
+
+# The vendored llama.cpp commit, as the sdist's changelog names it for this version.
+COMMIT="$(sed -n "/^## \[$VERSION\]/,/^## /s/.*ggml-org\/llama.cpp@\([0-9a-f]*\).*/\1/p" "$SDIST/CHANGELOG.md" | head -n 1)"
+printf 'llama-cpp-python %s\nllama.cpp %s\n' "$VERSION" "$COMMIT" > "$CACHE/build/bin/VERSION"
+cat "$CACHE/build/bin/VERSION"
+ls "$CACHE/build/bin"

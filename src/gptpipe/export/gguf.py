@@ -1,0 +1,463 @@
+"""An exported HuggingFace folder → one GGUF file for llama.cpp, Ollama and LM Studio (`gptpipe gguf`).
+
+Written with llama.cpp's own `gguf` package, reading the folder's tokenizer.json (no tokenizer.model needed):
+
+- vocabulary type: UGM ("t5") for a unigram SentencePiece model, SPM ("llama") for a SentencePiece BPE model
+  (byte fallback, " " → "▁"), BPE ("gpt2") with the matching pre-tokenizer for a byte-level BPE model; always
+  without llama.cpp's space prefix, since the HF tokenizer adds none (llama.cpp's own converter adds one and
+  merges a unigram model's pieces by score: other ids, a silently different model);
+- token types as SentencePiece has them: control, unknown and byte pieces, which text never matches, are
+  not normal pieces (llama.cpp's UGM search uses only normal and user-defined pieces, and its penalty for an
+  unknown character follows the lowest normal score); the special ids, whether BOS/EOS are added, and the
+  chat template when the tokenizer has one;
+- tensors under llama.cpp's names (the `gguf` package's own map); a Llama's Q and K rows are permuted from
+  HF's rotate-half RoPE layout to llama.cpp's interleaved pairs; 1-D tensors stay float32.
+
+llama.cpp's UGM tokenizer has no byte fallback: a character no piece covers becomes one <unk> (a run of
+them, one) where the HF tokenizer writes its UTF-8 bytes. :func:`llamacpp_report` measures it; the rest of
+the text keeps its ids. The folder written holds the .gguf, an Ollama Modelfile and manifest.json (stage.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from collections.abc import Iterator
+
+import numpy as np
+
+from gptpipe.export.config import ConvertConfig
+from gptpipe.log import get_logger
+from gptpipe.stage import StageInputError, StageResult, atomic_path, tree_fingerprint, write_text_atomic
+from gptpipe.stages import CONVERT, EXIT_OK, GGUF
+
+log = get_logger("gguf")
+
+OUTTYPES = ("f16", "bf16", "q8_0")
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
+BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
+# tokenizer.json pre-tokenizer regexes llama.cpp knows by name (its tokenizer.ggml.pre values).
+GPT2_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"""
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {GPT2_REGEX: "gpt-2", LLAMA3_REGEX: "llama-bpe"}
+LLAMACPP_HOME = Path(os.environ.get("GPTPIPE_LLAMACPP", Path.home() / ".cache" / "gptpipe-llamacpp"))
+
+
+def gguf_arguments(parser: argparse.ArgumentParser) -> None:
+    """`gptpipe gguf`: which folder, which weight type, where to."""
+    parser.add_argument("--model", type=Path,
+                        help="exported HuggingFace folder (default: output_tokenizer_and_model_dir)")
+    parser.add_argument("--outtype", choices=OUTTYPES, default="f16",
+                        help="weight type of the 2-D tensors (norms stay float32); q8_0 is ~half of f16")
+    parser.add_argument("--output", type=Path, help="folder to write (default: <model>-gguf-<outtype>)")
+
+
+@dataclass
+class Vocabulary:
+    """The GGUF tokenizer.ggml.* values that reproduce a folder's HF tokenizer."""
+
+    model: str  # "t5" (UGM), "llama" (SPM) or "gpt2" (BPE)
+    tokens: list[str]
+    types: list[int]
+    scores: list[float] | None = None
+    merges: list[str] | None = None
+    pre: str | None = None
+    precompiled_charsmap: bytes | None = None
+    special_ids: dict[str, int] = field(default_factory=dict)  # bos, eos, unk, pad
+    add_bos: bool = False
+    add_eos: bool = False
+    chat_template: str | None = None
+
+
+def read_vocabulary(folder: Path, vocab_size: int) -> Vocabulary:
+    """The vocabulary of ``folder``'s tokenizer.json, padded with control tokens to the model's ``vocab_size``
+    embedding rows (llama.cpp requires one token per row)."""
+    import base64
+
+    from gguf import TokenType
+    from transformers import AutoTokenizer
+
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise StageInputError(f"{path} not found: `gptpipe gguf` reads the fast tokenizer of an exported folder")
+    state = json.loads(path.read_text(encoding="utf-8"))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model = state["model"]
+    pieces: dict[int, str] = {}
+    scores: dict[int, float] = {}
+    if model["type"] == "Unigram":
+        for i, (piece, score) in enumerate(model["vocab"]):
+            pieces[i], scores[i] = piece, score
+    elif model["type"] == "BPE":
+        pieces = {i: piece for piece, i in model["vocab"].items()}
+    else:
+        raise StageInputError(f"{path}: a {model['type']} tokenizer model has no GGUF vocabulary type here "
+                              "(supported: Unigram, BPE)")
+    added = {t["id"]: t for t in state.get("added_tokens", [])}
+    pieces.update({i: t["content"] for i, t in added.items()})
+    if max(pieces) >= vocab_size:
+        raise StageInputError(f"{path} has token id {max(pieces)}, the model only {vocab_size} embedding rows")
+
+    special = {name: getattr(tokenizer, f"{name}_token_id") for name in ("bos", "eos", "unk", "pad")}
+    control = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t["special"]}
+    if model["type"] == "Unigram" and model.get("unk_id") is not None:
+        # gptpipe's export gives control, unknown and byte pieces one score below any normal path: the unknown's.
+        reserved = scores[model["unk_id"]]
+        control |= {i for i, s in scores.items() if s == reserved}
+    byte_fallback = bool(model.get("byte_fallback"))
+    types, tokens, token_scores = [], [], []
+    for i in range(vocab_size):
+        piece = pieces.get(i)
+        if piece is None:  # embedding rows past the tokenizer (a hub model's padding)
+            tokens.append(f"<gptpipe_unused_{i}>")
+            types.append(TokenType.CONTROL)
+        else:
+            tokens.append(piece)
+            if i == special["unk"]:
+                types.append(TokenType.UNKNOWN)
+            elif byte_fallback and BYTE_PIECE.fullmatch(piece):
+                types.append(TokenType.BYTE)
+            elif i in control:
+                types.append(TokenType.CONTROL)
+            elif i in added:
+                types.append(TokenType.USER_DEFINED)
+            else:
+                types.append(TokenType.NORMAL)
+        normal = types[-1] == TokenType.NORMAL
+        if model["type"] == "Unigram":
+            token_scores.append(scores[i] if normal or types[-1] == TokenType.USER_DEFINED else 0.0)
+        else:  # SentencePiece BPE merges the best-scored piece first: the piece order, which HF's merges follow
+            token_scores.append(-float(i) if normal else 0.0)
+
+    normalizers = _flatten(state.get("normalizer"), "normalizers")
+    charsmap = next((n["precompiled_charsmap"] for n in normalizers if n["type"] == "Precompiled"), None)
+    metaspace = any(n["type"] == "Replace" and n["content"] == "▁" for n in normalizers)
+    prepends = any(n["type"] == "Prepend" for n in normalizers)
+    pre_tokenizers = _flatten(state.get("pre_tokenizer"), "pretokenizers")
+    probe = tokenizer("a").input_ids
+    vocabulary = Vocabulary(
+        model="", tokens=tokens, types=[int(t) for t in types], special_ids={k: v for k, v in special.items()
+                                                                             if v is not None},
+        add_bos=bool(probe) and probe[0] == special["bos"], add_eos=bool(probe) and probe[-1] == special["eos"],
+        chat_template=tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None)
+    if prepends or any(p.get("add_prefix_space") or p.get("prepend_scheme") not in (None, "never")
+                       for p in pre_tokenizers):
+        raise StageInputError(f"{path}: the tokenizer adds a space prefix; gptpipe's GGUF export writes tokenizers "
+                              "without one (add_space_prefix false)")
+    if model["type"] == "Unigram":
+        if not metaspace:
+            raise StageInputError(f"{path}: a Unigram model without the \" \" → \"▁\" normalizer is not a "
+                                  "SentencePiece tokenizer llama.cpp's UGM vocabulary reproduces")
+        vocabulary.model, vocabulary.scores = "t5", token_scores
+        vocabulary.precompiled_charsmap = base64.b64decode(charsmap) if charsmap else None
+    elif metaspace and byte_fallback:
+        if charsmap:
+            raise StageInputError(f"{path}: llama.cpp's SPM vocabulary applies no normalization rules; this "
+                                  "tokenizer has some (train it with normalization: identity)")
+        vocabulary.model, vocabulary.scores = "llama", token_scores
+    elif [p["type"] for p in pre_tokenizers][-1:] == ["ByteLevel"]:
+        vocabulary.model, vocabulary.pre = "gpt2", _byte_level_pre(pre_tokenizers, path)
+        if state.get("normalizer"):
+            raise StageInputError(f"{path}: a byte-level tokenizer with a normalizer has no llama.cpp "
+                                  "pre-tokenizer here")
+        vocabulary.merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    else:
+        raise StageInputError(f"{path}: a BPE model that is neither SentencePiece-style (\"▁\" with byte fallback) "
+                              "nor byte-level has no GGUF vocabulary type here")
+    return vocabulary
+
+
+def _flatten(node: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
+    if node is None:
+        return []
+    if node["type"] == "Sequence":
+        return [leaf for child in node[key] for leaf in _flatten(child, key)]
+    return [node]
+
+
+def _byte_level_pre(pre_tokenizers: list[dict[str, Any]], path: Path) -> str:
+    """llama.cpp's name for the regex that splits text before byte-level BPE."""
+    *splits, byte_level = pre_tokenizers
+    if not splits and byte_level.get("use_regex", True):
+        return "gpt-2"
+    if len(splits) == 1 and splits[0]["type"] == "Split" and not byte_level.get("use_regex", True):
+        name = PRE_TOKENIZERS.get(splits[0]["pattern"].get("Regex", ""))
+        if name:
+            return name
+    raise StageInputError(f"{path}: its pre-tokenizer is not one llama.cpp knows by name here "
+                          f"(supported: {', '.join(PRE_TOKENIZERS.values())})")
+
+
+def permute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """HF Llama's Q/K rows (per head: the first half of the dimensions pairs with the second half) in
+    llama.cpp's order (per head: pairs are adjacent rows)."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape)
+
+
+def hf_tensors(folder: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, float32 array) of every tensor in the folder's safetensors files."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise StageInputError(f"no *.safetensors in {folder}")
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+                yield name, handle.get_tensor(name).float().numpy()
+
+
+def model_config(folder: Path) -> tuple[str, Any]:
+    """(llama.cpp architecture, transformers config) of the folder; refuses what this writer does not map."""
+    from transformers import AutoConfig
+
+    if not (folder / "config.json").is_file():
+        raise StageInputError(f"{folder / 'config.json'} not found: --model must be an exported HuggingFace folder")
+    config = AutoConfig.from_pretrained(str(folder))
+    names = config.architectures or [config.model_type]
+    arch = next((ARCHITECTURES[n] for n in names if n in ARCHITECTURES), None)
+    if arch is None:
+        raise StageInputError(f"{folder / 'config.json'}: architecture {names} is not supported by `gptpipe gguf` "
+                              f"(supported: {', '.join(ARCHITECTURES)})")
+    if arch == "llama":
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        if rope.get("rope_type", "default") != "default":
+            raise StageInputError(f"{folder / 'config.json'}: RoPE scaling {rope} is not written to GGUF here")
+        if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+            raise StageInputError(f"{folder / 'config.json'}: Llama biases are not written to GGUF here")
+    return arch, config
+
+
+def _add_hyperparameters(writer: Any, arch: str, config: Any) -> None:
+    if arch == "llama":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rope = getattr(config, "rope_parameters", None) or {}
+        writer.add_context_length(config.max_position_embeddings)
+        writer.add_embedding_length(config.hidden_size)
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_block_count(config.num_hidden_layers)
+        writer.add_head_count(config.num_attention_heads)
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    else:
+        writer.add_context_length(config.n_positions)
+        writer.add_embedding_length(config.n_embd)
+        writer.add_feed_forward_length(config.n_inner or 4 * config.n_embd)
+        writer.add_block_count(config.n_layer)
+        writer.add_head_count(config.n_head)
+        writer.add_layer_norm_eps(config.layer_norm_epsilon)
+    writer.add_vocab_size(config.vocab_size)
+
+
+def _add_vocabulary(writer: Any, vocab: Vocabulary) -> None:
+    writer.add_tokenizer_model(vocab.model)
+    if vocab.pre:
+        writer.add_tokenizer_pre(vocab.pre)
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_types(vocab.types)
+    if vocab.scores is not None:
+        writer.add_token_scores(vocab.scores)
+    if vocab.merges is not None:
+        writer.add_token_merges(vocab.merges)
+    if vocab.precompiled_charsmap:
+        writer.add_precompiled_charsmap(vocab.precompiled_charsmap)
+    for name, token_id in vocab.special_ids.items():
+        getattr(writer, f"add_{name}_token_id")(token_id)
+    writer.add_add_bos_token(vocab.add_bos)
+    writer.add_add_eos_token(vocab.add_eos)
+    writer.add_add_space_prefix(False)
+    writer.add_remove_extra_whitespaces(False)
+    if vocab.chat_template:
+        writer.add_chat_template(vocab.chat_template)
+
+
+def gguf_tensors(arch: str, config: Any, tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array in llama.cpp's layout) for every HF tensor."""
+    from gguf import MODEL_ARCH, get_tensor_name_map
+
+    layers = config.num_hidden_layers if arch == "llama" else config.n_layer
+    names = get_tensor_name_map(MODEL_ARCH.LLAMA if arch == "llama" else MODEL_ARCH.GPT2, layers)
+    for name, data in tensors:
+        if name.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")):  # buffers, not weights
+            continue
+        new_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if new_name is None:
+            raise StageInputError(f"tensor {name} has no llama.cpp {arch} name")
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            data = permute_rope_rows(data, config.num_attention_heads)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            data = permute_rope_rows(data, config.num_key_value_heads)
+        elif arch == "gpt2" and data.ndim == 2 and not name.endswith(("wte.weight", "wpe.weight", "lm_head.weight")):
+            data = data.T  # GPT-2's Conv1D stores (in, out)
+        yield new_name, np.ascontiguousarray(data)
+
+
+def write_gguf(folder: Path, path: Path, outtype: str, name: str) -> dict[str, Any]:
+    """Write ``folder`` as a GGUF file at ``path`` (atomically); returns counts for the manifest."""
+    import gguf
+
+    arch, config = model_config(folder)
+    vocab = read_vocabulary(folder, config.vocab_size)
+    qtype = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16,
+             "q8_0": gguf.GGMLQuantizationType.Q8_0}[outtype]
+    file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
+    with atomic_path(path) as tmp:
+        writer = gguf.GGUFWriter(tmp, arch=arch)
+        writer.add_name(name)
+        _add_hyperparameters(writer, arch, config)
+        writer.add_file_type(file_type)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        _add_vocabulary(writer, vocab)
+        kept_f16 = 0
+        tensors = 0
+        for new_name, data in gguf_tensors(arch, config, hf_tensors(folder)):
+            tensor_type = qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32
+            if tensor_type == gguf.GGMLQuantizationType.Q8_0 and data.shape[-1] % 32:
+                tensor_type, kept_f16 = gguf.GGMLQuantizationType.F16, kept_f16 + 1  # Q8_0 blocks are 32 wide
+            writer.add_tensor(new_name, gguf.quants.quantize(data, tensor_type), raw_dtype=tensor_type)
+            tensors += 1
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return {"arch": arch, "outtype": outtype, "vocabulary": vocab.model, "pre_tokenizer": vocab.pre,
+            "tokens": len(vocab.tokens), "tensors": tensors, "tensors_kept_f16": kept_f16,
+            "chat_template": vocab.chat_template is not None, "bytes": path.stat().st_size}
+
+
+def modelfile(gguf_name: str, chat_template: bool) -> str:
+    """An Ollama Modelfile for the GGUF beside it: greedy-friendly defaults, no template of Ollama's own
+    (a model without a chat template continues raw text)."""
+    lines = [f"FROM ./{gguf_name}"]
+    if not chat_template:
+        lines.append('TEMPLATE """{{ .Prompt }}"""')
+    return "\n".join(lines) + "\n"
+
+
+# --- checking the file with llama.cpp itself (scripts/build_llamacpp.sh) ---------------------------------------
+def llamacpp_tool(name: str) -> Path | None:
+    """A llama.cpp tool built by scripts/build_llamacpp.sh, or None when the build is absent."""
+    path = LLAMACPP_HOME / "build" / "bin" / name
+    return path if path.is_file() else None
+
+
+def llamacpp_version() -> str:
+    path = LLAMACPP_HOME / "build" / "bin" / "VERSION"
+    return path.read_text(encoding="utf-8").strip().replace("\n", ", ") if path.is_file() else "not built"
+
+
+def llamacpp_ids(gguf_path: Path, text: str) -> list[int]:
+    """llama.cpp's ids for ``text`` (BOS as the GGUF says; literal special-token text stays text, as in HF)."""
+    tool = llamacpp_tool("llama-tokenize")
+    if tool is None:
+        raise FileNotFoundError("llama-tokenize not built: run scripts/build_llamacpp.sh")
+    done = subprocess.run([str(tool), "-m", str(gguf_path), "--stdin", "--ids", "--no-escape", "--no-parse-special",
+                           "--log-disable"],
+                          input=text.encode(), capture_output=True, check=True)
+    return json.loads(done.stdout.decode().strip().splitlines()[-1])
+
+
+def llamacpp_greedy(gguf_path: Path, prompt: str, max_new_tokens: int) -> str:
+    """llama.cpp's greedy continuation (llama-simple): the prompt's text followed by the generated text."""
+    tool = llamacpp_tool("llama-simple")
+    if tool is None:
+        raise FileNotFoundError("llama-simple not built: run scripts/build_llamacpp.sh")
+    done = subprocess.run([str(tool), "-m", str(gguf_path), "-n", str(max_new_tokens), prompt],
+                          capture_output=True, check=True)
+    return done.stdout.removesuffix(b"\n").decode("utf-8", errors="replace")
+
+
+def transformers_greedy(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int) -> str:
+    """transformers' greedy continuation, written as llama-simple prints one (special tokens as text, the
+    end-of-sequence token that stops it left out)."""
+    import torch
+
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    tokens = out[0].tolist()
+    if tokens[-1] == tokenizer.eos_token_id and len(tokens) > ids.shape[1]:
+        tokens = tokens[:-1]
+    return tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def llamacpp_report(gguf_path: Path, folder: Path, texts: list[str], prompts: list[str],
+                    max_new_tokens: int = 24) -> dict[str, Any]:
+    """How llama.cpp runs the GGUF compared with transformers on the HF folder: texts whose ids differ
+    (and how many of those hold a character the HF tokenizer writes as bytes), and prompts whose greedy
+    continuation differs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    differing, byte_fallback, examples = 0, 0, []
+    byte_ids = {i for i, t in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+                if t and BYTE_PIECE.fullmatch(t)}
+    for text in texts:
+        want, got = tokenizer(text).input_ids, llamacpp_ids(gguf_path, text)
+        if want != got:
+            differing += 1
+            byte_fallback += bool(byte_ids & set(want))
+            if len(examples) < 3:
+                examples.append(f"{text[:40]!r}: HF {want[:12]} vs llama.cpp {got[:12]}")
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype="float32").eval()
+    greedy_differing = []
+    for prompt in prompts:
+        want, got = transformers_greedy(model, tokenizer, prompt, max_new_tokens), llamacpp_greedy(
+            gguf_path, prompt, max_new_tokens)
+        if want != got:
+            greedy_differing.append(f"{prompt!r}: transformers {want!r} vs llama.cpp {got!r}")
+    return {"llama_cpp": llamacpp_version(), "texts": len(texts), "texts_differing": differing,
+            "texts_differing_with_byte_fallback": byte_fallback, "examples": examples, "prompts": len(prompts),
+            "greedy_differing": greedy_differing}
+
+
+def run(config: ConvertConfig, args: argparse.Namespace) -> int:
+    """`gptpipe gguf`: write the GGUF folder (skipped when current), check it with llama.cpp when built."""
+    from gptpipe.tokenizer.hf import TRICKY_STRINGS
+
+    model_dir = Path(args.model or config.output_tokenizer_and_model_dir)
+    if not model_dir.is_dir():
+        raise StageInputError(f"{model_dir} not found: export a model first (gptpipe convert) or pass --model")
+    if CONVERT.has_manifest(model_dir):  # a gptpipe export: only a verified one
+        CONVERT.require(model_dir)
+        model_input = CONVERT.fingerprint(model_dir)
+    else:
+        model_input = tree_fingerprint([p for p in model_dir.iterdir() if p.is_file()])
+    out = Path(args.output or model_dir.with_name(f"{model_dir.name}-gguf-{args.outtype}"))
+    name = f"{model_dir.name}-{args.outtype}.gguf"
+    settings = {"outtype": args.outtype, "model": str(model_dir), "test_prompt_text": config.test_prompt_text}
+
+    def work() -> StageResult:
+        counts = write_gguf(model_dir, out / name, args.outtype, model_dir.name)
+        write_text_atomic(out / "Modelfile", modelfile(name, counts["chat_template"]))
+        if llamacpp_tool("llama-tokenize") and llamacpp_tool("llama-simple"):
+            counts["llamacpp_check"] = llamacpp_report(out / name, model_dir, list(TRICKY_STRINGS),
+                                                       [config.test_prompt_text])
+        return StageResult([out / name, out / "Modelfile"], counts)
+
+    manifest = GGUF.run(out, settings, {"model": model_input}, work, force=args.force,
+                        versions=("gguf", "transformers", "tokenizers"))
+    check = manifest.counts.get("llamacpp_check")
+    if check:
+        print(f"llama.cpp ({check['llama_cpp']}): {check['texts_differing']}/{check['texts']} texts tokenized "
+              f"differently ({check['texts_differing_with_byte_fallback']} of them hold byte-fallback characters); "
+              f"{len(check['greedy_differing'])}/{check['prompts']} greedy continuations differ")
+    else:
+        print("not checked with llama.cpp (build it once with scripts/build_llamacpp.sh, then rerun with --force)")
+    print(f"wrote {out / name}\n"
+          f"  llama.cpp: llama-cli -m {out / name} -p {config.test_prompt_text!r} -n 64 --temp 0\n"
+          f"  Ollama:    cd {out} && ollama create {model_dir.name} -f Modelfile && ollama run {model_dir.name}")
+    return EXIT_OK

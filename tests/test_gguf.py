@@ -1,0 +1,209 @@
+"""`gptpipe gguf` on a tiny Llama with a small SentencePiece tokenizer trained here on the man-page corpus.
+
+The quick tier reads the written file back with the `gguf` package's reader (vocabulary, special ids, tensors
+against the safetensors); the ``llamacpp`` tier runs llama.cpp itself (scripts/build_llamacpp.sh) and is
+skipped, with the reason, where that build is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from conftest import corpus_texts, train_small_tokenizer
+from gptpipe.cli import main
+from gptpipe.export import gguf as export_gguf
+from gptpipe.stage import Manifest
+from gptpipe.tokenizer.hf import TRICKY_STRINGS
+
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
+SMALLER = ("input_sentence_size=5000",)  # a unigram model in seconds
+# A random model's logits have near-ties that f16 weights break differently: the BPE model's first prompt has
+# its top two logits 0.004 apart at the 7th token, where llama.cpp picks the second (its other steps: gaps of
+# 0.1 and more). The first tokens already show a wrong layout or vocabulary.
+GREEDY_TOKENS = 6
+PROMPTS = ("ディレクトリの内容を", "ls -la を実行すると", "NAME\n    cp - ファイルをコピーする\n\n")
+
+
+def tiny_llama(tokenizer_hf: Path, folder: Path) -> Path:
+    """A random Llama (grouped KV heads, untied head) saved with the stage-1 tokenizer files, byte for byte.
+    Its large init std makes the next-token logits far apart, so greedy decoding does not hinge on rounding."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_hf)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=HEADS * HEAD_DIM, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                         max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=False,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    for path in tokenizer_hf.iterdir():
+        shutil.copy(path, folder / path.name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def unigram_llama(corpus_dir: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tokenizer = tmp_path_factory.mktemp("tok") / "unigram"
+    assert train_small_tokenizer(workspace, tokenizer, *SMALLER) == 0
+    return tiny_llama(tokenizer / "hf", tmp_path_factory.mktemp("models") / "unigram")
+
+
+@pytest.fixture(scope="module")
+def bpe_llama(corpus_dir: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tokenizer = tmp_path_factory.mktemp("tok") / "bpe"
+    assert train_small_tokenizer(workspace, tokenizer, *SMALLER, "model_type=bpe") == 0
+    return tiny_llama(tokenizer / "hf", tmp_path_factory.mktemp("models") / "bpe")
+
+
+def write(workspace: Path, model: Path, outtype: str) -> Path:
+    """`gptpipe gguf` on ``model``; the .gguf path."""
+    assert main(["gguf", "--config", str(workspace / "convert_config.yaml"), "--model", str(model),
+                 "--outtype", outtype]) == 0
+    return model.with_name(f"{model.name}-gguf-{outtype}") / f"{model.name}-{outtype}.gguf"
+
+
+def field(reader: object, key: str) -> object:
+    value = reader.fields[key]
+    if len(value.types) > 1:  # an array
+        return [value.contents(i) for i in range(len(value.data))]
+    return value.contents()
+
+
+def test_unigram_vocabulary_and_f16_tensors(unigram_llama: Path, workspace: Path) -> None:
+    from gguf import GGUFReader, TokenType, dequantize
+
+    path = write(workspace, unigram_llama, "f16")
+    reader = GGUFReader(path)
+    state = json.loads((unigram_llama / "tokenizer.json").read_text(encoding="utf-8"))
+    pieces = [piece for piece, _ in state["model"]["vocab"]]
+    config = json.loads((unigram_llama / "config.json").read_text())
+    tokenizer_config = json.loads((unigram_llama / "tokenizer_config.json").read_text())
+
+    assert field(reader, "general.architecture") == "llama"
+    assert field(reader, "tokenizer.ggml.model") == "t5"  # llama.cpp's UGM vocabulary
+    assert field(reader, "tokenizer.ggml.add_space_prefix") is False
+    assert field(reader, "tokenizer.ggml.add_bos_token") is False
+    assert field(reader, "tokenizer.ggml.tokens") == pieces
+    for key, name in (("bos", "bos"), ("eos", "eos"), ("padding", "pad")):
+        assert field(reader, f"tokenizer.ggml.{key}_token_id") == config[f"{name}_token_id"]
+    assert pieces[field(reader, "tokenizer.ggml.unknown_token_id")] == tokenizer_config["unk_token"]
+    types = field(reader, "tokenizer.ggml.token_type")
+    scores = field(reader, "tokenizer.ggml.scores")
+    by_piece = dict(zip(pieces, types))
+    assert by_piece["<unk>"] == TokenType.UNKNOWN
+    assert by_piece["<s>"] == by_piece["</s>"] == by_piece["<pad>"] == TokenType.CONTROL
+    assert by_piece["<0xE3>"] == TokenType.BYTE
+    assert by_piece["\n"] == TokenType.USER_DEFINED
+    normal = [i for i, t in enumerate(types) if t == TokenType.NORMAL]
+    assert len(normal) > 1500
+    assert [scores[i] for i in normal] == pytest.approx([state["model"]["vocab"][i][1] for i in normal])
+    # llama.cpp's penalty for an unknown character follows the lowest normal score: the trained pieces' range.
+    assert min(scores[i] for i in normal) > -100
+
+    weights = load_file(unigram_llama / "model.safetensors")
+    tensors = {t.name: t for t in reader.tensors}
+    assert len(tensors) == len(weights)
+    embedding = tensors["token_embd.weight"]
+    assert embedding.tensor_type.name == "F16" and tensors["blk.0.attn_norm.weight"].tensor_type.name == "F32"
+    np.testing.assert_allclose(embedding.data.astype(np.float32), weights["model.embed_tokens.weight"], rtol=1e-3,
+                               atol=1e-6)
+    np.testing.assert_array_equal(tensors["output_norm.weight"].data, weights["model.norm.weight"])
+    # llama.cpp rotates adjacent rows (2j, 2j+1) of a head; HF rotates row j with row j + head_dim/2.
+    for name, heads in (("q_proj", HEADS), ("k_proj", KV_HEADS)):
+        hf = weights[f"model.layers.1.self_attn.{name}.weight"].reshape(heads, HEAD_DIM, -1)
+        got = dequantize(tensors[f"blk.1.attn_{name[0]}.weight"].data, embedding.tensor_type).reshape(
+            heads, HEAD_DIM, -1)
+        half = HEAD_DIM // 2
+        np.testing.assert_allclose(got[:, 0::2], hf[:, :half], rtol=1e-3, atol=1e-4)
+        np.testing.assert_allclose(got[:, 1::2], hf[:, half:], rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(tensors["blk.1.attn_v.weight"].data.astype(np.float32),
+                               weights["model.layers.1.self_attn.v_proj.weight"], rtol=1e-3, atol=1e-6)
+
+    manifest = Manifest.read(path.parent / "manifest.json")
+    assert manifest.complete and manifest.counts["vocabulary"] == "t5"
+    assert set(manifest.outputs) == {path.name, "Modelfile"}
+    assert (path.parent / "Modelfile").read_text().startswith(f"FROM ./{path.name}\n")
+
+
+def test_rerun_is_up_to_date_and_q8_0_is_close(unigram_llama: Path, workspace: Path,
+                                                 capfd: pytest.CaptureFixture) -> None:
+    from gguf import GGUFReader, dequantize
+
+    path = write(workspace, unigram_llama, "f16")
+    mtime = path.stat().st_mtime_ns
+    assert write(workspace, unigram_llama, "f16").stat().st_mtime_ns == mtime
+    assert "up to date" in capfd.readouterr().err
+
+    weights = load_file(unigram_llama / "model.safetensors")
+    tensor = next(t for t in GGUFReader(write(workspace, unigram_llama, "q8_0")).tensors
+                  if t.name == "blk.0.ffn_down.weight")
+    assert tensor.tensor_type.name == "Q8_0"
+    want = weights["model.layers.0.mlp.down_proj.weight"]
+    got = dequantize(tensor.data, tensor.tensor_type).reshape(want.shape)
+    assert np.abs(got - want).max() < np.abs(want).max() / 100
+
+
+def test_sentencepiece_bpe_is_the_spm_vocabulary(bpe_llama: Path, workspace: Path) -> None:
+    from gguf import GGUFReader, TokenType
+
+    reader = GGUFReader(write(workspace, bpe_llama, "bf16"))
+    assert field(reader, "tokenizer.ggml.model") == "llama"
+    assert field(reader, "tokenizer.ggml.add_space_prefix") is False
+    types, scores = field(reader, "tokenizer.ggml.token_type"), field(reader, "tokenizer.ggml.scores")
+    normal = [scores[i] for i, t in enumerate(types) if t == TokenType.NORMAL]
+    assert normal == sorted(normal, reverse=True)  # merged best first, in piece order as HF's merges rank them
+    assert next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight").tensor_type.name == "BF16"
+
+
+def test_unsupported_architecture_is_refused(tmp_path: Path, workspace: Path, capfd: pytest.CaptureFixture) -> None:
+    from transformers import GPTNeoXConfig
+
+    GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                  intermediate_size=64).save_pretrained(tmp_path / "neox")
+    assert main(["gguf", "--config", str(workspace / "convert_config.yaml"), "--model", str(tmp_path / "neox")]) == 2
+    err = capfd.readouterr().err
+    assert "gpt_neox" in err and "LlamaForCausalLM, GPT2LMHeadModel" in err
+    assert not (tmp_path / "neox-gguf-f16").exists()
+
+
+# --- llama.cpp itself ------------------------------------------------------------------------------------------
+needs_llamacpp = pytest.mark.skipif(
+    export_gguf.llamacpp_tool("llama-simple") is None,
+    reason=f"llama.cpp not built in {export_gguf.LLAMACPP_HOME}: run scripts/build_llamacpp.sh (~10 min)")
+
+
+def heldout_texts(corpus_dir: Path) -> list[str]:
+    """Man-page text as it is (spaces, newlines, digits, rare characters) in pieces of a few lines."""
+    texts = []
+    for document in corpus_texts(corpus_dir)[-40:]:
+        lines = document.split("\n")
+        texts += ["\n".join(lines[i:i + 6]) for i in range(0, min(len(lines), 60), 6)]
+    return [*texts, *TRICKY_STRINGS]
+
+
+@pytest.mark.llamacpp
+@needs_llamacpp
+@pytest.mark.parametrize("model", ["unigram_llama", "bpe_llama"])
+def test_llamacpp_tokenizes_and_generates_as_transformers(model: str, request: pytest.FixtureRequest,
+                                                          corpus_dir: Path, workspace: Path) -> None:
+    folder = request.getfixturevalue(model)
+    texts = heldout_texts(corpus_dir)
+    for outtype in ("f16", "bf16"):
+        report = export_gguf.llamacpp_report(write(workspace, folder, outtype), folder, texts, list(PROMPTS),
+                                             GREEDY_TOKENS)
+        print(outtype, json.dumps(report, ensure_ascii=False))
+        assert not report["greedy_differing"], report["greedy_differing"]
+        if model == "bpe_llama":  # llama.cpp's SPM vocabulary has byte fallback
+            assert report["texts_differing"] == 0, report["examples"]
+        else:  # its UGM one has none: only texts with characters no piece covers may differ
+            assert report["texts_differing"] == report["texts_differing_with_byte_fallback"], report["examples"]
+    report = export_gguf.llamacpp_report(write(workspace, folder, "q8_0"), folder, [], list(PROMPTS), GREEDY_TOKENS)
+    print("q8_0 greedy continuations differing:", len(report["greedy_differing"]), "of", len(PROMPTS))
