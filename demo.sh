@@ -28,6 +28,8 @@ else
   step "stage 6: upload (dry run: set HF_TOKEN or run 'hf auth login' to upload for real)"
   python 6_upload.py --config demo/convert_config.yaml --dry-run
 fi
+step "stage 4: GGUF for llama.cpp / Ollama (checked with llama.cpp itself after scripts/build_llamacpp.sh)"
+python -m gptpipe gguf --config demo/convert_config.yaml --outtype f16
 step "stage 5: play (5_play_with_model.ipynb does the same in a notebook)"
 python -m gptpipe generate --config demo/convert_config.yaml --max-new-tokens 48
 
