@@ -14,7 +14,8 @@ from pathlib import Path
 
 import orjson
 import pytest
-from conftest import QUIET_RUN, SHIFT, byte_level_bpe, corpus_texts, manifest_counts, metrics, run_cli, run_train
+from conftest import (QUIET_RUN, SHIFT, byte_level_bpe, corpus_texts, finetune_args, gptpipe_command, manifest_counts,
+                      metrics, run_cli, run_train)
 
 from gptpipe.cli import main
 from gptpipe.config.core import load_config
@@ -287,6 +288,34 @@ def test_a_short_mixtral_run_leaves_no_expert_of_any_layer_starved(datasets, tok
     fair = 1 / 8
     assert [closing[f"val_expert_share_min/layer{i}"] > fair / 4 for i in range(4)] == [True] * 4, closing
     assert closing["val_experts_starved"] == 0
+
+
+@pytest.mark.slow
+def test_stage_7_fine_tunes_the_base_beside_the_continued_model(datasets, tokenizers, task_files, workspace: Path,
+                                                                tmp_path: Path) -> None:
+    """baseline.model=base: the fine-tune of a continued export, and the same fine-tune of the base folder its
+    manifest records, side by side; a model.path that is no continued export is refused before any training."""
+    base = make_base("llama", tokenizers["sp"], tmp_path / "base")
+    run = tmp_path / "run"
+    done = run_train(*train_args(workspace, base, datasets["sp"], run))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert convert(workspace, run, tmp_path / "export") == 0
+    tuned = tmp_path / "finetune"
+    steps = ("train.global_batch_size=8", "train.train_iters=2", "train.eval_interval=1000",
+             "train.best_metric=accuracy", "baseline.model=base")
+    done = gptpipe_command("finetune", *finetune_args(tmp_path / "export", task_files, tuned, *steps))
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tuned / "finetune_summary.json").read_text(encoding="utf-8"))
+    assert list(summary["comparison"]) == ["model", "base", "classical", "majority"]
+    baseline = json.loads((tuned / "baselines" / "base" / "finetune_summary.json").read_text(encoding="utf-8"))
+    assert baseline["task"]["pretrained_model"] == str(base)
+    assert summary["comparison"]["base"]["accuracy"] == baseline["best"]["metrics"]["accuracy"]
+    assert "the base model before continued pretraining" in done.stderr
+
+    done = gptpipe_command("finetune", *finetune_args(base, task_files, tmp_path / "refused", *steps))
+    assert done.returncode == EXIT_BAD_INPUT
+    assert "is not a gptpipe export of a continued-pretraining run" in done.stderr
+    assert not (tmp_path / "refused").exists()
 
 
 @pytest.mark.slow

@@ -410,11 +410,13 @@ def test_baselines_are_reported_beside_the_model(tiny_lm: Path, task_files: tupl
     assert f"{verdict} classical: accuracy {model['accuracy']:.4f} vs {classical['accuracy']:.4f}" in done.stderr
 
 
-def test_a_base_model_baseline_is_refused_until_exports_record_it(tmp_path: Path) -> None:
+def test_a_base_model_baseline_needs_a_continued_pretraining_export(tmp_path: Path) -> None:
+    """model.path without stage 4's manifest naming a base: refused before anything is written."""
     done = gptpipe("finetune", "--config", REPO / "finetune_config.yaml", "baseline.model=base",
-                   f"train.output_model_dir={tmp_path / 'run'}")
+                   f"model.path={tmp_path / 'model'}", f"train.output_model_dir={tmp_path / 'run'}")
     assert done.returncode == 2, done.stderr[-3000:]
-    assert "baseline.model: base needs the model a continued-pretraining run started from" in done.stderr
+    assert f"{tmp_path / 'model'} is not a gptpipe export of a continued-pretraining run" in done.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def kill_after_step(args: list[str], run: Path, step: int) -> None:

@@ -3,6 +3,9 @@
 
 - scratch: model.path's architecture from random initialisation, fine-tuned with the same settings and rows in
   <run>/baselines/scratch. A pretrained start that does not beat it did not help the task.
+- base: the base model a continued-pretraining export started from (its manifest records the folder and the
+  hashes of its files), fine-tuned alike in <run>/baselines/base. Continued pretraining that does not beat it
+  did not help the task.
 - classical (classification): character 1-4-gram TF-IDF and logistic regression (scikit-learn), fitted on the
   training rows the model trained on and scored on the same validation rows, with the same metrics.
 """
@@ -18,10 +21,33 @@ from gptpipe.finetune.metrics import TASK_METRICS, VAL_LOSS, classification_metr
 if TYPE_CHECKING:
     from gptpipe.finetune.train import TaskData
 
-SCRATCH_DIR = Path("baselines") / "scratch"  # the scratch fine-tune's run folder, inside the model's
+BASELINES_DIR = Path("baselines")  # <run>/baselines/<scratch|base>: the baseline fine-tunes' run folders
 DESCRIPTIONS = {"scratch": "the same architecture from random initialisation, fine-tuned alike",
+                "base": "the base model before continued pretraining, fine-tuned alike",
                 "classical": "character 1-4-gram TF-IDF + logistic regression",
                 "majority": "always the most frequent training label"}
+
+
+def base_of(model_path: Path) -> Path:
+    """The base folder a continued-pretraining export (model.path) started from, as stage 4's manifest records
+    it; refused when model.path is no such export or the base's files changed since."""
+    import hashlib
+
+    from gptpipe.stage import Manifest, StageInputError
+    from gptpipe.stages import CONVERT
+
+    manifest = CONVERT.manifest_path(model_path)
+    record = Manifest.read(manifest).inputs.get("base_model") if manifest.is_file() else None
+    if record is None:
+        raise StageInputError(f"baseline.model=base: {model_path} is not a gptpipe export of a continued-"
+                              f"pretraining run ({manifest} records no base model); use baseline.model=scratch")
+    folder = Path(record["folder"])
+    changed = [name for name, sha in record["sha256"].items() if not (folder / name).is_file()
+               or hashlib.sha256((folder / name).read_bytes()).hexdigest() != sha]
+    if changed:
+        raise StageInputError(f"baseline.model=base: the base folder {folder} recorded in {manifest} is gone or "
+                              f"changed since the export ({', '.join(changed[:5])})")
+    return folder
 
 
 def classical_baseline(task: TaskData) -> dict[str, Any]:

@@ -100,8 +100,8 @@ class BaselineConfig:
     model: Literal["none", "scratch", "base"] = option(
         "none", "also fine-tune a baseline model with the same settings and rows, in <run>/baselines/<kind>, and "
                 "report it beside the model: scratch = model.path's architecture from random initialisation; "
-                "base = the model a continued-pretraining run started from (its model.init_from; not recorded "
-                "in exports yet, so refused)")
+                "base = the model a continued-pretraining export (model.path) started from, as its manifest "
+                "records it")
     classical: bool = option(
         True, "classification: also fit character 1-4-gram TF-IDF + logistic regression (scikit-learn, seconds) "
               "on the training rows and score the validation rows with the same metrics")
@@ -147,10 +147,6 @@ class FinetuneConfig:
         if self.train.best_metric not in allowed:
             problems.append(("train.best_metric", f"must be one of {', '.join(allowed)} for a {self.task.kind} "
                                                   f"task, got {self.train.best_metric!r}"))
-        if self.baseline.model == "base":
-            problems.append(("baseline.model", "base needs the model a continued-pretraining run started from "
-                                               "(model.init_from), which model.path does not record yet; use "
-                                               "scratch, or fine-tune that base model as its own run"))
         if self.data.validation is None and not 0 < self.data.validation_proportion < 1:
             problems.append(("data.validation_proportion", "must be in (0, 1) when data.validation is null"))
         return problems

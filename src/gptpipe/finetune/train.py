@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,8 @@ import torch
 from gptpipe.config.core import to_plain
 from gptpipe.data.jsonl import CUT_TO_FIT, TOO_LONG, Reasons
 from gptpipe.finetune.baseline import (
-    SCRATCH_DIR,
+    BASELINES_DIR,
+    base_of,
     classical_baseline,
     comparison,
     format_comparison,
@@ -157,6 +159,7 @@ def run(config: FinetuneConfig, args: argparse.Namespace) -> int:
 def _finetune(config: FinetuneConfig, dist: Dist) -> int:
     train = config.train
     try:
+        base = base_of(config.model.path) if config.baseline.model == "base" else None
         task = load_task(config)
         micro = train.micro_batch_size or train.global_batch_size // dist.world_size
         if micro < 1 or train.global_batch_size % (micro * dist.world_size):
@@ -190,25 +193,28 @@ def _finetune(config: FinetuneConfig, dist: Dist) -> int:
     code = tuner.fit()
     if code != EXIT_OK:
         return code
-    return _baselines(config, task, tuner, micro, accumulation, ds_config, wandb_block, dist)
+    return _baselines(config, task, tuner, micro, accumulation, ds_config, wandb_block, dist, base)
 
 
 def _baselines(config: FinetuneConfig, task: TaskData, tuner: FineTuner, micro: int, accumulation: int,
-               ds_config: dict[str, Any], wandb_block: dict[str, Any], dist: Dist) -> int:
-    """The baselines of finetune_config.yaml's `baseline:` after the model's own run, then the summary and
-    the console comparison; returns the exit code (a scratch run stopped by a signal: 75, rerun to resume)."""
+               ds_config: dict[str, Any], wandb_block: dict[str, Any], dist: Dist, base: Path | None) -> int:
+    """The baselines of finetune_config.yaml's `baseline:` after the model's own run (`base`: the folder
+    baseline.model=base starts from), then the summary and the console comparison; returns the exit code (a
+    baseline run stopped by a signal: 75, rerun to resume)."""
     baselines: dict[str, dict[str, Any]] = {}
-    if config.baseline.model == "scratch":
-        tuner.engine = None  # the model's engine is done: its memory goes before the scratch model's comes
-        scratch_config = replace(config, train=replace(config.train,
-                                                       output_model_dir=tuner.run_dir / SCRATCH_DIR))
-        scratch = FineTuner(scratch_config, task, micro, accumulation, ds_config, wandb_block, dist,
-                            from_scratch=True)
-        code = scratch.fit()
+    kind = config.baseline.model
+    if kind != "none":
+        tuner.engine = None  # the model's engine is done: its memory goes before the baseline model's comes
+        model = replace(config.model, path=base) if base is not None else config.model
+        baseline_config = replace(config, model=model, train=replace(
+            config.train, output_model_dir=tuner.run_dir / BASELINES_DIR / kind))
+        baseline = FineTuner(baseline_config, task, micro, accumulation, ds_config, wandb_block, dist,
+                             from_scratch=kind == "scratch")
+        code = baseline.fit()
         if code != EXIT_OK:
             return code
-        assert scratch.best is not None
-        baselines["scratch"] = scratch.best["metrics"]
+        assert baseline.best is not None
+        baselines[kind] = baseline.best["metrics"]
     if config.baseline.classical and task.labels:
         baselines["classical"] = classical_baseline(task)
     if baselines and tuner.best is not None:
