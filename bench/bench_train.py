@@ -8,6 +8,7 @@ docs/benchmarks.md.
     .venv/bin/python bench/bench_train.py                          # 125m, seq 2048, bf16, 1 GPU
     .venv/bin/python bench/bench_train.py --micro 8 --checkpointing --compile
     .venv/bin/python bench/bench_train.py --smoke                  # tiny preset on CPU: checks it runs
+    .venv/bin/python bench/bench_train.py --continued              # the same, the weights from a saved folder
 
 MFU = FLOPs per token (6·N + 12·L·h·s, N without the embedding lookup) × tokens/s ÷ the GPU's dense peak
 (H100/H200 989 TFLOP/s bf16; override with --peak-tflops). The memory column compares torch's peak
@@ -21,7 +22,9 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -31,7 +34,7 @@ from gptpipe.pipeline import PipelineConfig
 from gptpipe.train.devices import peak_flops
 from gptpipe.train.engine import build_engine, deepspeed_config, setup_distributed, train_step
 from gptpipe.train.memory import EngineSettings, estimate_memory
-from gptpipe.train.model import build_model_config, count_parameters, flops_per_token, resolve_shape
+from gptpipe.train.model import build_model, build_model_config, count_parameters, flops_per_token, resolve_shape
 from gptpipe.train.schedule import Schedule
 
 VOCAB = 32000  # the shipped tokenizer's size (padded to 32,000 already)
@@ -57,6 +60,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (allocator, kernels, compile)")
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny preset, seq 128, fp32, 3 steps: runs on CPU")
+    parser.add_argument("--continued", action="store_true",
+                        help="load the weights from a HF folder as model.init_from does (the model built here, "
+                             "saved to a temporary folder first): continued pretraining's step against scratch's")
     args = parser.parse_args()
     if args.smoke:
         args.preset, args.seq, args.micro, args.precision, args.steps, args.warmup = "tiny", 128, 4, "fp32", 3, 1
@@ -77,8 +83,13 @@ def main() -> None:
     steps = args.warmup + args.steps
     ds_config, _ = deepspeed_config(train, args.micro, 1, dist.world_size, on_gpu)
     torch.manual_seed(0)
+    make_model = None
+    if args.continued:
+        base = Path(tempfile.mkdtemp(prefix="bench-base-"))
+        build_model(hf_config).save_pretrained(base)
+        make_model = lambda: build_model(hf_config, dist.device, init_from=base)
     engine, fused = build_engine(train, args.arch, hf_config, ds_config, Schedule.for_run(train, steps),
-                                 dist.device)
+                                 dist.device, make_model)
 
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (args.micro, args.seq + 1), generator=generator).to(dist.device)
@@ -108,7 +119,8 @@ def main() -> None:
         planned = predicted.total / 2**30  # what the allocator hands out, as planned
         print(f"| {args.arch} {args.preset} | seq {args.seq} | micro {args.micro} | {args.precision} ZeRO-{args.zero}"
               f"{' ckpt' if args.checkpointing else ''}{' compile' if args.compile else ''}"
-              f"{' liger' if fused else ''} | {name} ×{dist.world_size} | {tokens_per_s:,.0f} tok/s | MFU {mfu} | "
+              f"{' liger' if fused else ''}{' init_from' if args.continued else ''} | {name} ×{dist.world_size} | "
+              f"{tokens_per_s:,.0f} tok/s | MFU {mfu} | "
               f"peak {measured:.1f} GiB (planned {planned:.1f}) | loss {loss:.3f} |")
         print(f"command: {os.path.basename(sys.executable)} {' '.join(sys.argv)}", file=sys.stderr)
     if not math.isfinite(loss):  # CI runs --smoke: a diverged step is a broken training path, not a slow one
