@@ -1,6 +1,7 @@
 """Task metrics: classification by scikit-learn (with the majority-class baseline beside them, since
-imbalanced label sets are the norm), generation by exact match and chrF (sacrebleu, computed locally); and
-the catalogue every reader of them shares (training's best checkpoint, the console, predict, the card)."""
+imbalanced label sets are the norm), generation by exact match and chrF (sacrebleu, computed locally), chat
+by chrF of generated answers; and the catalogue every reader of them shares (training's best checkpoint, the
+console, predict, the card)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ class Metric:
 
 VAL_LOSS = Metric("val_loss", "loss", higher_is_better=False)
 TASK_METRICS = {"classification": (Metric("accuracy", "accuracy"), Metric("macro_f1", "macro-F1")),
-                "generation": (Metric("exact_match", "exact match"), Metric("chrf", "chrF", digits=2))}
+                "generation": (Metric("exact_match", "exact match"), Metric("chrf", "chrF", digits=2)),
+                "chat": (Metric("chrf", "chrF", digits=2),)}
 
 
 def metric(key: str) -> Metric:
