@@ -254,6 +254,12 @@ def test_chat_finetune_resumes_exactly_predicts_and_chats(chat_lm: Path, chat_fi
     losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
     assert losses[12] < losses[1]
     assert (whole / "tokenizer" / "chat_template.jinja").read_text(encoding="utf-8") == GPTPIPE_TEMPLATE
+    # The best checkpoint is the evaluation with the lowest assistant-token loss, kept and marked.
+    lowest = min(evals, key=lambda r: r["val_loss"])["step"]
+    assert checkpoint.best_tag(whole / "checkpoints") == checkpoint.tag_of(lowest)
+    summary = json.loads((whole / "finetune_summary.json").read_text(encoding="utf-8"))
+    eos = AutoTokenizer.from_pretrained(whole / "tokenizer").eos_token_id
+    assert summary["best"]["step"] == lowest and summary["task"]["stop_ids"] == [eos]
 
     # Killed (no handler runs) after step 6, then resumed from step 4: the same losses as the whole run.
     killed = tmp_path / "killed"
@@ -306,6 +312,19 @@ def test_chat_finetune_resumes_exactly_predicts_and_chats(chat_lm: Path, chat_fi
     assert talked.returncode == 0, talked.stderr[-3000:]
     assert talked.stdout == f"{one}\n{two}\n{one}\n"
     assert "conversation reset" in talked.stderr
+
+
+@pytest.mark.slow
+def test_packed_and_grouped_chat_runs_take_the_padded_runs_steps(chat_lm: Path, chat_files, tmp_path: Path) -> None:
+    """Chat rows pack like any other: the per-step losses of a packed run equal the padded run's."""
+    common = ("train.micro_batch_size=4", "train.train_iters=3", "train.eval_interval=1000")
+    losses = {}
+    for name, overrides in {"padded": (), "packed": ("train.packing=true",)}.items():
+        done = gptpipe_command("finetune", *chat_args(chat_lm, chat_files, tmp_path / name, *common, *overrides))
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses[name] = [r["loss"] for r in metrics_rows(tmp_path / name) if "loss" in r]
+    assert len(losses["packed"]) == 3
+    assert losses["packed"] == pytest.approx(losses["padded"], rel=1e-5)
 
 
 @pytest.mark.skipif(not manpages_installed(), reason="needs the Japanese man pages")
