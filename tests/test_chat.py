@@ -22,30 +22,25 @@ from gptpipe.finetune.chat_data import (ALPACA_JA_TEMPLATE, GPTPIPE_TEMPLATE, Ch
                                         save_tokenizer)
 from gptpipe.finetune.data import IGNORE
 
-SECTION_NAMES = {"1": "コマンド", "8": "管理コマンド"}
-
-
 def manpage_chats(count: int = 60) -> list[dict]:
-    """Two-turn conversations about the first man pages of sections 1 and 8 with a Japanese description, every
-    third one in the instruction/output shape (one turn), every fifth one with a system prompt."""
+    """make-demo-task's two-turn conversations about the first man pages of sections 1 and 8 with a Japanese
+    description; every third one in the instruction/output shape (one turn), every fifth one with a system
+    prompt."""
     from gptpipe.corpus.manpages import find_manpages, read_manpage
-    from gptpipe.finetune.demo_task import name_description
+    from gptpipe.finetune.demo_task import Row, chat_conversation, name_description
 
     require_manpages()
-    rows = []
+    rows: list[dict] = []
     pages = [p for p in find_manpages(Path("/usr/share/man/ja")) if p.parent.name in ("man1", "man8")]
     for path in pages:
         description = name_description(read_manpage(path))
         if not description or not any("\u3040" <= c <= "\u9fff" for c in description):
             continue
-        command, section = path.name.split(".")[0], path.parent.name[3:]
-        question = f"`{command}` は何をしますか?"
+        page = f"{path.parent.name}/{path.name.removesuffix('.gz')}"
+        messages = chat_conversation(Row(page, path.parent.name[3:], description))["messages"]
         if len(rows) % 3 == 2:
-            rows.append({"instruction": question, "input": "", "output": description})
+            rows.append({"instruction": messages[0]["content"], "input": "", "output": description})
             continue
-        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": description},
-                    {"role": "user", "content": "マニュアルの何章ですか?"},
-                    {"role": "assistant", "content": f"{section}章 ({SECTION_NAMES[section]}) です。"}]
         if len(rows) % 5 == 0:
             messages.insert(0, {"role": "system", "content": "Linux のコマンドについて簡潔に答えます。"})
         rows.append({"messages": messages})

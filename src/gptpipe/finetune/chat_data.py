@@ -279,3 +279,11 @@ class ChatEncoder:
                                 f"one that ends each turn's header with a special token or a newline piece")
         return len(ids)
 
+
+
+def task_chat_encoder(tokenizer: Any, task: dict[str, Any]) -> ChatEncoder:
+    """The encoder of a chat run, from its task facts (task.json): its seq_len and the end-of-turn tokens its
+    training found, at which generation stops (predict, chat, the export)."""
+    encoder = ChatEncoder(tokenizer, task["seq_len"])
+    encoder.stop_ids = task.get("stop_ids") or encoder.stop_ids
+    return encoder

@@ -23,7 +23,13 @@ import torch
 from gptpipe.data.jsonl import CUT_TO_FIT, Reasons
 from gptpipe.log import get_logger
 from gptpipe.stages import EXIT_BAD_INPUT
-from gptpipe.finetune.chat_data import ChatEncoder, Conversation, conversations_from_lines, read_conversations
+from gptpipe.finetune.chat_data import (
+    ChatEncoder,
+    Conversation,
+    conversations_from_lines,
+    read_conversations,
+    task_chat_encoder,
+)
 from gptpipe.finetune.config import FinetuneConfig
 from gptpipe.finetune.data import (
     Encoder,
@@ -75,9 +81,7 @@ class Predictor:
     @property
     def encoder(self) -> Encoder | ChatEncoder:
         if self.chat:
-            encoder = ChatEncoder(self.tokenizer, self.task["seq_len"])
-            encoder.stop_ids = self.task.get("stop_ids") or encoder.stop_ids  # the run's end-of-turn tokens
-            return encoder
+            return task_chat_encoder(self.tokenizer, self.task)
         # Every input gets a prediction: a long one is cut (at its end), never dropped.
         return Encoder(self.tokenizer, self.task["prompt"], self.task["seq_len"], self.task["seq2seq"], "truncate")
 
