@@ -16,7 +16,7 @@ import pytest
 
 from conftest import FINETUNE_QUICK, gptpipe_command, manpages_installed, metrics_rows, require_manpages, train_env
 from gptpipe.data.jsonl import (EMPTY, INVALID_JSON, MISSING_KEY, NO_ASSISTANT_TURN, NOT_A_MESSAGE_LIST,
-                                NOT_A_STRING, TOO_LONG, UNKNOWN_ROLE, Reasons)
+                                NOT_A_STRING, TEMPLATE_ERROR, TOO_LONG, UNKNOWN_ROLE, Reasons)
 from gptpipe.finetune.chat_data import (ALPACA_JA_TEMPLATE, GPTPIPE_TEMPLATE, ChatEncoder, Conversation,
                                         TemplateError, distinct_pad, install_template, read_conversations,
                                         save_tokenizer)
@@ -192,6 +192,18 @@ def test_templates_that_cannot_mask_exactly_are_refused_naming_the_row(chat_lm: 
                                                          "{%- if add_generation_prompt -%}{{ '!' }}")
     with pytest.raises(TemplateError, match=r"rows.jsonl:7: turn 1: .*does not render turn by turn"):
         ChatEncoder(tokenizer, 512).encode(row, Reasons())
+
+
+def test_rows_the_template_raises_on_are_counted(chat_lm: Path) -> None:
+    tokenizer = chat_tokenizer(chat_lm)
+    tokenizer.chat_template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('the user speaks first') }}"
+                               "{% endif %}" + GPTPIPE_TEMPLATE)
+    encoder, skipped = ChatEncoder(tokenizer, 512), Reasons()
+    good = Conversation(({"role": "user", "content": "ls?"}, {"role": "assistant", "content": "一覧"}), "f:1")
+    bad = Conversation(({"role": "assistant", "content": "一覧"},), "f:2")
+    assert encoder.encode(good, skipped) is not None and encoder.encode(bad, skipped) is None
+    assert dict(skipped.counts) == {TEMPLATE_ERROR: 1} and skipped.examples[TEMPLATE_ERROR] == [
+        "f:2: the user speaks first"]
 
 
 def test_the_template_travels_in_both_files_and_a_pad_equal_to_eos_is_replaced(chat_lm: Path,

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gptpipe.data.jsonl import (EMPTY, INVALID_JSON, LONE_SURROGATE, MISSING_KEY, NO_ASSISTANT_TURN,
-                                NOT_A_MESSAGE_LIST, NOT_A_STRING, NOT_AN_OBJECT, TOO_LONG, UNDECODABLE,
+                                NOT_A_MESSAGE_LIST, NOT_A_STRING, NOT_AN_OBJECT, TEMPLATE_ERROR, TOO_LONG, UNDECODABLE,
                                 UNKNOWN_ROLE, Reasons, parse_record)
 from gptpipe.finetune.data import IGNORE, Encoded, Problem
 from gptpipe.stage import StageInputError, write_text_atomic
@@ -243,7 +243,16 @@ class ChatEncoder:
 
     def encode(self, row: Conversation, skipped: Reasons) -> Encoded | None:
         """The conversation's ids with IGNORE outside the assistant turns; None (counted) when longer than
-        seq_len. TemplateError when the spans cannot be exact."""
+        seq_len or when the template raises on it. TemplateError when the spans cannot be exact."""
+        from jinja2 import TemplateError as JinjaError
+
+        try:
+            return self._encode(row, skipped)
+        except JinjaError as exc:  # the template's own check of the row (raise_exception), or a render error
+            skipped.add(TEMPLATE_ERROR, f"{row.where}: {exc}")
+            return None
+
+    def _encode(self, row: Conversation, skipped: Reasons) -> Encoded | None:
         messages = list(row.messages)
         full = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
         if len(full) > self.seq_len:  # cutting a conversation would cut an answer or its context: dropped
