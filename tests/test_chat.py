@@ -33,6 +33,8 @@ def manpage_chats(count: int = 60) -> list[dict]:
     rows: list[dict] = []
     pages = [p for p in find_manpages(Path("/usr/share/man/ja")) if p.parent.name in ("man1", "man8")]
     for path in pages:
+        if len(rows) == count:
+            break
         description = name_description(read_manpage(path))
         if not description or not any("\u3040" <= c <= "\u9fff" for c in description):
             continue
@@ -44,8 +46,6 @@ def manpage_chats(count: int = 60) -> list[dict]:
         if len(rows) % 5 == 0:
             messages.insert(0, {"role": "system", "content": "Linux のコマンドについて簡潔に答えます。"})
         rows.append({"messages": messages})
-        if len(rows) == count:
-            break
     return rows
 
 
@@ -56,17 +56,22 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 
 @pytest.fixture(scope="module")
-def chat_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """train.jsonl (48 conversations) and validation.jsonl (12)."""
-    rows = manpage_chats()
-    folder = tmp_path_factory.mktemp("chat")
-    return write_jsonl(folder / "train.jsonl", rows[:48]), write_jsonl(folder / "validation.jsonl", rows[48:])
+def manpage_chat_rows() -> list[dict]:
+    return manpage_chats(700)
 
 
 @pytest.fixture(scope="module")
-def chat_lm(chat_files: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def chat_files(manpage_chat_rows: list[dict], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """train.jsonl (48 conversations) and validation.jsonl (12)."""
+    folder = tmp_path_factory.mktemp("chat")
+    return (write_jsonl(folder / "train.jsonl", manpage_chat_rows[:48]),
+            write_jsonl(folder / "validation.jsonl", manpage_chat_rows[48:60]))
+
+
+@pytest.fixture(scope="module")
+def chat_lm(manpage_chat_rows: list[dict], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An HF folder: a small Llama and a 1,200-piece SentencePiece unigram tokenizer trained as stage 1 trains
-    (newline piece, byte fallback, pad distinct from EOS) on the chat set's texts; no chat template."""
+    (newline piece, byte fallback, pad distinct from EOS) on 700 chats' texts; no chat template."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -75,8 +80,7 @@ def chat_lm(chat_files: tuple[Path, Path], tmp_path_factory: pytest.TempPathFact
     from gptpipe.tokenizer.hf import load_proto, save_hf_folder
 
     folder = tmp_path_factory.mktemp("chat-lm")
-    texts = [json.dumps(json.loads(line), ensure_ascii=False) for path in chat_files
-             for line in path.read_text(encoding="utf-8").splitlines()]
+    texts = [json.dumps(row, ensure_ascii=False) for row in manpage_chat_rows]
     (folder / "text.txt").write_text("\n".join(texts) + "\nシステム:\nユーザー:\nアシスタント:\n", encoding="utf-8")
     train_sentencepiece(TokenizerConfig(vocab_size=1200, num_threads=1), folder / "text.txt", folder / "sp")
     save_hf_folder(load_proto(folder / "sp.model"), folder)
@@ -226,7 +230,7 @@ def test_the_template_travels_in_both_files_and_a_pad_equal_to_eos_is_replaced(c
 
 # --- fine-tuning, predict, gptpipe chat -------------------------------------------------------------------
 CHAT_RUN = ("task.kind=chat", "train.seq_len=160", "train.global_batch_size=8", "train.train_iters=12",
-            "train.eval_interval=4", "train.save_interval=4", "train.best_metric=val_loss", "task.chat_eval_rows=4",
+            "train.eval_interval=4", "train.save_interval=4", "task.chat_eval_rows=4",
             "chat.max_new_tokens=12", "predict.max_new_tokens=12")
 
 
@@ -234,6 +238,22 @@ def chat_args(model: Path, chat_files: tuple[Path, Path], run: Path, *overrides:
     train, validation = chat_files
     return [f"model.path={model}", f"data.train={train}", f"data.validation={validation}", "data.test=null",
             f"train.output_model_dir={run}", *FINETUNE_QUICK, *CHAT_RUN, *overrides]
+
+
+@pytest.mark.parametrize(("kind", "best"), [("classification", "macro_f1"), ("generation", "chrf"),
+                                            ("chat", "val_loss")])
+def test_the_best_metric_follows_the_task_kind_unless_set(kind: str, best: str) -> None:
+    from conftest import REPO
+    from gptpipe.config.core import ConfigError, load_config
+    from gptpipe.finetune.config import FinetuneConfig
+
+    shipped = REPO / "finetune_config.yaml"
+    assert load_config(FinetuneConfig, shipped, [f"task.kind={kind}"]).best_metric == best
+    assert load_config(FinetuneConfig, shipped, [f"task.kind={kind}", "train.best_metric=val_loss"]
+                       ).best_metric == "val_loss"
+    if kind == "chat":
+        with pytest.raises(ConfigError, match="train.best_metric: must be one of chrf, val_loss"):
+            load_config(FinetuneConfig, shipped, ["task.kind=chat", "train.best_metric=accuracy"])
 
 
 def test_a_seq2seq_model_is_refused_for_chat(tiny_t5: Path, chat_files, tmp_path: Path) -> None:
@@ -345,5 +365,13 @@ def test_chat_answers_from_an_hf_folder_with_a_template(chat_lm: Path, tmp_path:
                              "chat.system=簡潔に答えます。", stdin="ls とは?\n")
     assert talked.returncode == 0, talked.stderr[-3000:]
     assert talked.stdout.count("\n") >= 1
+    # predict reads one user turn a line from stdin and answers each.
+    out = tmp_path / "answers.jsonl"
+    predicted = gptpipe_command("predict", f"predict.model={folder}", "task.kind=chat", "predict.max_new_tokens=4",
+                                "--input", "-", "--output", out, stdin="ls とは?\n\ncp とは?\n")
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    answers = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [a["messages"] for a in answers] == [[{"role": "user", "content": q}] for q in ("ls とは?", "cp とは?")]
+    assert all(isinstance(a["prediction"], str) and "label" not in a for a in answers)
     refused = gptpipe_command("chat", f"chat.model={chat_lm}", stdin="ls とは?\n")
     assert refused.returncode == 2 and "has no chat template" in refused.stderr

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from gptpipe.config.core import option
-from gptpipe.finetune.metrics import best_metric_choices
+from gptpipe.finetune.metrics import DEFAULT_BEST, best_metric_choices
 from gptpipe.train.config import LoggingConfig, LoopConfig
 
 # Metrics a classification / generation run can select its best checkpoint by; all higher-is-better but val_loss.
@@ -99,9 +99,9 @@ class FinetuneTrainConfig(LoopConfig):
         False, "causal LMs: concatenate each micro-batch's rows into as few sequences of up to seq_len tokens "
                "as fit, attention and position ids kept within each row; same rows, loss and steps, less padding "
                "(an encoder-decoder is refused)")
-    best_metric: str = option("macro_f1", "validation metric that picks the best checkpoint: classification "
-                                          "accuracy | macro_f1 | val_loss; generation exact_match | chrf | val_loss; "
-                                          "chat chrf | val_loss")
+    best_metric: str = option("auto", "validation metric that picks the best checkpoint: classification "
+                                      "accuracy | macro_f1 | val_loss; generation exact_match | chrf | val_loss; "
+                                      "chat chrf | val_loss; auto: macro_f1, chrf, val_loss by task.kind")
 
 
 @dataclass
@@ -172,14 +172,19 @@ class FinetuneConfig:
     predict: PredictConfig = option(factory=PredictConfig, doc="gptpipe predict")
     chat: ChatConfig = option(factory=ChatConfig, doc="gptpipe chat")
 
+    @property
+    def best_metric(self) -> str:
+        """train.best_metric, auto resolved by task.kind."""
+        return DEFAULT_BEST[self.task.kind] if self.train.best_metric == "auto" else self.train.best_metric
+
     def check(self) -> list[tuple[str, str]]:
         problems = []
         if "{input}" not in self.task.prompt and self.task.kind != "chat":
             problems.append(("task.prompt", "must contain {input}"))
         allowed = best_metric_choices(self.task.kind)
-        if self.train.best_metric not in allowed:
-            problems.append(("train.best_metric", f"must be one of {', '.join(allowed)} for a {self.task.kind} "
-                                                  f"task, got {self.train.best_metric!r}"))
+        if self.best_metric not in allowed:
+            problems.append(("train.best_metric", f"must be one of {', '.join(allowed)} (or auto) for a "
+                                                  f"{self.task.kind} task, got {self.train.best_metric!r}"))
         if self.baseline.model == "base":
             problems.append(("baseline.model", "base needs the model a continued-pretraining run started from "
                                                "(model.init_from), which model.path does not record yet; use "

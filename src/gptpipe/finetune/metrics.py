@@ -34,6 +34,10 @@ def metric(key: str) -> Metric:
     return next(m for ms in (*TASK_METRICS.values(), (VAL_LOSS,)) for m in ms if m.key == key)
 
 
+# train.best_metric: auto, by task kind: chat answers are few and short, so the loss is steadier than their chrF.
+DEFAULT_BEST = {"classification": "macro_f1", "generation": "chrf", "chat": VAL_LOSS.key}
+
+
 def best_metric_choices(kind: str) -> tuple[str, ...]:
     """The figures that may pick a `kind` task's best checkpoint."""
     return (*(m.key for m in TASK_METRICS[kind]), VAL_LOSS.key)

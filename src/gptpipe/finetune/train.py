@@ -259,7 +259,7 @@ def _baselines(config: FinetuneConfig, task: TaskData, tuner: FineTuner, micro: 
     if baselines and tuner.best is not None:
         tuner.write_summary(baselines)
         table = comparison(config.task.kind, tuner.best["metrics"], baselines)
-        tuner.say(format_comparison(table, f"fine-tuned from {config.model.path}", config.train.best_metric))
+        tuner.say(format_comparison(table, f"fine-tuned from {config.model.path}", config.best_metric))
     return EXIT_OK
 
 
@@ -280,7 +280,7 @@ class FineTuner(TrainLoop):
         self.counted = [0, 0]  # real and computed positions of the steps since the last train line
         by_epochs = math.ceil(train.train_epochs * len(task.train) / train.global_batch_size)
         self.steps = train.train_iters or max(1, by_epochs)
-        self.higher_is_better = metric(train.best_metric).higher_is_better
+        self.higher_is_better = metric(config.best_metric).higher_is_better
         if dist.is_main:
             save_tokenizer(task.tokenizer, self.run_dir / TOKENIZER_DIR)  # checkpoints are usable without model.path
             write_text_atomic(self.run_dir / TASK_FILE, json.dumps(self.task_facts(), ensure_ascii=False, indent=2))
@@ -309,7 +309,7 @@ class FineTuner(TrainLoop):
         return {"kind": c.task.kind, "prompt": c.task.prompt, "labels": self.task.labels,
                 "majority_label": self.task.majority, "seq2seq": self.task.seq2seq, "seq_len": c.train.seq_len,
                 "too_long": c.data.too_long, "pretrained_model": None if self.from_scratch else str(c.model.path),
-                "train_file": str(c.data.train), "best_metric": c.train.best_metric,
+                "train_file": str(c.data.train), "best_metric": c.best_metric,
                 **({"stop_ids": self.task.encoder.stop_ids} if c.task.kind == "chat" else {}),
                 **({"architecture_of": str(c.model.path)} if self.from_scratch else {})}
 
@@ -395,7 +395,7 @@ class FineTuner(TrainLoop):
         self.engine.train()
         metrics["step"] = self.step
         self.last_eval = metrics
-        value = metrics[self.train_cfg.best_metric]
+        value = metrics[self.config.best_metric]
         improved = self.best is None or (value > self.best["value"] if self.higher_is_better
                                           else value < self.best["value"])
         if improved:
@@ -409,7 +409,7 @@ class FineTuner(TrainLoop):
     def _eval_console(self, m: dict[str, Any], improved: bool) -> str:
         head = f"validation  step {self.step}  loss {m['val_loss']:.4f}  "
         body = headline(m, self.config.task.kind)
-        best, chosen = self.best, metric(self.train_cfg.best_metric)
+        best, chosen = self.best, metric(self.config.best_metric)
         tail = (f"\n    new best {chosen.key} {chosen.show(m[chosen.key])}" if improved
                 else f"\n    best so far: step {best['step']} ({chosen.key} {chosen.show(best['value'])})")
         return head + body + tail
@@ -430,7 +430,7 @@ class FineTuner(TrainLoop):
         self.write_summary()
         best = self.best or {}
         self.say(f"finished {self.step} steps; best checkpoint: step {best.get('step')} "
-                 f"({self.train_cfg.best_metric} {best.get('value', float('nan')):.4f}) in "
+                 f"({self.config.best_metric} {best.get('value', float('nan')):.4f}) in "
                  f"{self.ckpt_root / checkpoint.tag_of(best.get('step', 0))}")
 
 
