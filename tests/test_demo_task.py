@@ -55,6 +55,22 @@ def test_rows_are_input_tab_label_and_counts_match_the_manifest(demo_task: Path)
     assert counts["skipped_pages"][".so alias"] >= 1
 
 
+def test_the_chat_set_holds_every_row_as_a_two_turn_conversation(demo_task: Path) -> None:
+    from gptpipe.data.jsonl import Reasons
+    from gptpipe.finetune.chat_data import read_conversations
+
+    by_input = {r["input"]: r for r in pages(demo_task)}
+    for split in ("train", "validation", "test"):
+        skipped = Reasons()
+        chats = read_conversations(demo_task / "chat" / f"{split}.jsonl", skipped)
+        assert not skipped.counts and len(chats) == len(read_tsv(demo_task / f"{split}.tsv"))
+        for chat in chats:
+            question, description, _, section = (m["content"] for m in chat.messages)
+            page = by_input[description]
+            assert page["split"] == split and f"`{Path(page['page'].split(',')[0]).stem}`" in question
+            assert section == f"{page['page'][3]}章 ({page['label']}) です。"
+
+
 def test_no_page_and_no_description_in_two_splits(demo_task: Path) -> None:
     rows = pages(demo_task)
     split_of: dict[str, str] = {}

@@ -93,6 +93,9 @@ COMMANDS = [
     Command("predict", "stage 7: greedy or beam-search predictions of a fine-tuned model on a TSV/jsonl file or stdin "
             "(jsonl out; metrics when labels are present)", "gptpipe.finetune.predict:run", FINETUNE,
             "finetune_config.yaml", _predict_arguments),
+    Command("chat", "stage 7: chat with a chat fine-tune (task.kind chat) or an HF folder with a chat template: one "
+            "user turn per stdin line, answers streamed; /reset, /exit", "gptpipe.finetune.chat:run", FINETUNE,
+            "finetune_config.yaml"),
     Command("make-demo-task", "stage 7 demo: build the man-page section task (description → section) as "
             "train/validation/test TSV files", "gptpipe.finetune.demo_task:run", EVALUATE, "evaluate_config.yaml"),
     Command("evaluate", "stage 7: zero/few-shot evaluation of an exported HF folder with lm-evaluation-harness",

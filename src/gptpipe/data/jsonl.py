@@ -16,6 +16,10 @@ file:line examples; a stage fails only when nothing usable is left. The reasons:
     too long            over the stage's character limit (or a line too long to hold one); stage 7: a row
                         over train.seq_len tokens that is dropped
     wrong column count  stage 7's TSV: a line that is not input<TAB>label
+    not a message list  stage 7's chat rows: `messages` is not a list of objects
+    unknown role        stage 7's chat rows: a turn whose role is not system, user or assistant
+    no assistant turn   stage 7's chat rows: nothing for the model to learn to answer
+    template error      stage 7's chat rows: the chat template raised on the row (e.g. roles that do not alternate)
 
 Repairs, counted for records that are kept: NUL characters are removed ("nul stripped"; they come from
 binary junk or broken extraction and mean nothing to a language model), and stage 7 cuts an input that
@@ -44,6 +48,10 @@ NOT_A_STRING = "not a string"
 EMPTY = "empty"
 TOO_LONG = "too long"
 WRONG_COLUMNS = "wrong column count"
+NOT_A_MESSAGE_LIST = "not a message list"
+UNKNOWN_ROLE = "unknown role"
+NO_ASSISTANT_TURN = "no assistant turn"
+TEMPLATE_ERROR = "template error"
 NUL_STRIPPED = "nul stripped"
 CUT_TO_FIT = "cut to fit"
 REPAIRS = (NUL_STRIPPED, CUT_TO_FIT)  # reasons counted for records that are kept

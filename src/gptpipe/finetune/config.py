@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from gptpipe.config.core import option
-from gptpipe.finetune.metrics import best_metric_choices
+from gptpipe.finetune.metrics import DEFAULT_BEST, best_metric_choices
 from gptpipe.train.config import LoggingConfig, LoopConfig
 
 # Metrics a classification / generation run can select its best checkpoint by; all higher-is-better but val_loss.
@@ -44,6 +44,9 @@ class FinetuneDataConfig:
     input_key: str = option("input", "jsonl key of the input text; a TSV first line `input_key<TAB>label_key` "
                                      "is a header and skipped")
     label_key: str = option("label", "jsonl key of the label")
+    messages_key: str = option("messages", "task.kind chat: jsonl key of a row's turns ([{role, content}, ...]); "
+                                           "rows with instruction/input/output keys instead are read as one "
+                                           "user and one assistant turn")
     seed: int = option(1234, "seed of the validation split")
     too_long: Literal["truncate", "drop"] = option(
         "truncate", "rows longer than train.seq_len tokens: cut the input's end or drop the row (counted)")
@@ -53,10 +56,17 @@ class FinetuneDataConfig:
 class TaskConfig:
     """What the model learns to produce after the prompt."""
 
-    kind: Literal["classification", "generation"] = option(
+    kind: Literal["classification", "generation", "chat"] = option(
         "classification", "classification: the label set comes from the training rows and evaluation scores "
-                          "every label; generation: free-form output scored by exact match and chrF")
+                          "every label; generation: free-form output scored by exact match and chrF; chat: "
+                          "jsonl conversations (causal LMs), the loss on the assistant's turns, scored by "
+                          "the assistant-token loss and chrF of generated answers")
     prompt: str = option("{input}\n答え:", "prompt template; {input} is the row's input, the label follows it")
+    chat_template: str = option(
+        "auto", "chat: auto (the model tokenizer's own template, else gptpipe's), gptpipe (ユーザー:/アシスタント: "
+                "turns), alpaca_ja (### 指示: / ### 応答:) or a .jinja file; installed into the run's tokenizer")
+    chat_eval_rows: int = option(32, "chat: validation conversations whose last answer is generated for chrF "
+                                     "at each evaluation (the first ones; the loss uses every row)")
     generate_labels: bool = option(
         False, "classification: also generate the label at evaluation and map it onto the nearest label by "
                "edit distance (reported with how many needed mapping)")
@@ -89,8 +99,9 @@ class FinetuneTrainConfig(LoopConfig):
         False, "causal LMs: concatenate each micro-batch's rows into as few sequences of up to seq_len tokens "
                "as fit, attention and position ids kept within each row; same rows, loss and steps, less padding "
                "(an encoder-decoder is refused)")
-    best_metric: str = option("macro_f1", "validation metric that picks the best checkpoint: classification "
-                                          "accuracy | macro_f1 | val_loss; generation exact_match | chrf | val_loss")
+    best_metric: str = option("auto", "validation metric that picks the best checkpoint: classification "
+                                      "accuracy | macro_f1 | val_loss; generation exact_match | chrf | val_loss; "
+                                      "chat chrf | val_loss; auto: macro_f1, chrf, val_loss by task.kind")
 
 
 @dataclass
@@ -128,6 +139,27 @@ class PredictConfig:
 
 
 @dataclass
+class ChatConfig:
+    """`gptpipe chat`: which model, what it is told, how it answers."""
+
+    model: Path | None = option(
+        None, "a chat fine-tune run folder (its best checkpoint), one checkpoint folder, or an HF folder whose "
+              "tokenizer has a chat template (null: the best checkpoint of train.output_model_dir)")
+    system: str | None = option(None, "system prompt opening every conversation (null: none)")
+    max_new_tokens: int = option(128, "tokens per answer at most")
+    sample: bool = option(False, "false: greedy; true: sample with temperature and top_p")
+    temperature: float = option(0.7, "sampling temperature")
+    top_p: float = option(0.9, "nucleus sampling: the smallest set of tokens with this probability")
+    seed: int = option(1234, "seed of the sampling")
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = [("max_new_tokens", "must be >= 1")] if self.max_new_tokens < 1 else []
+        if self.temperature <= 0 or not 0 < self.top_p <= 1:
+            problems.append(("temperature", "must be > 0, with top_p in (0, 1]"))
+        return problems
+
+
+@dataclass
 class FinetuneConfig:
     """finetune_config.yaml: stage 7 (fine-tune and predict)."""
 
@@ -138,15 +170,21 @@ class FinetuneConfig:
     logging: LoggingConfig = option(factory=LoggingConfig, doc="wandb and TensorBoard")
     baseline: BaselineConfig = option(factory=BaselineConfig, doc="what the model is compared with")
     predict: PredictConfig = option(factory=PredictConfig, doc="gptpipe predict")
+    chat: ChatConfig = option(factory=ChatConfig, doc="gptpipe chat")
+
+    @property
+    def best_metric(self) -> str:
+        """train.best_metric, auto resolved by task.kind."""
+        return DEFAULT_BEST[self.task.kind] if self.train.best_metric == "auto" else self.train.best_metric
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
-        if "{input}" not in self.task.prompt:
+        if "{input}" not in self.task.prompt and self.task.kind != "chat":
             problems.append(("task.prompt", "must contain {input}"))
         allowed = best_metric_choices(self.task.kind)
-        if self.train.best_metric not in allowed:
-            problems.append(("train.best_metric", f"must be one of {', '.join(allowed)} for a {self.task.kind} "
-                                                  f"task, got {self.train.best_metric!r}"))
+        if self.best_metric not in allowed:
+            problems.append(("train.best_metric", f"must be one of {', '.join(allowed)} (or auto) for a "
+                                                  f"{self.task.kind} task, got {self.train.best_metric!r}"))
         if self.data.validation is None and not 0 < self.data.validation_proportion < 1:
             problems.append(("data.validation_proportion", "must be in (0, 1) when data.validation is null"))
         return problems

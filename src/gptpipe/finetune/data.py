@@ -178,6 +178,11 @@ class Encoder:
         if self.eos is None:
             raise ValueError("the tokenizer has no EOS token: the label's end cannot be marked")
 
+    @property
+    def stop_ids(self) -> list[int]:
+        """The tokens that end an answer."""
+        return [self.eos]
+
     def prompt_ids(self, text: str) -> list[int]:
         # The prompt gets the tokenizer's own special tokens (e.g. BOS); the label never does.
         return self.tokenizer(self.template.format(input=text))["input_ids"]

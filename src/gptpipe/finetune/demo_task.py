@@ -4,13 +4,16 @@ Built offline from the installed Japanese man pages: the NAME section's descript
 内容をリスト表示する" → "ディレクトリの内容をリスト表示する") is the input, the section of the page
 (man1 → コマンド, man2 → システムコール, ...) the label. Rows are split by page, stratified per label and
 seeded, into train/validation/test TSV files (``input<TAB>label``, no header), beside an lm-evaluation-harness
-task YAML over the same files (``gptpipe evaluate``) and pages.tsv saying which page each row came from.
+task YAML over the same files (``gptpipe evaluate``) and pages.tsv saying which page each row came from. The
+same splits as a chat set (``chat/<split>.jsonl``, task.kind chat): "What does `ls` do?" answered by the
+description, then "Which section of the manual?" answered by the section.
 
 Only the NAME line is read, so a few lines of roff are parsed here instead of rendering whole pages.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from collections import Counter, defaultdict
@@ -214,6 +217,16 @@ def split_rows(rows: list[Row], config: DemoTaskConfig) -> dict[str, list[Row]]:
     return splits
 
 
+def chat_conversation(row: Row) -> dict:
+    """The row as a two-turn conversation: the command's purpose, then its manual section."""
+    command = row.page.split(",")[0].split("/")[-1].rsplit(".", 1)[0]
+    return {"messages": [
+        {"role": "user", "content": f"`{command}` は何をしますか?"},
+        {"role": "assistant", "content": row.input},
+        {"role": "user", "content": "マニュアルの何章ですか?"},
+        {"role": "assistant", "content": f"{row.section}章 ({SECTION_LABELS[row.section]}) です。"}]}
+
+
 def lm_eval_task(labels: list[str]) -> dict:
     """The lm-evaluation-harness task over the TSV files: score every label by log-likelihood after the prompt.
     data_files are relative to the YAML's folder (`gptpipe evaluate` resolves them), so the folder can move."""
@@ -253,6 +266,9 @@ def build(config: DemoTaskConfig) -> StageResult:
     written = []
     for name, part in splits.items():
         written.append(_write(out / f"{name}.tsv", "".join(f"{r.input}\t{SECTION_LABELS[r.section]}\n" for r in part)))
+    for name, part in splits.items():
+        written.append(_write(out / "chat" / f"{name}.jsonl", "".join(
+            json.dumps(chat_conversation(r), ensure_ascii=False) + "\n" for r in part)))
     written.append(_write(out / "pages.tsv", "page\tsplit\tlabel\tinput\n" + "".join(
         f"{r.page}\t{name}\t{SECTION_LABELS[r.section]}\t{r.input}\n" for name, part in splits.items() for r in part)))
     written.append(_write(out / f"{TASK_NAME}.yaml", yaml.safe_dump(

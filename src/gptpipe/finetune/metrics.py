@@ -1,6 +1,7 @@
 """Task metrics: classification by scikit-learn (with the majority-class baseline beside them, since
-imbalanced label sets are the norm), generation by exact match and chrF (sacrebleu, computed locally); and
-the catalogue every reader of them shares (training's best checkpoint, the console, predict, the card)."""
+imbalanced label sets are the norm), generation by exact match and chrF (sacrebleu, computed locally), chat
+by chrF of generated answers; and the catalogue every reader of them shares (training's best checkpoint, the
+console, predict, the card)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,17 @@ class Metric:
 
 VAL_LOSS = Metric("val_loss", "loss", higher_is_better=False)
 TASK_METRICS = {"classification": (Metric("accuracy", "accuracy"), Metric("macro_f1", "macro-F1")),
-                "generation": (Metric("exact_match", "exact match"), Metric("chrf", "chrF", digits=2))}
+                "generation": (Metric("exact_match", "exact match"), Metric("chrf", "chrF", digits=2)),
+                "chat": (Metric("chrf", "chrF", digits=2),)}
 
 
 def metric(key: str) -> Metric:
     """The catalogue's entry for a train.best_metric value."""
     return next(m for ms in (*TASK_METRICS.values(), (VAL_LOSS,)) for m in ms if m.key == key)
+
+
+# train.best_metric: auto, by task kind: chat answers are few and short, so the loss is steadier than their chrF.
+DEFAULT_BEST = {"classification": "macro_f1", "generation": "chrf", "chat": VAL_LOSS.key}
 
 
 def best_metric_choices(kind: str) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ from gptpipe.finetune.data import IGNORE, Encoded, Encoder, collate, left_padded
 from gptpipe.train.model import inference_config
 
 if TYPE_CHECKING:
+    from gptpipe.finetune.chat_data import ChatEncoder
     from gptpipe.train.engine import Dist
 
 
@@ -102,10 +103,13 @@ def score(model: Any, items: list[Encoded], pad: int, seq2seq: bool, device: tor
 
 
 @torch.no_grad()
-def generate(model: Any, encoder: Encoder, prompts: list[list[int]], device: torch.device, *, num_beams: int = 1,
-             max_new_tokens: int = 32, length_penalty: float = 1.0, synced_gpus: bool = False) -> list[list[int]]:
-    """Generated ids for each prompt (EOS included when produced, padding removed). Causal prompts are
-    left-padded; `synced_gpus` keeps ZeRO-3 ranks in step (each must run the same number of forwards)."""
+def generate(model: Any, encoder: Encoder | ChatEncoder, prompts: list[list[int]], device: torch.device, *,
+             num_beams: int = 1, max_new_tokens: int = 32, length_penalty: float = 1.0, synced_gpus: bool = False,
+             sampling: dict[str, float] | None = None, streamer: Any = None) -> list[list[int]]:
+    """Generated ids for each prompt (the stop token included when produced, padding removed). Causal prompts
+    are left-padded; `synced_gpus` keeps ZeRO-3 ranks in step (each must run the same number of forwards);
+    `sampling` (temperature, top_p) samples instead of searching; `streamer` (transformers') gets the tokens
+    as they come."""
     tokenizer, seq2seq = encoder.tokenizer, encoder.seq2seq
     module = getattr(model, "module", model)
     pad = pad_id(tokenizer)
@@ -113,10 +117,11 @@ def generate(model: Any, encoder: Encoder, prompts: list[list[int]], device: tor
     vocab = module.config.get_text_config().vocab_size
     # The embedding may be padded beyond the tokenizer (stage 3 pads to a multiple of 128): never emit those ids.
     unused = list(range(len(tokenizer), vocab)) or None
-    out = module.generate(**batch, max_new_tokens=max_new_tokens, num_beams=num_beams, do_sample=False,
+    out = module.generate(**batch, max_new_tokens=max_new_tokens, num_beams=num_beams,
+                          do_sample=sampling is not None, **(sampling or {}),
                           length_penalty=length_penalty, early_stopping=num_beams > 1 or None,
-                          eos_token_id=encoder.eos, pad_token_id=pad, suppress_tokens=unused,
-                          synced_gpus=synced_gpus)
+                          eos_token_id=encoder.stop_ids, pad_token_id=pad, suppress_tokens=unused,
+                          synced_gpus=synced_gpus, streamer=streamer)
     new = out if seq2seq else out[:, batch["input_ids"].shape[1]:]
     results = []
     for row in new.tolist():
@@ -125,7 +130,7 @@ def generate(model: Any, encoder: Encoder, prompts: list[list[int]], device: tor
         ids = []
         for t in row:
             ids.append(t)
-            if t == encoder.eos:
+            if t in encoder.stop_ids:
                 break
         while ids and ids[-1] == pad and pad != encoder.eos:
             ids.pop()

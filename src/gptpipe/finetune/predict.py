@@ -23,6 +23,13 @@ import torch
 from gptpipe.data.jsonl import CUT_TO_FIT, Reasons
 from gptpipe.log import get_logger
 from gptpipe.stages import EXIT_BAD_INPUT
+from gptpipe.finetune.chat_data import (
+    ChatEncoder,
+    Conversation,
+    conversations_from_lines,
+    read_conversations,
+    task_chat_encoder,
+)
 from gptpipe.finetune.config import FinetuneConfig
 from gptpipe.finetune.data import (
     Encoder,
@@ -68,7 +75,13 @@ class Predictor:
     source: str
 
     @property
-    def encoder(self) -> Encoder:
+    def chat(self) -> bool:
+        return self.task["kind"] == "chat"
+
+    @property
+    def encoder(self) -> Encoder | ChatEncoder:
+        if self.chat:
+            return task_chat_encoder(self.tokenizer, self.task)
         # Every input gets a prediction: a long one is cut (at its end), never dropped.
         return Encoder(self.tokenizer, self.task["prompt"], self.task["seq_len"], self.task["seq2seq"], "truncate")
 
@@ -122,16 +135,22 @@ def _task_from_config(config: FinetuneConfig, folder: Path) -> dict[str, Any]:
             "too_long": config.data.too_long}
 
 
-def read_input(config: FinetuneConfig, args: argparse.Namespace) -> tuple[list[Row], Reasons, str]:
-    """(rows, skipped rows, name for the output file) from --input, predict.input or data.test."""
+def read_input(config: FinetuneConfig, args: argparse.Namespace, chat: bool
+               ) -> tuple[list[Row] | list[Conversation], Reasons, str]:
+    """(rows, skipped rows, name for the output file) from --input, predict.input or data.test. A chat model
+    reads conversations (stdin: one user turn a line); a row ending in an assistant turn has it as its label."""
     chosen = getattr(args, "input", None)
     if chosen == "-":
-        return read_lines(sys.stdin), Reasons(), "stdin"
+        lines = list(sys.stdin)
+        return conversations_from_lines(lines) if chat else read_lines(lines), Reasons(), "stdin"
     path = Path(chosen) if chosen else (config.predict.input or config.data.test)
     if path is None or not path.is_file():
         raise StageInputError(f"no input to predict: {path} does not exist (give --input PATH, or - for stdin)")
-    rows, skipped = read_rows(path, config.data.format, config.data.input_key, config.data.label_key,
-                              need_label=False)
+    skipped = Reasons()
+    if chat:
+        return read_conversations(path, skipped, config.data.messages_key, need_answer=False), skipped, path.stem
+    rows, _ = read_rows(path, config.data.format, config.data.input_key, config.data.label_key, skipped,
+                        need_label=False)
     return rows, skipped, path.stem
 
 
@@ -142,10 +161,10 @@ def run(config: FinetuneConfig, args: argparse.Namespace) -> int:
 def _predict(config: FinetuneConfig, args: argparse.Namespace, dist: Dist) -> int:
     settings = config.predict
     try:
-        rows, skipped, name = read_input(config, args)
+        predictor = load_predictor(config, settings.model or config.train.output_model_dir, dist.device)
+        rows, skipped, name = read_input(config, args, predictor.chat)
         if not rows:
             raise StageInputError(f"no usable rows to predict in {name}:\n{skipped.lines()}")
-        predictor = load_predictor(config, settings.model or config.train.output_model_dir, dist.device)
     except StageInputError as exc:
         if dist.is_main:
             log.error(f"refused: {exc}")
@@ -185,9 +204,10 @@ def _zero3(model: Any, config: FinetuneConfig, dist: Dist) -> Any:
 
 
 @torch.no_grad()
-def predict_rows(model: Any, predictor: Predictor, rows: list[Row], config: FinetuneConfig, dist: Dist,
-                 synced: bool) -> list[dict[str, Any]]:
-    """One result per row, in input order, on the main rank (every rank gets them)."""
+def predict_rows(model: Any, predictor: Predictor, rows: list[Row] | list[Conversation], config: FinetuneConfig,
+                 dist: Dist, synced: bool) -> list[dict[str, Any]]:
+    """One result per row, in input order, on the main rank (every rank gets them). A chat row's result holds
+    the turns before the answer (`messages`) and the assistant's answer."""
     settings, encoder, task = config.predict, predictor.encoder, predictor.task
     pad = pad_id(predictor.tokenizer)
     scratch = Reasons()
@@ -195,7 +215,8 @@ def predict_rows(model: Any, predictor: Predictor, rows: list[Row], config: Fine
     results = []
     for start in range(0, len(mine), settings.batch_size):
         chunk = mine[start:start + settings.batch_size]
-        prompts = [encoder.fit_prompt(row.input, settings.max_new_tokens, row.where, scratch) or [encoder.eos]
+        prompts = [encoder.prompt_ids(row.prompt) if isinstance(row, Conversation) else
+                   encoder.fit_prompt(row.input, settings.max_new_tokens, row.where, scratch) or [encoder.eos]
                    for _, row in chunk]
         generated = generate(model, encoder, prompts, dist.device, num_beams=settings.num_beams,
                              max_new_tokens=settings.max_new_tokens, length_penalty=settings.length_penalty,
@@ -204,7 +225,9 @@ def predict_rows(model: Any, predictor: Predictor, rows: list[Row], config: Fine
                        encoder.seq2seq, dist.device, settings.batch_size)
         for (i, row), ids, lp in zip(chunk, generated, scores):
             text = decode(predictor.tokenizer, ids)
-            result: dict[str, Any] = {"input": row.input, "prediction": text}
+            result: dict[str, Any] = {"messages": row.prompt} if isinstance(row, Conversation) else {
+                "input": row.input}
+            result["prediction"] = text
             if task.get("labels"):
                 result["prediction"], result["mapped"] = map_to_label(text, task["labels"])
                 result["generated"] = text

@@ -37,6 +37,14 @@ from gptpipe.finetune.baseline import (
     comparison,
     format_comparison,
 )
+from gptpipe.finetune.chat_data import (
+    ChatEncoder,
+    Conversation,
+    distinct_pad,
+    install_template,
+    read_conversations,
+    save_tokenizer,
+)
 from gptpipe.finetune.config import FinetuneConfig
 from gptpipe.finetune.data import (
     IGNORE,
@@ -47,6 +55,7 @@ from gptpipe.finetune.data import (
     collate_packed,
     computed_positions,
     epoch_order,
+    file_format,
     label_set,
     map_to_label,
     pad_id,
@@ -88,14 +97,16 @@ class TaskData:
     """The rows of a run, encoded, and what was skipped reading them."""
 
     tokenizer: Any
-    encoder: Encoder
+    encoder: Encoder | ChatEncoder
     seq2seq: bool
-    train_rows: list[Row]
+    train_rows: list[Row] | list[Conversation]
     train: list[Encoded]
-    validation: list[Row]
+    validation: list[Row] | list[Conversation]
     labels: list[str] | None  # classification: the label set, most frequent first
     skipped: Reasons
     length_warning: str | None = None  # train.seq_len cut or dropped training rows: how many, what keeps them
+    validation_items: list[Encoded] | None = None  # chat: the validation conversations encoded
+    notes: tuple[str, ...] = ()  # chat: which template, what became of the pad token
 
     @property
     def majority(self) -> str | None:
@@ -116,6 +127,8 @@ def load_task(config: FinetuneConfig) -> TaskData:
             raise StageInputError(f"data.{name} {path} does not exist")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     seq2seq = is_seq2seq(model_dir, config.model.kind)
+    if config.task.kind == "chat":
+        return _load_chat_task(config, tokenizer, seq2seq)
     encoder = Encoder(tokenizer, config.task.prompt, config.train.seq_len, seq2seq, data.too_long)
     skipped = Reasons()
     rows, _ = read_rows(data.train, data.format, data.input_key, data.label_key, skipped)
@@ -133,7 +146,38 @@ def load_task(config: FinetuneConfig) -> TaskData:
                     skipped, _length_warning(config, encoder, rows, skipped))
 
 
-def _length_warning(config: FinetuneConfig, encoder: Encoder, rows: list[Row], skipped: Reasons) -> str | None:
+def _load_chat_task(config: FinetuneConfig, tokenizer: Any, seq2seq: bool) -> TaskData:
+    """task.kind chat: the template installed into the tokenizer, a pad distinct from EOS, the conversations
+    read and every one encoded (a template that cannot mask a row exactly is refused here, naming it)."""
+    data = config.data
+    if seq2seq:
+        raise StageInputError(f"task.kind chat: {config.model.path} is an encoder-decoder; chat tuning needs a "
+                              f"causal LM, which reads the whole conversation as one sequence")
+    for name in ("train", "validation"):
+        path = getattr(data, name)
+        if path is not None and file_format(path, data.format) != "jsonl":
+            raise StageInputError(f"task.kind chat reads jsonl rows (messages, or instruction/input/output); "
+                                  f"data.{name} {path} is not .jsonl (set data.format=jsonl if it is)")
+    notes = (install_template(tokenizer, config.task.chat_template), distinct_pad(tokenizer))
+    encoder = ChatEncoder(tokenizer, config.train.seq_len)
+    skipped = Reasons()
+    rows = read_conversations(data.train, skipped, data.messages_key)
+    if data.validation is not None:
+        validation = read_conversations(data.validation, skipped, data.messages_key)
+    else:
+        rows, validation = split_validation(rows, data.validation_proportion, data.seed)
+    kept = [(row, e) for row in rows if (e := encoder.encode(row, skipped)) is not None]
+    held = [(row, e) for row in validation if (e := encoder.encode(row, skipped)) is not None]
+    if not kept or not held:
+        raise StageInputError(f"no usable {'training' if not kept else 'validation'} conversations in "
+                              f"{data.train if not kept else data.validation or data.train}:\n{skipped.lines()}")
+    return TaskData(tokenizer, encoder, False, [r for r, _ in kept], [e for _, e in kept], [r for r, _ in held],
+                    None, skipped, _length_warning(config, encoder, rows, skipped), [e for _, e in held],
+                    tuple(n for n in notes if n))
+
+
+def _length_warning(config: FinetuneConfig, encoder: Encoder | ChatEncoder, rows: list[Row] | list[Conversation],
+                    skipped: Reasons) -> str | None:
     """What train.seq_len cost the training rows (only they are encoded so far), and the value that keeps
     every row within the model's positions; None when it cost nothing."""
     from transformers import AutoConfig
@@ -177,9 +221,10 @@ def _finetune(config: FinetuneConfig, dist: Dist) -> int:
             log.error(f"refused: {exc}")
         return EXIT_BAD_INPUT
     if dist.is_main:
-        kinds = f"{len(task.labels)} labels" if task.labels else "generation"
+        kinds = f"{len(task.labels)} labels" if task.labels else config.task.kind
         log.info(f"{config.model.path} ({'encoder-decoder' if task.seq2seq else 'causal LM'}); "
-                 f"{len(task.train):,} training rows, {len(task.validation):,} validation rows; {kinds}")
+                 f"{len(task.train):,} training rows, {len(task.validation):,} validation rows; {kinds}"
+                 + "".join(f"; {note}" for note in task.notes))
         if task.skipped.counts:
             log.info(task.skipped.lines())
         if task.length_warning:
@@ -220,7 +265,7 @@ def _baselines(config: FinetuneConfig, task: TaskData, tuner: FineTuner, micro: 
     if baselines and tuner.best is not None:
         tuner.write_summary(baselines)
         table = comparison(config.task.kind, tuner.best["metrics"], baselines)
-        tuner.say(format_comparison(table, f"fine-tuned from {config.model.path}", config.train.best_metric))
+        tuner.say(format_comparison(table, f"fine-tuned from {config.model.path}", config.best_metric))
     return EXIT_OK
 
 
@@ -241,9 +286,9 @@ class FineTuner(TrainLoop):
         self.counted = [0, 0]  # real and computed positions of the steps since the last train line
         by_epochs = math.ceil(train.train_epochs * len(task.train) / train.global_batch_size)
         self.steps = train.train_iters or max(1, by_epochs)
-        self.higher_is_better = metric(train.best_metric).higher_is_better
+        self.higher_is_better = metric(config.best_metric).higher_is_better
         if dist.is_main:
-            task.tokenizer.save_pretrained(self.run_dir / TOKENIZER_DIR)  # checkpoints are usable without model.path
+            save_tokenizer(task.tokenizer, self.run_dir / TOKENIZER_DIR)  # checkpoints are usable without model.path
             write_text_atomic(self.run_dir / TASK_FILE, json.dumps(self.task_facts(), ensure_ascii=False, indent=2))
         from transformers import AutoConfig
 
@@ -270,7 +315,8 @@ class FineTuner(TrainLoop):
         return {"kind": c.task.kind, "prompt": c.task.prompt, "labels": self.task.labels,
                 "majority_label": self.task.majority, "seq2seq": self.task.seq2seq, "seq_len": c.train.seq_len,
                 "too_long": c.data.too_long, "pretrained_model": None if self.from_scratch else str(c.model.path),
-                "train_file": str(c.data.train), "best_metric": c.train.best_metric,
+                "train_file": str(c.data.train), "best_metric": c.best_metric,
+                **({"stop_ids": self.task.encoder.stop_ids} if c.task.kind == "chat" else {}),
                 **({"architecture_of": str(c.model.path)} if self.from_scratch else {})}
 
     def model_origin(self) -> str:
@@ -355,7 +401,7 @@ class FineTuner(TrainLoop):
         self.engine.train()
         metrics["step"] = self.step
         self.last_eval = metrics
-        value = metrics[self.train_cfg.best_metric]
+        value = metrics[self.config.best_metric]
         improved = self.best is None or (value > self.best["value"] if self.higher_is_better
                                           else value < self.best["value"])
         if improved:
@@ -369,7 +415,7 @@ class FineTuner(TrainLoop):
     def _eval_console(self, m: dict[str, Any], improved: bool) -> str:
         head = f"validation  step {self.step}  loss {m['val_loss']:.4f}  "
         body = headline(m, self.config.task.kind)
-        best, chosen = self.best, metric(self.train_cfg.best_metric)
+        best, chosen = self.best, metric(self.config.best_metric)
         tail = (f"\n    new best {chosen.key} {chosen.show(m[chosen.key])}" if improved
                 else f"\n    best so far: step {best['step']} ({chosen.key} {chosen.show(best['value'])})")
         return head + body + tail
@@ -390,7 +436,7 @@ class FineTuner(TrainLoop):
         self.write_summary()
         best = self.best or {}
         self.say(f"finished {self.step} steps; best checkpoint: step {best.get('step')} "
-                 f"({self.train_cfg.best_metric} {best.get('value', float('nan')):.4f}) in "
+                 f"({self.config.best_metric} {best.get('value', float('nan')):.4f}) in "
                  f"{self.ckpt_root / checkpoint.tag_of(best.get('step', 0))}")
 
 
@@ -415,8 +461,10 @@ def evaluate(model: Any, task: TaskData, config: FinetuneConfig, dist: Dist) -> 
 
     Classification scores each label's log-likelihood after the prompt and picks the best (and with
     task.generate_labels also generates, mapping the text onto the nearest label); generation decodes
-    greedily. val_loss is the mean token loss of the gold labels.
+    greedily. val_loss is the mean token loss of the gold labels. Chat: evaluate_chat.
     """
+    if config.task.kind == "chat":
+        return evaluate_chat(model, task, config, dist)
     encoder, batch, pad = task.encoder, config.train.micro_batch_size or 8, pad_id(task.tokenizer)
     synced = config.train.zero_stage == 3 and dist.world_size > 1
     mine = shard(task.validation, dist)
@@ -460,6 +508,38 @@ def evaluate(model: Any, task: TaskData, config: FinetuneConfig, dist: Dist) -> 
     else:
         metrics.update(generation_metrics(gold_labels, [o["generated"] for o in scored]))
     return metrics
+
+
+@torch.no_grad()
+def evaluate_chat(model: Any, task: TaskData, config: FinetuneConfig, dist: Dist) -> dict[str, Any]:
+    """val_loss: the mean loss of the validation conversations' assistant tokens (the stop tokens included);
+    chrf: the last answer of the first task.chat_eval_rows conversations generated greedily after the turns
+    before it, against the gold answer. Each rank generates for the same number of its rows (ZeRO-3 keeps
+    the ranks in step)."""
+    encoder, batch, pad = task.encoder, config.train.micro_batch_size or 8, pad_id(task.tokenizer)
+    assert isinstance(encoder, ChatEncoder) and task.validation_items is not None
+    synced = config.train.zero_stage == 3 and dist.world_size > 1
+    mine = shard(list(range(len(task.validation))), dist)
+    asked = -(-min(config.task.chat_eval_rows, len(task.validation)) // dist.world_size)
+    longest = max(len(encoder.ids(row.label)) for row in task.validation) + 1  # and the stop token
+    results = []
+    for start in range(0, len(mine), batch):
+        chunk = mine[start:start + batch]
+        items = [task.validation_items[k] for _, k in chunk]
+        lps = score(model, items, pad, False, dist.device, batch)
+        out = [{"lp": lp, "tokens": e.label_tokens} for lp, e in zip(lps, items)]
+        wanted = chunk[:max(0, asked - start)]
+        if wanted:
+            prompts = [encoder.prompt_ids(task.validation[k].prompt) for _, k in wanted]
+            for o, ids in zip(out, generate(model, encoder, prompts, dist.device, max_new_tokens=longest,
+                                            synced_gpus=synced)):
+                o["generated"] = decode(task.tokenizer, ids)
+        results += [(i, o) for (i, _), o in zip(chunk, out)]
+    scored = gather(results, dist)
+    answered = [(row.label, o["generated"]) for row, o in zip(task.validation, scored) if "generated" in o]
+    return {"val_loss": -sum(o["lp"] for o in scored) / max(sum(o["tokens"] for o in scored), 1),
+            "chrf": generation_metrics([g for g, _ in answered], [p for _, p in answered])["chrf"],
+            "generated": len(answered)}
 
 
 def max_label_tokens(task: TaskData, config: FinetuneConfig) -> int:

@@ -1,0 +1,377 @@
+"""Stage 7's chat tuning (task.kind chat) and `gptpipe chat`, on a small chat set built from the installed
+Japanese man pages ("What does `ls` do?" → the page's NAME description; a follow-up about its section) and a
+tiny Llama whose SentencePiece tokenizer is trained here on the same pages in seconds: reading and counting
+bad rows, ids equal to apply_chat_template, assistant-only masks, templates refused, a fine-tune that
+resumes exactly after SIGKILL, predict on messages rows, and a scripted two-turn `gptpipe chat`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import FINETUNE_QUICK, gptpipe_command, manpages_installed, metrics_rows, require_manpages, train_env
+from gptpipe.data.jsonl import (EMPTY, INVALID_JSON, MISSING_KEY, NO_ASSISTANT_TURN, NOT_A_MESSAGE_LIST,
+                                NOT_A_STRING, TEMPLATE_ERROR, TOO_LONG, UNKNOWN_ROLE, Reasons)
+from gptpipe.finetune.chat_data import (ALPACA_JA_TEMPLATE, GPTPIPE_TEMPLATE, ChatEncoder, Conversation,
+                                        TemplateError, distinct_pad, install_template, read_conversations,
+                                        save_tokenizer)
+from gptpipe.finetune.data import IGNORE
+
+def manpage_chats(count: int = 60) -> list[dict]:
+    """make-demo-task's two-turn conversations about the first man pages of sections 1 and 8 with a Japanese
+    description; every third one in the instruction/output shape (one turn), every fifth one with a system
+    prompt."""
+    from gptpipe.corpus.manpages import find_manpages, read_manpage
+    from gptpipe.finetune.demo_task import Row, chat_conversation, name_description
+
+    require_manpages()
+    rows: list[dict] = []
+    pages = [p for p in find_manpages(Path("/usr/share/man/ja")) if p.parent.name in ("man1", "man8")]
+    for path in pages:
+        if len(rows) == count:
+            break
+        description = name_description(read_manpage(path))
+        if not description or not any("\u3040" <= c <= "\u9fff" for c in description):
+            continue
+        page = f"{path.parent.name}/{path.name.removesuffix('.gz')}"
+        messages = chat_conversation(Row(page, path.parent.name[3:], description))["messages"]
+        if len(rows) % 3 == 2:
+            rows.append({"instruction": messages[0]["content"], "input": "", "output": description})
+            continue
+        if len(rows) % 5 == 0:
+            messages.insert(0, {"role": "system", "content": "Linux のコマンドについて簡潔に答えます。"})
+        rows.append({"messages": messages})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n" for r in rows),
+                    encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def manpage_chat_rows() -> list[dict]:
+    return manpage_chats(700)
+
+
+@pytest.fixture(scope="module")
+def chat_files(manpage_chat_rows: list[dict], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """train.jsonl (48 conversations) and validation.jsonl (12)."""
+    folder = tmp_path_factory.mktemp("chat")
+    return (write_jsonl(folder / "train.jsonl", manpage_chat_rows[:48]),
+            write_jsonl(folder / "validation.jsonl", manpage_chat_rows[48:60]))
+
+
+@pytest.fixture(scope="module")
+def chat_lm(manpage_chat_rows: list[dict], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An HF folder: a small Llama and a 1,200-piece SentencePiece unigram tokenizer trained as stage 1 trains
+    (newline piece, byte fallback, pad distinct from EOS) on 700 chats' texts; no chat template."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from gptpipe.tokenizer.build import train_sentencepiece
+    from gptpipe.tokenizer.config import TokenizerConfig
+    from gptpipe.tokenizer.hf import load_proto, save_hf_folder
+
+    folder = tmp_path_factory.mktemp("chat-lm")
+    texts = [json.dumps(row, ensure_ascii=False) for row in manpage_chat_rows]
+    (folder / "text.txt").write_text("\n".join(texts) + "\nシステム:\nユーザー:\nアシスタント:\n", encoding="utf-8")
+    train_sentencepiece(TokenizerConfig(vocab_size=1200, num_threads=1), folder / "text.txt", folder / "sp")
+    save_hf_folder(load_proto(folder / "sp.model"), folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def chat_tokenizer(folder: Path, template: str = "auto"):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    install_template(tokenizer, template)
+    return tokenizer
+
+
+# --- reading ---------------------------------------------------------------------------------------------
+def test_bad_chat_rows_are_counted_by_reason_and_the_rest_kept(tmp_path: Path) -> None:
+    good = {"messages": [{"role": "user", "content": "ls とは?"}, {"role": "assistant", "content": "一覧表示"}]}
+    path = write_jsonl(tmp_path / "rows.jsonl", [
+        good,
+        {"instruction": "cp とは?", "input": "短く", "output": "コピー", "system": "簡潔に"},
+        "{not json",
+        {"messages": "ls"},
+        {"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]},
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "  "}]},
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": 3}]},
+        {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}]},
+        {"instruction": "no output"},
+        {"text": "neither shape"},
+    ])
+    skipped = Reasons()
+    rows = read_conversations(path, skipped)
+    assert [r.messages for r in rows] == [tuple(good["messages"]), (
+        {"role": "system", "content": "簡潔に"}, {"role": "user", "content": "cp とは?\n\n短く"},
+        {"role": "assistant", "content": "コピー"})]
+    assert dict(skipped.counts) == {INVALID_JSON: 1, NOT_A_MESSAGE_LIST: 1, UNKNOWN_ROLE: 1, EMPTY: 1,
+                                    NOT_A_STRING: 1, NO_ASSISTANT_TURN: 2, MISSING_KEY: 1}
+    assert skipped.examples[UNKNOWN_ROLE] == [f"{path}:5: turn 1: 'bot'"]
+    # Prediction input may end without an answer: it is what the model is asked.
+    unanswered = read_conversations(path, Reasons(), need_answer=False)
+    assert [r.where for r in unanswered] == [f"{path}:{n}" for n in (1, 2, 8, 9)]
+    assert unanswered[2].label is None and unanswered[2].prompt == list(unanswered[2].messages)
+
+
+# --- ids and masks ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("template", ["gptpipe", "alpaca_ja"])
+def test_ids_are_apply_chat_template_and_the_loss_is_on_assistant_turns_and_eos_only(
+        chat_lm: Path, chat_files: tuple[Path, Path], template: str) -> None:
+    tokenizer = chat_tokenizer(chat_lm, template)
+    encoder = ChatEncoder(tokenizer, seq_len=512)
+    rows = read_conversations(chat_files[0], Reasons())
+    assert any(len(r.messages) >= 4 for r in rows) and any(r.messages[0]["role"] == "system" for r in rows)
+    for row in rows:
+        e = encoder.encode(row, Reasons())
+        assert e.input_ids == tokenizer.apply_chat_template(list(row.messages), return_dict=False)
+        # The learnt tokens, turn by turn, are each answer's own ids and the EOS after it; nothing else.
+        trained = [t for t, label in zip(e.input_ids, e.labels) if label != IGNORE]
+        answers = [m["content"] for m in row.messages if m["role"] == "assistant"]
+        assert trained == [t for a in answers for t in tokenizer(a, add_special_tokens=False)["input_ids"]
+                           + [tokenizer.eos_token_id]]
+        assert [label for label in e.labels if label != IGNORE] == trained
+        # transformers' own mask from the templates' {% generation %} markers agrees.
+        out = tokenizer.apply_chat_template(list(row.messages), return_dict=True, return_assistant_tokens_mask=True)
+        assert out["assistant_masks"] == [int(label != IGNORE) for label in e.labels]
+    assert encoder.stop_ids == [tokenizer.eos_token_id]
+
+
+def test_a_generation_prompt_continues_the_conversation_exactly(chat_lm: Path, chat_files) -> None:
+    tokenizer = chat_tokenizer(chat_lm)
+    encoder = ChatEncoder(tokenizer, seq_len=512)
+    row = next(r for r in read_conversations(chat_files[0], Reasons()) if len(r.messages) == 4)
+    prompt = encoder.prompt_ids(row.prompt)
+    whole = encoder.encode(row, Reasons()).input_ids
+    answer = tokenizer(row.label, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert whole == prompt + answer
+
+
+def test_over_long_conversations_are_dropped_and_counted(chat_lm: Path, chat_files) -> None:
+    encoder = ChatEncoder(chat_tokenizer(chat_lm), seq_len=40)
+    skipped = Reasons()
+    rows = read_conversations(chat_files[0], Reasons())
+    kept = [e for r in rows if (e := encoder.encode(r, skipped)) is not None]
+    assert kept and all(len(e.input_ids) <= 40 for e in kept)
+    assert skipped.counts[TOO_LONG] == len(rows) - len(kept) > 0
+    assert encoder.uncut_length(rows[0]) == len(ChatEncoder(chat_tokenizer(chat_lm), 512).encode(
+        rows[0], Reasons()).input_ids)
+
+
+def test_templates_that_cannot_mask_exactly_are_refused_naming_the_row(chat_lm: Path, tmp_path: Path) -> None:
+    tokenizer = chat_tokenizer(chat_lm)
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    # A header ending in a piece's first character, the answer starting with the rest: one token crosses.
+    piece = next(p for p in sorted(tokenizer.get_vocab(), key=len, reverse=True)
+                 if len(p) >= 2 and all("\u3040" <= c <= "\u9fff" for c in p) and ids(p) != ids(p[0]) + ids(p[1:]))
+    row = Conversation(({"role": "user", "content": "ls とは?"}, {"role": "assistant", "content": piece[1:]}),
+                       "rows.jsonl:7")
+    tokenizer.chat_template = GPTPIPE_TEMPLATE.replace("'アシスタント:\\n'", f"'アシスタント:{piece[0]}'")
+    with pytest.raises(TemplateError, match=r"rows.jsonl:7: turn 1: .*crosses the turn's boundary"):
+        ChatEncoder(tokenizer, 512).encode(row, Reasons())
+    row = Conversation(({"role": "user", "content": "ls とは?"}, {"role": "assistant", "content": "一覧"}),
+                       "rows.jsonl:7")
+    # No special token ends the answer: a model trained on it would never stop.
+    tokenizer.chat_template = GPTPIPE_TEMPLATE.replace(" + eos_token", "")
+    with pytest.raises(TemplateError, match=r"rows.jsonl:7: turn 1: .*no special token"):
+        ChatEncoder(tokenizer, 512).encode(row, Reasons())
+    # A template that renders the last turn differently from earlier ones.
+    tokenizer.chat_template = ALPACA_JA_TEMPLATE.replace("{%- if add_generation_prompt -%}",
+                                                         "{%- if add_generation_prompt -%}{{ '!' }}")
+    with pytest.raises(TemplateError, match=r"rows.jsonl:7: turn 1: .*does not render turn by turn"):
+        ChatEncoder(tokenizer, 512).encode(row, Reasons())
+
+
+def test_rows_the_template_raises_on_are_counted(chat_lm: Path) -> None:
+    tokenizer = chat_tokenizer(chat_lm)
+    tokenizer.chat_template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('the user speaks first') }}"
+                               "{% endif %}" + GPTPIPE_TEMPLATE)
+    encoder, skipped = ChatEncoder(tokenizer, 512), Reasons()
+    good = Conversation(({"role": "user", "content": "ls?"}, {"role": "assistant", "content": "一覧"}), "f:1")
+    bad = Conversation(({"role": "assistant", "content": "一覧"},), "f:2")
+    assert encoder.encode(good, skipped) is not None and encoder.encode(bad, skipped) is None
+    assert dict(skipped.counts) == {TEMPLATE_ERROR: 1} and skipped.examples[TEMPLATE_ERROR] == [
+        "f:2: the user speaks first"]
+
+
+def test_the_template_travels_in_both_files_and_a_pad_equal_to_eos_is_replaced(chat_lm: Path,
+                                                                               tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = chat_tokenizer(chat_lm, "alpaca_ja")
+    save_tokenizer(tokenizer, tmp_path)
+    assert (tmp_path / "chat_template.jinja").read_text(encoding="utf-8") == ALPACA_JA_TEMPLATE
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text(encoding="utf-8"))["chat_template"] == \
+        ALPACA_JA_TEMPLATE
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert reloaded.chat_template == ALPACA_JA_TEMPLATE
+    assert install_template(reloaded, "auto") == "the model's own chat template"
+    assert distinct_pad(reloaded) is None
+    reloaded.pad_token = reloaded.eos_token
+    assert "padding with <unk>" in distinct_pad(reloaded)
+    assert reloaded.pad_token_id not in (None, reloaded.eos_token_id)
+
+
+# --- fine-tuning, predict, gptpipe chat -------------------------------------------------------------------
+CHAT_RUN = ("task.kind=chat", "train.seq_len=160", "train.global_batch_size=8", "train.train_iters=12",
+            "train.eval_interval=4", "train.save_interval=4", "task.chat_eval_rows=4",
+            "chat.max_new_tokens=12", "predict.max_new_tokens=12")
+
+
+def chat_args(model: Path, chat_files: tuple[Path, Path], run: Path, *overrides: str) -> list[str]:
+    train, validation = chat_files
+    return [f"model.path={model}", f"data.train={train}", f"data.validation={validation}", "data.test=null",
+            f"train.output_model_dir={run}", *FINETUNE_QUICK, *CHAT_RUN, *overrides]
+
+
+@pytest.mark.parametrize(("kind", "best"), [("classification", "macro_f1"), ("generation", "chrf"),
+                                            ("chat", "val_loss")])
+def test_the_best_metric_follows_the_task_kind_unless_set(kind: str, best: str) -> None:
+    from conftest import REPO
+    from gptpipe.config.core import ConfigError, load_config
+    from gptpipe.finetune.config import FinetuneConfig
+
+    shipped = REPO / "finetune_config.yaml"
+    assert load_config(FinetuneConfig, shipped, [f"task.kind={kind}"]).best_metric == best
+    assert load_config(FinetuneConfig, shipped, [f"task.kind={kind}", "train.best_metric=val_loss"]
+                       ).best_metric == "val_loss"
+    if kind == "chat":
+        with pytest.raises(ConfigError, match="train.best_metric: must be one of chrf, val_loss"):
+            load_config(FinetuneConfig, shipped, ["task.kind=chat", "train.best_metric=accuracy"])
+
+
+def test_a_seq2seq_model_is_refused_for_chat(tiny_t5: Path, chat_files, tmp_path: Path) -> None:
+    done = gptpipe_command("finetune", *chat_args(tiny_t5, chat_files, tmp_path / "run"))
+    assert done.returncode == 2 and "encoder-decoder; chat tuning needs a causal LM" in done.stderr
+
+
+@pytest.mark.slow
+def test_chat_finetune_resumes_exactly_predicts_and_chats(chat_lm: Path, chat_files, tmp_path: Path) -> None:
+    import signal
+    import time
+
+    from transformers import AutoTokenizer
+
+    from gptpipe.finetune.predict import resolve_checkpoint
+    from gptpipe.train import checkpoint
+
+    whole = tmp_path / "whole"
+    done = gptpipe_command("finetune", *chat_args(chat_lm, chat_files, whole))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "the shipped 'gptpipe' chat template" in done.stderr
+    rows = metrics_rows(whole)
+    evals = [r for r in rows if "val_chrf" in r]
+    assert [r["step"] for r in evals] == [4, 8, 12] and all(r["val_generated"] == 4 for r in evals)
+    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert losses[12] < losses[1]
+    assert (whole / "tokenizer" / "chat_template.jinja").read_text(encoding="utf-8") == GPTPIPE_TEMPLATE
+    # The best checkpoint is the evaluation with the lowest assistant-token loss, kept and marked.
+    lowest = min(evals, key=lambda r: r["val_loss"])["step"]
+    assert checkpoint.best_tag(whole / "checkpoints") == checkpoint.tag_of(lowest)
+    summary = json.loads((whole / "finetune_summary.json").read_text(encoding="utf-8"))
+    eos = AutoTokenizer.from_pretrained(whole / "tokenizer").eos_token_id
+    assert summary["best"]["step"] == lowest and summary["task"]["stop_ids"] == [eos]
+
+    # Killed (no handler runs) after step 6, then resumed from step 4: the same losses as the whole run.
+    killed = tmp_path / "killed"
+    args = chat_args(chat_lm, chat_files, killed)
+    process = subprocess.Popen([sys.executable, "-m", "gptpipe", "finetune", *args], env=train_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not any(r.get("step") == 6 and "loss" in r for r in (metrics_rows(killed) if (
+            killed / "metrics.jsonl").is_file() else [])):
+        assert process.poll() is None and time.time() < deadline
+        time.sleep(0.2)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    resumed = gptpipe_command("finetune", *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = {r["step"]: r["loss"] for r in metrics_rows(killed) if "loss" in r}
+    assert again == losses
+
+    # predict on messages rows: the assistant's answer to the turns before the last one.
+    best = resolve_checkpoint(whole)
+    out = tmp_path / "predictions.jsonl"
+    predicted = gptpipe_command("predict", *chat_args(chat_lm, chat_files, whole), f"predict.model={whole}",
+                                "--input", chat_files[1], "--output", out)
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    results = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    validation = read_conversations(chat_files[1], Reasons())
+    assert [r["messages"] for r in results] == [v.prompt for v in validation]
+    assert [r["label"] for r in results] == [v.label for v in validation]
+
+    # gptpipe chat through a pipe: two turns, /reset, the first question again. Each answer is the model's
+    # greedy continuation of the whole conversation so far, rendered with the run's template.
+    import torch
+
+    model = checkpoint.model_from_checkpoint(checkpoint.find_checkpoint(best)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(whole / "tokenizer")
+    first, follow_up = validation[0].messages[-4]["content"], "マニュアルの何章ですか?"
+
+    def greedy(messages: list[dict]) -> str:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+
+    one = greedy([{"role": "user", "content": first}])
+    two = greedy([{"role": "user", "content": first}, {"role": "assistant", "content": one.strip()},
+                  {"role": "user", "content": follow_up}])
+    talked = gptpipe_command("chat", *chat_args(chat_lm, chat_files, whole), f"chat.model={whole}",
+                             stdin=f"{first}\n{follow_up}\n/reset\n{first}\n")
+    assert talked.returncode == 0, talked.stderr[-3000:]
+    assert talked.stdout == f"{one}\n{two}\n{one}\n"
+    assert "conversation reset" in talked.stderr
+
+
+@pytest.mark.slow
+def test_packed_and_grouped_chat_runs_take_the_padded_runs_steps(chat_lm: Path, chat_files, tmp_path: Path) -> None:
+    """Chat rows pack like any other: the per-step losses of a packed run equal the padded run's."""
+    common = ("train.micro_batch_size=4", "train.train_iters=3", "train.eval_interval=1000")
+    losses = {}
+    for name, overrides in {"padded": (), "packed": ("train.packing=true",)}.items():
+        done = gptpipe_command("finetune", *chat_args(chat_lm, chat_files, tmp_path / name, *common, *overrides))
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses[name] = [r["loss"] for r in metrics_rows(tmp_path / name) if "loss" in r]
+    assert len(losses["packed"]) == 3
+    assert losses["packed"] == pytest.approx(losses["padded"], rel=1e-5)
+
+
+@pytest.mark.skipif(not manpages_installed(), reason="needs the Japanese man pages")
+def test_chat_answers_from_an_hf_folder_with_a_template(chat_lm: Path, tmp_path: Path) -> None:
+    import shutil
+
+    folder = tmp_path / "hf"
+    shutil.copytree(chat_lm, folder)
+    save_tokenizer(chat_tokenizer(chat_lm, "alpaca_ja"), folder)
+    talked = gptpipe_command("chat", f"chat.model={folder}", "chat.max_new_tokens=5", "chat.sample=true",
+                             "chat.system=簡潔に答えます。", stdin="ls とは?\n")
+    assert talked.returncode == 0, talked.stderr[-3000:]
+    assert talked.stdout.count("\n") >= 1
+    # predict reads one user turn a line from stdin and answers each.
+    out = tmp_path / "answers.jsonl"
+    predicted = gptpipe_command("predict", f"predict.model={folder}", "task.kind=chat", "predict.max_new_tokens=4",
+                                "--input", "-", "--output", out, stdin="ls とは?\n\ncp とは?\n")
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    answers = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [a["messages"] for a in answers] == [[{"role": "user", "content": q}] for q in ("ls とは?", "cp とは?")]
+    assert all(isinstance(a["prediction"], str) and "label" not in a for a in answers)
+    refused = gptpipe_command("chat", f"chat.model={chat_lm}", stdin="ls とは?\n")
+    assert refused.returncode == 2 and "has no chat template" in refused.stderr
