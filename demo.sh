@@ -2,7 +2,8 @@
 # The demo command: sets up .venv, then runs the whole pipeline (stages 0-7) on the Japanese man pages in ./demo/
 # (copies of the shipped YAMLs live there, so your own config.yaml is never touched). Stage 7 fine-tunes the
 # exported model on a task built from the same man pages (description -> manual section), predicts the test
-# split with beam search, evaluates the pretrained model zero-shot with lm-eval, and exports the fine-tune.
+# split with beam search, evaluates the pretrained model zero-shot with lm-eval, exports the fine-tune, then
+# instruction-tunes the model on man-page conversations and chats with it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 bash scripts/setup_env.sh
@@ -53,3 +54,15 @@ python -m gptpipe evaluate --config demo/evaluate_config.yaml
 step "stage 7: export the best fine-tune checkpoint (stage 4's gate) and dry-run its upload (stage 6)"
 bash 4_convert_to_HF.sh --config demo/convert_config.yaml "${FINETUNED[@]}"
 python 6_upload.py --config demo/convert_config.yaml "${FINETUNED[@]}" --dry-run
+
+# Instruction tuning: the man-page conversations make-demo-task wrote ("`ls` は何をしますか?" → the page's NAME line,
+# then its manual section), in the exported model's chat template (gptpipe's default: it has none of its own).
+CHAT_DATA=demo/data/finetune/manpage_section/chat
+CHAT=(task.kind=chat data.train=$CHAT_DATA/train.jsonl data.validation=$CHAT_DATA/validation.jsonl
+      data.test=$CHAT_DATA/test.jsonl train.output_model_dir=demo/runs/chat-demo train.seq_len=128
+      train.train_epochs=1 train.train_iters=80 train.eval_interval=40 task.chat_eval_rows=16)
+step "stage 7: instruction tuning (task.kind=chat: loss on the assistant's turns only)"
+bash 7_finetune.sh --config demo/finetune_config.yaml "${CHAT[@]}"
+step "stage 7: chat with it (one user turn per line; /reset starts a new conversation)"
+printf '%s\n' '`ls` は何をしますか?' 'マニュアルの何章ですか?' '/reset' '`cp` は何をしますか?' |
+  python -m gptpipe chat --config demo/finetune_config.yaml "${CHAT[@]}" chat.max_new_tokens=32
