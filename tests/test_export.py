@@ -14,7 +14,9 @@ from safetensors import safe_open
 
 from gptpipe.cli import main
 from gptpipe.train.checkpoint import consolidate, find_checkpoint
-from gptpipe.export.convert import HELDOUT_DOCUMENTS, heldout_documents, reference_models
+from gptpipe.export.config import ConvertConfig
+from gptpipe.export.convert import reference_models
+from gptpipe.export.source import HELDOUT_DOCUMENTS, heldout_documents, pretrain_source
 from gptpipe.export.verify import verify_export
 from gptpipe.tolerance import FP32_TOLERANCE
 from gptpipe.stage import StageInputError, file_fingerprint
@@ -236,15 +238,13 @@ def _tamper_tokenizer_json(folder: Path) -> None:
     tok.save(str(folder / "tokenizer.json"))
 
 
-def run_gate(folder: Path, run: Path, tokenizer_dir: Path, dataset_prefix: Path) -> dict:
+def run_gate(folder: Path, run: Path) -> dict:
     """The verification gate on ``folder`` against the checkpoint it was exported from."""
     checkpoint = find_checkpoint(run)
     dtype = counts(folder)["dtype"]
     reference, reference_fp32 = reference_models(checkpoint, consolidate(checkpoint), dtype)
-    info = read_tokenizer(tokenizer_dir)
-    heldout = heldout_documents(dataset_prefix, HELDOUT_DOCUMENTS, info.eod_id, SHIPPED.data.split,
-                                 SHIPPED.data.seed)
-    return verify_export(folder, reference, reference_fp32, info, heldout, "こんにちは。", dtype)
+    source = pretrain_source(ConvertConfig(test_prompt_text="こんにちは。"), checkpoint)
+    return verify_export(folder, reference, reference_fp32, source.gate(), dtype)
 
 
 def test_gate_compares_on_documents_training_never_saw(dataset_prefix, tokenizer_dir):
@@ -253,7 +253,7 @@ def test_gate_compares_on_documents_training_never_saw(dataset_prefix, tokenizer
 
     eod = read_tokenizer(tokenizer_dir).eod_id
     split, seed = SHIPPED.data.split, SHIPPED.data.seed
-    heldout = heldout_documents(dataset_prefix, HELDOUT_DOCUMENTS, eod, split, seed)
+    heldout = heldout_documents(dataset_prefix, HELDOUT_DOCUMENTS, eod, split, seed, "こんにちは。")
     reader = IndexedDataset(dataset_prefix)
     begin, end = split_bounds(split, len(reader))[0]
     order = document_order(len(reader), seed)
@@ -267,7 +267,7 @@ def test_gate_fails_on_a_tokenizer_that_differs_from_sentencepiece(exported_mode
     folder = tmp_path / "tampered"
     shutil.copytree(exported_model, folder)
     _tamper_tokenizer_json(folder)
-    report = run_gate(folder, trained_run, tokenizer_dir, dataset_prefix)
+    report = run_gate(folder, trained_run)
     assert report["verified"] is False
     assert report["tokenizer_mismatches"] > 0
     assert any("tokenizer ids differ from SentencePiece" in f for f in report["failures"])
@@ -284,7 +284,7 @@ def test_gate_fails_on_weights_mapped_to_the_wrong_layer(exported_model, trained
     first, second = "model.layers.0.self_attn.o_proj.weight", "model.layers.1.self_attn.o_proj.weight"
     weights[first], weights[second] = weights[second], weights[first]  # a classic conversion-script bug
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    report = run_gate(folder, trained_run, tokenizer_dir, dataset_prefix)
+    report = run_gate(folder, trained_run)
     assert report["verified"] is False
     assert any("logits differ" in f for f in report["failures"])
 
@@ -302,7 +302,7 @@ def test_gate_fails_on_generation_settings_that_change_greedy_decoding(exported_
     greedy, _ = greedy_continuation(model, AutoTokenizer.from_pretrained(folder), "こんにちは。")
     path = folder / "generation_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "suppress_tokens": sorted(set(greedy))}))
-    report = run_gate(folder, trained_run, tokenizer_dir, dataset_prefix)
+    report = run_gate(folder, trained_run)
     assert report["verified"] is False
     assert any("not greedy under the checkpoint's model" in f for f in report["failures"]), report["failures"]
     assert report["greedy_max_gap"] > report["greedy_gap_tolerance"]
@@ -346,8 +346,7 @@ def test_finetune_export_passes_the_gate_and_predicts_like_the_run(classifier_ru
     """The best checkpoint of a fine-tune exported: gate on its validation rows, task.json, a card with the
     metrics beside the majority baseline, the same predictions as the run, ready for stage 6."""
     from gptpipe.train.checkpoint import model_from_checkpoint
-    from gptpipe.export.convert import validation_rows
-    from gptpipe.export.verify_finetune import verify_finetune_export
+    from gptpipe.export.source import finetune_source
     from gptpipe.train.checkpoint import BEST
 
     run, args, _ = classifier_run  # conftest's CLASSIFIER_RUN: the best of 5 evaluated steps, by accuracy
@@ -402,9 +401,9 @@ def test_finetune_export_passes_the_gate_and_predicts_like_the_run(classifier_ru
     save_file(weights, tampered / "model.safetensors", metadata={"format": "pt"})
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    data, _ = validation_rows(checkpoint)
-    failed = verify_finetune_export(tampered, reference, reference, AutoTokenizer.from_pretrained(run / "tokenizer"),
-                                    data, "fp32")
+    source = finetune_source(checkpoint)
+    data = source.rows
+    failed = verify_export(tampered, reference, reference, source.gate(), "fp32")
     assert failed["verified"] is False and any("logits differ" in f for f in failed["failures"])
 
     # So is its generation check: right weights, a generation_config.json that bans the answers' first tokens.
@@ -420,7 +419,7 @@ def test_finetune_export_passes_the_gate_and_predicts_like_the_run(classifier_ru
     path = tampered / "generation_config.json"
     first_tokens = sorted({answer[0] for answer in answers})
     path.write_text(json.dumps({**json.loads(path.read_text()), "begin_suppress_tokens": first_tokens}))
-    failed = verify_finetune_export(tampered, reference, reference, tokenizer, data, "fp32")
+    failed = verify_export(tampered, reference, reference, source.gate(), "fp32")
     assert failed["verified"] is False and failed["greedy_max_gap"] > failed["greedy_gap_tolerance"]
     assert [f for f in failed["failures"] if "not greedy under the checkpoint's model" in f] == failed["failures"]
 
