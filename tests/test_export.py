@@ -18,6 +18,7 @@ from gptpipe.export.config import ConvertConfig
 from gptpipe.export.convert import reference_models
 from gptpipe.export.source import HELDOUT_DOCUMENTS, heldout_documents, pretrain_source
 from gptpipe.export.verify import verify_export
+from gptpipe.tokenizer.hf import NO_SPACE_PREFIX
 from gptpipe.tolerance import FP32_TOLERANCE
 from gptpipe.stage import StageInputError, file_fingerprint
 from gptpipe.stages import read_tokenizer
@@ -65,7 +66,12 @@ def test_export_gate_passes_for_every_architecture(tiny_run, workspace, tokenize
     with safe_open(out / "model.safetensors", "pt") as weights:
         tensors = [weights.get_tensor(k) for k in weights.keys()]  # noqa: SIM118 - safe_open is no dict
     assert {t.dtype for t in tensors} == {torch.float32 if dtype == "fp32" else torch.bfloat16}
-    assert (out / "tokenizer.json").is_file() and not (out / "tokenizer.model").exists()
+    # The SentencePiece model ships beside tokenizer.json (converters such as llama.cpp's read it), with no space
+    # prefix stated; AutoTokenizer still reads tokenizer.json, the gate compared its ids with SentencePiece's.
+    assert (out / "tokenizer.json").is_file() and (out / "tokenizer.model").read_bytes() == info.model_path.read_bytes()
+    assert report["sentencepiece_file"] is True
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert {k: tokenizer_config.get(k) for k in NO_SPACE_PREFIX} == NO_SPACE_PREFIX
 
     card = (out / "README.md").read_text()
     assert f"{report['parameters']:,}" in card and "Final validation loss" in card
@@ -274,6 +280,26 @@ def test_gate_fails_on_a_tokenizer_that_differs_from_sentencepiece(exported_mode
     assert report["logits_max_abs_diff"] <= report["logits_tolerance"]  # the weights themselves are still right
 
 
+def test_gate_fails_without_the_sentencepiece_model_or_its_no_prefix_statement(exported_model, trained_run,
+                                                                              tmp_path):
+    """tokenizer.model must ship, byte-identical to stage 1's, and tokenizer_config.json say: no space prefix."""
+    from transformers import AutoTokenizer
+
+    assert run_gate(exported_model, trained_run)["sentencepiece_file"] is True
+    assert AutoTokenizer.from_pretrained(exported_model).vocab_file.endswith("tokenizer.model")  # read, ids unchanged
+    missing, prefixed = tmp_path / "missing", tmp_path / "prefixed"
+    shutil.copytree(exported_model, missing)
+    (missing / "tokenizer.model").unlink()
+    report = run_gate(missing, trained_run)
+    assert report["verified"] is False and report["failures"] == ["no tokenizer.model beside tokenizer.json"]
+    shutil.copytree(exported_model, prefixed)
+    config = prefixed / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "add_prefix_space": True}))
+    report = run_gate(prefixed, trained_run)
+    assert report["verified"] is False and report["tokenizer_mismatches"] == 0
+    assert [f for f in report["failures"] if "no space prefix" in f] == report["failures"] != []
+
+
 def test_gate_fails_on_weights_mapped_to_the_wrong_layer(exported_model, trained_run, tokenizer_dir, dataset_prefix,
                                                          tmp_path):
     from safetensors.torch import load_file, save_file
@@ -422,6 +448,22 @@ def test_finetune_export_passes_the_gate_and_predicts_like_the_run(classifier_ru
     failed = verify_export(tampered, reference, reference, source.gate(), "fp32")
     assert failed["verified"] is False and failed["greedy_max_gap"] > failed["greedy_gap_tolerance"]
     assert [f for f in failed["failures"] if "not greedy under the checkpoint's model" in f] == failed["failures"]
+
+
+def test_finetune_of_an_export_ships_its_sentencepiece_model(exported_model, task_files, workspace, tmp_path):
+    """A fine-tune of a stage-4 export ships that export's tokenizer.model (transformers does not save it into
+    the run's tokenizer folder), with no space prefix stated; the gate checks its ids against the folder's."""
+    run = tmp_path / "run"
+    gptpipe("finetune", *finetune_args(exported_model, task_files, run, "train.train_iters=2",
+                                       "train.eval_interval=1000"))
+    out = tmp_path / "export"
+    assert convert(workspace, run, out, "dtype=fp32") == 0
+    report = counts(out)
+    assert report["verified"] is True and report["sentencepiece_file"] is True
+    assert report["tokenizer_mismatches"] == 0 and report["tokenizer_reference"].endswith("and SentencePiece")
+    assert (out / "tokenizer.model").read_bytes() == (exported_model / "tokenizer.model").read_bytes()
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert {k: tokenizer_config.get(k) for k in NO_SPACE_PREFIX} == NO_SPACE_PREFIX
 
 
 def test_seq2seq_finetune_exports_as_an_encoder_decoder(t5_run, workspace, tmp_path):

@@ -197,7 +197,8 @@ def _corpus_rows(corpus: CorpusBlock, base: BaseBlock | None) -> list[str]:
     else:
         lines.append(f"- tokenizer: SentencePiece, {tok.get('vocab_size', '?'):,} pieces"
                      + (f", {tok['chars_per_token']:.2f} characters per token" if tok.get("chars_per_token") else "")
-                     + "; shipped here as a fast tokenizer (tokenizer.json) with identical ids")
+                     + "; shipped here as a fast tokenizer (tokenizer.json) with identical ids and as the "
+                     "SentencePiece model itself (tokenizer.model; no space prefix)")
     return [*lines, ""]
 
 

@@ -61,8 +61,8 @@ def export(config: ConvertConfig, source: ExportSource) -> StageResult:
     with atomic_dir(out) as tmp:
         log.info(f"writing {config.dtype} safetensors (shards above {config.max_shard_size}) to {out}")
         exported.save_pretrained(tmp, max_shard_size=config.max_shard_size)
-        for f in source.copied_files():  # a base's generation_config.json replaces the one just written
-            shutil.copy2(f, tmp / f.name)
+        for name, path in source.copied_files().items():  # a base's generation_config.json replaces the own
+            shutil.copy2(path, tmp / name)
         for name, text in source.written_files().items():
             write_text_atomic(tmp / name, text)
         report = verify_export(tmp, reference, reference_fp32, source.gate(), config.dtype)

@@ -23,6 +23,7 @@ from gptpipe.finetune.metrics import TASK_METRICS
 from gptpipe.finetune.run_files import SUMMARY_FILE, TASK_FILE, TOKENIZER_DIR
 from gptpipe.stage import StageInputError, file_fingerprint, tree_fingerprint
 from gptpipe.stages import TOKENIZE, TRAIN_TOKENIZER, DatasetInfo, read_dataset, read_tokenizer
+from gptpipe.tokenizer.hf import SENTENCEPIECE_FILE, exported_config
 from gptpipe.train.checkpoint import STATE, Checkpoint
 
 if TYPE_CHECKING:
@@ -47,8 +48,9 @@ class ExportSource(Protocol):
     def inputs(self) -> dict[str, Any]:
         """The fingerprint of everything the export reads: a change re-exports."""
 
-    def copied_files(self) -> list[Path]:
-        """Files copied into the folder unchanged (after save_pretrained: they replace its files)."""
+    def copied_files(self) -> dict[str, Path]:
+        """Files copied into the folder unchanged, by their name there (after save_pretrained: they replace
+        its files)."""
 
     def written_files(self) -> dict[str, str]:
         """Further files of the folder: name → text."""
@@ -121,11 +123,13 @@ class PretrainSource:
                 "tokenizer": TRAIN_TOKENIZER.fingerprint(self.tokenizer.hf_dir.parent),
                 "datasets": [TOKENIZE.fingerprint(d.prefix) for d in self.datasets]}
 
-    def copied_files(self) -> list[Path]:
-        return sorted(p for p in self.tokenizer.hf_dir.iterdir() if p.is_file())
+    def copied_files(self) -> dict[str, Path]:
+        # The SentencePiece model too: converters (llama.cpp's) build their vocabulary from it.
+        return {**{p.name: p for p in sorted(self.tokenizer.hf_dir.iterdir()) if p.is_file()},
+                SENTENCEPIECE_FILE: self.tokenizer.model_path}
 
     def written_files(self) -> dict[str, str]:
-        return {}
+        return {"tokenizer_config.json": exported_config(self.tokenizer.hf_dir)}
 
     def generation_config(self, model_config: Any) -> Any:
         from transformers import GenerationConfig
@@ -148,7 +152,8 @@ class PretrainSource:
     def gate(self) -> GateSpec:
         t = self.tokenizer
         return GateSpec(self.rows, TokenizerReference("SentencePiece", self.compare_tokenizer),
-                        special_ids={"bos": t.bos_id, "eos": t.eos_id, "pad": t.pad_id}, vocab_size=t.vocab_size)
+                        special_ids={"bos": t.bos_id, "eos": t.eos_id, "pad": t.pad_id}, vocab_size=t.vocab_size,
+                        sentencepiece=t.model_path)
 
     def corpus(self, metrics: list[dict[str, Any]]) -> CorpusBlock:
         sources = to_plain(self.training)["corpus"]["sources"]
@@ -187,11 +192,14 @@ class ContinuedSource(PretrainSource):
                                "sha256": {n: f["sha256"] for n, f in self.record["files"].items()}},
                 "datasets": [TOKENIZE.fingerprint(d.prefix) for d in self.datasets]}
 
-    def copied_files(self) -> list[Path]:
+    def copied_files(self) -> dict[str, Path]:
         from gptpipe.train.base_model import is_copied
 
         folder = self.base.folder
-        return [folder / n for n in sorted(os.listdir(folder)) if is_copied(n) and (folder / n).is_file()]
+        return {n: folder / n for n in sorted(os.listdir(folder)) if is_copied(n) and (folder / n).is_file()}
+
+    def written_files(self) -> dict[str, str]:
+        return {}
 
     def generation_config(self, model_config: Any) -> Any:
         return None  # the base's generation_config.json, copied
@@ -285,6 +293,7 @@ class FinetuneSource:
     tokenizer: Any  # the run's tokenizer (<run>/tokenizer)
     rows: TaskRows
     data_file: Path
+    sentencepiece: Path | None  # the SentencePiece model of the export fine-tuned (`export_sentencepiece`)
     versions: ClassVar[tuple[str, ...]] = VERSIONS
     vocab_size: ClassVar[int | None] = None  # the pretrained model's shape: a hub model's padding rows stay
 
@@ -295,14 +304,18 @@ class FinetuneSource:
     def inputs(self) -> dict[str, Any]:
         return {"checkpoint": _checkpoint_inputs(self.checkpoint),
                 "tokenizer": tree_fingerprint([p for p in self.tokenizer_dir.iterdir() if p.is_file()]),
-                "validation": {"path": str(self.data_file), **file_fingerprint(self.data_file)}}
+                "validation": {"path": str(self.data_file), **file_fingerprint(self.data_file)},
+                **({"sentencepiece": file_fingerprint(self.sentencepiece)} if self.sentencepiece else {})}
 
-    def copied_files(self) -> list[Path]:
-        return sorted(p for p in self.tokenizer_dir.iterdir() if p.is_file())
+    def copied_files(self) -> dict[str, Path]:
+        files = {p.name: p for p in sorted(self.tokenizer_dir.iterdir()) if p.is_file()}  # a chat template too
+        return {**files, SENTENCEPIECE_FILE: self.sentencepiece} if self.sentencepiece else files
 
     def written_files(self) -> dict[str, str]:
-        return {TASK_FILE: json.dumps(shareable_task(self.checkpoint.state["task"]), ensure_ascii=False,
-                                      indent=2) + "\n"}
+        task = json.dumps(shareable_task(self.checkpoint.state["task"]), ensure_ascii=False, indent=2) + "\n"
+        if self.sentencepiece is None:
+            return {TASK_FILE: task}
+        return {TASK_FILE: task, "tokenizer_config.json": exported_config(self.tokenizer_dir)}
 
     def generation_config(self, model_config: Any) -> Any:
         """Deterministic answers by default, as evaluation produced them: greedy, long enough for any label."""
@@ -323,12 +336,23 @@ class FinetuneSource:
         differ = [repr(row.input) for row in self.rows.rows
                   if ours.prompt_ids(row.input) != theirs.prompt_ids(row.input)
                   or ours.label_ids(row.label) != theirs.label_ids(row.label)]
-        return 2 * len(self.rows.rows), len(differ), differ[:3]
+        if self.sentencepiece is None:
+            return 2 * len(self.rows.rows), len(differ), differ[:3]
+        import sentencepiece
+
+        from gptpipe.tokenizer.hf import compare
+
+        # and the SentencePiece model it ships gives the same ids on every input and label
+        sp = sentencepiece.SentencePieceProcessor(model_file=str(self.sentencepiece))
+        texts = [text for row in self.rows.rows for text in (row.input, row.label)]
+        failures, examples = compare(sp, tokenizer, texts, round_trip=False)
+        return 4 * len(self.rows.rows), len(differ) + failures, (differ + examples)[:3]
 
     def gate(self) -> GateSpec:
         t = self.tokenizer
-        return GateSpec(self.rows, TokenizerReference("the fine-tune's tokenizer", self.compare_tokenizer),
-                        special_ids={"eos": t.eos_token_id, "pad": t.pad_token_id})
+        reference = "the fine-tune's tokenizer" + (" and SentencePiece" if self.sentencepiece else "")
+        return GateSpec(self.rows, TokenizerReference(reference, self.compare_tokenizer),
+                        special_ids={"eos": t.eos_token_id, "pad": t.pad_token_id}, sentencepiece=self.sentencepiece)
 
     def card(self, folder: Path, metrics: list[dict[str, Any]]) -> tuple[CardBlocks, dict[str, Any]]:
         state, step = self.checkpoint.state, self.checkpoint.step
@@ -348,6 +372,24 @@ class FinetuneSource:
         return CardBlocks(training_config={k: finetuning["train"][k] for k in FINETUNE_CARD_KEYS}, task=block), counts
 
 
+def export_sentencepiece(folder: Path, tokenizer: Any) -> Path | None:
+    """The SentencePiece model a fine-tune ships: tokenizer.model of the model it fine-tuned when that is a
+    verified stage-4 export that shipped one (its ids proved identical there) and the run's `tokenizer` has
+    exactly its pieces (nothing added); else None."""
+    import sentencepiece
+
+    from gptpipe.stages import read_export
+
+    model = folder / SENTENCEPIECE_FILE
+    try:
+        shipped = model.is_file() and read_export(folder).manifest.counts.get("sentencepiece_file") is True
+    except StageInputError:
+        return None
+    if not shipped or sentencepiece.SentencePieceProcessor(model_file=str(model)).vocab_size() != len(tokenizer):
+        return None
+    return model
+
+
 def finetune_source(checkpoint: Checkpoint) -> FinetuneSource:
     from transformers import AutoTokenizer
 
@@ -357,7 +399,9 @@ def finetune_source(checkpoint: Checkpoint) -> FinetuneSource:
                               "(bash 7_finetune.sh writes it when it starts)")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     rows, data_file = validation_rows(checkpoint, tokenizer)
-    return FinetuneSource(checkpoint, tokenizer, rows, data_file)
+    pretrained = checkpoint.state["task"].get("pretrained_model")
+    return FinetuneSource(checkpoint, tokenizer, rows, data_file,
+                          export_sentencepiece(Path(pretrained), tokenizer) if pretrained else None)
 
 
 def open_source(config: ConvertConfig, checkpoint: Checkpoint) -> ExportSource:

@@ -6,7 +6,8 @@ would, and checked on rows the model did not train on: held-out documents of a p
 1. ids: dtype, vocabulary and special ids are the ones the model was trained with;
 2. logits: against the model rebuilt from the checkpoint in the export dtype (bf16 compares like with like),
    max |Δ| within tolerance.py's tolerance; the difference to the fp32 model is recorded;
-3. tokenizer: the same ids as the tokenizer the training data was encoded with (`TokenizerReference`);
+3. tokenizer: the same ids as the tokenizer the training data was encoded with (`TokenizerReference`); a
+   SentencePiece tokenizer's model ships as tokenizer.model, byte-identical, with no space prefix stated;
 4. generation: greedy decoding through `generate` (the folder's generation_config.json, its KV cache) picks,
    at every step, a token the checkpoint's model also ranks first, up to a near-tie (`GREEDY_GAP_FACTOR`).
 A continued run's export (`GateSpec.base`) also has every file copied from its base byte-identical and its
@@ -16,6 +17,7 @@ information only: after a near-tie the two may legitimately continue differently
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,6 +174,7 @@ class GateSpec:
     special_ids: dict[str, int | None] = field(default_factory=dict)  # "eos" → the id trained with, ...
     vocab_size: int | None = None  # config.json's exact vocabulary (None: at least the tokenizer's)
     base: Any = None  # a continued run's train.base_model.BaseModel: its files copied byte for byte
+    sentencepiece: Path | None = None  # the SentencePiece model the folder's tokenizer.model must be, byte for byte
 
 
 def cast_parameters(model: Any, dtype: torch.dtype) -> Any:
@@ -236,6 +239,25 @@ def _check_base_files(report: dict[str, Any], folder: Path, base: Any) -> list[s
     keys = sorted(k for k in set(mine) | set(theirs) if k not in BASE_CONFIG_IGNORED and mine.get(k) != theirs.get(k))
     if keys:
         failures.append(f"config.json differs from the base model's in {', '.join(keys)}")
+    return failures
+
+
+def _check_sentencepiece(report: dict[str, Any], folder: Path, model_path: Path) -> list[str]:
+    """The SentencePiece model ships beside tokenizer.json, byte-identical to the one the data was encoded with,
+    and tokenizer_config.json says there is no space prefix (as that model was trained)."""
+    from gptpipe.tokenizer.hf import NO_SPACE_PREFIX, SENTENCEPIECE_FILE
+
+    shipped = folder / SENTENCEPIECE_FILE
+    failures = []
+    if not shipped.is_file():
+        failures.append(f"no {SENTENCEPIECE_FILE} beside tokenizer.json")
+    elif shipped.read_bytes() != model_path.read_bytes():
+        failures.append(f"{SENTENCEPIECE_FILE} is not byte-identical to {model_path}")
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    unstated = {k: config.get(k) for k, v in NO_SPACE_PREFIX.items() if config.get(k) is not v}
+    if unstated:
+        failures.append(f"tokenizer_config.json does not state that there is no space prefix: {unstated}")
+    report["sentencepiece_file"] = not failures
     return failures
 
 
@@ -332,6 +354,8 @@ def verify_export(folder: Path, reference: Any, reference_fp32: Any, spec: GateS
         **({"base files": lambda: _check_base_files(report, folder, spec.base)} if spec.base is not None else {}),
         "logits": lambda: _check_logits(report, model, reference, reference_fp32, spec.rows, dtype),
         "tokenizer": lambda: _check_tokenizer(report, tokenizer, spec.tokenizer),
+        **({"tokenizer.model": lambda: _check_sentencepiece(report, folder, spec.sentencepiece)}
+           if spec.sentencepiece is not None else {}),
         "generation": lambda: _check_generation(report, generating, reference, tokenizer, spec.rows, dtype),
     }
     failures = []
