@@ -14,8 +14,11 @@ from safetensors import safe_open
 
 from gptpipe.cli import main
 from gptpipe.train.checkpoint import consolidate, find_checkpoint
-from gptpipe.export.convert import HELDOUT_DOCUMENTS, heldout_documents, reference_models
+from gptpipe.export.config import ConvertConfig
+from gptpipe.export.convert import reference_models
+from gptpipe.export.source import HELDOUT_DOCUMENTS, heldout_documents, pretrain_source
 from gptpipe.export.verify import verify_export
+from gptpipe.tokenizer.hf import NO_SPACE_PREFIX
 from gptpipe.tolerance import FP32_TOLERANCE
 from gptpipe.stage import StageInputError, file_fingerprint
 from gptpipe.stages import read_tokenizer
@@ -63,7 +66,12 @@ def test_export_gate_passes_for_every_architecture(tiny_run, workspace, tokenize
     with safe_open(out / "model.safetensors", "pt") as weights:
         tensors = [weights.get_tensor(k) for k in weights.keys()]  # noqa: SIM118 - safe_open is no dict
     assert {t.dtype for t in tensors} == {torch.float32 if dtype == "fp32" else torch.bfloat16}
-    assert (out / "tokenizer.json").is_file() and not (out / "tokenizer.model").exists()
+    # The SentencePiece model ships beside tokenizer.json (converters such as llama.cpp's read it), with no space
+    # prefix stated; AutoTokenizer still reads tokenizer.json, the gate compared its ids with SentencePiece's.
+    assert (out / "tokenizer.json").is_file() and (out / "tokenizer.model").read_bytes() == info.model_path.read_bytes()
+    assert report["sentencepiece_file"] is True
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert {k: tokenizer_config.get(k) for k in NO_SPACE_PREFIX} == NO_SPACE_PREFIX
 
     card = (out / "README.md").read_text()
     assert f"{report['parameters']:,}" in card and "Final validation loss" in card
@@ -236,15 +244,13 @@ def _tamper_tokenizer_json(folder: Path) -> None:
     tok.save(str(folder / "tokenizer.json"))
 
 
-def run_gate(folder: Path, run: Path, tokenizer_dir: Path, dataset_prefix: Path) -> dict:
+def run_gate(folder: Path, run: Path) -> dict:
     """The verification gate on ``folder`` against the checkpoint it was exported from."""
     checkpoint = find_checkpoint(run)
     dtype = counts(folder)["dtype"]
     reference, reference_fp32 = reference_models(checkpoint, consolidate(checkpoint), dtype)
-    info = read_tokenizer(tokenizer_dir)
-    heldout = heldout_documents(dataset_prefix, HELDOUT_DOCUMENTS, info.eod_id, SHIPPED.data.split,
-                                 SHIPPED.data.seed)
-    return verify_export(folder, reference, reference_fp32, info, heldout, "こんにちは。", dtype)
+    source = pretrain_source(ConvertConfig(test_prompt_text="こんにちは。"), checkpoint)
+    return verify_export(folder, reference, reference_fp32, source.gate(), dtype)
 
 
 def test_gate_compares_on_documents_training_never_saw(dataset_prefix, tokenizer_dir):
@@ -253,7 +259,7 @@ def test_gate_compares_on_documents_training_never_saw(dataset_prefix, tokenizer
 
     eod = read_tokenizer(tokenizer_dir).eod_id
     split, seed = SHIPPED.data.split, SHIPPED.data.seed
-    heldout = heldout_documents(dataset_prefix, HELDOUT_DOCUMENTS, eod, split, seed)
+    heldout = heldout_documents(dataset_prefix, HELDOUT_DOCUMENTS, eod, split, seed, "こんにちは。")
     reader = IndexedDataset(dataset_prefix)
     begin, end = split_bounds(split, len(reader))[0]
     order = document_order(len(reader), seed)
@@ -267,11 +273,31 @@ def test_gate_fails_on_a_tokenizer_that_differs_from_sentencepiece(exported_mode
     folder = tmp_path / "tampered"
     shutil.copytree(exported_model, folder)
     _tamper_tokenizer_json(folder)
-    report = run_gate(folder, trained_run, tokenizer_dir, dataset_prefix)
+    report = run_gate(folder, trained_run)
     assert report["verified"] is False
     assert report["tokenizer_mismatches"] > 0
     assert any("tokenizer ids differ from SentencePiece" in f for f in report["failures"])
     assert report["logits_max_abs_diff"] <= report["logits_tolerance"]  # the weights themselves are still right
+
+
+def test_gate_fails_without_the_sentencepiece_model_or_its_no_prefix_statement(exported_model, trained_run,
+                                                                              tmp_path):
+    """tokenizer.model must ship, byte-identical to stage 1's, and tokenizer_config.json say: no space prefix."""
+    from transformers import AutoTokenizer
+
+    assert run_gate(exported_model, trained_run)["sentencepiece_file"] is True
+    assert AutoTokenizer.from_pretrained(exported_model).vocab_file.endswith("tokenizer.model")  # read, ids unchanged
+    missing, prefixed = tmp_path / "missing", tmp_path / "prefixed"
+    shutil.copytree(exported_model, missing)
+    (missing / "tokenizer.model").unlink()
+    report = run_gate(missing, trained_run)
+    assert report["verified"] is False and report["failures"] == ["no tokenizer.model beside tokenizer.json"]
+    shutil.copytree(exported_model, prefixed)
+    config = prefixed / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "add_prefix_space": True}))
+    report = run_gate(prefixed, trained_run)
+    assert report["verified"] is False and report["tokenizer_mismatches"] == 0
+    assert [f for f in report["failures"] if "no space prefix" in f] == report["failures"] != []
 
 
 def test_gate_fails_on_weights_mapped_to_the_wrong_layer(exported_model, trained_run, tokenizer_dir, dataset_prefix,
@@ -284,7 +310,7 @@ def test_gate_fails_on_weights_mapped_to_the_wrong_layer(exported_model, trained
     first, second = "model.layers.0.self_attn.o_proj.weight", "model.layers.1.self_attn.o_proj.weight"
     weights[first], weights[second] = weights[second], weights[first]  # a classic conversion-script bug
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    report = run_gate(folder, trained_run, tokenizer_dir, dataset_prefix)
+    report = run_gate(folder, trained_run)
     assert report["verified"] is False
     assert any("logits differ" in f for f in report["failures"])
 
@@ -302,7 +328,7 @@ def test_gate_fails_on_generation_settings_that_change_greedy_decoding(exported_
     greedy, _ = greedy_continuation(model, AutoTokenizer.from_pretrained(folder), "こんにちは。")
     path = folder / "generation_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "suppress_tokens": sorted(set(greedy))}))
-    report = run_gate(folder, trained_run, tokenizer_dir, dataset_prefix)
+    report = run_gate(folder, trained_run)
     assert report["verified"] is False
     assert any("not greedy under the checkpoint's model" in f for f in report["failures"]), report["failures"]
     assert report["greedy_max_gap"] > report["greedy_gap_tolerance"]
@@ -346,8 +372,7 @@ def test_finetune_export_passes_the_gate_and_predicts_like_the_run(classifier_ru
     """The best checkpoint of a fine-tune exported: gate on its validation rows, task.json, a card with the
     metrics beside the majority baseline, the same predictions as the run, ready for stage 6."""
     from gptpipe.train.checkpoint import model_from_checkpoint
-    from gptpipe.export.convert import validation_rows
-    from gptpipe.export.verify_finetune import verify_finetune_export
+    from gptpipe.export.source import finetune_source
     from gptpipe.train.checkpoint import BEST
 
     run, args, _ = classifier_run  # conftest's CLASSIFIER_RUN: the best of 5 evaluated steps, by accuracy
@@ -402,9 +427,9 @@ def test_finetune_export_passes_the_gate_and_predicts_like_the_run(classifier_ru
     save_file(weights, tampered / "model.safetensors", metadata={"format": "pt"})
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    data, _ = validation_rows(checkpoint)
-    failed = verify_finetune_export(tampered, reference, reference, AutoTokenizer.from_pretrained(run / "tokenizer"),
-                                    data, "fp32")
+    source = finetune_source(checkpoint)
+    data = source.rows
+    failed = verify_export(tampered, reference, reference, source.gate(), "fp32")
     assert failed["verified"] is False and any("logits differ" in f for f in failed["failures"])
 
     # So is its generation check: right weights, a generation_config.json that bans the answers' first tokens.
@@ -420,9 +445,25 @@ def test_finetune_export_passes_the_gate_and_predicts_like_the_run(classifier_ru
     path = tampered / "generation_config.json"
     first_tokens = sorted({answer[0] for answer in answers})
     path.write_text(json.dumps({**json.loads(path.read_text()), "begin_suppress_tokens": first_tokens}))
-    failed = verify_finetune_export(tampered, reference, reference, tokenizer, data, "fp32")
+    failed = verify_export(tampered, reference, reference, source.gate(), "fp32")
     assert failed["verified"] is False and failed["greedy_max_gap"] > failed["greedy_gap_tolerance"]
     assert [f for f in failed["failures"] if "not greedy under the checkpoint's model" in f] == failed["failures"]
+
+
+def test_finetune_of_an_export_ships_its_sentencepiece_model(exported_model, task_files, workspace, tmp_path):
+    """A fine-tune of a stage-4 export ships that export's tokenizer.model (transformers does not save it into
+    the run's tokenizer folder), with no space prefix stated; the gate checks its ids against the folder's."""
+    run = tmp_path / "run"
+    gptpipe("finetune", *finetune_args(exported_model, task_files, run, "train.train_iters=2",
+                                       "train.eval_interval=1000"))
+    out = tmp_path / "export"
+    assert convert(workspace, run, out, "dtype=fp32") == 0
+    report = counts(out)
+    assert report["verified"] is True and report["sentencepiece_file"] is True
+    assert report["tokenizer_mismatches"] == 0 and report["tokenizer_reference"].endswith("and SentencePiece")
+    assert (out / "tokenizer.model").read_bytes() == (exported_model / "tokenizer.model").read_bytes()
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert {k: tokenizer_config.get(k) for k in NO_SPACE_PREFIX} == NO_SPACE_PREFIX
 
 
 def test_seq2seq_finetune_exports_as_an_encoder_decoder(t5_run, workspace, tmp_path):

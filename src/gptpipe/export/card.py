@@ -1,7 +1,8 @@
 """The model card (README.md) and its curves (PNG): what a reader of the hub page needs to trust the model.
 
-Two cards: a pretrained model's (stage 3 run) and a fine-tuned one's (stage 7 run: task, label set, the
-validation metrics of the exported step beside the majority baseline, loss and metric curves).
+One template; its source supplies optional blocks: the pretraining corpus (datasets, tokenizer, validation
+loss), the base model a run continued from, a fine-tune's task (label set, the validation metrics of the
+exported step beside the majority baseline and the baselines, the metric curve).
 """
 
 from __future__ import annotations
@@ -20,6 +21,48 @@ METRIC_CURVE = "metric_curve.png"
 
 
 @dataclass
+class CorpusBlock:
+    """What a pretraining run trained on (a continued run's too)."""
+
+    corpus: list[str]  # one line per source
+    datasets: list[dict[str, Any]]  # {"prefix", "documents", "tokens"}
+    tokenizer: dict[str, Any]  # vocab_size, chars_per_token, ...
+    tokens_seen: int | None
+    final_val_loss: float | None
+
+
+@dataclass
+class BaseBlock:
+    """The base model a continued pretraining run started from."""
+
+    name: str
+    model_type: str
+
+
+@dataclass
+class TaskBlock:
+    """What a fine-tune was tuned for and how well it does it."""
+
+    task: dict[str, Any]  # the checkpoint's task facts (task.json)
+    total_steps: int | None
+    best: dict[str, Any] | None  # {"step", "value", "metrics"}: the best evaluation of the run so far
+    metrics: dict[str, Any] | None  # the validation metrics of the exported step (None: not evaluated there)
+    rows: dict[str, Any]  # {"train", "validation"} row counts, {"skipped": {reason: n}} when recorded
+    comparison: dict[str, dict[str, float]] | None = None  # the run summary's: model and baselines side by side
+    has_metric_curve: bool = False
+
+
+@dataclass
+class CardBlocks:
+    """The source-specific part of a card."""
+
+    training_config: dict[str, Any]  # the settings shown under Training / Fine-tuning
+    corpus: CorpusBlock | None = None
+    base: BaseBlock | None = None
+    task: TaskBlock | None = None
+
+
+@dataclass
 class CardFacts:
     """Everything the card states, gathered by the convert stage."""
 
@@ -27,15 +70,9 @@ class CardFacts:
     model_config: Any  # the exported transformers config
     parameters: int
     step: int
-    tokens_seen: int | None
-    corpus: list[str]  # one line per source
-    datasets: list[dict[str, Any]]  # {"prefix", "documents", "tokens"}
-    tokenizer: dict[str, Any]  # vocab_size, chars_per_token, ...
-    training_config: dict[str, Any]
-    final_val_loss: float | None
     verification: dict[str, Any]
+    blocks: CardBlocks
     has_loss_curve: bool = False
-    base_model: dict[str, Any] | None = None  # continued pretraining: the base's {"name", "model_type"}
 
 
 def plot_loss_curve(rows: list[dict[str, Any]], png: Path) -> bool:
@@ -61,26 +98,6 @@ def plot_loss_curve(rows: list[dict[str, Any]], png: Path) -> bool:
     fig.savefig(png, metadata={"Software": None})  # no version stamp: same logs, same bytes
     plt.close(fig)
     return True
-
-
-@dataclass
-class FinetuneCardFacts:
-    """Everything a fine-tune's card states, gathered by the convert stage."""
-
-    title: str
-    model_config: Any
-    parameters: int
-    step: int
-    total_steps: int | None
-    task: dict[str, Any]  # the checkpoint's task facts (task.json)
-    best: dict[str, Any] | None  # {"step", "value", "metrics"}: the best evaluation of the run so far
-    metrics: dict[str, Any] | None  # the validation metrics of the exported step (None: not evaluated there)
-    rows: dict[str, Any]  # {"train", "validation"} row counts, {"skipped": {reason: n}} when recorded
-    training_config: dict[str, Any]
-    verification: dict[str, Any]
-    has_loss_curve: bool = False
-    has_metric_curve: bool = False
-    comparison: dict[str, dict[str, float]] | None = None  # the run summary's: model and baselines side by side
 
 
 def plot_metric_curve(rows: list[dict[str, Any]], kind: str, png: Path) -> bool:
@@ -140,79 +157,79 @@ def _verification_text(report: dict[str, Any]) -> str:
     if not report.get("verified"):
         return "**Verification FAILED**: " + "; ".join(report.get("failures", []))
     same = report.get("greedy_matches_checkpoint")
-    tokenizer = (f"the base model's tokenizer files copied byte for byte ({', '.join(report['base_files'])}), its "
-                 f"ids identical to the training data's on {report['tokenizer_texts']} held-out documents"
-                 if "base_files" in report else
-                 f"tokenizer ids identical to SentencePiece on {report['tokenizer_texts']} texts")
-    return (f"Exported by `gptpipe convert` and checked against the training checkpoint on held-out data: "
-            f"logits max |Δ| = {report['logits_max_abs_diff']:.3g} ({report['dtype']}, tolerance "
-            f"{report['logits_tolerance']:.3g}); {tokenizer}; greedy generation picks the checkpoint's top token at "
-            f"every step (largest gap {report['greedy_max_gap']:.3g}, tolerance {report['greedy_gap_tolerance']:.3g}). "
-            "Verified.\n\n"
+    tokenizer = f"tokenizer ids identical to {report['tokenizer_reference']} on {report['tokenizer_texts']} texts"
+    if "base_files" in report:
+        tokenizer = f"the base model's files copied byte for byte ({', '.join(report['base_files'])}); {tokenizer}"
+    return (f"Exported by `gptpipe convert` and checked against the checkpoint it was exported from on "
+            f"{report['heldout_source']}: logits max |Δ| = {report['logits_max_abs_diff']:.3g} ({report['dtype']}, "
+            f"tolerance {report['logits_tolerance']:.3g}); {tokenizer}; greedy generation picks the checkpoint's top "
+            f"token at every step (largest gap {report['greedy_max_gap']:.3g}, tolerance "
+            f"{report['greedy_gap_tolerance']:.3g}). Verified.\n\n"
             f"For information (not part of the check): the greedy sample is {report['greedy_sample']!r}"
-            + ("" if same is None else f", {'the same' if same else 'not the same'} text as the checkpoint's") + ".")
+            + ("" if same is None else f", {'the same' if same else 'not the same'} output as the checkpoint's") + ".")
 
 
-def render_card(facts: CardFacts, repo_id: str | None) -> str:
-    cfg = facts.model_config
-    base = facts.base_model
-    front = {"language": ["ja"], "library_name": "transformers", "pipeline_tag": "text-generation",
-             "tags": ["gptpipe", cfg.model_type, "continued-pretraining" if base else "pretrained-from-scratch"],
-             **({"base_model": base["name"]} if base else {})}
-    name = repo_id or facts.title
-    loss = facts.final_val_loss
-    how = (f"continued from the base model `{base['name']}` ({base['model_type']}) with gptpipe: "
-           f"{facts.step:,} more steps" if base else f"pretrained from scratch with gptpipe for {facts.step:,} steps")
-    lines = ["---", yaml.safe_dump(front, allow_unicode=True, sort_keys=False).strip(), "---", "",
-             f"# {facts.title}", "",
-             f"A {facts.parameters / 1e6:,.1f}M-parameter {cfg.model_type} language model {how}"
-             + (f" ({facts.tokens_seen:,} tokens trained)." if facts.tokens_seen else "."), ""]
-    lines += ["## Data", ""]
-    lines += [f"- corpus: {c}" for c in facts.corpus] or ["- corpus: (not recorded)"]
-    for d in facts.datasets:
+def _intro(facts: CardFacts) -> str:
+    """The card's first sentence: what the model is and how it was made."""
+    b, cfg = facts.blocks, facts.model_config
+    size = f"A {facts.parameters / 1e6:,.1f}M-parameter {cfg.model_type}"
+    if b.task:
+        task, best = b.task.task, b.task.best or {}
+        return (f"{size} model fine-tuned with gptpipe from `{task.get('pretrained_model')}` for {task['kind']}: "
+                f"step {facts.step:,}" + (f" of {b.task.total_steps:,}" if b.task.total_steps else "")
+                + (f", the best by validation {task.get('best_metric')}" if best.get("step") == facts.step else "")
+                + ".")
+    how = (f"continued from the base model `{b.base.name}` ({b.base.model_type}) with gptpipe: {facts.step:,} more "
+           "steps" if b.base else f"pretrained from scratch with gptpipe for {facts.step:,} steps")
+    tokens = b.corpus.tokens_seen if b.corpus else None
+    return f"{size} language model {how}" + (f" ({tokens:,} tokens trained)." if tokens else ".")
+
+
+def _corpus_rows(corpus: CorpusBlock, base: BaseBlock | None) -> list[str]:
+    lines = ["## Data", ""]
+    lines += [f"- corpus: {c}" for c in corpus.corpus] or ["- corpus: (not recorded)"]
+    for d in corpus.datasets:
         lines.append(f"- tokenized dataset `{Path(d['prefix']).name}`: {d.get('documents', '?'):,} documents, "
                      f"{d.get('tokens', '?'):,} tokens")
-    tok = facts.tokenizer
+    tok = corpus.tokenizer
     if base:
-        lines += [f"- tokenizer: the base model's ({tok.get('vocab_size', '?'):,} ids), its files unchanged", ""]
+        lines.append(f"- tokenizer: the base model's ({tok.get('vocab_size', '?'):,} ids), its files unchanged")
     else:
-        lines += [f"- tokenizer: SentencePiece, {tok.get('vocab_size', '?'):,} pieces"
-                  + (f", {tok['chars_per_token']:.2f} characters per token" if tok.get("chars_per_token") else "")
-                  + "; shipped here as a fast tokenizer (tokenizer.json) with identical ids", ""]
-    lines += ["## Architecture", "", "| | |", "| --- | --- |"]
-    lines += [f"| {k} | {v} |" for k, v in _architecture_rows(cfg, facts.parameters)]
-    lines += ["", "## Training", ""]
-    if facts.training_config:
-        lines += ["```yaml", yaml.safe_dump(facts.training_config, allow_unicode=True, sort_keys=False).strip(),
-                  "```", ""]
-    lines += ["## Results", ""]
-    if loss is not None:
-        lines.append(f"Final validation loss {loss:.4f} (perplexity {math.exp(min(loss, 50)):,.2f}).")
-    else:
-        lines.append("No validation loss was recorded for this checkpoint.")
-    if facts.has_loss_curve:
-        lines += ["", f"![loss curve]({LOSS_CURVE})"]
-    lines += ["", "## Verification", "", _verification_text(facts.verification), ""]
-    lines += ["## Usage", "", "```python", "from transformers import pipeline", "",
-              f'generator = pipeline("text-generation", model="{name}")  # or a local copy\'s path',
-              'print(generator("こんにちは、", max_new_tokens=64, do_sample=True, temperature=0.8, top_p=0.95)'
-              '[0]["generated_text"])', "```", "",
-              "or, from a clone of the repository: `gptpipe generate --model PATH --interactive`.", ""]
-    return "\n".join(lines).rstrip() + "\n"
+        lines.append(f"- tokenizer: SentencePiece, {tok.get('vocab_size', '?'):,} pieces"
+                     + (f", {tok['chars_per_token']:.2f} characters per token" if tok.get("chars_per_token") else "")
+                     + "; shipped here as a fast tokenizer (tokenizer.json) with identical ids and as the "
+                     "SentencePiece model itself (tokenizer.model; no space prefix)")
+    return [*lines, ""]
 
 
-def _metric_rows(facts: FinetuneCardFacts) -> list[str]:
+def _task_rows(block: TaskBlock) -> list[str]:
+    task, rows = block.task, block.rows
+    lines = ["## Task", "", f"- kind: {task['kind']}",
+             f"- prompt template (the answer follows it, then EOS): `{task['prompt']!r}`"]
+    if task.get("labels"):
+        lines.append(f"- label set ({len(task['labels'])}, most frequent first): "
+                     + ", ".join(f"`{label}`" for label in task["labels"]))
+    if rows.get("train"):
+        lines.append(f"- rows: {rows['train']:,} training, {rows.get('validation', 0):,} validation"
+                     f" (from `{task.get('train_file')}`)")
+    if rows.get("skipped"):
+        lines.append("- rows skipped while reading: " + ", ".join(f"{n} {reason}" for reason, n in
+                                                                   rows["skipped"].items()))
+    return [*lines, ""]
+
+
+def _metric_rows(block: TaskBlock, step: int) -> list[str]:
     """The metrics table: model beside the majority baseline (classification), then per-class figures."""
-    m = facts.metrics
+    m, task = block.metrics, block.task
     if not m:
-        return [f"Step {facts.step} was not evaluated on the validation rows (the run's evaluations are in "
+        return [f"Step {step} was not evaluated on the validation rows (the run's evaluations are in "
                 "its metrics.jsonl)."]
-    kind = facts.task["kind"]
+    kind = task["kind"]
     if kind == "classification":
         lines = ["| validation metric | this model | majority baseline |", "| --- | --- | --- |"]
         lines += [f"| {x.label} | {x.show(m[x.key])} | {x.show(m['majority_' + x.key])} |" for x in TASK_METRICS[kind]]
         lines += ["", f"The majority baseline always answers the most frequent training label "
-                      f"({facts.task.get('majority_label')!r})."]
+                      f"({task.get('majority_label')!r})."]
         if m.get("per_class"):
             lines += ["", "| label | precision | recall | F1 | rows |", "| --- | --- | --- | --- | --- |"]
             lines += [f"| {label} | {c['precision']:.3f} | {c['recall']:.3f} | {c['f1']:.3f} | {c['support']} |"
@@ -222,6 +239,12 @@ def _metric_rows(facts: FinetuneCardFacts) -> list[str]:
         lines += [f"| {x.label} | {x.show(m[x.key])} |" for x in TASK_METRICS[kind]]
     if isinstance(m.get("val_loss"), (int, float)):
         lines += ["", f"Validation loss on the gold labels: {m['val_loss']:.4f} nats per label token."]
+    if block.comparison:
+        lines += _comparison_rows(block.comparison, task.get("best_metric"))
+    best = block.best or {}
+    if best.get("step") not in (None, step):
+        lines += ["", f"(The run's best evaluation was step {best['step']}, {task.get('best_metric')} "
+                      f"{best['value']:.4f}; this export is step {step}.)"]
     return lines
 
 
@@ -239,67 +262,55 @@ def _comparison_rows(comparison: dict[str, dict[str, float]], best_metric: str |
     return lines
 
 
-def _finetune_verification_text(report: dict[str, Any]) -> str:
-    if not report.get("verified"):
-        return "**Verification FAILED**: " + "; ".join(report.get("failures", []))
-    return (f"Exported by `gptpipe convert` and checked against the fine-tune checkpoint on validation rows "
-            f"({report['heldout_source']}): logits max |Δ| = {report['logits_max_abs_diff']:.3g} ({report['dtype']}, "
-            f"tolerance {report['logits_tolerance']:.3g}); tokenizer ids identical to the fine-tune's on "
-            f"{report['tokenizer_texts']} prompts and labels; greedy answers are the checkpoint's greedy choice at "
-            f"every step (largest gap {report['greedy_max_gap']:.3g}, tolerance {report['greedy_gap_tolerance']:.3g}; "
-            f"first: {report['greedy_sample']!r}). Verified.")
+def _usage_rows(facts: CardFacts, name: str, pipeline_tag: str) -> list[str]:
+    task = facts.blocks.task
+    lines = ["## Usage", "", "```python", "from transformers import pipeline", ""]
+    if task is None:
+        return [*lines, f'generator = pipeline("text-generation", model="{name}")  # or a local copy\'s path',
+                'print(generator("こんにちは、", max_new_tokens=64, do_sample=True, temperature=0.8, top_p=0.95)'
+                '[0]["generated_text"])', "```", "",
+                "or, from a clone of the repository: `gptpipe generate --model PATH --interactive`.", ""]
+    samples = facts.verification.get("greedy_samples") or [{"input": "..."}]
+    example = task.task["prompt"].format(input=samples[0]["input"])
+    return [*lines, f'model = pipeline("{pipeline_tag}", model="{name}")  # or a local copy\'s path',
+            f"prompt = {example!r}  # the task's template around your input",
+            "print(model(prompt, do_sample=False, max_new_tokens=16"
+            + ("" if pipeline_tag == "text2text-generation" else ", return_full_text=False")
+            + ')[0]["generated_text"])', "```", "",
+            "or, from a clone of the repository, beam search over a TSV/jsonl file (task.json in this folder "
+            "holds the prompt and the label set): `gptpipe predict predict.model=PATH --input rows.tsv`.", ""]
 
 
-def render_finetune_card(facts: FinetuneCardFacts, repo_id: str | None) -> str:
-    cfg, task = facts.model_config, facts.task
-    seq2seq = bool(task.get("seq2seq"))
-    pipeline_tag = "text2text-generation" if seq2seq else "text-generation"
+def render_card(facts: CardFacts, repo_id: str | None) -> str:
+    cfg, b = facts.model_config, facts.blocks
+    task = b.task.task if b.task else None
+    pipeline_tag = "text2text-generation" if task and task.get("seq2seq") else "text-generation"
+    kind = (["fine-tuned", task["kind"]] if task else
+            ["continued-pretraining" if b.base else "pretrained-from-scratch"])
     front = {"language": ["ja"], "library_name": "transformers", "pipeline_tag": pipeline_tag,
-             "tags": ["gptpipe", cfg.model_type, "fine-tuned", task["kind"]]}
-    name = repo_id or facts.title
-    best = facts.best or {}
+             "tags": ["gptpipe", cfg.model_type, *kind], **({"base_model": b.base.name} if b.base else {})}
     lines = ["---", yaml.safe_dump(front, allow_unicode=True, sort_keys=False).strip(), "---", "",
-             f"# {facts.title}", "",
-             f"A {facts.parameters / 1e6:,.1f}M-parameter {cfg.model_type} model fine-tuned with gptpipe from "
-             f"`{task.get('pretrained_model')}` for {task['kind']}: step {facts.step:,}"
-             + (f" of {facts.total_steps:,}" if facts.total_steps else "")
-             + (f", the best by validation {task.get('best_metric')}" if best.get("step") == facts.step else "")
-             + ".", ""]
-    lines += ["## Task", "", f"- kind: {task['kind']}",
-              f"- prompt template (the answer follows it, then EOS): `{task['prompt']!r}`"]
-    if task.get("labels"):
-        lines.append(f"- label set ({len(task['labels'])}, most frequent first): "
-                     + ", ".join(f"`{label}`" for label in task["labels"]))
-    rows = facts.rows
-    if rows.get("train"):
-        lines.append(f"- rows: {rows['train']:,} training, {rows.get('validation', 0):,} validation"
-                     f" (from `{task.get('train_file')}`)")
-    if rows.get("skipped"):
-        lines.append("- rows skipped while reading: " + ", ".join(f"{n} {reason}" for reason, n in
-                                                                   rows["skipped"].items()))
-    lines += ["", "## Results", ""] + _metric_rows(facts)
-    if facts.comparison:
-        lines += _comparison_rows(facts.comparison, task.get("best_metric"))
-    if best.get("step") not in (None, facts.step):
-        lines += ["", f"(The run's best evaluation was step {best['step']}, {task.get('best_metric')} "
-                      f"{best['value']:.4f}; this export is step {facts.step}.)"]
+             f"# {facts.title}", "", _intro(facts), ""]
+    if b.corpus:
+        lines += _corpus_rows(b.corpus, b.base)
+    if b.task:
+        lines += _task_rows(b.task)
+    lines += ["## Results", ""]
+    if b.corpus:
+        loss = b.corpus.final_val_loss
+        lines.append(f"Final validation loss {loss:.4f} (perplexity {math.exp(min(loss, 50)):,.2f})."
+                     if loss is not None else "No validation loss was recorded for this checkpoint.")
+    if b.task:
+        lines += _metric_rows(b.task, facts.step)
     for shown, png, title in ((facts.has_loss_curve, LOSS_CURVE, "loss curve"),
-                              (facts.has_metric_curve, METRIC_CURVE, "validation metrics")):
+                              (b.task is not None and b.task.has_metric_curve, METRIC_CURVE, "validation metrics")):
         if shown:
             lines += ["", f"![{title}]({png})"]
     lines += ["", "## Architecture", "", "| | |", "| --- | --- |"]
     lines += [f"| {k} | {v} |" for k, v in _architecture_rows(cfg, facts.parameters)]
-    if facts.training_config:
-        lines += ["", "## Fine-tuning", "", "```yaml",
-                  yaml.safe_dump(facts.training_config, allow_unicode=True, sort_keys=False).strip(), "```"]
-    lines += ["", "## Verification", "", _finetune_verification_text(facts.verification), ""]
-    samples = facts.verification.get("greedy_samples") or [{"input": "..."}]
-    example = task["prompt"].format(input=samples[0]["input"])
-    lines += ["## Usage", "", "```python", "from transformers import pipeline", "",
-              f'model = pipeline("{pipeline_tag}", model="{name}")  # or a local copy\'s path',
-              f"prompt = {example!r}  # the task's template around your input",
-              "print(model(prompt, do_sample=False, max_new_tokens=16"
-              + ("" if seq2seq else ", return_full_text=False") + ')[0]["generated_text"])', "```", "",
-              "or, from a clone of the repository, beam search over a TSV/jsonl file (task.json in this folder "
-              "holds the prompt and the label set): `gptpipe predict predict.model=PATH --input rows.tsv`.", ""]
+    if b.training_config:
+        lines += ["", "## Fine-tuning" if task else "## Training", "", "```yaml",
+                  yaml.safe_dump(b.training_config, allow_unicode=True, sort_keys=False).strip(), "```"]
+    lines += ["", "## Verification", "", _verification_text(facts.verification), ""]
+    lines += _usage_rows(facts, repo_id or facts.title, pipeline_tag)
     return "\n".join(lines).rstrip() + "\n"

@@ -1,29 +1,34 @@
-"""The verification gate: does the exported folder behave exactly like the trained checkpoint?
+"""The verification gate: does the exported folder behave exactly like the checkpoint it came from?
 
-The folder is reloaded with AutoModelForCausalLM/AutoTokenizer, as any user would, and checked on data the
-model did not train on (documents of its validation/test split, cut from the seeded shuffle training used):
-1. ids: dtype, vocabulary size and bos/eos/pad ids are the ones the model was trained with;
-2. logits: against the model rebuilt from the checkpoint, both in the export dtype (bf16
-   compares like with like), max |Δ| within a tolerance;
-3. tokenizer: the same ids as the SentencePiece model the training data was encoded with;
+The folder is reloaded with AutoModelForCausalLM (or AutoModelForSeq2SeqLM) and AutoTokenizer, as any user
+would, and checked on rows the model did not train on: held-out documents of a pretraining run's data
+(`DocumentRows`), or validation rows of a fine-tune's task, encoded as fine-tuning encodes them (`TaskRows`).
+1. ids: dtype, vocabulary and special ids are the ones the model was trained with;
+2. logits: against the model rebuilt from the checkpoint in the export dtype (bf16 compares like with like),
+   max |Δ| within tolerance.py's tolerance; the difference to the fp32 model is recorded;
+3. tokenizer: the same ids as the tokenizer the training data was encoded with (`TokenizerReference`); a
+   SentencePiece tokenizer's model ships as tokenizer.model, byte-identical, with no space prefix stated;
 4. generation: greedy decoding through `generate` (the folder's generation_config.json, its KV cache) picks,
    at every step, a token the checkpoint's model also ranks first, up to a near-tie (`GREEDY_GAP_FACTOR`).
-A continued run's export (model.init_from) checks the base model's files and tokenizer instead of 1 and 3
-(`verify_continued_export`). The report also records, as information only, the greedy text and whether it
-equals the checkpoint's own greedy text: after a near-tie the two may legitimately continue differently.
+A continued run's export (`GateSpec.base`) also has every file copied from its base byte-identical and its
+config.json the base's. The greedy text and whether it equals the checkpoint's own are recorded as
+information only: after a near-tie the two may legitimately continue differently.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+import json
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
+from gptpipe.data.jsonl import Reasons
+from gptpipe.finetune.data import IGNORE, Encoder, Row, collate, map_to_label, pad_id
+from gptpipe.finetune.model import as_scored, decode, generate, logits, model_class
 from gptpipe.log import get_logger
-from gptpipe.tokenizer.hf import compare
 from gptpipe.tolerance import logits_tolerance
 
 log = get_logger("convert")
@@ -32,25 +37,144 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BATCH_ROWS = 4
 BATCH_TOKENS = 256
 GREEDY_TOKENS = 24
+GENERATED_ROWS = 4  # validation prompts answered greedily by both models
 # Logits that agree within a tolerance t can swap their argmax only where the best two are within 2·t of each
 # other (a near-tie); the generation check allows that gap between the reference's best logit and its logit of
 # the token the folder chose.
 GREEDY_GAP_FACTOR = 2.0
 
 
+class GateRows(Protocol):
+    """What the logits and generation checks run on."""
+
+    source: str  # where the rows come from, for the report
+    seq2seq: bool
+
+    def logits_batch(self, model: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """(a batch of the ids the model trained on, the mask of its positions that carry a real token)."""
+
+    def greedy(self, model: Any, tokenizer: Any) -> tuple[list[list[int]], list[list[int]]]:
+        """(prompt ids, the ids `model` generates greedily after each)."""
+
+    def record(self, report: dict[str, Any], tokenizer: Any, answers: list[list[int]]) -> None:
+        """Put the greedy samples into the report (information only)."""
+
+    def where(self, row: int) -> str:
+        """Row `row`'s prompt, for a failure message."""
+
+    def choosable(self, model: Any, tokenizer: Any) -> int:
+        """How many ids greedy generation may choose from."""
+
+
 @dataclass
-class HeldOut:
-    """Held-out documents as token ids (separator removed) and where they came from."""
+class DocumentRows:
+    """Held-out documents as token ids (separator removed), where they came from, and the prompt generated from."""
 
     documents: list[list[int]]
     source: str
+    separator: int  # the id training put between documents
+    prompt: str  # the text generation continues (convert_config.yaml's test_prompt_text)
+    seq2seq = False  # a class constant: documents train causal language models
 
-    def batch(self, separator: int, max_positions: int) -> torch.Tensor:
+    def batch(self, max_positions: int) -> torch.Tensor:
         """Documents joined with the training separator and cut into rows, as the model saw data in training."""
-        stream = [t for doc in self.documents for t in (*doc, separator)]
+        stream = [t for doc in self.documents for t in (*doc, self.separator)]
         length = min(BATCH_TOKENS, max_positions, len(stream))
         rows = min(BATCH_ROWS, len(stream) // length)
         return torch.tensor(stream[: rows * length], dtype=torch.long).view(rows, length)
+
+    def logits_batch(self, model: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        ids = self.batch(model.config.max_position_embeddings)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, torch.ones_like(ids, dtype=torch.bool)
+
+    def greedy(self, model: Any, tokenizer: Any) -> tuple[list[list[int]], list[list[int]]]:
+        prompt = tokenizer(self.prompt, add_special_tokens=False)["input_ids"]
+        return [prompt], [greedy_continuation(model, tokenizer, self.prompt)[0]]
+
+    def record(self, report: dict[str, Any], tokenizer: Any, answers: list[list[int]]) -> None:
+        report["greedy_sample"] = self.prompt + tokenizer.decode(answers[0], skip_special_tokens=True)
+
+    def where(self, row: int) -> str:
+        return f"continuing {self.prompt!r}"
+
+    def choosable(self, model: Any, tokenizer: Any) -> int:
+        return model.config.vocab_size
+
+
+@dataclass
+class TaskRows:
+    """Validation rows of a fine-tune's task, and how the run encoded them (with its own tokenizer)."""
+
+    rows: list[Row]
+    task: dict[str, Any]  # the checkpoint's task facts (task.json)
+    source: str
+    tokenizer: Any  # the run's tokenizer: the ids the model was fine-tuned on
+
+    @property
+    def seq2seq(self) -> bool:
+        return bool(self.task["seq2seq"])
+
+    def encoder(self, tokenizer: Any) -> Encoder:
+        t = self.task
+        return Encoder(tokenizer, t["prompt"], t["seq_len"], t["seq2seq"], t["too_long"])
+
+    def max_new_tokens(self, tokenizer: Any) -> int:
+        """Room for the longest label (+ EOS): of the label set, or of the rows answered (generation)."""
+        labels = self.task.get("labels") or [row.label for row in self.rows[:GENERATED_ROWS]]
+        return max(len(self.encoder(tokenizer).label_ids(label)) for label in labels)
+
+    def logits_batch(self, model: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        scratch = Reasons()  # a row the run would drop is simply not compared
+        encoder = self.encoder(self.tokenizer)
+        encoded = [e for e in (encoder.encode(row, scratch) for row in self.rows) if e is not None]
+        batch = collate(encoded, pad_id(self.tokenizer), self.seq2seq)
+        batch.pop("target_columns", None)  # logits at every position, not only the label columns training needs
+        # The positions that carry a real token: every input token of a causal row, every label token of seq2seq.
+        real = batch["labels"] != IGNORE if self.seq2seq else batch["attention_mask"].bool()
+        return batch, real
+
+    def greedy(self, model: Any, tokenizer: Any) -> tuple[list[list[int]], list[list[int]]]:
+        encoder = self.encoder(tokenizer)
+        prompts = [encoder.fit_prompt(row.input, 0, row.where, Reasons()) or [encoder.eos]
+                   for row in self.rows[:GENERATED_ROWS]]
+        answers = generate(model, encoder, prompts, torch.device("cpu"), max_new_tokens=self.max_new_tokens(tokenizer))
+        return prompts, answers
+
+    def record(self, report: dict[str, Any], tokenizer: Any, answers: list[list[int]]) -> None:
+        texts = [decode(tokenizer, ids) for ids in answers]
+        labels = self.task.get("labels")
+        report["greedy_samples"] = [
+            {"input": row.input, "label": row.label, "generated": text,
+             **({"prediction": map_to_label(text, labels)[0]} if labels else {})}
+            for row, text in zip(self.rows, texts)]
+        report["greedy_sample"] = texts[0]
+
+    def where(self, row: int) -> str:
+        return f"answering {self.rows[row].where}"
+
+    def choosable(self, model: Any, tokenizer: Any) -> int:
+        return len(tokenizer)  # generate never emits ids past the tokenizer (a padded embedding's rows)
+
+
+@dataclass
+class TokenizerReference:
+    """The tokenizer the folder's must agree with: its name and the comparison, folder tokenizer →
+    (texts compared, texts that differ, up to three of them described)."""
+
+    name: str
+    compare: Callable[[Any], tuple[int, int, list[str]]]
+
+
+@dataclass
+class GateSpec:
+    """What one export is checked against, besides the checkpoint's model."""
+
+    rows: GateRows
+    tokenizer: TokenizerReference
+    special_ids: dict[str, int | None] = field(default_factory=dict)  # "eos" → the id trained with, ...
+    vocab_size: int | None = None  # config.json's exact vocabulary (None: at least the tokenizer's)
+    base: Any = None  # a continued run's train.base_model.BaseModel: its files copied byte for byte
+    sentencepiece: Path | None = None  # the SentencePiece model the folder's tokenizer.model must be, byte for byte
 
 
 def cast_parameters(model: Any, dtype: torch.dtype) -> Any:
@@ -58,11 +182,6 @@ def cast_parameters(model: Any, dtype: torch.dtype) -> Any:
     for param in model.parameters():
         param.data = param.data.to(dtype)
     return model
-
-
-@torch.no_grad()
-def _logits(model: Any, batch: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    return model(input_ids=batch).logits[..., :vocab_size].float()
 
 
 @torch.no_grad()
@@ -79,118 +198,43 @@ def greedy_continuation(model: Any, tokenizer: Any, prompt: str) -> tuple[list[i
     return ids, prompt + tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def _check_ids(model: Any, tokenizer: Any, tokenizer_info: Any, dtype: str) -> list[str]:
-    """dtype, vocabulary and special ids of the reloaded folder against what the model was trained with."""
+def _check_ids(model: Any, tokenizer: Any, spec: GateSpec, dtype: str) -> list[str]:
+    """dtype, vocabulary and special ids of the reloaded folder against what the model was trained with; a
+    config.json may leave a special id unset (many hub models' do), one it states must agree."""
     failures = []
     if model.dtype != TORCH_DTYPES[dtype]:
         failures.append(f"the folder loads as {model.dtype}, expected {TORCH_DTYPES[dtype]}")
-    if len(tokenizer) != model.config.vocab_size:
-        failures.append(f"tokenizer has {len(tokenizer)} tokens, config.json vocab_size is {model.config.vocab_size}")
-    for name in ("bos", "eos", "pad"):
-        want, in_tokenizer = getattr(tokenizer_info, f"{name}_id"), getattr(tokenizer, f"{name}_token_id")
-        in_config = getattr(model.config, f"{name}_token_id")
-        if in_tokenizer != want or in_config != want:
+    vocab = model.config.get_text_config().vocab_size
+    if spec.vocab_size is not None and not len(tokenizer) == vocab == spec.vocab_size:
+        failures.append(f"tokenizer has {len(tokenizer)} tokens, config.json vocab_size is {vocab}, trained with "
+                        f"{spec.vocab_size}")
+    elif len(tokenizer) > vocab:
+        failures.append(f"the tokenizer has {len(tokenizer)} tokens, more than the {vocab} embedding rows")
+    for name, want in spec.special_ids.items():
+        in_tokenizer = getattr(tokenizer, f"{name}_token_id")
+        in_config = getattr(model.config, f"{name}_token_id", None)
+        if in_tokenizer != want or (in_config is not None and in_config != want):
             failures.append(f"{name} id: tokenizer {in_tokenizer}, config.json {in_config}, trained with {want}")
     return failures
-
-
-def _check_logits(report: dict[str, Any], model: Any, reference: Any, reference_fp32: Any, heldout: HeldOut,
-                  separator: int, dtype: str) -> list[str]:
-    batch = heldout.batch(separator, model.config.max_position_embeddings)
-    log.info(f"comparing logits on a held-out batch {tuple(batch.shape)} ({heldout.source})")
-    vocab = model.config.vocab_size
-    exported = _logits(model, batch, vocab)
-    expected = _logits(reference, batch, vocab)
-    diff = (exported - expected).abs().max().item()
-    tolerance = logits_tolerance(expected.abs().max().item(), dtype)
-    report.update(logits_max_abs_diff=diff, logits_tolerance=tolerance, heldout_batch=list(batch.shape),
-                  heldout_source=heldout.source)
-    if reference_fp32 is not reference:  # how far rounding to bf16 moved the logits, for the record
-        report["logits_max_abs_diff_vs_fp32"] = (exported - _logits(reference_fp32, batch, vocab)).abs().max().item()
-    return [] if diff <= tolerance else [f"logits differ from the checkpoint's by {diff:.3g} > {tolerance:.3g}"]
-
-
-def _check_tokenizer(report: dict[str, Any], tokenizer: Any, sp_model_path: Path, heldout: HeldOut,
-                     prompt: str) -> list[str]:
-    """HF ids must equal SentencePiece ids on the held-out documents' text (and the test prompt)."""
-    import sentencepiece
-
-    sp = sentencepiece.SentencePieceProcessor(model_file=str(sp_model_path))
-    texts = [sp.decode(doc) for doc in heldout.documents] + [prompt]
-    failures, examples = compare(sp, tokenizer, texts, round_trip=False)
-    report.update(tokenizer_texts=len(texts), tokenizer_mismatches=failures)
-    if not failures:
-        return []
-    return [f"tokenizer ids differ from SentencePiece on {failures}/{len(texts)} held-out texts: "
-            + "; ".join(examples)]
-
-
-def _check_generation(report: dict[str, Any], model: Any, reference: Any, tokenizer: Any, prompt: str,
-                      dtype: str) -> list[str]:
-    """The folder's greedy continuation must be greedy under the checkpoint's model, step by step: a
-    generation_config.json that changes the choice (a penalty, suppressed tokens) or a broken cached decoding
-    fails. The reference reads the folder's own continuation, so a near-tie can never derail the comparison."""
-    log.info("greedy generation from the test prompt")
-    generated, report["greedy_sample"] = greedy_continuation(model, tokenizer, prompt)
-    report["greedy_matches_checkpoint"] = generated == greedy_continuation(reference, tokenizer, prompt)[0]
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    ids = torch.tensor([prompt_ids + generated], dtype=torch.long)
-    # The reference's logits at the positions that chose each generated token.
-    logits = _logits(reference, ids, model.config.vocab_size)[0, len(prompt_ids) - 1:-1]
-    gaps = logits.max(dim=-1).values - logits.gather(-1, ids[0, len(prompt_ids):, None])[:, 0]
-    tolerance = GREEDY_GAP_FACTOR * logits_tolerance(logits.abs().max().item(), dtype)
-    step = int(gaps.argmax())
-    worst = gaps[step].item()
-    report.update(greedy_max_gap=worst, greedy_gap_tolerance=tolerance)
-    if worst <= tolerance:
-        return []
-    return [f"greedy generation is not greedy under the checkpoint's model: new token {step + 1} "
-            f"({tokenizer.decode([generated[step]])!r}) is {worst:.3g} below its best logit (> {tolerance:.3g}); "
-            "check generation_config.json"]
-
-
-def verify_export(folder: Path, reference: Any, reference_fp32: Any, tokenizer_info: Any, heldout: HeldOut,
-                  prompt: str, dtype: str) -> dict[str, Any]:
-    """Run the gate on ``folder``; ``reference`` is the checkpoint's model in the export dtype.
-
-    Returns the report stored in the manifest: ``verified`` plus every figure behind it. A check that
-    crashes counts as failed, so a broken folder is marked failed instead of crashing the stage.
-    """
-    from transformers import AutoModelForCausalLM
-
-    def checks(model: Any, tokenizer: Any, report: dict[str, Any]) -> dict[str, Callable[[], list[str]]]:
-        return {
-            "ids": lambda: _check_ids(model, tokenizer, tokenizer_info, dtype),
-            "logits": lambda: _check_logits(report, model, reference, reference_fp32, heldout, tokenizer_info.eod_id,
-                                            dtype),
-            "tokenizer": lambda: _check_tokenizer(report, tokenizer, tokenizer_info.model_path, heldout, prompt),
-            "generation": lambda: _check_generation(report, model, reference, tokenizer, prompt, dtype),
-        }
-
-    return run_gate(folder, AutoModelForCausalLM, dtype, checks)
 
 
 # config.json keys that may differ from the base's: the export's own dtype and the writer's version.
 BASE_CONFIG_IGNORED = ("dtype", "torch_dtype", "transformers_version", "_name_or_path")
 
 
-def _check_base_files(report: dict[str, Any], model: Any, folder: Path, base: Any, dtype: str) -> list[str]:
-    """A continued run's export against its base model: the dtype, config.json the base's (vocabulary, tied
-    embeddings, rope scaling, special ids: nothing padded or renamed) and every file the export copies from the
-    base (tokenizer files, generation_config.json) byte-identical."""
+def _check_base_files(report: dict[str, Any], folder: Path, base: Any) -> list[str]:
+    """A continued run's export against its base model: config.json the base's (vocabulary, tied embeddings,
+    rope scaling, special ids: nothing padded or renamed) and every file the export copies from the base
+    (tokenizer files, generation_config.json) byte-identical."""
     from transformers import AutoConfig
 
     from gptpipe.train.base_model import is_copied
 
-    failures = []
-    if model.dtype != TORCH_DTYPES[dtype]:
-        failures.append(f"the folder loads as {model.dtype}, expected {TORCH_DTYPES[dtype]}")
     names = sorted(p.name for p in base.folder.iterdir() if p.is_file() and is_copied(p.name))
     differ = [n for n in names if not (folder / n).is_file()
               or (folder / n).read_bytes() != (base.folder / n).read_bytes()]
     report.update(base_files=names, base_files_differing=differ)
-    if differ:
-        failures.append(f"not byte-identical to the base model {base.folder}'s: {', '.join(differ)}")
+    failures = [f"not byte-identical to the base model {base.folder}'s: {', '.join(differ)}"] if differ else []
     mine, theirs = AutoConfig.from_pretrained(folder).to_dict(), AutoConfig.from_pretrained(base.folder).to_dict()
     keys = sorted(k for k in set(mine) | set(theirs) if k not in BASE_CONFIG_IGNORED and mine.get(k) != theirs.get(k))
     if keys:
@@ -198,32 +242,80 @@ def _check_base_files(report: dict[str, Any], model: Any, folder: Path, base: An
     return failures
 
 
-def _check_base_tokenizer(report: dict[str, Any], tokenizer: Any, base: Any, heldout: HeldOut) -> list[str]:
-    """The folder's tokenizer gives the training data's ids on the held-out documents' text."""
-    from gptpipe.train.base_model import round_trip_problems
+def _check_sentencepiece(report: dict[str, Any], folder: Path, model_path: Path) -> list[str]:
+    """The SentencePiece model ships beside tokenizer.json, byte-identical to the one the data was encoded with,
+    and tokenizer_config.json says there is no space prefix (as that model was trained)."""
+    from gptpipe.tokenizer.hf import NO_SPACE_PREFIX, SENTENCEPIECE_FILE
 
-    failures = round_trip_problems(tokenizer, heldout.documents, base.tokenizer.bos_id, base.tokenizer.eod_id)
-    report.update(tokenizer_texts=len(heldout.documents), tokenizer_mismatches=len(failures))
+    shipped = folder / SENTENCEPIECE_FILE
+    failures = []
+    if not shipped.is_file():
+        failures.append(f"no {SENTENCEPIECE_FILE} beside tokenizer.json")
+    elif shipped.read_bytes() != model_path.read_bytes():
+        failures.append(f"{SENTENCEPIECE_FILE} is not byte-identical to {model_path}")
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    unstated = {k: config.get(k) for k, v in NO_SPACE_PREFIX.items() if config.get(k) is not v}
+    if unstated:
+        failures.append(f"tokenizer_config.json does not state that there is no space prefix: {unstated}")
+    report["sentencepiece_file"] = not failures
     return failures
 
 
-def verify_continued_export(folder: Path, reference: Any, reference_fp32: Any, base: Any, heldout: HeldOut,
-                            prompt: str, dtype: str) -> dict[str, Any]:
-    """The gate of a continued run's export (`base`: its train.base_model.BaseModel): verify_export's logits and
-    generation checks, with the base's files and tokenizer in place of the stage-1 tokenizer's."""
-    from transformers import AutoModelForCausalLM
+@torch.no_grad()
+def _check_logits(report: dict[str, Any], model: Any, reference: Any, reference_fp32: Any, rows: GateRows,
+                  dtype: str) -> list[str]:
+    batch, real = rows.logits_batch(model)
+    log.info(f"comparing logits on a batch {tuple(batch['input_ids'].shape)} ({rows.source})")
+    exported = logits(model, batch, rows.seq2seq)[real].float()
+    vocab = exported.shape[-1]  # a pretraining run's export drops the reference's padding rows
+    expected = logits(reference, batch, rows.seq2seq)[real][..., :vocab].float()
+    diff = (exported - expected).abs().max().item()
+    tolerance = logits_tolerance(expected.abs().max().item(), dtype)
+    report.update(logits_max_abs_diff=diff, logits_tolerance=tolerance, heldout_batch=list(batch["input_ids"].shape),
+                  heldout_source=rows.source)
+    if reference_fp32 is not reference:  # how far rounding to bf16 moved the logits, for the record
+        fp32 = logits(reference_fp32, batch, rows.seq2seq)[real][..., :vocab].float()
+        report["logits_max_abs_diff_vs_fp32"] = (exported - fp32).abs().max().item()
+    return [] if diff <= tolerance else [f"logits differ from the checkpoint's by {diff:.3g} > {tolerance:.3g}"]
 
-    def checks(model: Any, tokenizer: Any, report: dict[str, Any]) -> dict[str, Callable[[], list[str]]]:
-        return {
-            "base files": lambda: _check_base_files(report, model, folder, base, dtype),
-            "logits": lambda: _check_logits(report, model, reference, reference_fp32, heldout,
-                                            base.tokenizer.eod_id, dtype),
-            "tokenizer": lambda: _check_base_tokenizer(report, tokenizer, base, heldout),
-            "generation": lambda: _check_generation(report, _plain_greedy(model), reference, tokenizer, prompt,
-                                                    dtype),
-        }
 
-    return run_gate(folder, AutoModelForCausalLM, dtype, checks)
+def _check_tokenizer(report: dict[str, Any], tokenizer: Any, reference: TokenizerReference) -> list[str]:
+    texts, mismatches, examples = reference.compare(tokenizer)
+    report.update(tokenizer_texts=texts, tokenizer_mismatches=mismatches, tokenizer_reference=reference.name)
+    if not mismatches:
+        return []
+    return [f"tokenizer ids differ from {reference.name} on {mismatches}/{texts} texts: " + "; ".join(examples)]
+
+
+@torch.no_grad()
+def _check_generation(report: dict[str, Any], model: Any, reference: Any, tokenizer: Any, rows: GateRows,
+                      dtype: str) -> list[str]:
+    """The folder's greedy output must be greedy under the checkpoint's model, step by step: a
+    generation_config.json that changes the choice (a penalty, suppressed tokens) or a broken cached decoding
+    fails. The reference reads the folder's own output, so a near-tie can never derail the comparison."""
+    prompts, answers = rows.greedy(model, tokenizer)
+    log.info(f"greedy generation from {len(prompts)} prompt(s)")
+    rows.record(report, tokenizer, answers)
+    report["greedy_matches_checkpoint"] = answers == rows.greedy(reference, tokenizer)[1]
+    batch = collate([as_scored(p, a, rows.seq2seq) for p, a in zip(prompts, answers)], pad_id(tokenizer),
+                    rows.seq2seq)
+    batch.pop("target_columns", None)
+    # The reference's logits at the positions that chose each generated token, over the ids generate chooses from.
+    chosen = logits(reference, batch, rows.seq2seq)[..., :rows.choosable(model, tokenizer)].float()
+    targets, scored = batch["targets"], batch["targets"] != IGNORE
+    gaps = chosen.max(dim=-1).values - chosen.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    gaps = gaps.masked_fill(~scored, 0.0)
+    tolerance = GREEDY_GAP_FACTOR * logits_tolerance(chosen[scored].abs().max().item() if scored.any() else 0.0,
+                                                     dtype)
+    worst = gaps.max().item()
+    report.update(greedy_max_gap=worst, greedy_gap_tolerance=tolerance)
+    if worst <= tolerance:
+        return []
+    row, column = divmod(int(gaps.argmax()), gaps.shape[1])
+    step = int(scored[row, :column].sum()) + 1
+    return [f"greedy generation is not greedy under the checkpoint's model: {rows.where(row)}, new token {step} "
+            f"({tokenizer.decode([int(targets[row, column])])!r}) is {worst:.3g} below its best logit "
+            f"(> {tolerance:.3g}); check generation_config.json"]
 
 
 def _plain_greedy(model: Any) -> Any:
@@ -238,13 +330,16 @@ def _plain_greedy(model: Any) -> Any:
     return model
 
 
-def run_gate(folder: Path, loader: Any, dtype: str,
-             checks: Callable[[Any, Any, dict[str, Any]], dict[str, Callable[[], list[str]]]]) -> dict[str, Any]:
-    """Reload ``folder`` with ``loader`` (an AutoModel class) and AutoTokenizer, run every check on them and
-    return the manifest's report: ``verified``, the failures and the figures the checks record. A check that
-    crashes counts as failed, so a broken folder is marked failed instead of crashing the stage."""
+def verify_export(folder: Path, reference: Any, reference_fp32: Any, spec: GateSpec, dtype: str) -> dict[str, Any]:
+    """Run the gate on ``folder``; ``reference`` is the checkpoint's model in the export dtype,
+    ``reference_fp32`` the same in fp32.
+
+    Returns the report stored in the manifest: ``verified``, the failures and every figure behind them. A
+    check that crashes counts as failed, so a broken folder is marked failed instead of crashing the stage.
+    """
     from transformers import AutoTokenizer
 
+    loader = model_class(spec.rows.seq2seq)
     report: dict[str, Any] = {"dtype": dtype}
     log.info(f"verifying {folder}: reloading with {loader.__name__} / AutoTokenizer")
     try:
@@ -253,8 +348,18 @@ def run_gate(folder: Path, loader: Any, dtype: str,
     except Exception as exc:
         failures = [f"the folder does not load with {loader.__name__}/AutoTokenizer: {type(exc).__name__}: {exc}"]
         return {**report, "verified": False, "failures": failures}
+    generating = _plain_greedy(model) if spec.base is not None else model
+    checks: dict[str, Callable[[], list[str]]] = {
+        "ids": lambda: _check_ids(model, tokenizer, spec, dtype),
+        **({"base files": lambda: _check_base_files(report, folder, spec.base)} if spec.base is not None else {}),
+        "logits": lambda: _check_logits(report, model, reference, reference_fp32, spec.rows, dtype),
+        "tokenizer": lambda: _check_tokenizer(report, tokenizer, spec.tokenizer),
+        **({"tokenizer.model": lambda: _check_sentencepiece(report, folder, spec.sentencepiece)}
+           if spec.sentencepiece is not None else {}),
+        "generation": lambda: _check_generation(report, generating, reference, tokenizer, spec.rows, dtype),
+    }
     failures = []
-    for name, check in checks(model, tokenizer, report).items():
+    for name, check in checks.items():
         try:
             failures += check()
         except Exception as exc:

@@ -36,6 +36,12 @@ from gptpipe.stage import write_text_atomic
 SCORE_QUANTUM = 1 / 16
 Piece = sp_pb2.ModelProto.SentencePiece
 HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+SENTENCEPIECE_FILE = "tokenizer.model"  # the model itself, by the name transformers and llama.cpp look for
+# An exported tokenizer_config.json's statement that no "▁" goes before a text (the stage trains with
+# add_dummy_prefix=false). The generic class the folder names reads tokenizer.json and ignores both keys;
+# transformers' LlamaTokenizer reads add_prefix_space (its default adds the prefix) and converters that build
+# a tokenizer from tokenizer.model (llama.cpp's) read these keys.
+NO_SPACE_PREFIX = {"add_prefix_space": False, "legacy": False}
 
 # Strings the stage always checks besides the held-out documents: the cases where exports go wrong.
 TRICKY_STRINGS = (
@@ -153,6 +159,13 @@ def save_hf_folder(proto: Any, folder: Path) -> None:
     }
     write_text_atomic(folder / "tokenizer_config.json", json.dumps(config, ensure_ascii=False, indent=2) + "\n")
     write_text_atomic(folder / "special_tokens_map.json", json.dumps(special, ensure_ascii=False, indent=2) + "\n")
+
+
+def exported_config(hf_dir: Path) -> str:
+    """tokenizer_config.json for a folder that ships the SentencePiece model beside tokenizer.json: the stage's
+    own, stating that there is no space prefix."""
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    return json.dumps({**config, **NO_SPACE_PREFIX}, ensure_ascii=False, indent=2) + "\n"
 
 
 def load_hf(folder: Path) -> Any:
