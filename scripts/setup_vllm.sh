@@ -28,6 +28,14 @@ else
              "(PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu where pip has no local copy)." >&2
         exit 1
     fi
+    # PyPI's torchvision, torchaudio and torchcodec are built against CUDA torch: beside the CPU build they fail
+    # at import ("operator torchvision::nms does not exist"), and transformers imports torchvision whenever it is
+    # installed. Text models (every gptpipe export) need none of the three.
+    "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec
+    if ! "$VENV/bin/python" -c "from vllm import LLM, SamplingParams"; then
+        echo "[setup_vllm] vLLM does not import in $VENV (above: why)" >&2
+        exit 1
+    fi
     echo "$settings" > "$STAMP"
 fi
 "$VENV/bin/python" - <<'EOF'

@@ -1,8 +1,8 @@
 """vLLM serves an exported folder as transformers runs it: prompt ids and greedy tokens (gptpipe.vllm_check).
 
 The ``vllm`` tier runs vLLM's CPU build in its own venv (scripts/setup_vllm.sh) and is skipped, with the reason,
-where that venv is absent. Folders: the tiny unigram Llama in fp32 and bf16, and a copy with a chat template
-("### 指示:" / "### 応答:"), whose conversations go through vLLM's chat path.
+where that venv is absent. Folders: a tiny Llama with the small unigram tokenizer in fp32 and bf16, and a copy
+with a chat template ("### 指示:" / "### 応答:"), whose conversations go through vLLM's chat path.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import tiny_llama
 from gptpipe import vllm_check
 
 pytestmark = [
@@ -22,6 +23,8 @@ pytestmark = [
                        reason=f"no vLLM venv in {vllm_check.VLLM_HOME}: run scripts/setup_vllm.sh"),
 ]
 
+# vLLM's CPU attention runs head sizes 32, 64, 80, ... (gptpipe's presets: 32 for tiny, 64 for the others).
+VLLM_HEAD_DIM = 32
 INSTRUCTION_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
@@ -30,6 +33,11 @@ INSTRUCTION_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}### 応答:\n{% endif %}"
 )
+
+
+@pytest.fixture(scope="module")
+def llama(unigram_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama(unigram_tokenizer / "hf", tmp_path_factory.mktemp("vllm") / "llama", head_dim=VLLM_HEAD_DIM)
 
 
 def chat_llama(model: Path, folder: Path) -> Path:
@@ -63,17 +71,17 @@ def check(folder: Path) -> dict:
     return report
 
 
-def test_vllm_reproduces_prompt_ids_and_greedy_tokens(unigram_llama: Path, tmp_path: Path) -> None:
-    fp32 = check(unigram_llama)
+def test_vllm_reproduces_prompt_ids_and_greedy_tokens(llama: Path, tmp_path: Path) -> None:
+    fp32 = check(llama)
     assert fp32["dtype"] == "float32" and len(fp32["prompts"]) == len(vllm_check.PROMPTS)
     assert not fp32["conversations"]  # no chat template: no chat requests
     # This model's logits are far apart (tiny_llama): any real difference in weights or decoding shows here.
     assert all(entry["tokens_equal"] for entry in fp32["prompts"]), fp32["summary"]
-    assert check(bf16_llama(unigram_llama, tmp_path / "bf16"))["dtype"] == "bfloat16"
+    assert check(bf16_llama(llama, tmp_path / "bf16"))["dtype"] == "bfloat16"
 
 
-def test_vllm_chat_goes_through_the_folders_template(unigram_llama: Path, tmp_path: Path) -> None:
-    report = check(chat_llama(unigram_llama, tmp_path / "chat"))
+def test_vllm_chat_goes_through_the_folders_template(llama: Path, tmp_path: Path) -> None:
+    report = check(chat_llama(llama, tmp_path / "chat"))
     assert len(report["conversations"]) == len(vllm_check.CONVERSATIONS)
     for entry in report["conversations"]:
         assert entry["prompt_text_equal"] and entry["prompt"].endswith("### 応答:\n"), entry

@@ -5,8 +5,10 @@ scripts/vllm_greedy.py decodes the prompts, and a folder with a chat template th
 transformers encodes the same prompts (`tokenizer(prompt)`, `apply_chat_template`) and decodes greedily
 (`generate(do_sample=False)`) on the same folder in its dtype. Prompt ids must be identical. Greedy tokens may
 part only at a near-tie, as in stage 4's gate: every token vLLM chose must be within `GREEDY_GAP_FACTOR` logit
-tolerances of transformers' best logit at its step (transformers reads vLLM's continuation, so one near-tie
-cannot derail the rest); where the two continuations differ is reported.
+tolerances of the best logit at its step under the exact model (transformers in fp32 on the folder's weights,
+reading vLLM's continuation, so one near-tie cannot derail the rest). The tolerance is fp32's for an fp32 folder;
+for a 16-bit one, tolerance.py's allowance for a 16-bit forward against fp32 (two engines round differently).
+Where the two continuations differ is reported.
 
     python -m gptpipe.vllm_check models/hf/demo          # exit 0: agrees, 1: differs, 2: no vLLM venv
 """
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gptpipe.export.verify import GREEDY_GAP_FACTOR
-from gptpipe.tolerance import logits_tolerance
+from gptpipe.tolerance import FP32_TOLERANCE, LOSS_HALF_RELATIVE
 
 VLLM_HOME = Path(os.environ.get("GPTPIPE_VLLM", Path.home() / ".cache" / "gptpipe-vllm"))
 GREEDY_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "vllm_greedy.py"
@@ -37,8 +39,6 @@ CONVERSATIONS = (
      {"role": "assistant", "content": "cp 元 先 でファイルをコピーします。"},
      {"role": "user", "content": "ディレクトリごとコピーするには?"}],
 )
-# logits_tolerance's names for the dtypes a folder's config.json names.
-GATE_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 def vllm_python() -> Path | None:
@@ -63,8 +63,9 @@ def vllm_greedy(folder: Path, prompts: Sequence[str], conversations: Sequence[li
         return json.loads(out.read_text(encoding="utf-8"))
 
 
-def _compare(model: Any, prompt_ids: list[int], served: dict, max_tokens: int, dtype: str) -> dict[str, Any]:
-    """One prompt: vLLM's ids and tokens against transformers' on the same prompt."""
+def _compare(model: Any, exact: Any, prompt_ids: list[int], served: dict, max_tokens: int) -> dict[str, Any]:
+    """One prompt: vLLM's ids and tokens against transformers' (``model``, the folder's dtype) on the same prompt,
+    and how far below the exact model's (fp32) best logit each of vLLM's tokens was."""
     import torch
 
     ids = torch.tensor([prompt_ids], dtype=torch.long)
@@ -80,13 +81,13 @@ def _compare(model: Any, prompt_ids: list[int], served: dict, max_tokens: int, d
     if tokens != generated:
         entry["first_difference"] = next((i for i, (a, b) in enumerate(zip(tokens, generated)) if a != b),
                                          min(len(tokens), len(generated)))
-    # transformers' logits at the positions where vLLM chose each of its tokens.
+    # The exact model's logits at the positions where vLLM chose each of its tokens.
     sequence = torch.tensor([prompt_ids + tokens], dtype=torch.long)
     with torch.no_grad():
-        logits = model(sequence).logits[0, len(prompt_ids) - 1:-1].float()
+        logits = exact(sequence).logits[0, len(prompt_ids) - 1:-1]
     gaps = logits.max(dim=-1).values - logits.gather(-1, sequence[0, len(prompt_ids):, None])[:, 0]
-    entry.update(max_gap=gaps.max().item(),
-                 gap_tolerance=GREEDY_GAP_FACTOR * logits_tolerance(logits.abs().max().item(), dtype))
+    half = LOSS_HALF_RELATIVE * logits.abs().max().item() if model.dtype != torch.float32 else 0.0
+    entry.update(max_gap=gaps.max().item(), gap_tolerance=GREEDY_GAP_FACTOR * (FP32_TOLERANCE + half))
     return entry
 
 
@@ -101,17 +102,17 @@ def vllm_report(folder: Path, prompts: Sequence[str] = PROMPTS,
         conversations = list(CONVERSATIONS) if tokenizer.chat_template else []
     served = vllm_greedy(folder, prompts, conversations, max_tokens)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=served["dtype"]).eval()
-    dtype = GATE_DTYPES.get(served["dtype"], "bf16")  # float16: one 16-bit rounding, as bf16's or smaller
+    exact = AutoModelForCausalLM.from_pretrained(folder, dtype="float32").eval()
     report: dict[str, Any] = {"vllm": served["vllm"], "dtype": served["dtype"], "max_tokens": max_tokens,
                               "prompts": [], "conversations": []}
     for prompt, out in zip(prompts, served["prompts"]):
-        report["prompts"].append({"prompt": prompt, **_compare(model, tokenizer(prompt)["input_ids"], out,
-                                                               max_tokens, dtype)})
+        report["prompts"].append({"prompt": prompt, **_compare(model, exact, tokenizer(prompt)["input_ids"], out,
+                                                               max_tokens)})
     for messages, out in zip(conversations, served["conversations"]):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         report["conversations"].append({"prompt": text, "prompt_text_equal": out["prompt"] == text,
-                                        **_compare(model, list(ids), out, max_tokens, dtype)})
+                                        **_compare(model, exact, list(ids), out, max_tokens)})
     entries = report["prompts"] + report["conversations"]
     report["agrees"] = all(e["prompt_ids_equal"] and e.get("prompt_text_equal", True)
                            and e["max_gap"] <= e["gap_tolerance"] for e in entries)
