@@ -143,6 +143,44 @@ def train_small_tokenizer(workspace: Path, out: Path, *overrides: str, force: bo
     return main(argv + (["--force"] if force else []))
 
 
+# A tiny Llama (grouped KV heads, untied head) with a small tokenizer: gguf and vLLM exports in seconds.
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
+SMALLER = ("input_sentence_size=5000",)  # a unigram model in seconds
+
+
+def tiny_llama(tokenizer_hf: Path, folder: Path, head_dim: int = HEAD_DIM) -> Path:
+    """A random Llama (grouped KV heads, untied head) saved with the stage-1 tokenizer files, byte for byte.
+    Its large init std makes the next-token logits far apart, so greedy decoding does not hinge on rounding."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_hf)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=HEADS * head_dim, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                         max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=False,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    for path in tokenizer_hf.iterdir():
+        shutil.copy(path, folder / path.name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def unigram_tokenizer(corpus_dir: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Stage 1's output folder: a 2,000-piece unigram tokenizer trained on the man pages."""
+    tokenizer = tmp_path_factory.mktemp("tok") / "unigram"
+    assert train_small_tokenizer(workspace, tokenizer, *SMALLER) == 0
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def unigram_llama(unigram_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_llama with unigram_tokenizer (read-only: copy it to change it)."""
+    return tiny_llama(unigram_tokenizer / "hf", tmp_path_factory.mktemp("models") / "unigram")
+
+
 @pytest.fixture(scope="session")
 def dataset_prefix(tokenizer_dir: Path, workspace: Path) -> Path:
     """Stage 2: data/tokenized/ja_text_document.bin/.idx."""

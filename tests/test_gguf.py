@@ -8,52 +8,23 @@ skipped, with the reason, where that build is absent.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import corpus_texts, train_small_tokenizer
+from conftest import HEAD_DIM, HEADS, KV_HEADS, SMALLER, corpus_texts, tiny_llama, train_small_tokenizer
 from gptpipe.cli import main
 from gptpipe.export import gguf as export_gguf
 from gptpipe.stage import Manifest
 from gptpipe.tokenizer.hf import TRICKY_STRINGS
 
-HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
-SMALLER = ("input_sentence_size=5000",)  # a unigram model in seconds
 # A random model's logits have near-ties that f16 weights break differently: the BPE model's first prompt has
 # its top two logits 0.004 apart at the 7th token, where llama.cpp picks the second (its other steps: gaps of
 # 0.1 and more). The first tokens already show a wrong layout or vocabulary.
 GREEDY_TOKENS = 6
 PROMPTS = ("ディレクトリの内容を", "ls -la を実行すると", "NAME\n    cp - ファイルをコピーする\n\n")
-
-
-def tiny_llama(tokenizer_hf: Path, folder: Path) -> Path:
-    """A random Llama (grouped KV heads, untied head) saved with the stage-1 tokenizer files, byte for byte.
-    Its large init std makes the next-token logits far apart, so greedy decoding does not hinge on rounding."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_hf)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=HEADS * HEAD_DIM, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                         max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=False,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    for path in tokenizer_hf.iterdir():
-        shutil.copy(path, folder / path.name)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def unigram_llama(corpus_dir: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tokenizer = tmp_path_factory.mktemp("tok") / "unigram"
-    assert train_small_tokenizer(workspace, tokenizer, *SMALLER) == 0
-    return tiny_llama(tokenizer / "hf", tmp_path_factory.mktemp("models") / "unigram")
 
 
 @pytest.fixture(scope="module")

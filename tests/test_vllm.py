@@ -1,0 +1,89 @@
+"""vLLM serves an exported folder as transformers runs it: prompt ids and greedy tokens (gptpipe.export.vllm_check).
+
+The ``vllm`` tier runs vLLM's CPU build in its own venv (scripts/setup_vllm.sh) and is skipped, with the reason,
+where that venv is absent. Folders: a tiny Llama with the small unigram tokenizer in fp32 and bf16, and a copy
+with a chat template ("### 指示:" / "### 応答:"), whose conversations go through vLLM's chat path.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_llama
+from gptpipe.export import vllm_check
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,  # vLLM starts in about a minute on 2 cores
+    pytest.mark.skipif(vllm_check.vllm_python() is None,
+                       reason=f"no vLLM venv in {vllm_check.VLLM_HOME}: run scripts/setup_vllm.sh"),
+]
+
+# vLLM's CPU attention runs head sizes 32, 64, 80, ... (gptpipe's presets: 32 for tiny, 64 for the others).
+VLLM_HEAD_DIM = 32
+INSTRUCTION_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
+    "{% elif message['role'] == 'user' %}### 指示:\n{{ message['content'] }}\n\n"
+    "{% else %}### 応答:\n{{ message['content'] }}{{ eos_token }}\n\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}### 応答:\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def llama(unigram_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama(unigram_tokenizer / "hf", tmp_path_factory.mktemp("vllm") / "llama", head_dim=VLLM_HEAD_DIM)
+
+
+def chat_llama(model: Path, folder: Path) -> Path:
+    """A copy of ``model`` whose tokenizer carries INSTRUCTION_TEMPLATE, saved as transformers saves one."""
+    from transformers import AutoTokenizer
+
+    shutil.copytree(model, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = INSTRUCTION_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def bf16_llama(model: Path, folder: Path) -> Path:
+    """``model`` saved in bf16, as stage 4 exports with `dtype: bf16`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(model, folder)
+    AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+def check(folder: Path) -> dict:
+    report = vllm_check.vllm_report(folder)
+    print(json.dumps(report, ensure_ascii=False))
+    print(report["summary"])
+    for entry in report["prompts"] + report["conversations"]:
+        assert entry["prompt_ids_equal"], entry
+        assert entry["max_gap"] <= entry["gap_tolerance"], entry  # a different token only at a near-tie
+    return report
+
+
+def test_vllm_reproduces_prompt_ids_and_greedy_tokens(llama: Path, tmp_path: Path) -> None:
+    fp32 = check(llama)
+    assert fp32["dtype"] == "float32" and len(fp32["prompts"]) == len(vllm_check.PROMPTS)
+    assert not fp32["conversations"]  # no chat template: no chat requests
+    # This model's logits are far apart (tiny_llama): any real difference in weights or decoding shows here.
+    assert all(entry["tokens_equal"] for entry in fp32["prompts"]), fp32["summary"]
+    assert check(bf16_llama(llama, tmp_path / "bf16"))["dtype"] == "bfloat16"
+
+
+def test_vllm_chat_goes_through_the_folders_template(llama: Path, tmp_path: Path) -> None:
+    report = check(chat_llama(llama, tmp_path / "chat"))
+    assert len(report["conversations"]) == len(vllm_check.CONVERSATIONS)
+    for entry in report["conversations"]:
+        assert entry["prompt_text_equal"] and entry["prompt"].endswith("### 応答:\n"), entry
+    assert "### 指示:\nディレクトリごとコピーするには?" in report["conversations"][1]["prompt"]
+    assert all(entry["tokens_equal"] for entry in report["conversations"]), report["summary"]
