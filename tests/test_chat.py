@@ -390,7 +390,7 @@ def test_a_chat_run_exports_verified_with_its_template_stop_token_and_gguf(chat_
     summary = json.loads((run / "finetune_summary.json").read_text(encoding="utf-8"))
     generation = GenerationConfig.from_pretrained(out)
     assert summary["task"]["stop_ids"] == [trained.eos_token_id]
-    assert generation.eos_token_id in (summary["task"]["stop_ids"], trained.eos_token_id)
+    assert generation.eos_token_id == summary["task"]["stop_ids"]
     assert generation.max_new_tokens == 12 and generation.do_sample is False
     assert generation.pad_token_id == trained.pad_token_id != trained.eos_token_id
 
@@ -404,7 +404,7 @@ def test_a_chat_run_exports_verified_with_its_template_stop_token_and_gguf(chat_
     card = (out / "README.md").read_text(encoding="utf-8")
     assert "chat template: gptpipe's shipped `gptpipe` template" in card and GPTPIPE_TEMPLATE in card
     assert "gptpipe chat chat.model=PATH" in card and "apply_chat_template(messages, add_generation_prompt=True" in card
-    assert "| chrF |" in card
+    assert "| chrF |" in card and "nats per assistant token" in card
 
     # The GGUF carries the template for llama.cpp / Ollama to render.
     written = gptpipe_command("gguf", "--model", out)

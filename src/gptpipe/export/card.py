@@ -248,7 +248,9 @@ def _metric_rows(block: TaskBlock, step: int) -> list[str]:
         lines = ["| validation metric | this model |", "| --- | --- |"]
         lines += [f"| {x.label} | {x.show(m[x.key])} |" for x in TASK_METRICS[kind]]
     if isinstance(m.get("val_loss"), (int, float)):
-        lines += ["", f"Validation loss on the gold labels: {m['val_loss']:.4f} nats per label token."]
+        scored = "the assistant turns: {:.4f} nats per assistant token" if kind == "chat" else \
+            "the gold labels: {:.4f} nats per label token"
+        lines += ["", f"Validation loss on {scored.format(m['val_loss'])}."]
     if block.comparison:
         lines += _comparison_rows(block.comparison, task.get("best_metric"))
     best = block.best or {}
