@@ -2,7 +2,8 @@
 Japanese man pages ("What does `ls` do?" → the page's NAME description; a follow-up about its section) and a
 tiny Llama whose SentencePiece tokenizer is trained here on the same pages in seconds: reading and counting
 bad rows, ids equal to apply_chat_template, assistant-only masks, templates refused, a fine-tune that
-resumes exactly after SIGKILL, predict on messages rows, and a scripted two-turn `gptpipe chat`.
+resumes exactly after SIGKILL, predict on messages rows, a scripted two-turn `gptpipe chat`, and the run's
+verified export (stage 4) with its template, its stop token and its GGUF.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FINETUNE_QUICK, gptpipe_command, manpages_installed, metrics_rows, require_manpages, train_env
+from conftest import (FINETUNE_QUICK, gptpipe_command, manifest_counts, manpages_installed, metrics_rows,
+                      require_manpages, train_env)
 from gptpipe.data.jsonl import (EMPTY, INVALID_JSON, MISSING_KEY, NO_ASSISTANT_TURN, NOT_A_MESSAGE_LIST,
                                 NOT_A_STRING, TEMPLATE_ERROR, TOO_LONG, UNKNOWN_ROLE, Reasons)
 from gptpipe.finetune.chat_data import (ALPACA_JA_TEMPLATE, GPTPIPE_TEMPLATE, ChatEncoder, Conversation,
@@ -240,6 +242,16 @@ def chat_args(model: Path, chat_files: tuple[Path, Path], run: Path, *overrides:
             f"train.output_model_dir={run}", *FINETUNE_QUICK, *CHAT_RUN, *overrides]
 
 
+@pytest.fixture(scope="module")
+def chat_run(chat_lm: Path, chat_files: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+             ) -> tuple[Path, str]:
+    """The 12-step chat fine-tune of `chat_lm` (its run folder) and its log."""
+    run = tmp_path_factory.mktemp("chat-run") / "whole"
+    done = gptpipe_command("finetune", *chat_args(chat_lm, chat_files, run))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run, done.stderr
+
+
 @pytest.mark.parametrize(("kind", "best"), [("classification", "macro_f1"), ("generation", "chrf"),
                                             ("chat", "val_loss")])
 def test_the_best_metric_follows_the_task_kind_unless_set(kind: str, best: str) -> None:
@@ -262,7 +274,8 @@ def test_a_seq2seq_model_is_refused_for_chat(tiny_t5: Path, chat_files, tmp_path
 
 
 @pytest.mark.slow
-def test_chat_finetune_resumes_exactly_predicts_and_chats(chat_lm: Path, chat_files, tmp_path: Path) -> None:
+def test_chat_finetune_resumes_exactly_predicts_and_chats(chat_lm: Path, chat_files, chat_run: tuple[Path, str],
+                                                          tmp_path: Path) -> None:
     import signal
     import time
 
@@ -271,10 +284,8 @@ def test_chat_finetune_resumes_exactly_predicts_and_chats(chat_lm: Path, chat_fi
     from gptpipe.finetune.predict import resolve_checkpoint
     from gptpipe.train import checkpoint
 
-    whole = tmp_path / "whole"
-    done = gptpipe_command("finetune", *chat_args(chat_lm, chat_files, whole))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "the shipped 'gptpipe' chat template" in done.stderr
+    whole, log = chat_run
+    assert "the shipped 'gptpipe' chat template" in log
     rows = metrics_rows(whole)
     evals = [r for r in rows if "val_chrf" in r]
     assert [r["step"] for r in evals] == [4, 8, 12] and all(r["val_generated"] == 4 for r in evals)
@@ -339,6 +350,67 @@ def test_chat_finetune_resumes_exactly_predicts_and_chats(chat_lm: Path, chat_fi
     assert talked.returncode == 0, talked.stderr[-3000:]
     assert talked.stdout == f"{one}\n{two}\n{one}\n"
     assert "conversation reset" in talked.stderr
+
+
+@pytest.mark.slow
+def test_a_chat_run_exports_verified_with_its_template_stop_token_and_gguf(chat_lm: Path, chat_files,
+                                                                          chat_run: tuple[Path, str],
+                                                                          tmp_path: Path) -> None:
+    """`gptpipe convert` on the chat run: the gate passes on its validation conversations, the folder's
+    tokenizer renders the prompts the run trained on, generation stops at the end of the assistant's turn,
+    `gptpipe chat` answers as on the run, the card says how to chat, the GGUF carries the template."""
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer, GenerationConfig
+
+    run, _ = chat_run
+    out = tmp_path / "chat-export"
+    done = gptpipe_command("convert", f"input_model_dir={run}", f"output_tokenizer_and_model_dir={out}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = manifest_counts(out)
+    assert counts["verified"] and counts["failures"] == [] and counts["task"] == "chat"
+    assert counts["chat_template_identical"] is True
+    validation = read_conversations(chat_files[1], Reasons())[:8]
+    # Each conversation's whole ids and its generation prompt, by the folder's tokenizer and the run's.
+    assert counts["tokenizer_texts"] == 2 * len(validation) and counts["tokenizer_mismatches"] == 0
+    assert [s["messages"] for s in counts["greedy_samples"]] == [v.prompt for v in validation[:4]]
+    assert counts["heldout_source"] == "first 8 rows of validation.jsonl"
+
+    # The template travels in both files, equal to the run's; apply_chat_template on the folder gives the
+    # prompt part of the ids the run trained on, the answer and its EOS follow.
+    assert (out / "chat_template.jinja").read_text(encoding="utf-8") == GPTPIPE_TEMPLATE
+    assert json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))["chat_template"] == \
+        GPTPIPE_TEMPLATE
+    exported, trained = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(run / "tokenizer")
+    encoder = ChatEncoder(trained, seq_len=160)
+    for row in validation:
+        prompt = exported.apply_chat_template(row.prompt, add_generation_prompt=True, return_dict=False)
+        ids = encoder.encode(row, Reasons()).input_ids
+        assert ids == prompt + trained(row.label, add_special_tokens=False)["input_ids"] + [trained.eos_token_id]
+    # generate stops at the token that ends an assistant turn, with the run's answer length.
+    summary = json.loads((run / "finetune_summary.json").read_text(encoding="utf-8"))
+    generation = GenerationConfig.from_pretrained(out)
+    assert summary["task"]["stop_ids"] == [trained.eos_token_id]
+    assert generation.eos_token_id == summary["task"]["stop_ids"]
+    assert generation.max_new_tokens == 12 and generation.do_sample is False
+    assert generation.pad_token_id == trained.pad_token_id != trained.eos_token_id
+
+    # gptpipe chat on the export answers exactly as on the run.
+    stdin = f"{validation[0].prompt[-1]['content']}\nマニュアルの何章ですか?\n"
+    answers = [gptpipe_command("chat", *chat_args(chat_lm, chat_files, run), f"chat.model={model}", stdin=stdin)
+               for model in (run, out)]
+    assert all(a.returncode == 0 for a in answers), answers[1].stderr[-3000:]
+    assert answers[1].stdout == answers[0].stdout and answers[0].stdout.count("\n") == 2
+
+    card = (out / "README.md").read_text(encoding="utf-8")
+    assert "chat template: gptpipe's shipped `gptpipe` template" in card and GPTPIPE_TEMPLATE in card
+    assert "gptpipe chat chat.model=PATH" in card and "apply_chat_template(messages, add_generation_prompt=True" in card
+    assert "| chrF |" in card and "nats per assistant token" in card
+
+    # The GGUF carries the template for llama.cpp / Ollama to render.
+    written = gptpipe_command("gguf", "--model", out)
+    assert written.returncode == 0, written.stderr[-3000:]
+    reader = GGUFReader(out.with_name(f"{out.name}-gguf-f16") / f"{out.name}-f16.gguf")
+    assert reader.fields["tokenizer.chat_template"].contents() == GPTPIPE_TEMPLATE
 
 
 @pytest.mark.slow

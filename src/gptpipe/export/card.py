@@ -1,8 +1,8 @@
 """The model card (README.md) and its curves (PNG): what a reader of the hub page needs to trust the model.
 
 One template; its source supplies optional blocks: the pretraining corpus (datasets, tokenizer, validation
-loss), the base model a run continued from, a fine-tune's task (label set, the validation metrics of the
-exported step beside the majority baseline and the baselines, the metric curve).
+loss), the base model a run continued from, a fine-tune's task (label set or chat template, the validation
+metrics of the exported step beside the majority baseline and the baselines, the metric curve).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class TaskBlock:
     rows: dict[str, Any]  # {"train", "validation"} row counts, {"skipped": {reason: n}} when recorded
     comparison: dict[str, dict[str, float]] | None = None  # the run summary's: model and baselines side by side
     has_metric_curve: bool = False
+    chat_template: str | None = None  # a chat model's template (the folder's tokenizer carries it)
 
 
 @dataclass
@@ -160,6 +161,8 @@ def _verification_text(report: dict[str, Any]) -> str:
     tokenizer = f"tokenizer ids identical to {report['tokenizer_reference']} on {report['tokenizer_texts']} texts"
     if "base_files" in report:
         tokenizer = f"the base model's files copied byte for byte ({', '.join(report['base_files'])}); {tokenizer}"
+    if report.get("chat_template_identical"):
+        tokenizer += "; the chat template the run's, identical in chat_template.jinja and tokenizer_config.json"
     return (f"Exported by `gptpipe convert` and checked against the checkpoint it was exported from on "
             f"{report['heldout_source']}: logits max |Δ| = {report['logits_max_abs_diff']:.3g} ({report['dtype']}, "
             f"tolerance {report['logits_tolerance']:.3g}); {tokenizer}; greedy generation picks the checkpoint's top "
@@ -203,9 +206,16 @@ def _corpus_rows(corpus: CorpusBlock, base: BaseBlock | None) -> list[str]:
 
 
 def _task_rows(block: TaskBlock) -> list[str]:
+    from gptpipe.finetune.chat_data import describe_template
+
     task, rows = block.task, block.rows
-    lines = ["## Task", "", f"- kind: {task['kind']}",
-             f"- prompt template (the answer follows it, then EOS): `{task['prompt']!r}`"]
+    lines = ["## Task", "", f"- kind: {task['kind']}"]
+    if block.chat_template is not None:
+        lines += [f"- chat template: {describe_template(block.chat_template)}, in chat_template.jinja and "
+                  "tokenizer_config.json (loss on the assistant turns only; each ends with EOS, where generation "
+                  "stops):", "", "```jinja", block.chat_template, "```", ""]
+    else:
+        lines.append(f"- prompt template (the answer follows it, then EOS): `{task['prompt']!r}`")
     if task.get("labels"):
         lines.append(f"- label set ({len(task['labels'])}, most frequent first): "
                      + ", ".join(f"`{label}`" for label in task["labels"]))
@@ -238,7 +248,9 @@ def _metric_rows(block: TaskBlock, step: int) -> list[str]:
         lines = ["| validation metric | this model |", "| --- | --- |"]
         lines += [f"| {x.label} | {x.show(m[x.key])} |" for x in TASK_METRICS[kind]]
     if isinstance(m.get("val_loss"), (int, float)):
-        lines += ["", f"Validation loss on the gold labels: {m['val_loss']:.4f} nats per label token."]
+        scored = "the assistant turns: {:.4f} nats per assistant token" if kind == "chat" else \
+            "the gold labels: {:.4f} nats per label token"
+        lines += ["", f"Validation loss on {scored.format(m['val_loss'])}."]
     if block.comparison:
         lines += _comparison_rows(block.comparison, task.get("best_metric"))
     best = block.best or {}
@@ -270,6 +282,17 @@ def _usage_rows(facts: CardFacts, name: str, pipeline_tag: str) -> list[str]:
                 'print(generator("こんにちは、", max_new_tokens=64, do_sample=True, temperature=0.8, top_p=0.95)'
                 '[0]["generated_text"])', "```", "",
                 "or, from a clone of the repository: `gptpipe generate --model PATH --interactive`.", ""]
+    if task.chat_template is not None:
+        return [*lines[:3], "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+                f'tokenizer = AutoTokenizer.from_pretrained("{name}")  # or a local copy\'s path',
+                f'model = AutoModelForCausalLM.from_pretrained("{name}")',
+                'messages = [{"role": "user", "content": "ls コマンドは何をしますか?"}]',
+                "ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\", "
+                "return_dict=True)",
+                "out = model.generate(**ids)  # greedy; generation_config.json stops at the end of the turn",
+                'print(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))', "```", "",
+                "or chat with it (multi-turn, streaming; `/reset` starts again), from a clone of the repository: "
+                "`gptpipe chat chat.model=PATH`.", ""]
     samples = facts.verification.get("greedy_samples") or [{"input": "..."}]
     example = task.task["prompt"].format(input=samples[0]["input"])
     return [*lines, f'model = pipeline("{pipeline_tag}", model="{name}")  # or a local copy\'s path',

@@ -252,6 +252,8 @@ def pretrain_source(config: ConvertConfig, checkpoint: Checkpoint) -> PretrainSo
 def validation_rows(checkpoint: Checkpoint, tokenizer: Any) -> tuple[TaskRows, Path]:
     """(the first validation rows of the fine-tune's data, the file they come from), as its run record says:
     data.validation, or the seeded share of data.train it split off; `tokenizer`: the run's."""
+    from gptpipe.data.jsonl import Reasons
+    from gptpipe.finetune.chat_data import read_conversations
     from gptpipe.finetune.data import read_rows, split_validation
 
     data = finetune_config(checkpoint).data
@@ -260,7 +262,9 @@ def validation_rows(checkpoint: Checkpoint, tokenizer: Any) -> tuple[TaskRows, P
         key = "validation" if data.validation else "train"
         raise StageInputError(f"the fine-tune's validation rows are gone: {path} (data.{key} of the run record) "
                               "does not exist; the gate checks the export on them")
-    rows, _ = read_rows(path, data.format, data.input_key, data.label_key)
+    task = checkpoint.state["task"]
+    rows = (read_conversations(path, Reasons(), data.messages_key) if task["kind"] == "chat"
+            else read_rows(path, data.format, data.input_key, data.label_key)[0])
     if data.validation is None:
         rows = split_validation(rows, data.validation_proportion, data.seed)[1]
         source = f"{min(VERIFY_ROWS, len(rows))} rows of the validation split of {path.name}"
@@ -268,7 +272,7 @@ def validation_rows(checkpoint: Checkpoint, tokenizer: Any) -> tuple[TaskRows, P
         source = f"first {min(VERIFY_ROWS, len(rows))} rows of {path.name}"
     if not rows:
         raise StageInputError(f"{path} holds no usable validation row to verify the export on")
-    return TaskRows(rows[:VERIFY_ROWS], checkpoint.state["task"], source, tokenizer), path
+    return TaskRows(rows[:VERIFY_ROWS], task, source, tokenizer), path
 
 
 def shareable_task(task: dict[str, Any]) -> dict[str, Any]:
@@ -318,41 +322,48 @@ class FinetuneSource:
         return {TASK_FILE: task, "tokenizer_config.json": exported_config(self.tokenizer_dir)}
 
     def generation_config(self, model_config: Any) -> Any:
-        """Deterministic answers by default, as evaluation produced them: greedy, long enough for any label."""
+        """Deterministic answers by default, as evaluation produced them: greedy, long enough for any label (a
+        chat model's: `gptpipe chat`'s answer length), stopping where training taught the model to stop (a chat
+        model: at the end of an assistant turn, so HF generate and servers end the answer there)."""
         from transformers import GenerationConfig
 
         from gptpipe.finetune.data import pad_id
 
-        t = self.tokenizer
+        t, task, finetuning = self.tokenizer, self.rows.task, finetune_config(self.checkpoint)
+        if task.get("labels"):
+            max_new_tokens = self.rows.max_new_tokens(t)
+        else:
+            max_new_tokens = (finetuning.chat if self.rows.chat else finetuning.predict).max_new_tokens
         return GenerationConfig(
-            bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id, pad_token_id=pad_id(t),
+            bos_token_id=t.bos_token_id, eos_token_id=task.get("stop_ids") or t.eos_token_id, pad_token_id=pad_id(t),
             decoder_start_token_id=getattr(model_config, "decoder_start_token_id", None), do_sample=False,
-            max_new_tokens=self.rows.max_new_tokens(t) if self.rows.task.get("labels")
-            else finetune_config(self.checkpoint).predict.max_new_tokens)
+            max_new_tokens=max_new_tokens)
 
     def compare_tokenizer(self, tokenizer: Any) -> tuple[int, int, list[str]]:
-        """The folder's tokenizer gives the run's ids on every prompt (with special tokens) and label."""
+        """The folder's tokenizer gives the run's ids on every row's two encodings: prompt (with special
+        tokens) and label, or a conversation whole (through its chat template) and its generation prompt."""
         ours, theirs = self.rows.encoder(tokenizer), self.rows.encoder(self.tokenizer)
-        differ = [repr(row.input) for row in self.rows.rows
-                  if ours.prompt_ids(row.input) != theirs.prompt_ids(row.input)
-                  or ours.label_ids(row.label) != theirs.label_ids(row.label)]
+        differ = [row.where for row in self.rows.rows
+                  if any(mine != run for mine, run in zip(self.rows.encodings(ours, row),
+                                                          self.rows.encodings(theirs, row)))]
         if self.sentencepiece is None:
             return 2 * len(self.rows.rows), len(differ), differ[:3]
         import sentencepiece
 
         from gptpipe.tokenizer.hf import compare
 
-        # and the SentencePiece model it ships gives the same ids on every input and label
+        # and the SentencePiece model it ships gives the same ids on every text of the rows
         sp = sentencepiece.SentencePieceProcessor(model_file=str(self.sentencepiece))
-        texts = [text for row in self.rows.rows for text in (row.input, row.label)]
+        texts = self.rows.texts()
         failures, examples = compare(sp, tokenizer, texts, round_trip=False)
-        return 4 * len(self.rows.rows), len(differ) + failures, (differ + examples)[:3]
+        return 2 * len(self.rows.rows) + len(texts), len(differ) + failures, (differ + examples)[:3]
 
     def gate(self) -> GateSpec:
         t = self.tokenizer
         reference = "the fine-tune's tokenizer" + (" and SentencePiece" if self.sentencepiece else "")
         return GateSpec(self.rows, TokenizerReference(reference, self.compare_tokenizer),
-                        special_ids={"eos": t.eos_token_id, "pad": t.pad_token_id}, sentencepiece=self.sentencepiece)
+                        special_ids={"eos": t.eos_token_id, "pad": t.pad_token_id}, sentencepiece=self.sentencepiece,
+                        chat_template=t.chat_template if self.rows.chat else None)
 
     def card(self, folder: Path, metrics: list[dict[str, Any]]) -> tuple[CardBlocks, dict[str, Any]]:
         state, step = self.checkpoint.state, self.checkpoint.step
@@ -366,7 +377,8 @@ class FinetuneSource:
             metrics=evaluated,
             rows={**summary.get("rows", {}), "skipped": summary.get("data_problems", {}).get("skipped", {})},
             comparison=summary.get("comparison"),
-            has_metric_curve=plot_metric_curve(metrics, task["kind"], folder / METRIC_CURVE))
+            has_metric_curve=plot_metric_curve(metrics, task["kind"], folder / METRIC_CURVE),
+            chat_template=self.tokenizer.chat_template if self.rows.chat else None)
         headline = {m.key: evaluated[m.key] for m in TASK_METRICS[task["kind"]]} if evaluated else {}
         counts = {"task": task["kind"], "best_step": (state.get("best") or {}).get("step"), **headline}
         return CardBlocks(training_config={k: finetuning["train"][k] for k in FINETUNE_CARD_KEYS}, task=block), counts

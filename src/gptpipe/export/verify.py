@@ -7,7 +7,8 @@ would, and checked on rows the model did not train on: held-out documents of a p
 2. logits: against the model rebuilt from the checkpoint in the export dtype (bf16 compares like with like),
    max |Δ| within tolerance.py's tolerance; the difference to the fp32 model is recorded;
 3. tokenizer: the same ids as the tokenizer the training data was encoded with (`TokenizerReference`); a
-   SentencePiece tokenizer's model ships as tokenizer.model, byte-identical, with no space prefix stated;
+   SentencePiece tokenizer's model ships as tokenizer.model, byte-identical, with no space prefix stated; a
+   chat model's template is the run's, the same in chat_template.jinja and tokenizer_config.json;
 4. generation: greedy decoding through `generate` (the folder's generation_config.json, its KV cache) picks,
    at every step, a token the checkpoint's model also ranks first, up to a near-tie (`GREEDY_GAP_FACTOR`).
 A continued run's export (`GateSpec.base`) also has every file copied from its base byte-identical and its
@@ -26,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from gptpipe.data.jsonl import Reasons
+from gptpipe.finetune.chat_data import ChatEncoder, Conversation, task_chat_encoder
 from gptpipe.finetune.data import IGNORE, Encoder, Row, collate, map_to_label, pad_id
 from gptpipe.finetune.model import as_scored, decode, generate, logits, model_class
 from gptpipe.log import get_logger
@@ -103,9 +105,10 @@ class DocumentRows:
 
 @dataclass
 class TaskRows:
-    """Validation rows of a fine-tune's task, and how the run encoded them (with its own tokenizer)."""
+    """Validation rows of a fine-tune's task (conversations for a chat task), and how the run encoded them
+    (with its own tokenizer)."""
 
-    rows: list[Row]
+    rows: list[Row] | list[Conversation]
     task: dict[str, Any]  # the checkpoint's task facts (task.json)
     source: str
     tokenizer: Any  # the run's tokenizer: the ids the model was fine-tuned on
@@ -114,14 +117,44 @@ class TaskRows:
     def seq2seq(self) -> bool:
         return bool(self.task["seq2seq"])
 
-    def encoder(self, tokenizer: Any) -> Encoder:
+    @property
+    def chat(self) -> bool:
+        return self.task["kind"] == "chat"
+
+    def encoder(self, tokenizer: Any) -> Encoder | ChatEncoder:
         t = self.task
+        if self.chat:
+            return task_chat_encoder(tokenizer, t)
         return Encoder(tokenizer, t["prompt"], t["seq_len"], t["seq2seq"], t["too_long"])
 
+    def prompt_ids(self, encoder: Encoder | ChatEncoder, row: Row | Conversation) -> list[int]:
+        """What the model answers `row` from: the prompt template around its input (cut to fit as training
+        cut it), or the conversation before its last answer with the assistant's header."""
+        if isinstance(row, Conversation):
+            return encoder.prompt_ids(row.prompt)
+        return encoder.fit_prompt(row.input, 0, row.where, Reasons()) or [encoder.eos]
+
+    def encodings(self, encoder: Encoder | ChatEncoder, row: Row | Conversation) -> tuple[list[int], list[int]]:
+        """The two ways `row` becomes ids, for comparing tokenizers: its prompt and its label, or a
+        conversation's whole ids (as training encoded it) and its generation prompt."""
+        if isinstance(row, Conversation):
+            encoded = encoder.encode(row, Reasons())
+            return (encoded.input_ids if encoded else []), encoder.prompt_ids(row.prompt)
+        return encoder.prompt_ids(row.input), encoder.label_ids(row.label)
+
+    def texts(self) -> list[str]:
+        """The rows' texts: inputs and labels, or every turn's content."""
+        if self.chat:
+            return [turn["content"] for row in self.rows for turn in row.messages]
+        return [text for row in self.rows for text in (row.input, row.label)]
+
     def max_new_tokens(self, tokenizer: Any) -> int:
-        """Room for the longest label (+ EOS): of the label set, or of the rows answered (generation)."""
+        """Room for the longest label (+ EOS): of the label set, or of the rows answered (generation, chat)."""
+        encoder = self.encoder(tokenizer)
+        if self.chat:
+            return max(len(encoder.ids(row.label)) + 1 for row in self.rows[:GENERATED_ROWS])
         labels = self.task.get("labels") or [row.label for row in self.rows[:GENERATED_ROWS]]
-        return max(len(self.encoder(tokenizer).label_ids(label)) for label in labels)
+        return max(len(encoder.label_ids(label)) for label in labels)
 
     def logits_batch(self, model: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         scratch = Reasons()  # a row the run would drop is simply not compared
@@ -135,8 +168,7 @@ class TaskRows:
 
     def greedy(self, model: Any, tokenizer: Any) -> tuple[list[list[int]], list[list[int]]]:
         encoder = self.encoder(tokenizer)
-        prompts = [encoder.fit_prompt(row.input, 0, row.where, Reasons()) or [encoder.eos]
-                   for row in self.rows[:GENERATED_ROWS]]
+        prompts = [self.prompt_ids(encoder, row) for row in self.rows[:GENERATED_ROWS]]
         answers = generate(model, encoder, prompts, torch.device("cpu"), max_new_tokens=self.max_new_tokens(tokenizer))
         return prompts, answers
 
@@ -144,7 +176,8 @@ class TaskRows:
         texts = [decode(tokenizer, ids) for ids in answers]
         labels = self.task.get("labels")
         report["greedy_samples"] = [
-            {"input": row.input, "label": row.label, "generated": text,
+            {**({"messages": row.prompt} if isinstance(row, Conversation) else {"input": row.input}),
+             "label": row.label, "generated": text,
              **({"prediction": map_to_label(text, labels)[0]} if labels else {})}
             for row, text in zip(self.rows, texts)]
         report["greedy_sample"] = texts[0]
@@ -175,6 +208,7 @@ class GateSpec:
     vocab_size: int | None = None  # config.json's exact vocabulary (None: at least the tokenizer's)
     base: Any = None  # a continued run's train.base_model.BaseModel: its files copied byte for byte
     sentencepiece: Path | None = None  # the SentencePiece model the folder's tokenizer.model must be, byte for byte
+    chat_template: str | None = None  # a chat model's template, as the run trained with it
 
 
 def cast_parameters(model: Any, dtype: torch.dtype) -> Any:
@@ -259,6 +293,20 @@ def _check_sentencepiece(report: dict[str, Any], folder: Path, model_path: Path)
         failures.append(f"tokenizer_config.json does not state that there is no space prefix: {unstated}")
     report["sentencepiece_file"] = not failures
     return failures
+
+
+def _check_chat_template(report: dict[str, Any], folder: Path, tokenizer: Any, template: str) -> list[str]:
+    """The folder's tokenizer renders conversations with the run's template, and both files that carry it
+    (chat_template.jinja, read by transformers 5; tokenizer_config.json's copy, read by older readers and
+    servers) hold that template."""
+    jinja = folder / "chat_template.jinja"
+    copies = {"the loaded tokenizer": tokenizer.chat_template,
+              "chat_template.jinja": jinja.read_text(encoding="utf-8") if jinja.is_file() else None,
+              "tokenizer_config.json": json.loads((folder / "tokenizer_config.json").read_text(
+                  encoding="utf-8")).get("chat_template")}
+    differ = [name for name, text in copies.items() if text != template]
+    report["chat_template_identical"] = not differ
+    return [f"the chat template of {', '.join(differ)} is not the run's"] if differ else []
 
 
 @torch.no_grad()
@@ -356,6 +404,8 @@ def verify_export(folder: Path, reference: Any, reference_fp32: Any, spec: GateS
         "tokenizer": lambda: _check_tokenizer(report, tokenizer, spec.tokenizer),
         **({"tokenizer.model": lambda: _check_sentencepiece(report, folder, spec.sentencepiece)}
            if spec.sentencepiece is not None else {}),
+        **({"chat template": lambda: _check_chat_template(report, folder, tokenizer, spec.chat_template)}
+           if spec.chat_template is not None else {}),
         "generation": lambda: _check_generation(report, generating, reference, tokenizer, spec.rows, dtype),
     }
     failures = []

@@ -57,6 +57,13 @@ TEMPLATES = {"gptpipe": GPTPIPE_TEMPLATE, "alpaca_ja": ALPACA_JA_TEMPLATE}
 DEFAULT_TEMPLATE = "gptpipe"
 
 
+def describe_template(template: str) -> str:
+    """Which template `template` is, for a model card: a shipped one by name, else the model's or a file's."""
+    shipped = next((name for name, text in TEMPLATES.items() if text == template), None)
+    return (f"gptpipe's shipped `{shipped}` template (task.chat_template={shipped})" if shipped else
+            "the base model's own template or one from a .jinja file (task.chat_template)")
+
+
 class TemplateError(StageInputError):
     """The chat template (with this tokenizer) cannot give exact assistant-only masks."""
 
@@ -287,7 +294,6 @@ class ChatEncoder:
                                 f"cannot be masked exactly; use another template (task.chat_template), e.g. "
                                 f"one that ends each turn's header with a special token or a newline piece")
         return len(ids)
-
 
 
 def task_chat_encoder(tokenizer: Any, task: dict[str, Any]) -> ChatEncoder:
