@@ -66,3 +66,7 @@ bash 7_finetune.sh --config demo/finetune_config.yaml "${CHAT[@]}"
 step "stage 7: chat with it (one user turn per line; /reset starts a new conversation)"
 printf '%s\n' '`ls` は何をしますか?' 'マニュアルの何章ですか?' '/reset' '`cp` は何をしますか?' |
   python -m gptpipe chat --config demo/finetune_config.yaml "${CHAT[@]}" chat.max_new_tokens=32
+step "stage 4 for the chat run: export (the gate checks its chat template) and GGUF (the template inside)"
+bash 4_convert_to_HF.sh --config demo/convert_config.yaml input_model_dir=demo/runs/chat-demo \
+  output_tokenizer_and_model_dir=demo/models/hf/chat-demo huggingface_name=gptpipe-demo-ja-chat
+python -m gptpipe gguf --config demo/convert_config.yaml --model demo/models/hf/chat-demo --outtype f16
