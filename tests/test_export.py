@@ -77,6 +77,8 @@ def test_export_gate_passes_for_every_architecture(tiny_run, workspace, tokenize
     assert f"{report['parameters']:,}" in card and "Final validation loss" in card
     assert "![loss curve](loss_curve.png)" in card and (out / "loss_curve.png").stat().st_size > 1000
     assert "Verified." in card and "pipeline(\"text-generation\"" in card
+    assert "`vllm serve PATH" in card  # every causal LM; a GGUF for the architectures `gptpipe gguf` maps
+    assert ("`gptpipe gguf --model PATH" in card) == (arch in ("llama", "gpt2"))
 
     generator = pipeline("text-generation", model=str(out))
     text = generator("日本語の", max_new_tokens=8, do_sample=False)[0]["generated_text"]

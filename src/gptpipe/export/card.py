@@ -304,6 +304,20 @@ def _usage_rows(facts: CardFacts, name: str, pipeline_tag: str) -> list[str]:
             "holds the prompt and the label set): `gptpipe predict predict.model=PATH --input rows.tsv`.", ""]
 
 
+def _serving_rows(facts: CardFacts) -> list[str]:
+    """How to run a causal LM outside transformers: vLLM serves the folder; llama.cpp and Ollama take the GGUF
+    `gptpipe gguf` writes (for the architectures it maps)."""
+    from gptpipe.export.gguf import ARCHITECTURES
+
+    lines = ["## Run it elsewhere", "", "- vLLM: `vllm serve PATH --dtype float32` (or the folder's dtype); "
+             "`python -m gptpipe.export.vllm_check PATH` compares its prompt ids and greedy tokens with transformers'."]
+    if set(facts.model_config.architectures or []) & set(ARCHITECTURES):
+        lines.append("- llama.cpp / Ollama: `gptpipe gguf --model PATH --outtype f16` writes the GGUF (the tokenizer "
+                     "as this folder's, no space prefix, the chat template if any) and an Ollama `Modelfile` beside "
+                     "it.")
+    return [*lines, ""]
+
+
 def render_card(facts: CardFacts, repo_id: str | None) -> str:
     cfg, b = facts.model_config, facts.blocks
     task = b.task.task if b.task else None
@@ -336,4 +350,6 @@ def render_card(facts: CardFacts, repo_id: str | None) -> str:
                   yaml.safe_dump(b.training_config, allow_unicode=True, sort_keys=False).strip(), "```"]
     lines += ["", "## Verification", "", _verification_text(facts.verification), ""]
     lines += _usage_rows(facts, repo_id or facts.title, pipeline_tag)
+    if pipeline_tag == "text-generation":
+        lines += _serving_rows(facts)
     return "\n".join(lines).rstrip() + "\n"
