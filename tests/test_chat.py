@@ -230,6 +230,27 @@ def test_the_template_travels_in_both_files_and_a_pad_equal_to_eos_is_replaced(c
     assert reloaded.pad_token_id not in (None, reloaded.eos_token_id)
 
 
+def test_a_tokenizer_that_splits_special_tokens_reads_the_templates_eos_as_eos(tiny_lm: Path, chat_files,
+                                                                             tmp_path: Path) -> None:
+    """Stage 1's tokenizer splits special tokens (literal "</s>" in pretraining text stays text, as SentencePiece
+    reads it), so the EOS a template writes after each answer became ordinary pieces and every row of the demo's
+    chat set was refused. The chat task turns that off in the run's tokenizer: each answer ends in the EOS id,
+    and the saved tokenizer keeps the setting, so the export and `gptpipe chat` read templates the same way."""
+    from gptpipe.config.core import load_config
+    from gptpipe.finetune.config import FinetuneConfig
+    from gptpipe.finetune.train import load_task
+
+    config = load_config(FinetuneConfig, None, chat_args(tiny_lm, chat_files, tmp_path / "run"))
+    task = load_task(config)
+    assert any("split_special_tokens turned off" in note for note in task.notes)
+    eos = task.tokenizer.eos_token_id
+    for row, encoded in zip(task.train_rows, task.train):
+        answers = sum(m["role"] == "assistant" for m in row.messages)
+        assert encoded.input_ids.count(eos) == answers and encoded.input_ids[-1] == eos
+    save_tokenizer(task.tokenizer, tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())["split_special_tokens"] is False
+
+
 # --- fine-tuning, predict, gptpipe chat -------------------------------------------------------------------
 CHAT_RUN = ("task.kind=chat", "train.seq_len=160", "train.global_batch_size=8", "train.train_iters=12",
             "train.eval_interval=4", "train.save_interval=4", "task.chat_eval_rows=4",

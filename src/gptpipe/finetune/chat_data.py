@@ -190,6 +190,17 @@ def install_template(tokenizer: Any, choice: str) -> str:
     return f"the chat template in {path}"
 
 
+def special_tokens_as_tokens(tokenizer: Any) -> str | None:
+    """A template writes EOS and its other special tokens as text ("</s>"), to be read back as their ids. A
+    tokenizer that splits special tokens into ordinary pieces (gptpipe's stage-1 tokenizer does, so that
+    pretraining text reads as SentencePiece reads it) would end every answer with pieces the model cannot stop
+    on: the run's tokenizer, saved with the run and its export, reads them as tokens. Returns what was done."""
+    if not getattr(tokenizer, "split_special_tokens", False):
+        return None
+    tokenizer.split_special_tokens = False
+    return "special tokens in the rendered template are read as tokens (split_special_tokens turned off)"
+
+
 def distinct_pad(tokenizer: Any) -> str | None:
     """Make the tokenizer's pad token differ from its EOS (padding masked as EOS teaches a model never to
     stop): a missing or EOS pad becomes the unknown token. Returns what was done, None when nothing was; a

@@ -44,6 +44,7 @@ from gptpipe.finetune.chat_data import (
     install_template,
     read_conversations,
     save_tokenizer,
+    special_tokens_as_tokens,
 )
 from gptpipe.finetune.config import FinetuneConfig
 from gptpipe.finetune.data import (
@@ -158,7 +159,8 @@ def _load_chat_task(config: FinetuneConfig, tokenizer: Any, seq2seq: bool) -> Ta
         if path is not None and file_format(path, data.format) != "jsonl":
             raise StageInputError(f"task.kind chat reads jsonl rows (messages, or instruction/input/output); "
                                   f"data.{name} {path} is not .jsonl (set data.format=jsonl if it is)")
-    notes = (install_template(tokenizer, config.task.chat_template), distinct_pad(tokenizer))
+    notes = (install_template(tokenizer, config.task.chat_template), special_tokens_as_tokens(tokenizer),
+             distinct_pad(tokenizer))
     encoder = ChatEncoder(tokenizer, config.train.seq_len)
     skipped = Reasons()
     rows = read_conversations(data.train, skipped, data.messages_key)
