@@ -122,6 +122,21 @@ def test_rerun_is_up_to_date_and_q8_0_is_close(unigram_llama: Path, workspace: P
     assert np.abs(got - want).max() < np.abs(want).max() / 100
 
 
+def test_a_relative_model_path_writes_beside_it(unigram_llama: Path, workspace: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--model models/hf/x` as the README and demo.sh write it: the outputs are found relative to the GGUF
+    folder (they were looked for under it twice over)."""
+    from gguf import GGUFReader
+
+    monkeypatch.chdir(unigram_llama.parent.parent)
+    model = Path(unigram_llama.parent.name) / unigram_llama.name
+    assert main(["gguf", "--config", str(workspace / "convert_config.yaml"), "--model", str(model),
+                 "--outtype", "bf16"]) == 0
+    out = model.with_name(f"{model.name}-gguf-bf16")
+    assert json.loads((out / "manifest.json").read_text())["complete"] is True
+    assert len(GGUFReader(out / f"{model.name}-bf16.gguf").tensors) > 0 and (out / "Modelfile").is_file()
+
+
 def test_sentencepiece_bpe_is_the_spm_vocabulary(bpe_llama: Path, workspace: Path) -> None:
     from gguf import GGUFReader, TokenType
 

@@ -446,7 +446,7 @@ def run(config: ConvertConfig, args: argparse.Namespace) -> int:
         if llamacpp_tool("llama-tokenize") and llamacpp_tool("llama-simple"):
             counts["llamacpp_check"] = llamacpp_report(out / name, model_dir, list(TRICKY_STRINGS),
                                                        [config.test_prompt_text])
-        return StageResult([out / name, out / "Modelfile"], counts)
+        return StageResult([Path(name), Path("Modelfile")], counts)  # outputs are named relative to `out`
 
     manifest = GGUF.run(out, settings, {"model": model_input}, work, force=args.force,
                         versions=("gguf", "transformers", "tokenizers"))
