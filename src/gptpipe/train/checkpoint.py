@@ -218,8 +218,9 @@ def find_checkpoint(input_dir: Path, step: int | None = None) -> Checkpoint:
             folder = complete[max(complete)]
             latest = root / LATEST
             if latest.is_file() and latest.read_text().strip() != folder.name:
-                get_logger("convert").info(f"{latest} names {latest.read_text().strip()!r}, which is not a complete "
-                         f"checkpoint; using the newest complete one, {folder.name}")
+                # Read by stage 4, predict and chat alike: the message names the checkpoint code, not a stage.
+                get_logger("checkpoint").info(f"{latest} names {latest.read_text().strip()!r}, which is not a "
+                                              f"complete checkpoint; using the newest complete one, {folder.name}")
     missing = [name for name in (COMPLETE_MARKER, HF_CONFIG, STATE) if not (folder / name).is_file()]
     if missing:
         raise StageInputError(f"checkpoint {folder} is incomplete (no {', '.join(missing)}): its save did not "
