@@ -188,8 +188,7 @@ class ContinuedSource(PretrainSource):
 
     def inputs(self) -> dict[str, Any]:
         return {"checkpoint": _checkpoint_inputs(self.checkpoint),
-                "base_model": {"folder": str(self.base.folder),
-                               "sha256": {n: f["sha256"] for n, f in self.record["files"].items()}},
+                "base_model": {"folder": str(self.base.folder), "files": self.record["files"]},
                 "datasets": [TOKENIZE.fingerprint(d.prefix) for d in self.datasets]}
 
     def copied_files(self) -> dict[str, Path]:

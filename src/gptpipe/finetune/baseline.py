@@ -31,10 +31,9 @@ DESCRIPTIONS = {"scratch": "the same architecture from random initialisation, fi
 def base_of(model_path: Path) -> Path:
     """The base folder a continued-pretraining export (model.path) started from, as stage 4's manifest records
     it; refused when model.path is no such export or the base's files changed since."""
-    import hashlib
-
     from gptpipe.stage import Manifest, StageInputError
     from gptpipe.stages import CONVERT
+    from gptpipe.train.base_model import folder_changes
 
     manifest = CONVERT.manifest_path(model_path)
     record = Manifest.read(manifest).inputs.get("base_model") if manifest.is_file() else None
@@ -42,11 +41,10 @@ def base_of(model_path: Path) -> Path:
         raise StageInputError(f"baseline.model=base: {model_path} is not a gptpipe export of a continued-"
                               f"pretraining run ({manifest} records no base model); use baseline.model=scratch")
     folder = Path(record["folder"])
-    changed = [name for name, sha in record["sha256"].items() if not (folder / name).is_file()
-               or hashlib.sha256((folder / name).read_bytes()).hexdigest() != sha]
+    changed = folder_changes(record, folder)  # the check a resume and stage 4 make of the same folder
     if changed:
         raise StageInputError(f"baseline.model=base: the base folder {folder} recorded in {manifest} is gone or "
-                              f"changed since the export ({', '.join(changed[:5])})")
+                              f"changed since the export ({'; '.join(changed[:5])})")
     return folder
 
 
