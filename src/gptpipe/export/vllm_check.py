@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gptpipe.export.verify import GREEDY_GAP_FACTOR
-from gptpipe.tolerance import FP32_TOLERANCE, LOSS_HALF_RELATIVE
+from gptpipe.tolerance import half_forward_logits_tolerance
 
 VLLM_HOME = Path(os.environ.get("GPTPIPE_VLLM", Path.home() / ".cache" / "gptpipe-vllm"))
 GREEDY_SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "vllm_greedy.py"
@@ -86,8 +86,9 @@ def _compare(model: Any, exact: Any, prompt_ids: list[int], served: dict, max_to
     with torch.no_grad():
         logits = exact(sequence).logits[0, len(prompt_ids) - 1:-1]
     gaps = logits.max(dim=-1).values - logits.gather(-1, sequence[0, len(prompt_ids):, None])[:, 0]
-    half = LOSS_HALF_RELATIVE * logits.abs().max().item() if model.dtype != torch.float32 else 0.0
-    entry.update(max_gap=gaps.max().item(), gap_tolerance=GREEDY_GAP_FACTOR * (FP32_TOLERANCE + half))
+    tolerance = half_forward_logits_tolerance(logits.abs().max().item(),
+                                              "fp32" if model.dtype == torch.float32 else "half")
+    entry.update(max_gap=gaps.max().item(), gap_tolerance=GREEDY_GAP_FACTOR * tolerance)
     return entry
 
 
