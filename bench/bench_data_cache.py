@@ -53,7 +53,7 @@ def main() -> None:
     from gptpipe.data.indexed import IndexedDatasetWriter, bin_path, idx_path
     from gptpipe.remote import fetch, publish
     from gptpipe.stage import StageResult, run_stage
-    from gptpipe.stages import TOKENIZE
+    from gptpipe.artifacts import TOKENIZE
     from gptpipe.storage import filesystem
 
     rng = np.random.default_rng(0)

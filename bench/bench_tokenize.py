@@ -44,7 +44,7 @@ from gptpipe.pipeline import PipelineConfig
 from gptpipe.data.indexed import bin_path, idx_path, token_dtype
 from gptpipe.data.tokenize import default_workers, tokenize_files
 from gptpipe.data.worker import WorkerSettings
-from gptpipe.stages import read_tokenizer
+from gptpipe.artifacts import read_tokenizer
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # no progress bars in the timings
 

@@ -21,7 +21,7 @@ from gptpipe.cli import main
 from gptpipe.config.core import load_config
 from gptpipe.data.indexed import UINT16_VOCAB_LIMIT
 from gptpipe.pipeline import PipelineConfig
-from gptpipe.stages import EXIT_BAD_INPUT, TOKENIZE
+from gptpipe.artifacts import EXIT_BAD_INPUT, TOKENIZE
 from gptpipe.tolerance import LOSS_HALF_RELATIVE
 from gptpipe.train.base_model import SUPPORTED, is_copied
 from gptpipe.train.checkpoint import STATE, newest_checkpoint

@@ -14,7 +14,7 @@ from ruamel.yaml import YAML
 from gptpipe.cli import main
 from gptpipe.data.indexed import bin_path, idx_path, read_index
 from gptpipe.data.split import document_order, split_bounds
-from gptpipe.stages import EXIT_BAD_INPUT, TOKENIZE
+from gptpipe.artifacts import EXIT_BAD_INPUT, TOKENIZE
 
 
 def count(config: Path, *extra: str) -> int:

@@ -21,7 +21,7 @@ from gptpipe.export.verify import verify_export
 from gptpipe.tokenizer.hf import NO_SPACE_PREFIX
 from gptpipe.tolerance import FP32_TOLERANCE
 from gptpipe.stage import StageInputError, file_fingerprint
-from gptpipe.stages import read_tokenizer
+from gptpipe.artifacts import read_tokenizer
 from gptpipe.train.checkpoint import COMPLETE_MARKER, HF_CONFIG, STATE, complete_checkpoints
 
 
@@ -485,7 +485,7 @@ def test_seq2seq_finetune_exports_as_an_encoder_decoder(t5_run, workspace, tmp_p
 
     # Stage 6's check of the hub copy loads it as an encoder-decoder and shows the decoder's output alone.
     from gptpipe.export.upload import check_hub_copy
-    from gptpipe.stages import read_export
+    from gptpipe.artifacts import read_export
 
     problems, sample = check_hub_copy(out, out, list(read_export(out).files), "入力: ls")
     output = sample.split(" → ", 1)[1]

@@ -34,7 +34,7 @@ from gptpipe.finetune.data import (
     read_rows,
     split_validation,
 )
-from gptpipe.stages import EXIT_PREEMPTED
+from gptpipe.artifacts import EXIT_PREEMPTED
 from gptpipe.train.checkpoint import BEST, complete_checkpoints
 
 # --- readers ------------------------------------------------------------------------------------------
@@ -105,7 +105,7 @@ def test_a_seq_len_that_cuts_training_rows_is_warned_with_the_value_that_keeps_t
         tiny_lm: Path, task_files: tuple[Path, Path], tmp_path: Path) -> None:
     from gptpipe.config.core import load_config
     from gptpipe.finetune.config import FinetuneConfig
-    from gptpipe.finetune.train import load_task
+    from gptpipe.finetune.finetune import load_task
 
     def task(seq_len: int, *overrides: str):
         args = finetune_args(tiny_lm, task_files, tmp_path, f"train.seq_len={seq_len}", *overrides)
@@ -281,7 +281,7 @@ def test_a_packed_batch_scores_every_row_as_the_padded_batch_does(tiny_lm: Path,
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
     from gptpipe.finetune.model import target_logprobs
-    from gptpipe.finetune.train import packing_leaks
+    from gptpipe.finetune.finetune import packing_leaks
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_lm)
     if arch == "llama":

@@ -14,7 +14,7 @@ from conftest import SHIFT, byte_level_bpe, corpus_texts, run_cli
 
 from gptpipe.cli import main
 from gptpipe.data.indexed import UINT16_VOCAB_LIMIT, bin_path
-from gptpipe.stages import EXIT_BAD_INPUT, TOKENIZE
+from gptpipe.artifacts import EXIT_BAD_INPUT, TOKENIZE
 
 def documents(prefix: Path) -> list[np.ndarray]:
     from megatron.core.datasets.indexed_dataset import IndexedDataset

@@ -22,7 +22,7 @@ from conftest import (FAKE_KEY_ID, FAKE_SECRET, QUICK_TRAIN, REFERENCE_RUN, REFE
 
 from gptpipe.config.core import ConfigError, Url, load_config
 from gptpipe.pipeline import PipelineConfig
-from gptpipe.stages import EXIT_PREEMPTED
+from gptpipe.artifacts import EXIT_PREEMPTED
 
 STEPS = REFERENCE_STEPS
 # How long a SIGTERM save may wait for its upload (AWS spot's notice; the default is GCE's ~25 s). The servers run

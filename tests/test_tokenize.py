@@ -22,7 +22,7 @@ from gptpipe.data.indexed import IndexedDataset, bin_path, idx_path
 from gptpipe.data.jsonl import (BLANK, EMPTY, INVALID_JSON, LONE_SURROGATE, MISSING_KEY, NOT_A_STRING, NOT_AN_OBJECT,
                                 NUL_STRIPPED, TOO_LONG, UNDECODABLE)
 from gptpipe.stage import Manifest, StageInputError
-from gptpipe.stages import EXIT_BAD_INPUT, TOKENIZE, read_tokenizer
+from gptpipe.artifacts import EXIT_BAD_INPUT, TOKENIZE, read_tokenizer
 
 
 def expected_ids(tokenizer_dir: Path, texts: list[str]) -> list[list[int]]:

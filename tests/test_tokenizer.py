@@ -23,7 +23,7 @@ from gptpipe.config.core import ConfigError, load_config
 from gptpipe.stage import Manifest, StageInputError, file_fingerprint, manifest_fingerprint
 from gptpipe.tokenizer import hf
 from gptpipe.tokenizer.config import TokenizerConfig
-from gptpipe.stages import TOKENIZE, read_tokenizer
+from gptpipe.artifacts import TOKENIZE, read_tokenizer
 from gptpipe.tokenizer.morpheme import DELIMITER
 from gptpipe.tokenizer.sample import cut_utf8, sample_corpus, scan_corpus
 from gptpipe.tokenizer.build import expected_sample_share

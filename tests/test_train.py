@@ -14,7 +14,7 @@ from gptpipe.config.core import load_config, to_plain
 from gptpipe.data.indexed import IndexedDataset
 from gptpipe.data.split import document_order, split_bounds
 from gptpipe.pipeline import PipelineConfig
-from gptpipe.stages import read_tokenizer
+from gptpipe.artifacts import read_tokenizer
 from gptpipe.train.checkpoint import COMPLETE_MARKER, HF_CONFIG, STATE, complete_checkpoints
 
 # What TRAINED_RUN (conftest) makes: an evaluation and a checkpoint every eval/save interval and at the end,

@@ -11,7 +11,7 @@ import pytest
 from conftest import (QUICK, QUICK_TRAIN, REFERENCE_RUN, REFERENCE_STEPS, metrics, run_train, start_train,
                       train_losses, wait_for_step)
 
-from gptpipe.stages import EXIT_PREEMPTED
+from gptpipe.artifacts import EXIT_PREEMPTED
 from gptpipe.train.checkpoint import COMPLETE_MARKER, STATE, complete_checkpoints
 
 STEPS = REFERENCE_STEPS

@@ -89,7 +89,7 @@ COMMANDS = [
             "gptpipe.export.upload:run", CONVERT, "convert_config.yaml", upload_arguments),
     Command("finetune", "stage 7: fine-tune the exported model on labelled TSV/jsonl rows, keeping the best checkpoint "
             "by the validation metric (resumes; exit 75 = saved on SIGTERM/SIGINT, rerun to continue)",
-            "gptpipe.finetune.train:run", FINETUNE, "finetune_config.yaml"),
+            "gptpipe.finetune.finetune:run", FINETUNE, "finetune_config.yaml"),
     Command("predict", "stage 7: greedy or beam-search predictions of a fine-tuned model on a TSV/jsonl file or stdin "
             "(jsonl out; metrics when labels are present)", "gptpipe.finetune.predict:run", FINETUNE,
             "finetune_config.yaml", _predict_arguments),
@@ -149,7 +149,7 @@ def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from gptpipe.stage import StageFailed, StageInputError  # light; kept here so --help needs nothing else
-    from gptpipe.stages import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
+    from gptpipe.artifacts import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 
     args = parse_command_line(argv)
     cmd = next(c for c in COMMANDS if c.name == args.command)

@@ -1,6 +1,6 @@
 """A stage's outputs at a URL: fetched into a verified local cache, or published from a local folder.
 
-Stage outputs in a bucket keep the local layout (gptpipe.stages): a dataset's <prefix>.bin/.idx with
+Stage outputs in a bucket keep the local layout (gptpipe.artifacts): a dataset's <prefix>.bin/.idx with
 <prefix>.manifest.json beside them, a tokenizer or HF folder with manifest.json inside. The folder holding
 them is a committed folder (gptpipe.committed) whose record is the manifest: ``publish`` uploads every output
 and the resolved config, then the manifest; ``fetch`` copies what a stage needs into
@@ -26,7 +26,7 @@ from gptpipe.stage import Manifest, StageInputError, StageResult, run_local
 from gptpipe.storage import cache_folder, filesystem, is_url
 
 if TYPE_CHECKING:
-    from gptpipe.stages import Stage
+    from gptpipe.artifacts import Stage
 
 log = get_logger("storage")
 

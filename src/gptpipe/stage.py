@@ -1,6 +1,6 @@
 """The contract every stage follows: check inputs, write atomically, manifest last, skip when current.
 
-A stage's outputs are accepted by later stages only through its entry in :mod:`gptpipe.stages`
+A stage's outputs are accepted by later stages only through its entry in :mod:`gptpipe.artifacts`
 (``Stage.require``), which checks that the manifest exists, says ``complete``, and that every output file it
 lists still has the recorded size and modification time. A run killed at any point therefore leaves nothing a
 later stage would accept: a run first replaces the manifest with one marked incomplete, outputs are written
@@ -28,7 +28,7 @@ from gptpipe.config.core import to_plain
 from gptpipe.log import get_logger
 
 if TYPE_CHECKING:
-    from gptpipe.stages import Stage
+    from gptpipe.artifacts import Stage
 
 MANIFEST_VERSION = 1
 

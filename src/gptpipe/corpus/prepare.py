@@ -15,7 +15,7 @@ from gptpipe.corpus.config import CorpusConfig
 from gptpipe.corpus.sources import fingerprint, read_source
 from gptpipe.log import get_logger
 from gptpipe.stage import StageFailed, StageResult, atomic_path
-from gptpipe.stages import PREPARE
+from gptpipe.artifacts import PREPARE
 
 if TYPE_CHECKING:
     from gptpipe.pipeline import PipelineConfig

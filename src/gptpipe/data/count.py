@@ -20,7 +20,7 @@ from gptpipe.data.indexed import idx_path, read_index
 from gptpipe.data.split import SPLITS, split_documents, split_problems
 from gptpipe.log import get_logger
 from gptpipe.stage import write_text_atomic
-from gptpipe.stages import TOKENIZE
+from gptpipe.artifacts import TOKENIZE
 from gptpipe.storage import is_url
 
 if TYPE_CHECKING:

@@ -1,29 +1,9 @@
 """jsonl records → texts, the same way in every stage, and the reasons a record gives none.
 
-Stages 0, 1 and 2 read a jsonl line with :func:`record_text` (stage 0 also reads whole .json arrays and
-dataset rows with :func:`object_text`); stage 7 reads its labelled rows with :func:`parse_record` and
-:func:`field_text`. A line that cannot be used is skipped and counted by reason in a :class:`Reasons`, with
-file:line examples; a stage fails only when nothing usable is left. The reasons:
-
-    blank line          only whitespace
-    undecodable utf-8   the bytes are not UTF-8
-    invalid json        not parseable as JSON
-    lone surrogate      JSON with lone surrogate escapes (\\ud800): no text sentencepiece could encode
-    not an object       JSON, but not an object
-    missing key         the object has no text key
-    not a string        the text key holds a number, list, null, ...
-    empty               the text is "" (also after removing NULs)
-    too long            over the stage's character limit (or a line too long to hold one); stage 7: a row
-                        over train.seq_len tokens that is dropped
-    wrong column count  stage 7's TSV: a line that is not input<TAB>label
-    not a message list  stage 7's chat rows: `messages` is not a list of objects
-    unknown role        stage 7's chat rows: a turn whose role is not system, user or assistant
-    no assistant turn   stage 7's chat rows: nothing for the model to learn to answer
-    template error      stage 7's chat rows: the chat template raised on the row (e.g. roles that do not alternate)
-
-Repairs, counted for records that are kept: NUL characters are removed ("nul stripped"; they come from
-binary junk or broken extraction and mean nothing to a language model), and stage 7 cuts an input that
-does not fit train.seq_len ("cut to fit").
+Stages 0, 1 and 2 read a line with :func:`record_text` (stage 0 also whole .json arrays and dataset rows with
+:func:`object_text`); stage 7 reads its rows with :func:`parse_record` and :func:`field_text`. A line that
+cannot be used is skipped and counted by reason (the constants below) in a :class:`Reasons`, with file:line
+examples; a stage fails only when nothing usable is left.
 """
 
 from __future__ import annotations
@@ -38,23 +18,25 @@ import orjson
 
 from gptpipe.log import get_logger
 
-BLANK = "blank line"
+BLANK = "blank line"  # only whitespace
 UNDECODABLE = "undecodable utf-8"
 INVALID_JSON = "invalid json"
-LONE_SURROGATE = "lone surrogate"
-NOT_AN_OBJECT = "not an object"
-MISSING_KEY = "missing key"
-NOT_A_STRING = "not a string"
-EMPTY = "empty"
-TOO_LONG = "too long"
-WRONG_COLUMNS = "wrong column count"
-NOT_A_MESSAGE_LIST = "not a message list"
-UNKNOWN_ROLE = "unknown role"
-NO_ASSISTANT_TURN = "no assistant turn"
-TEMPLATE_ERROR = "template error"
+LONE_SURROGATE = "lone surrogate"  # JSON with lone surrogate escapes (\ud800): no text sentencepiece can encode
+NOT_AN_OBJECT = "not an object"  # JSON, but not an object
+MISSING_KEY = "missing key"  # the object has no text key
+NOT_A_STRING = "not a string"  # the text key holds a number, list, null, ...
+EMPTY = "empty"  # the text is "" (also after removing NULs)
+TOO_LONG = "too long"  # over the stage's character limit; stage 7: a row over train.seq_len tokens
+WRONG_COLUMNS = "wrong column count"  # stage 7's TSV: a line that is not input<TAB>label
+NOT_A_MESSAGE_LIST = "not a message list"  # stage 7's chat rows: `messages` is not a list of objects
+UNKNOWN_ROLE = "unknown role"  # a turn whose role is not system, user or assistant
+NO_ASSISTANT_TURN = "no assistant turn"  # nothing for the model to learn to answer
+TEMPLATE_ERROR = "template error"  # the chat template raised on the row (e.g. roles that do not alternate)
+# Repairs, counted for records that are kept: NULs (binary junk, broken extraction) are removed, and stage 7
+# cuts an input that does not fit train.seq_len.
 NUL_STRIPPED = "nul stripped"
 CUT_TO_FIT = "cut to fit"
-REPAIRS = (NUL_STRIPPED, CUT_TO_FIT)  # reasons counted for records that are kept
+REPAIRS = (NUL_STRIPPED, CUT_TO_FIT)
 NO_LIMIT = sys.maxsize
 EXAMPLES_PER_REASON = 5
 

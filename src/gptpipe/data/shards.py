@@ -11,7 +11,7 @@ from pathlib import Path
 from gptpipe.config.core import ConfigError
 from gptpipe.data.config import TokenizeConfig
 from gptpipe.stage import Manifest, StageInputError
-from gptpipe.stages import TOKENIZE
+from gptpipe.artifacts import TOKENIZE
 
 
 def parse_shard(text: str | None) -> tuple[int, int] | None:

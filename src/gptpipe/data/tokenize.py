@@ -40,7 +40,7 @@ from gptpipe.data.worker import WorkerSettings, encode_task, init_worker
 from gptpipe.log import get_logger
 from gptpipe.remote import staging
 from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_path
-from gptpipe.stages import PREPARE, TOKENIZE, TRAIN_TOKENIZER, check_input_files, read_tokenizer
+from gptpipe.artifacts import PREPARE, TOKENIZE, TRAIN_TOKENIZER, check_input_files, read_tokenizer
 from gptpipe.storage import is_url
 from gptpipe.data.base_tokenizer import is_pretrained_tokenizer, read_pretrained_tokenizer
 

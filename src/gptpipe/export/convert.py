@@ -19,7 +19,7 @@ from gptpipe.export.source import ExportSource, open_source
 from gptpipe.log import get_logger
 from gptpipe.remote import staging
 from gptpipe.stage import Manifest, StageFailed, StageResult, atomic_dir, write_text_atomic
-from gptpipe.stages import CONVERT, EXIT_OK
+from gptpipe.artifacts import CONVERT, EXIT_OK
 from gptpipe.train.bucket import local_checkpoint_source
 from gptpipe.train.checkpoint import Checkpoint, consolidate, find_checkpoint, model_from_checkpoint
 from gptpipe.train.logging import read_metrics

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from gptpipe.export.config import ConvertConfig
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError
-from gptpipe.stages import CONVERT, EXIT_OK, export_problems
+from gptpipe.artifacts import CONVERT, EXIT_OK, export_problems
 from gptpipe.train.model import inference_config
 
 log = get_logger("generate")

@@ -35,7 +35,7 @@ import numpy as np
 from gptpipe.export.config import ConvertConfig
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, StageResult, atomic_path, tree_fingerprint, write_text_atomic
-from gptpipe.stages import CONVERT, EXIT_OK, GGUF
+from gptpipe.artifacts import CONVERT, EXIT_OK, GGUF
 
 log = get_logger("gguf")
 

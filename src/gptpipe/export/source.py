@@ -22,7 +22,7 @@ from gptpipe.export.verify import DocumentRows, GateSpec, TaskRows, TokenizerRef
 from gptpipe.finetune.metrics import TASK_METRICS
 from gptpipe.finetune.run_files import SUMMARY_FILE, TASK_FILE, TOKENIZER_DIR
 from gptpipe.stage import StageInputError, file_fingerprint, tree_fingerprint
-from gptpipe.stages import TOKENIZE, TRAIN_TOKENIZER, DatasetInfo, read_dataset, read_tokenizer
+from gptpipe.artifacts import TOKENIZE, TRAIN_TOKENIZER, DatasetInfo, read_dataset, read_tokenizer
 from gptpipe.tokenizer.hf import SENTENCEPIECE_FILE, exported_config
 from gptpipe.train.checkpoint import STATE, Checkpoint
 
@@ -108,7 +108,7 @@ class PretrainSource:
 
     checkpoint: Checkpoint
     training: PipelineConfig  # the run record, never the config.yaml on disk (it may have changed)
-    tokenizer: Any  # stages.TokenizerInfo
+    tokenizer: Any  # artifacts.TokenizerInfo
     datasets: list[DatasetInfo]
     rows: DocumentRows
     versions: ClassVar[tuple[str, ...]] = (*VERSIONS, "sentencepiece")
@@ -389,7 +389,7 @@ def export_sentencepiece(folder: Path, tokenizer: Any) -> Path | None:
     exactly its pieces (nothing added); else None."""
     import sentencepiece
 
-    from gptpipe.stages import read_export
+    from gptpipe.artifacts import read_export
 
     model = folder / SENTENCEPIECE_FILE
     try:

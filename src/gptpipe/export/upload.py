@@ -18,7 +18,7 @@ from typing import Any
 from gptpipe.export.config import ConvertConfig
 from gptpipe.log import get_logger
 from gptpipe.stage import StageFailed, StageInputError
-from gptpipe.stages import EXIT_OK, read_export
+from gptpipe.artifacts import EXIT_OK, read_export
 from gptpipe.storage import is_url
 
 log = get_logger("upload")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from gptpipe.finetune.metrics import TASK_METRICS, VAL_LOSS, classification_metrics, metric
 
 if TYPE_CHECKING:
-    from gptpipe.finetune.train import TaskData
+    from gptpipe.finetune.finetune import TaskData
 
 BASELINES_DIR = Path("baselines")  # <run>/baselines/<scratch|base>: the baseline fine-tunes' run folders
 DESCRIPTIONS = {"scratch": "the same architecture from random initialisation, fine-tuned alike",
@@ -32,7 +32,7 @@ def base_of(model_path: Path) -> Path:
     """The base folder a continued-pretraining export (model.path) started from, as stage 4's manifest records
     it; refused when model.path is no such export or the base's files changed since."""
     from gptpipe.stage import Manifest, StageInputError
-    from gptpipe.stages import CONVERT
+    from gptpipe.artifacts import CONVERT
     from gptpipe.train.base_model import folder_changes
 
     manifest = CONVERT.manifest_path(model_path)

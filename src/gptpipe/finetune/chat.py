@@ -23,7 +23,7 @@ from gptpipe.finetune.model import decode, generate
 from gptpipe.finetune.predict import load_predictor
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError
-from gptpipe.stages import EXIT_BAD_INPUT, EXIT_OK
+from gptpipe.artifacts import EXIT_BAD_INPUT, EXIT_OK
 
 log = get_logger("chat")
 RESET, EXIT = "/reset", "/exit"

@@ -26,7 +26,7 @@ from gptpipe.config.core import option
 from gptpipe.corpus.manpages import find_manpages, read_manpage
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, StageResult, atomic_path, tree_fingerprint
-from gptpipe.stages import DEMO_TASK
+from gptpipe.artifacts import DEMO_TASK
 
 TASK_NAME = "manpage_section"
 log = get_logger(TASK_NAME)

@@ -19,7 +19,7 @@ from gptpipe.config.core import option
 from gptpipe.finetune.demo_task import TASK_NAME, DemoTaskConfig
 from gptpipe.log import get_logger
 from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_path, tree_fingerprint
-from gptpipe.stages import CONVERT, DEMO_TASK, EVALUATE
+from gptpipe.artifacts import CONVERT, DEMO_TASK, EVALUATE
 
 STAGE = EVALUATE.name
 log = get_logger(STAGE)
@@ -199,7 +199,7 @@ def _device_and_dtype(config: EvaluateConfig) -> tuple[str, str]:
     return device, dtype
 
 
-def evaluate(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
+def run_lm_eval(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
     """Run the tasks on the model unless results for the same model, tasks and settings exist."""
     folder = model_folder(config)
     out = config.output_dir or folder / "evaluation"
@@ -249,5 +249,5 @@ def evaluate(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
 
 def run(config: EvaluateConfig, args) -> int:
     """`gptpipe evaluate`."""
-    evaluate(config, force=args.force)
+    run_lm_eval(config, force=args.force)
     return 0

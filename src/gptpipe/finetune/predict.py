@@ -22,7 +22,7 @@ import torch
 
 from gptpipe.data.jsonl import CUT_TO_FIT, Reasons
 from gptpipe.log import get_logger
-from gptpipe.stages import EXIT_BAD_INPUT
+from gptpipe.artifacts import EXIT_BAD_INPUT
 from gptpipe.finetune.chat_data import (
     ChatEncoder,
     Conversation,

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from gptpipe.log import get_logger
 from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_dir, atomic_path
-from gptpipe.stages import PREPARE, TOKENIZER_HF_DIR, TRAIN_TOKENIZER, check_input_files
+from gptpipe.artifacts import PREPARE, TOKENIZER_HF_DIR, TRAIN_TOKENIZER, check_input_files
 from gptpipe.tokenizer import hf
 from gptpipe.tokenizer.config import TokenizerConfig
 from gptpipe.tokenizer.morpheme import DELIMITER, MorphemeSplitter, crossing_share

@@ -1,26 +1,9 @@
 """The SentencePiece model as a HuggingFace fast tokenizer with identical ids, and the check that proves it.
 
-Built directly from the model's pieces with the `tokenizers` primitives rather than through transformers'
-converters, some of which silently ignore the model file or turn a unigram model into BPE:
-
-- model: Unigram with the same pieces and scores, or BPE with merges derived from the piece order;
-  byte fallback as in SentencePiece;
-- control, unknown and byte pieces get a score so low that no text ever matches them, because
-  SentencePiece never matches them either (literal "</s>" or "<0x41>" in text is encoded as ordinary pieces);
-- user-defined pieces (the newline, <EOD>, ...) are added tokens matched before the model, as in SentencePiece;
-- normalizer: the model's own precompiled rules (none for identity), then " " → "▁" (no dummy prefix: the
-  stage trains with add_dummy_prefix=false so ids do not depend on where a text starts);
-- tokenizer_config.json: no BOS/EOS added (``tokenizer(text).input_ids == sp.encode(text)``; training
-  separates documents with eos itself), ``split_special_tokens`` so literal "<s>" in text stays text, as in
-  SentencePiece, and no clean-up of spaces on decode (decode(encode(x)) == x).
-
-Exact ties: SentencePiece sums piece scores in float32, `tokenizers` in float64, so a tie between two
-segmentations (e.g. "▁▁▁▁"+"▁" vs "▁"+"▁▁▁▁" in a run of spaces) was broken by rounding noise, differently
-on each side (measured with a 32k unigram model: 9 of the 1,785 man-page documents got different ids).
-Both search left to right and keep the first best path on an exact tie, so :func:`round_scores` rounds the
-trained scores to multiples of 1/16: their sums stay exact in float32 up to 2^20 (documents of ~100k
-tokens), ties become exact and are broken the same way (0 of 1,785 differ), and characters per token stay
-the same to 4 digits. The stage's own check remains the proof.
+Built from the model's pieces with the `tokenizers` primitives, not transformers' converters (some ignore the
+model file or turn a unigram model into BPE): the same pieces and scores (or BPE merges from the piece order),
+byte fallback, user-defined pieces matched first, control/unknown/byte pieces never matched by text, " " → "▁"
+with no dummy prefix, and no BOS/EOS added (``tokenizer(text).input_ids == sp.encode(text)``).
 """
 
 from __future__ import annotations
@@ -74,7 +57,13 @@ TRICKY_STRINGS = (
 
 
 def round_scores(model_path: Path) -> None:
-    """Round the piece scores of a trained model to multiples of :data:`SCORE_QUANTUM`, in place."""
+    """Round the piece scores of a trained model to multiples of :data:`SCORE_QUANTUM`, in place.
+
+    SentencePiece sums piece scores in float32, `tokenizers` in float64, so an exact tie between two
+    segmentations (e.g. "▁▁▁▁"+"▁" vs "▁"+"▁▁▁▁") was broken by rounding noise, differently on each side
+    (9 of 1,785 man-page documents differed with a 32k unigram model). Both keep the first best path on an
+    exact tie; multiples of 1/16 sum exactly in float32 up to 2^20, so ties stay ties (0 of 1,785 differ) and
+    characters per token stay the same to 4 digits. The stage's own check remains the proof."""
     proto = load_proto(model_path)
     for piece in proto.pieces:
         if piece.type == Piece.NORMAL:

@@ -1,20 +1,11 @@
 """Continued pretraining (`model.init_from`): the open model a run starts from, and the checks that it is the one
 trained.
 
-A base model is a local HF folder: its config.json decides the architecture and size, its weights initialise the
-model (only when the run folder has no checkpoint yet; a resumed run loads its checkpoint as always) and its
-tokenizer must be the one stage 2 encoded the data with. The checks, all before the first optimizer step:
-
-- data: every dataset's manifest records the boundaries (BOS, EOS, vocabulary) and the tokenizer.json hash of
-  the tokenizer it was encoded with; they must be the folder's (`check_data`);
-- the step-0 gate (initialising run): the engine's loss on the first validation sample equals the loss that
-  transformers' own `from_pretrained` of the folder gives in fp32 (`reference_loss`, `loss_tolerance`), and the
-  folder's tokenizer encodes the source text of the data's first documents to the ids the data holds
-  (`tokenizer_problems`; held-out documents decoded and re-encoded where the source is not readable);
-- the folder itself: at initialisation the run records every file's size and SHA-256 (`fingerprint`) in its
-  checkpoints; a resumed run and the export refuse a folder whose files changed since (`folder_changes`). A
-  folder altered before the run initialised cannot be told apart: the run trains, records and exports the
-  folder as it was when the run started.
+A base model is a local HF folder: its config.json decides the architecture, its weights initialise a run that
+has no checkpoint yet, and its tokenizer must be the one stage 2 encoded the data with. Before the first step:
+the data's manifests name this tokenizer (`check_data`), the engine's step-0 loss equals transformers' own
+(`reference_loss`), the tokenizer re-encodes the data's documents (`tokenizer_problems`); the folder's files
+are recorded (`fingerprint`), and a resumed run or export refuses a folder that changed since (`folder_changes`).
 """
 
 from __future__ import annotations
@@ -248,7 +239,7 @@ def tokenizer_problems(tokenizer: Any, base: BaseModel, prefix: Path, split: str
     """(the problems, what was checked) of the base's tokenizer against the data in `prefix`: the first documents'
     source texts re-encoded (`source_texts`), else held-out documents decoded and re-encoded (a weaker check: a
     tokenizer with some pieces' ids swapped decodes and re-encodes consistently)."""
-    from gptpipe.stages import read_dataset
+    from gptpipe.artifacts import read_dataset
 
     bos, eod = base.tokenizer.bos_id, base.tokenizer.eod_id
     dataset = read_dataset(prefix)  # a URL prefix: its verified local copy
@@ -282,7 +273,7 @@ def stage3_model(config: Any) -> tuple[Any, Any, BaseModel | None]:
     """(tokenizer facts, transformers config, base model or None) of the model stage 3 trains: model.init_from's
     folder, its data checked against its tokenizer; else a new model of model.arch/preset on the stage-1
     tokenizer."""
-    from gptpipe.stages import read_dataset, read_tokenizer
+    from gptpipe.artifacts import read_dataset, read_tokenizer
     from gptpipe.train.model import build_model_config
 
     if config.model.init_from is not None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
-from gptpipe.stages import TRAIN
+from gptpipe.artifacts import TRAIN
 from gptpipe.storage import is_url
 
 if TYPE_CHECKING:  # torch is imported where it is used: the uploader process (train/uploader.py) needs none

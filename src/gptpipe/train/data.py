@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from gptpipe.data.config import DataConfig
 from gptpipe.data.count import DatasetCounts
 from gptpipe.data.split import document_order, split_problems
-from gptpipe.stages import TOKENIZE
+from gptpipe.artifacts import TOKENIZE
 
 if TYPE_CHECKING:
     import torch

@@ -1,22 +1,7 @@
 """The training loop of stage 3 (`gptpipe train`) and stage 7 (`gptpipe finetune`): a thin loop over train_step.
 
-TrainLoop does what both stages do the same way: resume from the newest complete checkpoint (its model must
-be the one configured), the SIGTERM/SIGINT handlers, one optimizer step after another, the loss window
-all-reduced and logged every log_interval steps, non-finite steps skipped and counted (the run stops after
-train.max_bad_steps in a row), evaluation and checkpoints at their intervals, the stop agreed across ranks,
-the final evaluation and save, and the exit code. A stage subclasses it and fills in:
-
-    batches()                this rank's micro-batches of the current step
-    forward(engine, batch)   (loss, aux loss) of one micro-batch (default: the pretraining LM loss)
-    log_train(window)        the train row and console line of a log step
-    evaluate()               validation; True asks for a checkpoint of this step now (a new best)
-    begin()                  anything to show or do before the first step (default: nothing)
-    checkpoint_state()       the stage's part of gptpipe_state.json; restore(state) reads it back on resume
-    finish()                 the last word of a finished run
-
-Exit codes: 0 finished; 1 failed (non-finite weights, or max_bad_steps non-finite steps in a row); 2 refused
-before starting (the stage's own checks); 75 stopped by SIGTERM/SIGINT after saving a checkpoint — run the
-same command again to continue from it.
+Exit codes: 0 finished; 1 failed (non-finite weights, or train.max_bad_steps non-finite steps in a row); 2
+refused before starting; 75 stopped by SIGTERM/SIGINT after saving a checkpoint (run the same command again).
 """
 
 from __future__ import annotations
@@ -40,7 +25,7 @@ import yaml
 from gptpipe.config.core import to_plain
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError
-from gptpipe.stages import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED
+from gptpipe.artifacts import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED
 from gptpipe.storage import StorageConfig, is_url
 from gptpipe.train import checkpoint
 from gptpipe.train.config import LoopConfig
@@ -89,8 +74,22 @@ class LogWindow:
 
 
 class TrainLoop(ABC):
-    """One training process: the loop and its checkpoints. A subclass's __init__ calls this one first (it
-    cleans the checkpoint folder and seeds every RNG), then sets `engine`, `hf_config` and `steps`."""
+    """One training process: resume from the newest complete checkpoint (of the configured model), signal
+    handlers, optimizer steps, the loss window all-reduced and logged every log_interval steps, non-finite
+    steps skipped and counted, validation and checkpoints at their intervals, the stop agreed across ranks,
+    the final validation and save, and the exit code.
+
+    A subclass's __init__ calls this one first (it cleans the checkpoint folder and seeds every RNG), then
+    sets `engine`, `hf_config` and `steps`, and fills in:
+
+        batches()                this rank's micro-batches of the current step
+        forward(engine, batch)   (loss, aux loss) of one micro-batch (default: the pretraining LM loss)
+        log_train(window)        the train row and console line of a log step
+        validate()               validation; True asks for a checkpoint of this step now (a new best)
+        begin()                  anything to show or do before the first step (default: nothing)
+        checkpoint_state()       the stage's part of gptpipe_state.json; restore(state) reads it back on resume
+        finish()                 the last word of a finished run
+    """
 
     name = "train"  # the logger: status lines read "[train] ..."
     engine: Any
@@ -142,7 +141,7 @@ class TrainLoop(ABC):
         """Record the train row of a log step (self.log.record)."""
 
     @abstractmethod
-    def evaluate(self) -> bool:
+    def validate(self) -> bool:
         """Validate (every rank); True asks for a checkpoint of this step now."""
 
     def checkpoint_state(self) -> dict[str, Any]:
@@ -225,7 +224,7 @@ class TrainLoop(ABC):
 
     # --- the loop -----------------------------------------------------------------------------------------
     def fit(self) -> int:
-        """Resume, train to `steps` (or a stop signal), evaluate and save; returns the exit code."""
+        """Resume, train to `steps` (or a stop signal), validate and save; returns the exit code."""
         self._resume()
         # from_pretrained returns a model in eval mode: without this, a fine-tune would train without dropout
         # until its first evaluation switched it over, and a resumed run again until its next one.
@@ -297,7 +296,7 @@ class TrainLoop(ABC):
                          f"train.warmup_fraction, then rerun: it resumes from the last checkpoint.")
                 return EXIT_FAILED
             self.paused_at = time.perf_counter()
-            if self.step % train.eval_interval == 0 and self.step < self.steps and self.evaluate():
+            if self.step % train.eval_interval == 0 and self.step < self.steps and self.validate():
                 saved_at = self._save() or saved_at
             if self.step % train.save_interval == 0 and self.step < self.steps and self.step > saved_at:
                 saved_at = self._save() or saved_at
@@ -311,9 +310,9 @@ class TrainLoop(ABC):
             self.say(f"{self.stop.signal_name}: stopped at step {self.step}, checkpoint at step {saved_at}; "
                      f"exit {EXIT_PREEMPTED}. Run the same command again to resume.")
             return EXIT_PREEMPTED
-        # The final evaluation; its checkpoint is marked finished (a rerun then only evaluates again).
+        # The final evaluation; its checkpoint is marked finished (a rerun then only validates again).
         self.paused_at = time.perf_counter()
-        if self.evaluate() or self.step > saved_at or not self.finished:
+        if self.validate() or self.step > saved_at or not self.finished:
             self._save(finished=True)
         self.finish()
         return EXIT_OK

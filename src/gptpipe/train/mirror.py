@@ -1,23 +1,9 @@
-"""Stage 3 with its run folder in a bucket: the training process's side of the mirror.
+"""Stage 3 with its run folder in a bucket (`train.output_model_dir: s3://…`, gs://, any fsspec URL).
 
-`train.output_model_dir: s3://bucket/runs/x` (or gs://, any fsspec URL). DeepSpeed saves into a local
-staging folder exactly as for a local run (train/checkpoint.py: same layout, same markers); the uploader
-process (train/uploader.py, niced, so that hashing, copying and HTTP take no share of training's interpreter
-lock) mirrors the folder to the bucket, each checkpoint in the commit order of train/bucket.py from a
-hard-linked copy. Its failures show on the console line. At the end, or on SIGTERM, the training process
-sends "close" and waits within train.preempt_grace_seconds. Keep-last-N applies in the bucket too.
-
-Besides checkpoints it mirrors the run's other files when they change (metrics.jsonl, the resolved
-config.yaml and ds_config.json, the TensorBoard event files, which the logger closes as it rotates them, and
-wandb's offline folder and run id). On a fresh machine the same command finds the newest complete checkpoint
-in the bucket, downloads only it (and those small files), and training continues exactly.
-
-Several ranks: if every rank sees the staging folder rank 0 prepared (one machine, or nodes sharing a disk),
-rank 0 uploads every rank's files from it. Otherwise each node stages on its own disk, and the uploader of
-each node's first local rank uploads the files its node's ranks wrote (DeepSpeed writes the shared model
-states on global rank 0 and each rank's ZeRO shards itself), then a node marker
-`global_step{N}/nodes/node{K}.json` naming them; global rank 0 writes `complete` only once every node's marker
-of this process attempt is there. On resume each node downloads the shared files and its own ranks' files.
+DeepSpeed saves into a local staging folder as for a local run; an uploader process (train/uploader.py, niced)
+mirrors it to the bucket, each checkpoint in train/bucket.py's commit order, plus the run's other files when
+they change (metrics.jsonl, config, TensorBoard, wandb). At the end or on SIGTERM training waits for it within
+train.preempt_grace_seconds. On a fresh machine the same command downloads the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -83,7 +69,14 @@ class RunMirror:
     # --- before training ----------------------------------------------------------------------------
     def restore(self) -> None:
         """Collective (every rank): make the staging folders match the bucket (see _restore_main), deciding
-        first whether the ranks share rank 0's staging folder or each node stages on its own disk."""
+        first whether the ranks share rank 0's staging folder or each node stages on its own disk.
+
+        Shared (one machine, or nodes sharing a disk): rank 0 uploads every rank's files. Otherwise each
+        node's first local rank uploads the files its node's ranks wrote (DeepSpeed writes the shared model
+        states on global rank 0, each rank its ZeRO shards), then a node marker
+        `global_step{N}/nodes/node{K}.json` naming them; global rank 0 writes `complete` only once every
+        node's marker of this attempt is there. On resume each node downloads the shared files and its own
+        ranks' files."""
         if self.world_size == 1:
             self._restore_main()
             return

@@ -182,7 +182,7 @@ def flops_per_token(shape: Shape, seq_len: int, total: int | None = None) -> flo
 def build_model_config(model_cfg: ModelConfig, tokenizer_info: Any, seq_len: int) -> PretrainedConfig:
     """The transformers config of the model trained with `model_cfg` on `tokenizer_info`'s vocabulary.
 
-    `tokenizer_info` is a `gptpipe.stages.TokenizerInfo` (vocab_size, bos_id, eos_id, pad_id).
+    `tokenizer_info` is a `gptpipe.artifacts.TokenizerInfo` (vocab_size, bos_id, eos_id, pad_id).
     """
     from transformers import GPT2Config, LlamaConfig, MixtralConfig
 

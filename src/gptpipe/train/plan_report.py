@@ -6,7 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from gptpipe.log import get_logger
-from gptpipe.stages import EXIT_BAD_INPUT
+from gptpipe.artifacts import EXIT_BAD_INPUT
 from gptpipe.storage import is_url
 from gptpipe.train.data import DataError, mixture
 from gptpipe.train.memory import GIB

@@ -25,7 +25,7 @@ import torch
 from gptpipe.config.core import to_plain
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError
-from gptpipe.stages import EXIT_BAD_INPUT
+from gptpipe.artifacts import EXIT_BAD_INPUT
 from gptpipe.train import checkpoint
 from gptpipe.train.base_model import (BASE_STATE_KEY, BaseModel, base_record, check_unchanged, gate_batch,
                                       reference_loss, stage3_model, tokenizer_problems)
@@ -222,7 +222,7 @@ class Pretrainer(TrainLoop):
                 console += " (a source without any has no val_loss/<name>: raise train.eval_iters)"
         self.log.record(row, console=console)
         if self.step == 0 and len(self.sources) > 1:
-            self.evaluate()
+            self.validate()
 
     def log_train(self, window: LogWindow) -> None:
         plan = self.plan
@@ -266,7 +266,7 @@ class Pretrainer(TrainLoop):
         return psutil.Process().memory_info().rss / 1024**3
 
     @torch.no_grad()
-    def evaluate(self) -> bool:
+    def validate(self) -> bool:
         """Validation loss over the same eval_iters × global_batch_size samples every time, and each source's
         over its part of them (val_loss/<source>, with several prefixes), then samples."""
         engine, plan = self.engine, self.plan

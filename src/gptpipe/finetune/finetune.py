@@ -1,19 +1,8 @@
-"""Stage 7: `gptpipe finetune` (7_finetune.sh): a pretrained HF model fine-tuned on labelled rows, in stage 3's
-training loop (train/loop.py: engine, schedule, checkpoints, logger, signals, exit codes); evaluated on the
-validation rows every eval_interval steps and at the end; the best checkpoint by train.best_metric is marked
-(`checkpoints/best`) and never pruned.
-
-The loss is on the label tokens only (and the EOS after them), normalised by the label tokens of the whole
-global batch: each micro-batch contributes sum(token losses) / tokens-in-the-window, so a row with one label
-token weighs as much as one token of a long label, whatever micro-batch it lands in.
-
-Batches: train.group_by_length puts rows of similar length in the same micro-batch (data.epoch_order), and
-train.packing (causal LMs) concatenates a micro-batch's rows into few sequences (data.collate_packed); both
-only cut padding: the rows of a step and their loss stay the same, and the train line reports the real
-(non-padding) tokens/s and the padding share of the computed positions.
-
-Exit codes as stage 3 (train/loop.py): 0 finished; 1 failed; 2 refused before starting; 75 stopped by
-SIGTERM/SIGINT after saving a checkpoint (run the same command again to continue).
+"""Stage 7: `gptpipe finetune` (7_finetune.sh): a pretrained HF model fine-tuned on labelled or chat rows in
+stage 3's loop (train/loop.py), validated every eval_interval steps; the best checkpoint by train.best_metric is
+marked (`checkpoints/best`) and never pruned. The loss is on the label (assistant) tokens and the EOS after them,
+normalised by the label tokens of the whole global batch, so every label token weighs the same wherever it lands.
+train.group_by_length and train.packing only cut padding: a step's rows and loss stay the same.
 """
 
 from __future__ import annotations
@@ -83,7 +72,7 @@ from gptpipe.finetune.model import (
 from gptpipe.finetune.run_files import SUMMARY_FILE, TASK_FILE, TOKENIZER_DIR
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
-from gptpipe.stages import EXIT_BAD_INPUT, EXIT_OK
+from gptpipe.artifacts import EXIT_BAD_INPUT, EXIT_OK
 from gptpipe.train import checkpoint
 from gptpipe.train.data import sample_positions
 from gptpipe.train.engine import Dist, EngineConfigError, build_engine, deepspeed_config
@@ -396,10 +385,10 @@ class FineTuner(TrainLoop):
             checkpoint.mark_best(self.ckpt_root, step, self.train_cfg.keep_checkpoints)
 
     # --- evaluation ----------------------------------------------------------------------------------
-    def evaluate(self) -> bool:
+    def validate(self) -> bool:
         """Validation metrics; True (save now) when they are the best so far."""
         self.engine.eval()
-        metrics = evaluate(self.engine, self.task, self.config, self.dist)
+        metrics = validation_metrics(self.engine, self.task, self.config, self.dist)
         self.engine.train()
         metrics["step"] = self.step
         self.last_eval = metrics
@@ -458,15 +447,15 @@ def packing_leaks(model: Any, rows: list[Encoded], vocab: int, pad: int, device:
 
 # --- evaluation, shared with predict ------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(model: Any, task: TaskData, config: FinetuneConfig, dist: Dist) -> dict[str, Any]:
+def validation_metrics(model: Any, task: TaskData, config: FinetuneConfig, dist: Dist) -> dict[str, Any]:
     """Validation metrics of `model` (a DeepSpeed engine or a bare model), on every rank.
 
     Classification scores each label's log-likelihood after the prompt and picks the best (and with
     task.generate_labels also generates, mapping the text onto the nearest label); generation decodes
-    greedily. val_loss is the mean token loss of the gold labels. Chat: evaluate_chat.
+    greedily. val_loss is the mean token loss of the gold labels. Chat: chat_validation_metrics.
     """
     if config.task.kind == "chat":
-        return evaluate_chat(model, task, config, dist)
+        return chat_validation_metrics(model, task, config, dist)
     encoder, batch, pad = task.encoder, config.train.micro_batch_size or 8, pad_id(task.tokenizer)
     synced = config.train.zero_stage == 3 and dist.world_size > 1
     mine = shard(task.validation, dist)
@@ -513,7 +502,7 @@ def evaluate(model: Any, task: TaskData, config: FinetuneConfig, dist: Dist) -> 
 
 
 @torch.no_grad()
-def evaluate_chat(model: Any, task: TaskData, config: FinetuneConfig, dist: Dist) -> dict[str, Any]:
+def chat_validation_metrics(model: Any, task: TaskData, config: FinetuneConfig, dist: Dist) -> dict[str, Any]:
     """val_loss: the mean loss of the validation conversations' assistant tokens (the stop tokens included);
     chrf: the last answer of the first task.chat_eval_rows conversations generated greedily after the turns
     before it, against the gold answer. Each rank generates for the same number of its rows (ZeRO-3 keeps
