@@ -414,6 +414,24 @@ def test_a_chat_run_exports_verified_with_its_template_stop_token_and_gguf(chat_
     assert generation.eos_token_id == summary["task"]["stop_ids"]
     assert generation.max_new_tokens == 12 and generation.do_sample is False
     assert generation.pad_token_id == trained.pad_token_id != trained.eos_token_id
+    # ... and the model learnt to produce it: greedy answers to validation conversations with the folder's own
+    # generation settings, each ending either in the end-of-turn id or at max_new_tokens; some end early (a
+    # model trained with EOS masked as padding would never produce it).
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    lengths = {}
+    for row in read_conversations(chat_files[1], Reasons()):
+        prompt = exported.apply_chat_template(row.prompt, add_generation_prompt=True, return_dict=False)
+        with torch.no_grad():
+            answer = model.generate(torch.tensor([prompt]), generation_config=generation)[0, len(prompt):].tolist()
+        assert answer[-1] in generation.eos_token_id or len(answer) == generation.max_new_tokens, row.where
+        assert all(t not in generation.eos_token_id for t in answer[:-1])
+        if answer[-1] in generation.eos_token_id:
+            lengths[row.where] = len(answer)
+    print("generation ended at the end-of-turn token:", lengths)
+    assert lengths and max(lengths.values()) <= generation.max_new_tokens // 2
 
     # gptpipe chat on the export answers exactly as on the run.
     stdin = f"{validation[0].prompt[-1]['content']}\nマニュアルの何章ですか?\n"
@@ -432,6 +450,9 @@ def test_a_chat_run_exports_verified_with_its_template_stop_token_and_gguf(chat_
     assert written.returncode == 0, written.stderr[-3000:]
     reader = GGUFReader(out.with_name(f"{out.name}-gguf-f16") / f"{out.name}-f16.gguf")
     assert reader.fields["tokenizer.chat_template"].contents() == GPTPIPE_TEMPLATE
+    # llama.cpp stops at its EOS (the end-of-turn id here) and at an end-of-turn token, when one is named.
+    assert [reader.fields["tokenizer.ggml.eos_token_id"].contents()] == generation.eos_token_id
+    assert "tokenizer.ggml.eot_token_id" not in reader.fields
 
 
 @pytest.mark.slow
