@@ -1,4 +1,5 @@
-"""`gptpipe gguf` on a tiny Llama with a small SentencePiece tokenizer trained here on the man-page corpus.
+"""`gptpipe gguf` on tiny Llamas and a tiny GPT-2 with small tokenizers trained here on the man-page corpus
+(stage 1's SentencePiece unigram and BPE, a byte-level BPE).
 
 The quick tier reads the written file back with the `gguf` package's reader (vocabulary, special ids, tensors
 against the safetensors); the ``llamacpp`` tier runs llama.cpp itself (scripts/build_llamacpp.sh) and is
