@@ -162,6 +162,25 @@ def tiny_llama(tokenizer_hf: Path, folder: Path, head_dim: int = HEAD_DIM) -> Pa
                          pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
+    return _with_tokenizer(folder, tokenizer_hf)
+
+
+def tiny_gpt2(tokenizer_hf: Path, folder: Path) -> Path:
+    """A random GPT-2 (tied head) saved with a tokenizer folder's files, byte for byte; far-apart logits as
+    tiny_llama's."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_hf)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=HEADS * HEAD_DIM, n_layer=2, n_head=HEADS, n_positions=256,
+                        initializer_range=0.3, bos_token_id=tokenizer.bos_token_id,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    return _with_tokenizer(folder, tokenizer_hf)
+
+
+def _with_tokenizer(folder: Path, tokenizer_hf: Path) -> Path:
     for path in tokenizer_hf.iterdir():
         shutil.copy(path, folder / path.name)
     return folder

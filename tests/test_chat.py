@@ -414,6 +414,24 @@ def test_a_chat_run_exports_verified_with_its_template_stop_token_and_gguf(chat_
     assert generation.eos_token_id == summary["task"]["stop_ids"]
     assert generation.max_new_tokens == 12 and generation.do_sample is False
     assert generation.pad_token_id == trained.pad_token_id != trained.eos_token_id
+    # ... and the model learnt to produce it: greedy answers to validation conversations with the folder's own
+    # generation settings, each ending either in the end-of-turn id or at max_new_tokens; some end early (a
+    # model trained with EOS masked as padding would never produce it).
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    lengths = {}
+    for row in read_conversations(chat_files[1], Reasons()):
+        prompt = exported.apply_chat_template(row.prompt, add_generation_prompt=True, return_dict=False)
+        with torch.no_grad():
+            answer = model.generate(torch.tensor([prompt]), generation_config=generation)[0, len(prompt):].tolist()
+        assert answer[-1] in generation.eos_token_id or len(answer) == generation.max_new_tokens, row.where
+        assert all(t not in generation.eos_token_id for t in answer[:-1])
+        if answer[-1] in generation.eos_token_id:
+            lengths[row.where] = len(answer)
+    print("generation ended at the end-of-turn token:", lengths)
+    assert lengths and max(lengths.values()) <= generation.max_new_tokens // 2
 
     # gptpipe chat on the export answers exactly as on the run.
     stdin = f"{validation[0].prompt[-1]['content']}\nマニュアルの何章ですか?\n"
@@ -432,6 +450,9 @@ def test_a_chat_run_exports_verified_with_its_template_stop_token_and_gguf(chat_
     assert written.returncode == 0, written.stderr[-3000:]
     reader = GGUFReader(out.with_name(f"{out.name}-gguf-f16") / f"{out.name}-f16.gguf")
     assert reader.fields["tokenizer.chat_template"].contents() == GPTPIPE_TEMPLATE
+    # llama.cpp stops at its EOS (the end-of-turn id here) and at an end-of-turn token, when one is named.
+    assert [reader.fields["tokenizer.ggml.eos_token_id"].contents()] == generation.eos_token_id
+    assert "tokenizer.ggml.eot_token_id" not in reader.fields
 
 
 @pytest.mark.slow
@@ -460,11 +481,54 @@ def test_chat_answers_from_an_hf_folder_with_a_template(chat_lm: Path, tmp_path:
     assert talked.stdout.count("\n") >= 1
     # predict reads one user turn a line from stdin and answers each.
     out = tmp_path / "answers.jsonl"
+    # The folder has no task.json: train.seq_len is the limit (the template's preamble alone is 68 tokens here).
     predicted = gptpipe_command("predict", f"predict.model={folder}", "task.kind=chat", "predict.max_new_tokens=4",
-                                "--input", "-", "--output", out, stdin="ls とは?\n\ncp とは?\n")
+                                "train.seq_len=128", "--input", "-", "--output", out, stdin="ls とは?\n\ncp とは?\n")
     assert predicted.returncode == 0, predicted.stderr[-3000:]
     answers = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert [a["messages"] for a in answers] == [[{"role": "user", "content": q}] for q in ("ls とは?", "cp とは?")]
     assert all(isinstance(a["prediction"], str) and "label" not in a for a in answers)
     refused = gptpipe_command("chat", f"chat.model={chat_lm}", stdin="ls とは?\n")
     assert refused.returncode == 2 and "has no chat template" in refused.stderr
+
+
+@pytest.mark.skipif(not manpages_installed(), reason="needs the Japanese man pages")
+def test_predict_cuts_a_long_conversation_as_chat_does_and_reports_one_that_cannot_fit(chat_lm: Path,
+                                                                                      tmp_path: Path) -> None:
+    """A conversation whose prompt leaves no room for predict.max_new_tokens within seq_len loses its oldest
+    exchanges (the system prompt stays), as in `gptpipe chat`; one too long even with only its last user turn
+    gets no answer, said in its line and in the log, and the other rows are answered."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "hf"
+    shutil.copytree(chat_lm, folder)
+    save_tokenizer(chat_tokenizer(chat_lm), folder)
+    system = {"role": "system", "content": "Linux のコマンドについて簡潔に答えます。"}
+    exchange = [{"role": "user", "content": "`ls` は何をしますか?"},
+                {"role": "assistant", "content": "ディレクトリの内容をリスト表示する。"}]
+    last = {"role": "user", "content": "マニュアルの何章ですか?"}
+    answer = {"role": "assistant", "content": "1章 (コマンド) です。"}
+    long, short = [system, *exchange * 3, last], [system, last]
+    hopeless = [system, {"role": "user", "content": " ".join(["`ls` は何をしますか?"] * 40)}]
+    encoder, new_tokens = ChatEncoder(AutoTokenizer.from_pretrained(folder), seq_len=512), 4
+    seq_len = len(encoder.prompt_ids(short)) + new_tokens  # one exchange more would not fit
+    assert len(encoder.prompt_ids([system, *exchange, last])) + new_tokens > seq_len
+    rows = write_jsonl(tmp_path / "rows.jsonl", [{"messages": [*m, answer]} for m in (long, short, hopeless)])
+    out = tmp_path / "answers.jsonl"
+    predicted = gptpipe_command("predict", f"predict.model={folder}", "task.kind=chat", f"train.seq_len={seq_len}",
+                                f"predict.max_new_tokens={new_tokens}", "predict.batch_size=1", "--input", rows,
+                                "--output", out)
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    cut, whole, unanswered = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert cut["messages"] == long and cut["cut"] == 6 and cut["prediction"] == whole["prediction"]
+    assert whole["messages"] == short and "cut" not in whole and isinstance(whole["prediction"], str)
+    assert unanswered["messages"] == hopeless and unanswered["prediction"] is None
+    assert unanswered["too_long"].endswith(
+        f"seq_len {seq_len} less max_new_tokens {new_tokens} leaves {seq_len - new_tokens}")
+    assert "1 conversations cut (their oldest exchanges left out)" in predicted.stderr
+    assert f"1 conversations too long to leave predict.max_new_tokens {new_tokens}" in predicted.stderr
+    assert f"{rows}:3: " in predicted.stderr
+    assert [r["label"] for r in (cut, whole, unanswered)] == [answer["content"]] * 3
+    assert set(json.loads(out.with_suffix(".metrics.json").read_text())) == {"exact_match", "chrf"}

@@ -452,20 +452,44 @@ def test_finetune_export_passes_the_gate_and_predicts_like_the_run(classifier_ru
     assert [f for f in failed["failures"] if "not greedy under the checkpoint's model" in f] == failed["failures"]
 
 
-def test_finetune_of_an_export_ships_its_sentencepiece_model(exported_model, task_files, workspace, tmp_path):
-    """A fine-tune of a stage-4 export ships that export's tokenizer.model (transformers does not save it into
-    the run's tokenizer folder), with no space prefix stated; the gate checks its ids against the folder's."""
+def instruction_rows(task_files: tuple[Path, Path], folder: Path) -> tuple[Path, Path]:
+    """task_files as chat rows (jsonl, instruction → output): a man page's description → its section."""
+    files = []
+    for path in task_files:
+        rows = [line.split("\t") for line in path.read_text(encoding="utf-8").splitlines()]
+        files.append(folder / f"{path.stem}.jsonl")
+        files[-1].write_text("".join(json.dumps({"instruction": f"{text} は何章?", "output": f"{section}章"},
+                                                ensure_ascii=False) + "\n" for text, section in rows),
+                             encoding="utf-8")
+    return files[0], files[1]
+
+
+@pytest.mark.parametrize("kind", ["classification", "chat"])
+def test_finetune_of_an_export_ships_its_sentencepiece_model(kind, exported_model, task_files, workspace, tmp_path):
+    """A fine-tune of a stage-4 export (a classifier, an instruction-tuned chat model) ships that export's
+    tokenizer.model (transformers does not save it into the run's tokenizer folder), with no space prefix stated;
+    the gate checks its ids against the folder's."""
+    import sentencepiece
+    from transformers import AutoTokenizer
+
     run = tmp_path / "run"
-    gptpipe("finetune", *finetune_args(exported_model, task_files, run, "train.train_iters=2",
-                                       "train.eval_interval=1000"))
+    files = instruction_rows(task_files, tmp_path) if kind == "chat" else task_files
+    gptpipe("finetune", *finetune_args(exported_model, files, run, "train.train_iters=2", "train.eval_interval=1000",
+                                       f"task.kind={kind}", "train.seq_len=96", "task.chat_eval_rows=2"))
     out = tmp_path / "export"
     assert convert(workspace, run, out, "dtype=fp32") == 0
     report = counts(out)
-    assert report["verified"] is True and report["sentencepiece_file"] is True
+    assert report["verified"] is True and report["sentencepiece_file"] is True and report["task"] == kind
     assert report["tokenizer_mismatches"] == 0 and report["tokenizer_reference"].endswith("and SentencePiece")
     assert (out / "tokenizer.model").read_bytes() == (exported_model / "tokenizer.model").read_bytes()
     tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
     assert {k: tokenizer_config.get(k) for k in NO_SPACE_PREFIX} == NO_SPACE_PREFIX
+    sp, exported = sentencepiece.SentencePieceProcessor(model_file=str(out / "tokenizer.model")), \
+        AutoTokenizer.from_pretrained(out)
+    texts = [line.split("\t")[0] for line in task_files[1].read_text(encoding="utf-8").splitlines()]
+    assert [exported(t, add_special_tokens=False).input_ids for t in texts] == [sp.encode(t) for t in texts]
+    if kind == "chat":  # the template travels with the SentencePiece model
+        assert exported.chat_template and (out / "chat_template.jinja").is_file()
 
 
 def test_seq2seq_finetune_exports_as_an_encoder_decoder(t5_run, workspace, tmp_path):

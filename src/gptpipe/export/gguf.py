@@ -8,8 +8,9 @@ Written with llama.cpp's own `gguf` package, reading the folder's tokenizer.json
   merges a unigram model's pieces by score: other ids, a silently different model);
 - token types as SentencePiece has them: control, unknown and byte pieces, which text never matches, are
   not normal pieces (llama.cpp's UGM search uses only normal and user-defined pieces, and its penalty for an
-  unknown character follows the lowest normal score); the special ids, whether BOS/EOS are added, and the
-  chat template when the tokenizer has one;
+  unknown character follows the lowest normal score); the special ids (with the end-of-turn token at which
+  generation_config.json stops, when it is not EOS), whether BOS/EOS are added, and the chat template when the
+  tokenizer has one;
 - tensors under llama.cpp's names (the `gguf` package's own map); a Llama's Q and K rows are permuted from
   HF's rotate-half RoPE layout to llama.cpp's interleaved pairs; 1-D tensors stay float32.
 
@@ -70,7 +71,7 @@ class Vocabulary:
     merges: list[str] | None = None
     pre: str | None = None
     precompiled_charsmap: bytes | None = None
-    special_ids: dict[str, int] = field(default_factory=dict)  # bos, eos, unk, pad
+    special_ids: dict[str, int] = field(default_factory=dict)  # bos, eos, unk, pad, eot
     add_bos: bool = False
     add_eos: bool = False
     chat_template: str | None = None
@@ -147,6 +148,9 @@ def read_vocabulary(folder: Path, vocab_size: int) -> Vocabulary:
                                                                              if v is not None},
         add_bos=bool(probe) and probe[0] == special["bos"], add_eos=bool(probe) and probe[-1] == special["eos"],
         chat_template=tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None)
+    end_of_turn = end_of_turn_id(folder, special["eos"])
+    if end_of_turn is not None:
+        vocabulary.special_ids["eot"] = end_of_turn
     if prepends or any(p.get("add_prefix_space") or p.get("prepend_scheme") not in (None, "never")
                        for p in pre_tokenizers):
         raise StageInputError(f"{path}: the tokenizer adds a space prefix; gptpipe's GGUF export writes tokenizers "
@@ -172,6 +176,20 @@ def read_vocabulary(folder: Path, vocab_size: int) -> Vocabulary:
         raise StageInputError(f"{path}: a BPE model that is neither SentencePiece-style (\"▁\" with byte fallback) "
                               "nor byte-level has no GGUF vocabulary type here")
     return vocabulary
+
+
+def end_of_turn_id(folder: Path, eos: int | None) -> int | None:
+    """The token besides EOS at which the folder's generation_config.json stops generating (a chat template's
+    end-of-turn token), for llama.cpp to stop at too; None when EOS alone stops it."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return None
+    stops = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    others = [i for i in ([stops] if isinstance(stops, int) else stops or []) if i != eos]
+    if len(others) > 1:  # llama.cpp still knows the usual ones (<|eom_id|>, <|im_end|>...) by their text
+        log.warning(f"{path}: generation stops at {others} besides EOS; the GGUF names {others[0]} as its "
+                    f"end-of-turn token")
+    return others[0] if others else None
 
 
 def _flatten(node: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
@@ -380,9 +398,9 @@ def llamacpp_greedy(gguf_path: Path, prompt: str, max_new_tokens: int) -> str:
     return done.stdout.removesuffix(b"\n").decode("utf-8", errors="replace")
 
 
-def transformers_greedy(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int) -> str:
+def transformers_greedy(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int) -> tuple[str, list[int]]:
     """transformers' greedy continuation, written as llama-simple prints one (special tokens as text, the
-    end-of-sequence token that stops it left out)."""
+    end-of-sequence token that stops it left out), and the generated ids."""
     import torch
 
     ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -391,14 +409,43 @@ def transformers_greedy(model: Any, tokenizer: Any, prompt: str, max_new_tokens:
     tokens = out[0].tolist()
     if tokens[-1] == tokenizer.eos_token_id and len(tokens) > ids.shape[1]:
         tokens = tokens[:-1]
-    return tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return _text(tokenizer, tokens), tokens[ids.shape[1]:]
+
+
+def _text(tokenizer: Any, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def near_tie(model: Any, tokenizer: Any, prompt: str, generated: list[int], got: str) -> float | None:
+    """Where llama.cpp's continuation ``got`` leaves transformers' greedy ``generated`` ids: how far below
+    transformers' best the logit of the token llama.cpp's text goes on with is, when that is within what a
+    half-precision forward may move a logit (tolerance.py), else None. Rounding decides such near-ties."""
+    import torch
+
+    from gptpipe.tolerance import half_forward_logits_tolerance
+
+    ids = tokenizer(prompt).input_ids
+    # A token may end inside a character: its decoded text then ends in U+FFFD, left out of the comparison.
+    follows = lambda extra: got.startswith(_text(tokenizer, ids + extra).rstrip("\ufffd"))
+    step = 0
+    while step < len(generated) and follows(generated[:step + 1]):
+        step += 1
+    if step == len(generated):
+        return None
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + generated[:step]])).logits[0, -1]
+    best = float(logits.max())
+    tolerance = half_forward_logits_tolerance(float(logits.abs().max()), "bf16")
+    close = [int(t) for t in (logits >= best - tolerance).nonzero().flatten() if int(t) != generated[step]]
+    gaps = [best - float(logits[t]) for t in close if follows(generated[:step] + [t])]
+    return min(gaps) if gaps else None
 
 
 def llamacpp_report(gguf_path: Path, folder: Path, texts: list[str], prompts: list[str],
                     max_new_tokens: int = 24) -> dict[str, Any]:
     """How llama.cpp runs the GGUF compared with transformers on the HF folder: texts whose ids differ
     (and how many of those hold a character the HF tokenizer writes as bytes), and prompts whose greedy
-    continuation differs."""
+    continuation differs, apart from near-ties (:func:`near_tie`), which are listed on their own."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -413,15 +460,21 @@ def llamacpp_report(gguf_path: Path, folder: Path, texts: list[str], prompts: li
             if len(examples) < 3:
                 examples.append(f"{text[:40]!r}: HF {want[:12]} vs llama.cpp {got[:12]}")
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype="float32").eval()
-    greedy_differing = []
+    greedy_differing, near_ties = [], []
     for prompt in prompts:
-        want, got = transformers_greedy(model, tokenizer, prompt, max_new_tokens), llamacpp_greedy(
+        (want, generated), got = transformers_greedy(model, tokenizer, prompt, max_new_tokens), llamacpp_greedy(
             gguf_path, prompt, max_new_tokens)
-        if want != got:
-            greedy_differing.append(f"{prompt!r}: transformers {want!r} vs llama.cpp {got!r}")
+        if want == got:
+            continue
+        gap = near_tie(model, tokenizer, prompt, generated, got)
+        where = f"{prompt!r}: transformers {want!r} vs llama.cpp {got!r}"
+        if gap is None:
+            greedy_differing.append(where)
+        else:
+            near_ties.append(f"{where}, llama.cpp's token {gap:.3f} below transformers' best")
     return {"llama_cpp": llamacpp_version(), "texts": len(texts), "texts_differing": differing,
             "texts_differing_with_byte_fallback": byte_fallback, "examples": examples, "prompts": len(prompts),
-            "greedy_differing": greedy_differing}
+            "greedy_differing": greedy_differing, "greedy_near_ties": near_ties}
 
 
 def run(config: ConvertConfig, args: argparse.Namespace) -> int:
@@ -454,7 +507,8 @@ def run(config: ConvertConfig, args: argparse.Namespace) -> int:
     if check:
         print(f"llama.cpp ({check['llama_cpp']}): {check['texts_differing']}/{check['texts']} texts tokenized "
               f"differently ({check['texts_differing_with_byte_fallback']} of them hold byte-fallback characters); "
-              f"{len(check['greedy_differing'])}/{check['prompts']} greedy continuations differ")
+              f"{len(check['greedy_differing'])}/{check['prompts']} greedy continuations differ "
+              f"({len(check.get('greedy_near_ties', []))} more at near-ties)")
     else:
         print("not checked with llama.cpp (build it once with scripts/build_llamacpp.sh, then rerun with --force)")
     print(f"wrote {out / name}\n"

@@ -41,14 +41,10 @@ class ChatSession:
         self.messages = list(self.start)
 
     def prompt(self) -> list[int]:
-        """The conversation's ids and the assistant's header, the oldest exchanges left out while they do not
-        leave max_new_tokens within seq_len (the last user turn always stays)."""
-        while True:
-            ids = self.encoder.prompt_ids(self.messages)
-            users = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
-            if len(ids) + self.settings.max_new_tokens <= self.encoder.seq_len or len(users) < 2:
-                return ids
-            self.messages = self.start + self.messages[users[1]:]
+        """The conversation's ids and the assistant's header, the oldest exchanges left out for good while they
+        do not leave max_new_tokens within seq_len (the system prompt and the last user turn always stay)."""
+        self.messages, ids = self.encoder.fit_prompt(self.messages, self.settings.max_new_tokens)
+        return ids
 
     def answer(self, text: str, streamer: Any = None) -> str:
         from transformers import TextStreamer

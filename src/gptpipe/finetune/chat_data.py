@@ -255,6 +255,19 @@ class ChatEncoder:
         """The conversation so far and the assistant's header: what the model continues."""
         return self.ids(self.render(messages, generation_prompt=True))
 
+    def fit_prompt(self, messages: list[dict[str, str]], max_new_tokens: int
+                   ) -> tuple[list[dict[str, str]], list[int]]:
+        """(the turns kept, their generation prompt): the oldest exchanges left out while the prompt does not
+        leave ``max_new_tokens`` within seq_len. A leading system prompt and the last user turn always stay,
+        so the prompt may still not leave them."""
+        start = list(messages[:1]) if messages and messages[0]["role"] == "system" else []
+        while True:
+            ids = self.prompt_ids(messages)
+            users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+            if len(ids) + max_new_tokens <= self.seq_len or len(users) < 2:
+                return messages, ids
+            messages = start + list(messages[users[1]:])
+
     def uncut_length(self, row: Conversation) -> int:
         """The train.seq_len that keeps ``row`` whole."""
         return len(self.tokenizer.apply_chat_template(list(row.messages), tokenize=True, return_dict=False))

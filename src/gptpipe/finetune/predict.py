@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from gptpipe.data.jsonl import CUT_TO_FIT, Reasons
+from gptpipe.data.jsonl import CUT_TO_FIT, TOO_LONG, Reasons
 from gptpipe.log import get_logger
 from gptpipe.artifacts import EXIT_BAD_INPUT
 from gptpipe.finetune.chat_data import (
@@ -207,7 +207,9 @@ def _zero3(model: Any, config: FinetuneConfig, dist: Dist) -> Any:
 def predict_rows(model: Any, predictor: Predictor, rows: list[Row] | list[Conversation], config: FinetuneConfig,
                  dist: Dist, synced: bool) -> list[dict[str, Any]]:
     """One result per row, in input order, on the main rank (every rank gets them). A chat row's result holds
-    the turns before the answer (`messages`) and the assistant's answer."""
+    the turns before the answer (`messages`) and the assistant's answer; when the conversation does not leave
+    max_new_tokens within seq_len its oldest exchanges are left out as `gptpipe chat` leaves them (`cut`: how
+    many turns), and one that does not fit even then gets no answer (prediction null, `too_long` says why)."""
     settings, encoder, task = config.predict, predictor.encoder, predictor.task
     pad = pad_id(predictor.tokenizer)
     scratch = Reasons()
@@ -215,15 +217,22 @@ def predict_rows(model: Any, predictor: Predictor, rows: list[Row] | list[Conver
     results = []
     for start in range(0, len(mine), settings.batch_size):
         chunk = mine[start:start + settings.batch_size]
-        prompts = [encoder.prompt_ids(row.prompt) if isinstance(row, Conversation) else
-                   encoder.fit_prompt(row.input, settings.max_new_tokens, row.where, scratch) or [encoder.eos]
-                   for _, row in chunk]
+        prompts, notes = [], []
+        for i, row in chunk:
+            counted = scratch if i >= 0 else Reasons()  # a rank's padding repeats a row: not counted twice
+            if isinstance(row, Conversation):
+                prompt, note = _chat_prompt(encoder, row, settings.max_new_tokens, counted)
+            else:
+                prompt, note = encoder.fit_prompt(row.input, settings.max_new_tokens, row.where, counted), {}
+            # A row without a prompt still takes its place in the batch: ZeRO-3 ranks generate in lockstep.
+            prompts.append(prompt or [encoder.eos])
+            notes.append(note)
         generated = generate(model, encoder, prompts, dist.device, num_beams=settings.num_beams,
                              max_new_tokens=settings.max_new_tokens, length_penalty=settings.length_penalty,
                              synced_gpus=synced)
         scores = score(model, [as_scored(p, g, encoder.seq2seq) for p, g in zip(prompts, generated)], pad,
                        encoder.seq2seq, dist.device, settings.batch_size)
-        for (i, row), ids, lp in zip(chunk, generated, scores):
+        for (i, row), ids, lp, note in zip(chunk, generated, scores, notes):
             text = decode(predictor.tokenizer, ids)
             result: dict[str, Any] = {"messages": row.prompt} if isinstance(row, Conversation) else {
                 "input": row.input}
@@ -234,19 +243,42 @@ def predict_rows(model: Any, predictor: Predictor, rows: list[Row] | list[Conver
             if row.label is not None:
                 result["label"] = row.label
             result["score"] = lp
-            results.append((i, result))
+            if "too_long" in note:
+                result["prediction"], result["score"] = None, None
+            results.append((i, {**result, **note}))
+    limit = f"to leave predict.max_new_tokens {settings.max_new_tokens} within seq_len {task['seq_len']}"
     if scratch.counts[CUT_TO_FIT]:
-        log.info(f"rank {dist.rank}: {scratch.counts[CUT_TO_FIT]} inputs cut to leave max_new_tokens within seq_len "
-                 f"{task['seq_len']}")
+        what = "conversations cut (their oldest exchanges left out)" if predictor.chat else "inputs cut"
+        log.info(f"rank {dist.rank}: {scratch.counts[CUT_TO_FIT]} {what} {limit}")
+    if predictor.chat and scratch.counts[TOO_LONG]:
+        log.warning(f"rank {dist.rank}: {scratch.counts[TOO_LONG]} conversations too long {limit} even with only "
+                    f"their last user turn: no answer (prediction null), e.g. "
+                    f"{'; '.join(scratch.examples[TOO_LONG])}")
     return gather(results, dist)
 
 
+def _chat_prompt(encoder: ChatEncoder, row: Conversation, max_new_tokens: int, skipped: Reasons
+                 ) -> tuple[list[int] | None, dict[str, Any]]:
+    """(the generation prompt or None, what the result line says about its cut) of one conversation."""
+    kept, ids = encoder.fit_prompt(row.prompt, max_new_tokens)
+    if len(ids) + max_new_tokens > encoder.seq_len:
+        why = (f"{len(ids)} prompt tokens with only the last user turn; seq_len {encoder.seq_len} less "
+               f"max_new_tokens {max_new_tokens} leaves {encoder.seq_len - max_new_tokens}")
+        skipped.add(TOO_LONG, f"{row.where}: {why}")
+        return None, {"too_long": why}
+    if len(kept) < len(row.prompt):
+        skipped.add(CUT_TO_FIT, row.where)
+        return ids, {"cut": len(row.prompt) - len(kept)}
+    return ids, {}
+
+
 def prediction_metrics(results: list[dict[str, Any]], task: dict[str, Any]) -> dict[str, Any] | None:
-    """Metrics over the rows that have a label (None when none has)."""
+    """Metrics over the rows that have a label (None when none has); a conversation too long to answer counts
+    as an empty answer."""
     labelled = [r for r in results if "label" in r]
     if not labelled:
         return None
-    gold, predicted = [r["label"] for r in labelled], [r["prediction"] for r in labelled]
+    gold, predicted = [r["label"] for r in labelled], [r["prediction"] or "" for r in labelled]
     if task.get("labels"):
         majority = task.get("majority_label") or task["labels"][0]
         metrics = classification_metrics(gold, predicted, task["labels"], majority)
