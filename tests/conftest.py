@@ -551,6 +551,64 @@ def task_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return write_tsv(folder / "train.tsv", rows[:48]), write_tsv(folder / "validation.tsv", rows[48:])
 
 
+# --- chat rows from the man pages ---------------------------------------------------------------------
+def manpage_chats(count: int = 60) -> list[dict]:
+    """make-demo-task's two-turn conversations about the first man pages of sections 1 and 8 with a Japanese
+    description; every third one in the instruction/output shape (one turn), every fifth one with a system
+    prompt."""
+    from gptpipe.corpus.manpages import find_manpages, read_manpage
+    from gptpipe.finetune.demo_task import Row, chat_conversation, name_description
+
+    require_manpages()
+    rows: list[dict] = []
+    pages = [p for p in find_manpages(Path("/usr/share/man/ja")) if p.parent.name in ("man1", "man8")]
+    for path in pages:
+        if len(rows) == count:
+            break
+        description = name_description(read_manpage(path))
+        if not description or not any("\u3040" <= c <= "\u9fff" for c in description):
+            continue
+        page = f"{path.parent.name}/{path.name.removesuffix('.gz')}"
+        messages = chat_conversation(Row(page, path.parent.name[3:], description))["messages"]
+        if len(rows) % 3 == 2:
+            rows.append({"instruction": messages[0]["content"], "input": "", "output": description})
+            continue
+        if len(rows) % 5 == 0:
+            messages.insert(0, {"role": "system", "content": "Linux のコマンドについて簡潔に答えます。"})
+        rows.append({"messages": messages})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n" for r in rows),
+                    encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def manpage_chat_rows() -> list[dict]:
+    return manpage_chats(700)
+
+
+@pytest.fixture(scope="session")
+def chat_files(manpage_chat_rows: list[dict], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """train.jsonl (48 conversations) and validation.jsonl (12)."""
+    folder = tmp_path_factory.mktemp("chat")
+    return (write_jsonl(folder / "train.jsonl", manpage_chat_rows[:48]),
+            write_jsonl(folder / "validation.jsonl", manpage_chat_rows[48:60]))
+
+
+CHAT_RUN = ("task.kind=chat", "train.seq_len=160", "train.global_batch_size=8", "train.train_iters=12",
+            "train.eval_interval=4", "train.save_interval=4", "task.chat_eval_rows=4",
+            "chat.max_new_tokens=12", "predict.max_new_tokens=12")
+
+
+def chat_args(model: Path, chat_files: tuple[Path, Path], run: Path, *overrides: str) -> list[str]:
+    train, validation = chat_files
+    return [f"model.path={model}", f"data.train={train}", f"data.validation={validation}", "data.test=null",
+            f"train.output_model_dir={run}", *FINETUNE_QUICK, *CHAT_RUN, *overrides]
+
+
 def gptpipe_command(command: str, *argv: object, ranks: int = 1, stdin: str | None = None,
             timeout: float = 900) -> subprocess.CompletedProcess:
     """A gptpipe subcommand in a subprocess (its process group must not leak into the test process)."""

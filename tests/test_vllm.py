@@ -2,7 +2,8 @@
 
 The ``vllm`` tier runs vLLM's CPU build in its own venv (scripts/setup_vllm.sh) and is skipped, with the reason,
 where that venv is absent. Folders: a tiny Llama with the small unigram tokenizer in fp32 and bf16, and a copy
-with a chat template ("### 指示:" / "### 応答:"), whose conversations go through vLLM's chat path.
+with a chat template ("### 指示:" / "### 応答:"), whose conversations go through vLLM's chat path, and the
+stage-4 export of a short chat fine-tune of that Llama, served through the template the run installed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_llama
+from conftest import chat_args, gptpipe_command, tiny_llama
 from gptpipe.export import vllm_check
 
 pytestmark = [
@@ -87,3 +88,25 @@ def test_vllm_chat_goes_through_the_folders_template(llama: Path, tmp_path: Path
         assert entry["prompt_text_equal"] and entry["prompt"].endswith("### 応答:\n"), entry
     assert "### 指示:\nディレクトリごとコピーするには?" in report["conversations"][1]["prompt"]
     assert all(entry["tokens_equal"] for entry in report["conversations"]), report["summary"]
+
+
+def test_vllm_serves_a_chat_export_through_its_template(llama: Path, chat_files: tuple[Path, Path],
+                                                         tmp_path: Path) -> None:
+    from gptpipe.data.jsonl import Reasons
+    from gptpipe.finetune.chat_data import GPTPIPE_TEMPLATE, read_conversations
+
+    run, out = tmp_path / "run", tmp_path / "export"
+    done = gptpipe_command("finetune", *chat_args(llama, chat_files, run, "train.train_iters=4"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    # fp32 weights: four steps leave near-ties that bf16 rounding decides; the template's path is the subject.
+    done = gptpipe_command("convert", f"input_model_dir={run}", f"output_tokenizer_and_model_dir={out}",
+                           "dtype=fp32")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "chat_template.jinja").read_text(encoding="utf-8") == GPTPIPE_TEMPLATE
+    conversations = [row.prompt for row in read_conversations(chat_files[1], Reasons())[:4]]
+    report = vllm_check.vllm_report(out, prompts=(), conversations=conversations)
+    print(json.dumps(report, ensure_ascii=False))
+    assert len(report["conversations"]) == len(conversations)
+    assert report["dtype"] == "float32"
+    for entry in report["conversations"]:
+        assert entry["prompt_ids_equal"] and entry["prompt_text_equal"] and entry["tokens_equal"], entry
