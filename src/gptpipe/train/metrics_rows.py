@@ -34,9 +34,6 @@ class SpeedSetup:
                 f"{self.ranks} x {self.device_name}")
 
 
-R = TypeVar("R", bound="Row")
-
-
 @dataclass
 class Row:
     """A metrics.jsonl row: the optimizer step it belongs to. An optional field set to None is left out of the
@@ -111,8 +108,8 @@ class TrainRow(Row):
 
     def to_json(self) -> dict[str, Any]:
         plain = super().to_json()
-        shares = {k: plain.pop(k) for k in ("expert_share_min", "experts_starved") if k in plain}
-        return {**plain, **_experts_json("", shares.get("expert_share_min"), shares.get("experts_starved"))}
+        plain.pop("expert_share_min", None), plain.pop("experts_starved", None)
+        return {**plain, **_experts_json("", self.expert_share_min, self.experts_starved)}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Row | None:
@@ -215,6 +212,9 @@ def parse_metrics(text: str, last_step: float = math.inf) -> list[Row]:
 def read_metrics(path: Path, last_step: float = math.inf) -> list[Row]:
     """`parse_metrics` of the file at `path`; none where it does not exist."""
     return parse_metrics(path.read_text(encoding="utf-8"), last_step) if path.is_file() else []
+
+
+R = TypeVar("R", bound=Row)
 
 
 def of_kind(rows: list[Row], kind: type[R] | tuple[type[R], ...]) -> list[R]:
