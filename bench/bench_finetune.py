@@ -23,7 +23,6 @@ Prints markdown rows for docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -31,6 +30,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from gptpipe.train.metrics_rows import TrainRow, of_kind, read_metrics
 
 QUIET = ("logging.wandb=false", "logging.tensorboard=false", "train.precision=fp32", "train.eval_interval=1000000",
          "train.save_interval=1000000")
@@ -44,10 +45,9 @@ def gptpipe(*argv: object, threads: int) -> None:
         sys.exit(f"gptpipe {argv[0]} failed:\n{done.stderr[-3000:]}")
 
 
-def windows(run: Path, *keys: str) -> list[dict[str, float]]:
-    """The `keys` of every logged training window but the first."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
-    return [{k: r[k] for k in keys} for r in rows if keys[0] in r][1:]
+def windows(run: Path) -> list[TrainRow]:
+    """Every logged training window but the first."""
+    return of_kind(read_metrics(run / "metrics.jsonl"), TrainRow)[1:]
 
 
 # The fine-tune's batch layouts: (name in the table, overrides).
@@ -66,21 +66,21 @@ def bench_training(args: argparse.Namespace, tmp: Path) -> tuple[list[str], Path
                    encoding="utf-8")
     load = [os.getloadavg()]
     stage3: list[float] = []
-    finetune: dict[str, list[dict[str, float]]] = {name: [] for name, _ in LAYOUTS}
+    finetune: dict[str, list[TrainRow]] = {name: [] for name, _ in LAYOUTS}
     for r in range(args.rounds):
         run = tmp / f"pretrain{r}"
         gptpipe("train", "--config", args.pipeline_config, f"train.output_model_dir={run}",
                 f"train.train_iters={args.steps}", f"train.seq_len={args.stage3_seq}",
                 f"train.global_batch_size={args.stage3_batch}", "train.log_interval=5", "train.train_tokens=null",
                 "train.sample_prompts=[]", "train.eval_iters=1", *QUIET, threads=args.threads)
-        stage3 += [w["tokens_per_s"] for w in windows(run, "tokens_per_s")]
+        stage3 += [w.tokens_per_s for w in windows(run)]
         for k, (name, layout) in enumerate(LAYOUTS):
             run = tmp / f"finetune{r}-{k}"
             gptpipe("finetune", "--config", args.finetune_config, f"model.path={args.model}",
                     f"data.train={args.task / 'train.tsv'}", f"data.validation={few}",
                     f"train.output_model_dir={run}", f"train.train_iters={args.steps}", "train.log_interval=5",
                     *QUIET, *layout, *args.finetune_overrides, threads=args.threads)
-            finetune[name] += windows(run, "tokens_per_s", "rows_per_s", "padding")
+            finetune[name] += windows(run)
         load.append(os.getloadavg())
     s3 = statistics.median(stage3)
     lines = [
@@ -89,9 +89,9 @@ def bench_training(args: argparse.Namespace, tmp: Path) -> tuple[list[str], Path
         f"| stage 3 (`gptpipe train`, seq {args.stage3_seq}) | {args.stage3_batch} | "
         f"{args.stage3_seq * args.stage3_batch} | 0% | {s3:,.0f} | {s3:,.0f} | 1.00 |"]
     for name, rows in finetune.items():
-        real = statistics.median(w["tokens_per_s"] for w in rows)
-        padding = statistics.median(w["padding"] for w in rows)
-        per_step = statistics.median(w["tokens_per_s"] / w["rows_per_s"] * gbs for w in rows)
+        real = statistics.median(w.tokens_per_s for w in rows)
+        padding = statistics.median(w.padding for w in rows)
+        per_step = statistics.median(w.tokens_per_s / w.rows_per_s * gbs for w in rows)
         lines.append(f"| stage 7 (`gptpipe finetune`), {name} | {gbs} | {per_step:.0f} | {padding:.0%} | "
                      f"{real:,.0f} | {real / (1 - padding):,.0f} | {real / s3:.2f} |")
     lines += ["", f"({len(stage3)} windows of 5 steps for stage 3, {len(rows)} per fine-tune layout; load average "

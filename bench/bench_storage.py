@@ -27,7 +27,6 @@ It prints a markdown table for docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
@@ -39,6 +38,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from gptpipe.train.metrics_rows import TrainRow, of_kind, read_metrics
 
 QUICK = ("train.seq_len=128", "train.global_batch_size=8", "train.eval_iters=1", "train.eval_interval=100000",
          "train.log_interval=1", "train.sample_prompts=[]", "train.train_tokens=null", "train.train_epochs=1",
@@ -57,10 +58,9 @@ def command(config: Path, *overrides: str) -> list[str]:
 
 def speed(metrics: Path) -> float:
     """Tokens/s over the run's log windows (their tokens / their seconds), the first 2 steps (warm-up) left out."""
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    rows = [r for r in rows if "tokens_per_s" in r]
-    tokens = [b["tokens"] - a["tokens"] for a, b in zip(rows[1:], rows[2:])]
-    return sum(tokens) / sum(t / r["tokens_per_s"] for t, r in zip(tokens, rows[2:]))
+    rows = of_kind(read_metrics(metrics), TrainRow)
+    tokens = [b.tokens - a.tokens for a, b in zip(rows[1:], rows[2:])]
+    return sum(tokens) / sum(t / r.tokens_per_s for t, r in zip(tokens, rows[2:]))
 
 
 MOTO = ("from moto.server import ThreadedMotoServer; import time\n"

@@ -34,7 +34,7 @@ from gptpipe.config.core import load_config
 from gptpipe.pipeline import PipelineConfig
 from gptpipe.stage import Manifest
 from gptpipe.tokenizer.config import TokenizerConfig
-from gptpipe.train.logging import read_metrics
+from gptpipe.train.metrics_rows import Row, TrainRow, of_kind, parse_metrics, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 MANPAGES = Path("/usr/share/man/ja")
@@ -95,18 +95,22 @@ def manifest_counts(folder: Path) -> dict:
     return Manifest.read(folder / "manifest.json").counts
 
 
-def metrics(run: Path) -> list[dict]:
-    """A stage-3 run folder's metrics.jsonl rows, read by the package's own reader."""
-    return read_metrics(run / "metrics.jsonl")
+def metrics(run: Path, kind: type[Row] | tuple[type[Row], ...] = Row) -> list:
+    """The rows of `kind` (all by default) of a run folder's metrics.jsonl, in order, read by the package's reader."""
+    return of_kind(read_metrics(run / "metrics.jsonl"), kind)
+
+
+def step_losses(rows: list[Row]) -> dict[int, float]:
+    """Per-step training loss; a resumed run appends, and a repeated step must repeat its loss exactly."""
+    seen: dict[int, float] = {}
+    for row in of_kind(rows, TrainRow):
+        assert seen.setdefault(row.step, row.loss) == row.loss, f"step {row.step} differs"
+    return seen
 
 
 def train_losses(run: Path) -> dict[int, float]:
-    """Per-step training loss; a resumed run appends, and a repeated step must repeat its loss exactly."""
-    seen: dict[int, float] = {}
-    for row in metrics(run):
-        if "loss" in row:
-            assert seen.setdefault(row["step"], row["loss"]) == row["loss"], f"step {row['step']} differs"
-    return seen
+    """`step_losses` of a run folder."""
+    return step_losses(metrics(run))
 
 
 @pytest.fixture(scope="session")
@@ -450,13 +454,8 @@ def open_store(kind: str, monkeypatch: pytest.MonkeyPatch, bucket: str | None = 
 
 
 def bucket_losses(store, url: str) -> dict[int, float]:
-    """Per-step losses from the metrics.jsonl in the bucket; a repeated step must repeat its loss exactly."""
-    seen: dict[int, float] = {}
-    for line in store.fs.cat_file(f"{url}/metrics.jsonl").decode().splitlines():
-        row = json.loads(line)
-        if "loss" in row:
-            assert seen.setdefault(row["step"], row["loss"]) == row["loss"], f"step {row['step']} differs"
-    return seen
+    """`step_losses` of the metrics.jsonl in the bucket."""
+    return step_losses(parse_metrics(store.fs.cat_file(f"{url}/metrics.jsonl").decode()))
 
 
 def bucket_steps(store, url: str) -> dict[int, bool]:
@@ -622,11 +621,6 @@ def finetune_args(model: Path, task_files: tuple[Path, Path], run: Path, *overri
     train, validation = task_files
     return [f"model.path={model}", f"data.train={train}", f"data.validation={validation}", "data.test=null",
             f"train.output_model_dir={run}", *FINETUNE_QUICK, *overrides]
-
-
-def metrics_rows(run: Path) -> list[dict]:
-    """Every row of a run folder's metrics.jsonl (training, evaluation, samples), in order."""
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
 
 
 

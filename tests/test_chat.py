@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (chat_args, gptpipe_command, manifest_counts, manpages_installed, metrics_rows, train_env,
+from conftest import (chat_args, gptpipe_command, manifest_counts, manpages_installed, metrics, train_env,
                       write_jsonl)
 from gptpipe.data.jsonl import (EMPTY, INVALID_JSON, MISSING_KEY, NO_ASSISTANT_TURN, NOT_A_MESSAGE_LIST,
                                 NOT_A_STRING, TEMPLATE_ERROR, TOO_LONG, UNKNOWN_ROLE, Reasons)
@@ -23,6 +23,7 @@ from gptpipe.finetune.chat_data import (ALPACA_JA_TEMPLATE, GPTPIPE_TEMPLATE, Ch
                                         TemplateError, distinct_pad, install_template, read_conversations,
                                         save_tokenizer)
 from gptpipe.finetune.data import IGNORE
+from gptpipe.train.metrics_rows import TaskEvalRow, TrainRow
 
 @pytest.fixture(scope="module")
 def chat_lm(manpage_chat_rows: list[dict], tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -250,14 +251,14 @@ def test_chat_finetune_resumes_exactly_predicts_and_chats(chat_lm: Path, chat_fi
 
     whole, log = chat_run
     assert "the shipped 'gptpipe' chat template" in log
-    rows = metrics_rows(whole)
-    evals = [r for r in rows if "val_chrf" in r]
-    assert [r["step"] for r in evals] == [4, 8, 12] and all(r["val_generated"] == 4 for r in evals)
-    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    evals = metrics(whole, TaskEvalRow)
+    assert [r.step for r in evals] == [4, 8, 12] and all(r.metrics["generated"] == 4 for r in evals)
+    assert all(isinstance(r.metrics["chrf"], float) for r in evals)
+    losses = {r.step: r.loss for r in metrics(whole, TrainRow)}
     assert losses[12] < losses[1]
     assert (whole / "tokenizer" / "chat_template.jinja").read_text(encoding="utf-8") == GPTPIPE_TEMPLATE
     # The best checkpoint is the evaluation with the lowest assistant-token loss, kept and marked.
-    lowest = min(evals, key=lambda r: r["val_loss"])["step"]
+    lowest = min(evals, key=lambda r: r.val_loss).step
     assert checkpoint.best_tag(whole / "checkpoints") == checkpoint.tag_of(lowest)
     summary = json.loads((whole / "finetune_summary.json").read_text(encoding="utf-8"))
     eos = AutoTokenizer.from_pretrained(whole / "tokenizer").eos_token_id
@@ -269,15 +270,14 @@ def test_chat_finetune_resumes_exactly_predicts_and_chats(chat_lm: Path, chat_fi
     process = subprocess.Popen([sys.executable, "-m", "gptpipe", "finetune", *args], env=train_env(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
-    while not any(r.get("step") == 6 and "loss" in r for r in (metrics_rows(killed) if (
-            killed / "metrics.jsonl").is_file() else [])):
+    while not any(r.step == 6 for r in metrics(killed, TrainRow)):
         assert process.poll() is None and time.time() < deadline
         time.sleep(0.2)
     process.send_signal(signal.SIGKILL)
     process.wait()
     resumed = gptpipe_command("finetune", *args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    again = {r["step"]: r["loss"] for r in metrics_rows(killed) if "loss" in r}
+    again = {r.step: r.loss for r in metrics(killed, TrainRow)}
     assert again == losses
 
     # predict on messages rows: the assistant's answer to the turns before the last one.
@@ -406,7 +406,7 @@ def test_packed_and_grouped_chat_runs_take_the_padded_runs_steps(chat_lm: Path, 
     for name, overrides in {"padded": (), "packed": ("train.packing=true",)}.items():
         done = gptpipe_command("finetune", *chat_args(chat_lm, chat_files, tmp_path / name, *common, *overrides))
         assert done.returncode == 0, done.stderr[-3000:]
-        losses[name] = [r["loss"] for r in metrics_rows(tmp_path / name) if "loss" in r]
+        losses[name] = [r.loss for r in metrics(tmp_path / name, TrainRow)]
     assert len(losses["packed"]) == 3
     assert losses["packed"] == pytest.approx(losses["padded"], rel=1e-5)
 

@@ -27,6 +27,7 @@ from gptpipe.train.base_model import SUPPORTED, is_copied
 from gptpipe.train.checkpoint import STATE, newest_checkpoint
 from gptpipe.train.config import CONTINUED_LR, CONTINUED_WARMUP_STEPS
 from gptpipe.train.devices import LIGER_ARCHS, loss_path
+from gptpipe.train.metrics_rows import TrainRow, ValidationRow
 
 CORPUS_DOCS = 300
 STEPS = 2
@@ -211,8 +212,8 @@ def test_llama_with_a_large_bpe_vocabulary_end_to_end(datasets, tokenizers, work
     assert "resumed from" not in done.stderr
     # The plan prints the base's shape and the re-warm defaults: 2.5e-5, warmup capped at the run, a tenth.
     assert f"llama from {base}" in done.stderr and "as the base model has it, not padded" in done.stderr
-    rows = [r for r in metrics(run) if "loss" in r]
-    assert rows[-1]["lr"] == pytest.approx(CONTINUED_LR / 10)
+    rows = metrics(run, TrainRow)
+    assert rows[-1].lr == pytest.approx(CONTINUED_LR / 10)
     config = load_config(PipelineConfig, workspace / "config.yaml", [str(a) for a in CONTINUED_RUN[:]] +
                          [f"model.init_from={base}"])
     assert (config.train.lr, config.train.warmup_steps) == (CONTINUED_LR, CONTINUED_WARMUP_STEPS)
@@ -283,11 +284,11 @@ def test_a_short_mixtral_run_leaves_no_expert_of_any_layer_starved(datasets, tok
                                  "train.global_batch_size=8", "train.lr=3e-3", "train.min_lr=3e-4",
                                  "train.warmup_steps=10", "train.eval_interval=50", "train.log_interval=10"))
     assert done.returncode == 0, done.stderr[-3000:]
-    closing = [r for r in metrics(run) if "val_loss" in r][-1]
-    assert closing["step"] == 200
+    closing = metrics(run, ValidationRow)[-1]
+    assert closing.step == 200
     fair = 1 / 8
-    assert [closing[f"val_expert_share_min/layer{i}"] > fair / 4 for i in range(4)] == [True] * 4, closing
-    assert closing["val_experts_starved"] == 0
+    assert [share > fair / 4 for share in closing.expert_share_min] == [True] * 4, closing
+    assert closing.experts_starved == 0
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import (REPO, finetune_args, manpage_rows, metrics_rows, train_env, train_losses, wait_for_step,
+from conftest import (REPO, finetune_args, manpage_rows, metrics, train_env, train_losses, wait_for_step,
                       write_tsv)
 from conftest import gptpipe_command as gptpipe
 
@@ -36,6 +36,7 @@ from gptpipe.finetune.data import (
 )
 from gptpipe.artifacts import EXIT_PREEMPTED
 from gptpipe.train.checkpoint import BEST, complete_checkpoints
+from gptpipe.train.metrics_rows import TaskEvalRow, TrainRow
 
 # --- readers ------------------------------------------------------------------------------------------
 def test_tsv_reader_counts_every_bad_row_and_keeps_the_rest(tmp_path: Path) -> None:
@@ -185,7 +186,7 @@ def test_loss_is_normalised_by_the_label_tokens_of_the_whole_global_batch(tiny_l
         done = gptpipe("finetune", *finetune_args(tiny_lm, (train, train), run, *common,
                                                   f"train.micro_batch_size={micro}"))
         assert done.returncode == 0, done.stderr[-3000:]
-        losses[micro] = [r["loss"] for r in metrics_rows(run) if "loss" in r]
+        losses[micro] = [r.loss for r in metrics(run, TrainRow)]
     assert losses[2] == pytest.approx(losses[4], rel=1e-4)  # the second step too: same gradients
 
     # Step 1's loss is that of the pretrained model on the first global batch of the seeded order.
@@ -323,12 +324,12 @@ def test_packed_and_grouped_finetunes_take_the_padded_runs_steps(tiny_lm: Path, 
                             "random": ("train.group_by_length=false",)}.items():
         done = gptpipe("finetune", *finetune_args(tiny_lm, task_files, tmp_path / name, *common, *overrides))
         assert done.returncode == 0, done.stderr[-3000:]
-        runs[name] = [r for r in metrics_rows(tmp_path / name) if "loss" in r]
+        runs[name] = metrics(tmp_path / name, TrainRow)
         assert "tokens/s  padding" in done.stderr
-    assert [r["loss"] for r in runs["packed"]] == pytest.approx([r["loss"] for r in runs["padded"]], rel=1e-5)
-    padding = {name: np.mean([r["padding"] for r in rows]) for name, rows in runs.items()}
+    assert [r.loss for r in runs["packed"]] == pytest.approx([r.loss for r in runs["padded"]], rel=1e-5)
+    padding = {name: np.mean([r.padding for r in rows]) for name, rows in runs.items()}
     assert padding["packed"] < padding["padded"] < padding["random"]
-    assert all(r["tokens_per_s"] > 0 for rows in runs.values() for r in rows)
+    assert all(r.tokens_per_s > 0 for rows in runs.values() for r in rows)
 
 
 def test_packing_an_encoder_decoder_is_refused(tiny_t5: Path, task_files: tuple[Path, Path], tmp_path: Path) -> None:
@@ -353,14 +354,14 @@ def test_generated_text_is_mapped_onto_the_nearest_label() -> None:
 def test_finetune_evaluates_and_keeps_the_best_checkpoint_beyond_keep_last_n(
         classifier_run, tiny_lm: Path, task_files: tuple[Path, Path], tmp_path: Path) -> None:
     run, _, stderr = classifier_run  # conftest's CLASSIFIER_RUN: 5 steps, evaluated every step, keep 1 + best
-    evals = [r for r in metrics_rows(run) if "val_accuracy" in r]
-    assert [r["step"] for r in evals] == [1, 2, 3, 4, 5]
+    evals = metrics(run, TaskEvalRow)
+    assert [r.step for r in evals] == [1, 2, 3, 4, 5]
     for r in evals:
-        assert {"val_macro_f1", "val_majority_accuracy", "val_majority_macro_f1", "val_loss"} <= set(r)
-        assert len(r["val_confusion_matrix"]) == len(r["val_labels"]) == 3
-        assert sum(map(sum, r["val_confusion_matrix"])) == 12
-    best_value = max(r["val_accuracy"] for r in evals)
-    best_step = next(r["step"] for r in evals if r["val_accuracy"] == best_value)  # the first to reach it
+        assert {"accuracy", "macro_f1", "majority_accuracy", "majority_macro_f1", "val_loss"} <= set(r.metrics)
+        assert len(r.metrics["confusion_matrix"]) == len(r.metrics["labels"]) == 3
+        assert sum(map(sum, r.metrics["confusion_matrix"])) == 12
+    best_value = max(r.metrics["accuracy"] for r in evals)
+    best_step = next(r.step for r in evals if r.metrics["accuracy"] == best_value)  # the first to reach it
     root = run / "checkpoints"
     assert (root / BEST).read_text().split()[0] == f"global_step{best_step}"
     assert {step for step, _ in complete_checkpoints(root)} == {best_step, 5}  # keep 1 newest + the best
@@ -456,7 +457,8 @@ def test_sigkilled_t5_with_dropout_resumes_to_the_same_curve(tiny_t5: Path, task
               "train.eval_interval=2", "train.log_interval=3", "train.seq_len=64")
 
     def rows(run: Path) -> list[dict]:
-        return [{k: r[k] for k in ("step", "loss", "grad_norm", "padding")} for r in metrics_rows(run) if "loss" in r]
+        return [{"step": r.step, "loss": r.loss, "grad_norm": r.grad_norm, "padding": r.padding}
+                for r in metrics(run, TrainRow)]
 
     full = gptpipe("finetune", *finetune_args(tiny_t5, task_files, tmp_path / "full", *common))
     assert full.returncode == 0, full.stderr[-3000:]
@@ -538,7 +540,7 @@ def test_mixtral_finetunes_and_predicts_with_beams(tokenizer_dir: Path, task_fil
                          "task.generate_labels=true")
     done = gptpipe("finetune", *args)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert [r for r in metrics_rows(run) if "val_generated_accuracy" in r]
+    assert [r for r in metrics(run, TaskEvalRow) if "generated_accuracy" in r.metrics]
     assert json.loads((complete_checkpoints(run / "checkpoints")[-1][1] / "hf_config.json").read_text())[
         "output_router_logits"] is False
     out = tmp_path / "pred.jsonl"
@@ -556,15 +558,15 @@ def test_t5_with_byt5_tokenizer_finetunes_and_predicts(t5_run, task_files: tuple
                                                        tmp_path: Path) -> None:
     run, args, stderr = t5_run  # conftest's T5_RUN: 3 steps, prompt '入力: {input}'
     assert "(encoder-decoder)" in stderr
-    assert [r for r in metrics_rows(run) if "val_macro_f1" in r]
+    assert [r for r in metrics(run, TaskEvalRow) if "macro_f1" in r.metrics]
     out = tmp_path / "pred.jsonl"
     done = gptpipe("predict", "--input", task_files[1], "--output", out, *args, "predict.num_beams=2",
                    "predict.max_new_tokens=3")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert len(lines) == 12 and all(r["prediction"] in ("1", "2", "3") for r in lines)
-    metrics = json.loads(out.with_suffix(".metrics.json").read_text(encoding="utf-8"))
-    assert metrics["mapped"] == sum(r["mapped"] for r in lines) and "majority_accuracy" in metrics
+    figures = json.loads(out.with_suffix(".metrics.json").read_text(encoding="utf-8"))
+    assert figures["mapped"] == sum(r["mapped"] for r in lines) and "majority_accuracy" in figures
 
 
 @pytest.mark.ranks
@@ -605,7 +607,7 @@ def test_finetuned_demo_model_trains_and_beats_the_majority_baseline(exported_mo
     done = gptpipe("finetune", *finetune_args(exported_model, (train, validation), run, "train.global_batch_size=16",
                                               "train.train_epochs=10", "train.eval_interval=20", "train.lr=1e-3"))
     assert done.returncode == 0, done.stderr[-3000:]
-    losses = [r["loss"] for r in metrics_rows(run) if "loss" in r]
+    losses = [r.loss for r in metrics(run, TrainRow)]
     assert losses[-1] < losses[0]
     best = json.loads((run / "finetune_summary.json").read_text(encoding="utf-8"))["best"]["metrics"]
     assert best["macro_f1"] > best["majority_macro_f1"]

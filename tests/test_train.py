@@ -16,6 +16,7 @@ from gptpipe.data.split import document_order, split_bounds
 from gptpipe.pipeline import PipelineConfig
 from gptpipe.artifacts import read_tokenizer
 from gptpipe.train.checkpoint import COMPLETE_MARKER, HF_CONFIG, STATE, complete_checkpoints
+from gptpipe.train.metrics_rows import SamplesRow, TrainRow, ValidationRow
 
 # What TRAINED_RUN (conftest) makes: an evaluation and a checkpoint every eval/save interval and at the end,
 # the newest keep_checkpoints kept.
@@ -37,20 +38,20 @@ def unigram_entropy(prefix: Path, split: str, seed: int) -> float:
 
 def test_tiny_model_learns_more_than_token_frequencies(trained_run: Path, dataset_prefix: Path) -> None:
     entropy = unigram_entropy(dataset_prefix, SHIPPED.data.split, seed=SHIPPED.data.seed)
-    val = [r["val_loss"] for r in metrics(trained_run) if "val_loss" in r]
+    val = [r.val_loss for r in metrics(trained_run, ValidationRow)]
     assert len(val) == EVALUATIONS  # every eval_interval, the last at the end
     assert val[-1] < entropy - 0.4, f"validation loss {val[-1]:.3f} vs unigram entropy {entropy:.3f}"
     assert val[-1] < val[0]
 
 
 def test_lr_is_min_lr_at_the_last_step_of_the_real_run(trained_run: Path) -> None:
-    train = [r for r in metrics(trained_run) if "loss" in r]
+    train = metrics(trained_run, TrainRow)
     log = TRAINED.log_interval
-    assert [r["step"] for r in train] == list(range(log, LAST + 1, log))
-    assert math.isclose(train[-1]["lr"], TRAINED.min_lr, rel_tol=1e-9)
-    assert train[0]["lr"] > train[-1]["lr"]
-    assert all(r["tokens"] == r["step"] * TOKENS_PER_STEP for r in train)
-    assert all(math.isfinite(r[k]) for r in train for k in ("loss", "grad_norm", "tokens_per_s", "mem_gib"))
+    assert [r.step for r in train] == list(range(log, LAST + 1, log))
+    assert math.isclose(train[-1].lr, TRAINED.min_lr, rel_tol=1e-9)
+    assert train[0].lr > train[-1].lr
+    assert all(r.tokens == r.step * TOKENS_PER_STEP for r in train)
+    assert all(math.isfinite(x) for r in train for x in (r.loss, r.grad_norm, r.tokens_per_s, r.mem_gib))
 
 
 def test_checkpoints_hold_what_export_needs(trained_run: Path, tokenizer_dir: Path, dataset_prefix: Path,
@@ -68,7 +69,7 @@ def test_checkpoints_hold_what_export_needs(trained_run: Path, tokenizer_dir: Pa
     assert state["config"] == resolved
     assert Path(state["config"]["tokenize"]["tokenizer_dir"]) == tokenizer_dir
     assert [Path(p) for p in state["config"]["data"]["prefixes"]] == [dataset_prefix]
-    val = [r["val_loss"] for r in metrics(trained_run) if "val_loss" in r]
+    val = [r.val_loss for r in metrics(trained_run, ValidationRow)]
     assert state["final_val_loss"] == val[-1]
     hf = json.loads((folder / HF_CONFIG).read_text(encoding="utf-8"))
     tokenizer = read_tokenizer(tokenizer_dir)
@@ -78,9 +79,9 @@ def test_checkpoints_hold_what_export_needs(trained_run: Path, tokenizer_dir: Pa
 
 
 def test_run_is_observable(trained_run: Path) -> None:
-    samples = [r for r in metrics(trained_run) if "samples" in r]
+    samples = metrics(trained_run, SamplesRow)
     assert len(samples) == EVALUATIONS  # generated at each evaluation
-    assert all([s["prompt"] for s in r["samples"]] == TRAINED.sample_prompts for r in samples)
+    assert all([s["prompt"] for s in r.samples] == TRAINED.sample_prompts for r in samples)
     assert list((trained_run / "tensorboard").glob("events.out.tfevents.*"))
     assert list((trained_run / "wandb").glob("offline-run-*"))  # no API key in tests: offline, in the run folder
     ds_config = json.loads((trained_run / "ds_config.json").read_text())
@@ -95,12 +96,12 @@ OTHER_ARCHITECTURES = {"gpt2": ("gpt2", 2, True, 1), "mixtral": ("mixtral", 3, F
 def test_other_architectures_train(arch: str, tiny_run) -> None:
     run = tiny_run(*OTHER_ARCHITECTURES[arch])
     stderr = tiny_run.stderr[run]
-    train = [r for r in metrics(run) if "loss" in r]
-    assert len(train) == TINY_STEPS and all(math.isfinite(r["loss"]) for r in train)
+    train = metrics(run, TrainRow)
+    assert len(train) == TINY_STEPS and all(math.isfinite(r.loss) for r in train)
     if arch == "mixtral":  # the router's load-balancing loss and each layer's smallest expert share are logged
-        assert all(r["aux_loss"] >= 1 for r in train) and "router-aux" in stderr
-        assert all(0 <= r[f"expert_share_min/layer{i}"] <= 1 / 8 for r in train for i in range(4))
-        assert "expert-min" in stderr and all(isinstance(r["experts_starved"], int) for r in train)
+        assert all(r.aux_loss >= 1 for r in train) and "router-aux" in stderr
+        assert all(len(r.expert_share_min) == 4 and all(0 <= s <= 1 / 8 for s in r.expert_share_min) for r in train)
+        assert "expert-min" in stderr and all(isinstance(r.experts_starved, int) for r in train)
     hf = json.loads((run / "checkpoints" / f"global_step{TINY_STEPS}" / HF_CONFIG).read_text())
     assert hf["model_type"] == arch
     assert hf.get("output_router_logits", False) is False  # a training switch, off in every saved config

@@ -14,6 +14,7 @@ from conftest import QUICK_TRAIN, SHIPPED, TRAINED_RUN, metrics, run_train
 from gptpipe.cli import main
 from gptpipe.train.config import ModelConfig, TrainConfig
 from gptpipe.train.engine import TEMPLATE, EngineConfigError, deepspeed_config
+from gptpipe.train.metrics_rows import TrainRow
 from gptpipe.train.model import PRESETS, build_model_config, count_parameters, resolve_shape
 from gptpipe.train.schedule import Schedule
 
@@ -58,7 +59,7 @@ def test_plan_gives_the_speed_measured_in_the_run_folder(trained_run: Path, work
                                                          capsys: pytest.CaptureFixture) -> None:
     import statistics
 
-    speed = statistics.median([r["tokens_per_s"] for r in metrics(trained_run) if "tokens_per_s" in r][-20:])
+    speed = statistics.median([r.tokens_per_s for r in metrics(trained_run, TrainRow)][-20:])
     code, err = _plan(workspace, capsys, *TRAINED_RUN, f"train.output_model_dir={trained_run}")
     assert code == 0, err
     assert f"~{speed:,.0f} tokens/s (measured: median of the last log steps in {trained_run}" in err, err

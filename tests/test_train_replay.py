@@ -13,6 +13,7 @@ import pytest
 from conftest import QUICK_TRAIN, metrics, run_cli, run_train, start_train, train_losses, wait_for_step
 
 from gptpipe.train.checkpoint import complete_checkpoints
+from gptpipe.train.metrics_rows import MixtureRow, ValidationRow
 
 STEPS, BATCH, EVAL_ITERS = 8, 8, 2  # QUICK_TRAIN's global batch
 WEIGHTS = (3, 1)
@@ -39,13 +40,11 @@ def blended(dataset_prefix: Path, english_prefix: Path) -> tuple[str, ...]:
             "train.save_interval=2", "train.eval_interval=2", f"train.eval_iters={EVAL_ITERS}")
 
 
-def validation_rows(run: Path) -> dict[int, dict]:
+def validation_rows(run: Path) -> dict[int, ValidationRow]:
     """Each evaluated step's validation figures; a step evaluated twice (a resume) must repeat them exactly."""
-    seen: dict[int, dict] = {}
-    for row in metrics(run):
-        if "val_loss" in row:
-            figures = {k: v for k, v in row.items() if k.startswith("val_")}
-            assert seen.setdefault(row["step"], figures) == figures, f"step {row['step']} differs"
+    seen: dict[int, ValidationRow] = {}
+    for row in metrics(run, ValidationRow):
+        assert seen.setdefault(row.step, row) == row, f"step {row.step} differs"
     return seen
 
 
@@ -66,16 +65,16 @@ def test_mixture_is_printed_and_recorded_in_tokens_and_shares(blended_run) -> No
     assert f"ja: {round(STEPS * BATCH * share) * 64:,} tokens ({share:.1%})" in stderr
     assert "data.weights as given, normalised" in stderr
     assert "data mixture of the run (megatron's blend index):" in stderr
-    (row,) = [r for r in metrics(run) if "mixture" in r]
-    mixture = row["mixture"]
-    assert list(mixture) == ["ja", "en"] and row["step"] == 0
+    (row,) = metrics(run, MixtureRow)
+    mixture = row.mixture
+    assert list(mixture) == ["ja", "en"] and row.step == 0
     assert sum(m["tokens"] for m in mixture.values()) == STEPS * BATCH * 64
     assert abs(mixture["ja"]["share"] - share) <= 1 / (STEPS * BATCH)
     assert f"  ja: {mixture['ja']['tokens']:,} tokens ({mixture['ja']['share']:.1%})" in stderr
     assert 0 < mixture["en"]["epochs"]
     # The validation budget of eval_iters global batches, shared by the sources as the blend draws them.
     eval_samples = EVAL_ITERS * BATCH
-    assert row["validation_samples"] == {"ja": eval_samples * WEIGHTS[0] // sum(WEIGHTS),
+    assert row.validation_samples == {"ja": eval_samples * WEIGHTS[0] // sum(WEIGHTS),
                                        "en": eval_samples * WEIGHTS[1] // sum(WEIGHTS)}
     assert "validation samples per source: ja 12, en 4" in stderr
 
@@ -85,13 +84,13 @@ def test_each_source_has_its_validation_loss_from_step_0(blended_run) -> None:
     rows = validation_rows(run)
     assert sorted(rows) == [0, 2, 4, 6, 8]  # one before the first step, then every eval_interval
     for step, row in rows.items():
-        ja, en = row["val_loss/ja"], row["val_loss/en"]
+        ja, en = row.per_source["ja"], row.per_source["en"]
         assert ja != en
         # The overall loss is the blend's, over the same samples: between its sources', nearer the larger one.
-        assert min(ja, en) < row["val_loss"] < max(ja, en)
-        assert abs(row["val_loss"] - ja) < abs(row["val_loss"] - en)
-        assert f"validation  step {step}  loss {row['val_loss']:.4f}  (ja {ja:.4f}, en {en:.4f})" in stderr
-    assert rows[STEPS]["val_loss/ja"] < rows[0]["val_loss/ja"] and rows[STEPS]["val_loss/en"] < rows[0]["val_loss/en"]
+        assert min(ja, en) < row.val_loss < max(ja, en)
+        assert abs(row.val_loss - ja) < abs(row.val_loss - en)
+        assert f"validation  step {step}  loss {row.val_loss:.4f}  (ja {ja:.4f}, en {en:.4f})" in stderr
+    assert all(rows[STEPS].per_source[name] < rows[0].per_source[name] for name in ("ja", "en"))
 
 
 def test_sigkilled_blended_run_resumes_with_identical_losses(blended_run, dataset_prefix: Path,
@@ -129,5 +128,7 @@ def test_two_zero3_ranks_evaluate_each_source_as_one_rank_does(blended_run, data
     expected = validation_rows(reference)
     got = validation_rows(run)
     assert sorted(got) == sorted(expected)
-    for step, row in expected.items():
-        assert got[step] == pytest.approx(row, rel=1e-4), step
+    for step, row in expected.items():  # the figures as logged: the overall and each source's val_loss, val_ppl
+        figures = {k: v for k, v in row.to_json().items() if k.startswith("val_")}
+        assert {k: v for k, v in got[step].to_json().items() if k.startswith("val_")} == pytest.approx(
+            figures, rel=1e-4), step

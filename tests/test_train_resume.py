@@ -13,6 +13,7 @@ from conftest import (QUICK, QUICK_TRAIN, REFERENCE_RUN, REFERENCE_STEPS, metric
 
 from gptpipe.artifacts import EXIT_PREEMPTED
 from gptpipe.train.checkpoint import COMPLETE_MARKER, STATE, complete_checkpoints
+from gptpipe.train.metrics_rows import TrainRow
 
 STEPS = REFERENCE_STEPS
 
@@ -62,7 +63,7 @@ def test_sigkilled_run_with_dropout_resumes_to_the_same_curve(dataset_prefix: Pa
               "model.arch=gpt2", "model.dropout=0.1", "train.sample_prompts=[日本語の]", "train.sample_tokens=4")
 
     def rows(run: Path) -> list[dict]:
-        return [{k: r[k] for k in ("step", "loss", "grad_norm")} for r in metrics(run) if "loss" in r]
+        return [{"step": r.step, "loss": r.loss, "grad_norm": r.grad_norm} for r in metrics(run, TrainRow)]
 
     full = run_train("--config", config, *QUICK_TRAIN, *common, f"train.output_model_dir={tmp_path / 'full'}")
     assert full.returncode == 0, full.stderr[-3000:]
@@ -110,8 +111,8 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(dataset_prefix: P
                      "train.save_interval=1", f"train.output_model_dir={run}")
     assert done.returncode == 1, done.stderr[-3000:]
     assert "3 non-finite steps in a row" in done.stderr
-    rows = metrics(run)
-    assert rows[-1]["skipped_steps"] == 3 and rows[-1]["loss"] is None
+    rows = metrics(run, TrainRow)
+    assert rows[-1].skipped_steps == 3 and rows[-1].loss is None
     # Only the finite state after step 1 was saved; no checkpoint of a non-finite state exists.
     assert [step for step, _ in complete_checkpoints(run / "checkpoints")] == [1]
     assert [p.name for p in (run / "checkpoints").glob("global_step*")] == ["global_step1"]

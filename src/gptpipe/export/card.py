@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from gptpipe.finetune.metrics import TASK_METRICS, metric
+from gptpipe.train.metrics_rows import EVALUATIONS, Row, TaskEvalRow, TrainRow, of_kind
 
 LOSS_CURVE = "loss_curve.png"
 METRIC_CURVE = "metric_curve.png"
@@ -76,10 +77,14 @@ class CardFacts:
     has_loss_curve: bool = False
 
 
-def plot_loss_curve(rows: list[dict[str, Any]], png: Path) -> bool:
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float))
+
+
+def plot_loss_curve(rows: list[Row], png: Path) -> bool:
     """Train (and validation) loss against steps; False when the logs hold no loss to draw."""
-    train = [(r["step"], r["loss"]) for r in rows if isinstance(r.get("loss"), (int, float))]
-    val = [(r["step"], r["val_loss"]) for r in rows if isinstance(r.get("val_loss"), (int, float))]
+    train = [(r.step, r.loss) for r in of_kind(rows, TrainRow) if _number(r.loss)]
+    val = [(r.step, r.val_loss) for r in of_kind(rows, EVALUATIONS) if _number(r.val_loss)]
     if not train and not val:
         return False
     import matplotlib
@@ -101,10 +106,11 @@ def plot_loss_curve(rows: list[dict[str, Any]], png: Path) -> bool:
     return True
 
 
-def plot_metric_curve(rows: list[dict[str, Any]], kind: str, png: Path) -> bool:
+def plot_metric_curve(rows: list[Row], kind: str, png: Path) -> bool:
     """The task's validation metrics against steps, with the majority baseline dashed (classification);
     False when no evaluation was logged."""
-    evals = [r for r in rows if any(isinstance(r.get(f"val_{m.key}"), (int, float)) for m in TASK_METRICS[kind])]
+    evals = [(r.step, r.metrics) for r in of_kind(rows, TaskEvalRow)
+             if any(_number(r.metrics.get(m.key)) for m in TASK_METRICS[kind])]
     if not evals:
         return False
     import matplotlib
@@ -114,9 +120,9 @@ def plot_metric_curve(rows: list[dict[str, Any]], kind: str, png: Path) -> bool:
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     for key, label in ((m.key, m.label) for m in TASK_METRICS[kind]):
-        points = [(r["step"], r[f"val_{key}"]) for r in evals if isinstance(r.get(f"val_{key}"), (int, float))]
+        points = [(step, m[key]) for step, m in evals if _number(m.get(key))]
         line, = ax.plot(*zip(*points), label=f"validation {label}", marker="o" if len(points) < 30 else None)
-        baseline = [(r["step"], r[f"val_majority_{key}"]) for r in evals if f"val_majority_{key}" in r]
+        baseline = [(step, m[f"majority_{key}"]) for step, m in evals if f"majority_{key}" in m]
         if baseline:
             ax.plot(*zip(*baseline), linestyle="--", color=line.get_color(), label=f"majority baseline {label}")
     ax.set_xlabel("step")
@@ -128,12 +134,12 @@ def plot_metric_curve(rows: list[dict[str, Any]], kind: str, png: Path) -> bool:
     return True
 
 
-def final_val_loss(state: dict[str, Any], rows: list[dict[str, Any]]) -> float | None:
+def final_val_loss(state: dict[str, Any], rows: list[Row]) -> float | None:
     """The checkpoint's own figure (final, else latest evaluation), else the last validation loss in the logs."""
     for key in ("final_val_loss", "val_loss"):
-        if isinstance(state.get(key), (int, float)):
+        if _number(state.get(key)):
             return float(state[key])
-    val = [r["val_loss"] for r in rows if isinstance(r.get("val_loss"), (int, float))]
+    val = [r.val_loss for r in of_kind(rows, EVALUATIONS) if _number(r.val_loss)]
     return float(val[-1]) if val else None
 
 
@@ -247,7 +253,7 @@ def _metric_rows(block: TaskBlock, step: int) -> list[str]:
     else:
         lines = ["| validation metric | this model |", "| --- | --- |"]
         lines += [f"| {x.label} | {x.show(m[x.key])} |" for x in TASK_METRICS[kind]]
-    if isinstance(m.get("val_loss"), (int, float)):
+    if _number(m.get("val_loss")):
         scored = "the assistant turns: {:.4f} nats per assistant token" if kind == "chat" else \
             "the gold labels: {:.4f} nats per label token"
         lines += ["", f"Validation loss on {scored.format(m['val_loss'])}."]

@@ -22,7 +22,7 @@ from gptpipe.stage import Manifest, StageFailed, StageResult, atomic_dir, write_
 from gptpipe.artifacts import CONVERT, EXIT_OK
 from gptpipe.train.bucket import local_checkpoint_source
 from gptpipe.train.checkpoint import Checkpoint, consolidate, find_checkpoint, model_from_checkpoint
-from gptpipe.train.logging import read_metrics
+from gptpipe.train.metrics_rows import read_metrics
 
 log = get_logger("convert")
 

@@ -25,6 +25,7 @@ from gptpipe.stage import StageInputError, file_fingerprint, tree_fingerprint
 from gptpipe.artifacts import TOKENIZE, TRAIN_TOKENIZER, DatasetInfo, read_dataset, read_tokenizer
 from gptpipe.tokenizer.hf import SENTENCEPIECE_FILE, exported_config
 from gptpipe.train.checkpoint import STATE, Checkpoint
+from gptpipe.train.metrics_rows import Row
 
 if TYPE_CHECKING:
     from gptpipe.pipeline import PipelineConfig
@@ -61,7 +62,7 @@ class ExportSource(Protocol):
     def gate(self) -> GateSpec:
         """The gate's rows, the tokenizer to compare against, the ids the model was trained with."""
 
-    def card(self, folder: Path, metrics: list[dict[str, Any]]) -> tuple[CardBlocks, dict[str, Any]]:
+    def card(self, folder: Path, metrics: list[Row]) -> tuple[CardBlocks, dict[str, Any]]:
         """(the card's source-specific blocks, the manifest counts they give); curves are drawn into `folder`."""
 
 
@@ -155,7 +156,7 @@ class PretrainSource:
                         special_ids={"bos": t.bos_id, "eos": t.eos_id, "pad": t.pad_id}, vocab_size=t.vocab_size,
                         sentencepiece=t.model_path)
 
-    def corpus(self, metrics: list[dict[str, Any]]) -> CorpusBlock:
+    def corpus(self, metrics: list[Row]) -> CorpusBlock:
         sources = to_plain(self.training)["corpus"]["sources"]
         return CorpusBlock(
             corpus=[" ".join(str(v) for k, v in s.items() if v not in (None, "") and k in ("type", "path", "name",
@@ -166,7 +167,7 @@ class PretrainSource:
                        "chars_per_token": getattr(self.tokenizer, "chars_per_token", None)},
             final_val_loss=final_val_loss(self.checkpoint.state, metrics))
 
-    def card(self, folder: Path, metrics: list[dict[str, Any]]) -> tuple[CardBlocks, dict[str, Any]]:
+    def card(self, folder: Path, metrics: list[Row]) -> tuple[CardBlocks, dict[str, Any]]:
         plain = to_plain(self.training)
         corpus = self.corpus(metrics)
         return (CardBlocks(training_config={k: plain[k] for k in ("model", "train", "data")}, corpus=corpus),
@@ -214,7 +215,7 @@ class ContinuedSource(PretrainSource):
         # config.json must be the base's whole (the base-files check), so no ids of its own are checked
         return GateSpec(self.rows, TokenizerReference("the training data", self.compare_tokenizer), base=self.base)
 
-    def card(self, folder: Path, metrics: list[dict[str, Any]]) -> tuple[CardBlocks, dict[str, Any]]:
+    def card(self, folder: Path, metrics: list[Row]) -> tuple[CardBlocks, dict[str, Any]]:
         blocks, counts = super().card(folder, metrics)
         blocks.base = BaseBlock(self.base.folder.name, self.base.model_type)
         return blocks, counts
@@ -364,7 +365,7 @@ class FinetuneSource:
                         special_ids={"eos": t.eos_token_id, "pad": t.pad_token_id}, sentencepiece=self.sentencepiece,
                         chat_template=t.chat_template if self.rows.chat else None)
 
-    def card(self, folder: Path, metrics: list[dict[str, Any]]) -> tuple[CardBlocks, dict[str, Any]]:
+    def card(self, folder: Path, metrics: list[Row]) -> tuple[CardBlocks, dict[str, Any]]:
         state, step = self.checkpoint.state, self.checkpoint.step
         task = state["task"]
         summary_path = self.checkpoint.run_dir / SUMMARY_FILE

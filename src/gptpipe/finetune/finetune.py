@@ -77,6 +77,7 @@ from gptpipe.train import checkpoint
 from gptpipe.train.data import sample_positions
 from gptpipe.train.engine import Dist, EngineConfigError, build_engine, deepspeed_config
 from gptpipe.train.loop import LogWindow, TrainLoop, run_ranks
+from gptpipe.train.metrics_rows import TaskEvalRow, TrainRow
 from gptpipe.train.model import inference_config
 from gptpipe.train.schedule import Schedule
 
@@ -356,13 +357,13 @@ class FineTuner(TrainLoop):
         seconds = max(window.seconds, 1e-9)
         rows_per_s = window.steps * self.train_cfg.global_batch_size / seconds
         (real, computed), self.counted = self.counted, [0, 0]
-        row = {"step": self.step, "epoch": self.step * self.train_cfg.global_batch_size / len(self.task.train),
-               **window.row(), "rows_per_s": rows_per_s, "tokens_per_s": real / seconds,
-               "padding": 1 - real / max(computed, 1)}
+        row = TrainRow(self.step, **window.row(), tokens_per_s=real / seconds,
+                       epoch=self.step * self.train_cfg.global_batch_size / len(self.task.train),
+                       rows_per_s=rows_per_s, padding=1 - real / max(computed, 1))
         skipped = f"  skipped {self.skipped}" if self.skipped else ""
-        self.log.record(row, console=f"step {self.step}/{self.steps}  epoch {row['epoch']:.2f}  {window.line()}  "
-                                     f"{rows_per_s:,.1f} rows/s  {row['tokens_per_s']:,.0f} tokens/s  "
-                                     f"padding {row['padding']:.0%}{skipped}")
+        self.log.record(row, console=f"step {self.step}/{self.steps}  epoch {row.epoch:.2f}  {window.line()}  "
+                                     f"{rows_per_s:,.1f} rows/s  {row.tokens_per_s:,.0f} tokens/s  "
+                                     f"padding {row.padding:.0%}{skipped}")
 
     # --- checkpoints ---------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
@@ -398,8 +399,7 @@ class FineTuner(TrainLoop):
         if improved:
             self.best = {"step": self.step, "value": value, "metrics": metrics}
         # Every figure goes to metrics.jsonl; TensorBoard and wandb take the numbers (RunLogger filters).
-        self.log.record({"step": self.step, **{k if k.startswith("val_") else f"val_{k}": v
-                                               for k, v in metrics.items() if k != "step"}},
+        self.log.record(TaskEvalRow(self.step, {k: v for k, v in metrics.items() if k != "step"}),
                         console=self._eval_console(metrics, improved))
         return improved
 

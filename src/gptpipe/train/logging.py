@@ -1,5 +1,5 @@
-"""What a run shows and records: a console line per log step under a progress bar with ETA,
-`metrics.jsonl` (one object per log step or evaluation, appended across resumes), TensorBoard and wandb
+"""What a run shows and records: a console line per log step under a progress bar with ETA, `metrics.jsonl`
+(one train/metrics_rows.py row per log step or evaluation, appended across resumes), TensorBoard and wandb
 (offline into the run folder when no WANDB_API_KEY is set). Only the main rank writes anything.
 """
 
@@ -17,30 +17,7 @@ from typing import Any
 from tqdm import tqdm
 
 from gptpipe.config.core import to_plain
-
-
-def _format(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:,.0f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
-
-
-def read_metrics(path: Path, last_step: float = math.inf) -> list[dict[str, Any]]:
-    """The rows of a run's metrics.jsonl up to ``last_step`` (a resumed run appends, so rows past a checkpoint
-    may belong to a later segment); a line cut short by a kill is skipped."""
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and row.get("step", math.inf) <= last_step:
-            rows.append(row)
-    return rows
+from gptpipe.train.metrics_rows import Row, SamplesRow
 
 
 class RunLogger:
@@ -76,14 +53,19 @@ class RunLogger:
         if self.enabled:
             tqdm.write(message, file=sys.stderr)
 
-    def record(self, row: dict[str, Any], console: str | None = None) -> None:
-        """Append `row` to metrics.jsonl, TensorBoard and wandb; print `console` (or the row) above the bar."""
-        if not self.enabled:
-            return
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+    def _write(self, row: Row) -> dict[str, Any]:
+        """Append `row` to metrics.jsonl, a figure that is not finite as null; returns its JSON object."""
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.to_json().items()}
         self.metrics.write(json.dumps(clean, ensure_ascii=False) + "\n")
         self.metrics.flush()
-        step = row["step"]
+        return clean
+
+    def record(self, row: Row, console: str) -> None:
+        """Append `row` to metrics.jsonl, its numbers to TensorBoard and wandb; print `console` above the bar."""
+        if not self.enabled:
+            return
+        clean = self._write(row)
+        step = row.step
         numbers = {k: v for k, v in clean.items() if isinstance(v, (int, float)) and k != "step"}
         if self.tensorboard and numbers:
             for key, value in numbers.items():
@@ -96,15 +78,13 @@ class RunLogger:
                 self.tensorboard_opened = time.monotonic()
         if self.wandb and numbers:
             self.wandb.log(numbers, step=step)
-        self.say(console if console is not None else "  ".join(f"{k} {_format(v)}" for k, v in row.items()))
+        self.say(console)
 
     def samples(self, step: int, generations: list[tuple[str, str]]) -> None:
         """Sample generations: console, TensorBoard text, wandb table, metrics.jsonl."""
         if not self.enabled or not generations:
             return
-        self.metrics.write(json.dumps({"step": step, "samples": [{"prompt": p, "text": t} for p, t in generations]},
-                                      ensure_ascii=False) + "\n")
-        self.metrics.flush()
+        self._write(SamplesRow(step, [{"prompt": p, "text": t} for p, t in generations]))
         for prompt, text in generations:
             self.say(f"  sample | {prompt}{text}".replace("\n", "\\n"))
         if self.tensorboard:

@@ -25,7 +25,7 @@ from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.storage import join, local_folder
 from gptpipe.train import checkpoint
 from gptpipe.train.bucket import Bucket, needed_by
-from gptpipe.train.logging import read_metrics
+from gptpipe.train.metrics_rows import read_metrics
 from gptpipe.train.uploader import RECORD, UPLOADS, file_stamp
 
 log = get_logger("train")
@@ -215,7 +215,7 @@ class RunMirror:
         assert self.bucket is not None
         for path in self.bucket.download_run_files(self.local, RESUMED_FILES):
             self._side_synced[path.relative_to(self.local).as_posix()] = file_stamp(path)
-        logged = max((row.get("step", 0) for row in read_metrics(self.local / "metrics.jsonl")), default=0)
+        logged = max((row.step for row in read_metrics(self.local / "metrics.jsonl")), default=0)
         if remote is not None and logged > remote[0]:
             log.info(f"steps {remote[0] + 1}-{logged} were logged by the stopped process after its last complete "
                      f"checkpoint and are redone now: metrics.jsonl keeps both (equal) copies; wandb drops the "

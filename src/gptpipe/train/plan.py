@@ -20,7 +20,7 @@ from gptpipe.data.count import DatasetCounts, count_dataset, epoch_schedule, sta
 from gptpipe.storage import is_url
 from gptpipe.train.data import available_host_ram, blend_weights, check_splits, index_bytes
 from gptpipe.train.devices import LossPath, detect_device, loss_path, peak_flops, ranks_per_node
-from gptpipe.train.logging import read_metrics
+from gptpipe.train.metrics_rows import SpeedSetup, TrainRow, of_kind, read_metrics
 from gptpipe.train.memory import (
     GIB,
     GPU_RANK_HOST_RAM,
@@ -76,7 +76,7 @@ class Plan:
     host_ram: float
     checkpoint_bytes: float
     peak_flops: float | None
-    setup: str  # what a measured speed depends on: model shape, precision, sequence length, device and ranks
+    setup: SpeedSetup  # what a measured speed depends on: model shape, precision, sequence length, device and ranks
     measured_tokens_per_s: float | None  # from this run folder's metrics.jsonl, measured under the same setup
     measured_elsewhere: str | None  # the setup of the run folder's speeds when they are not this plan's
 
@@ -99,24 +99,17 @@ class Plan:
         return ASSUMED_MFU * self.peak_flops * self.dp / self.flops_per_token
 
 
-def speed_setup(shape: Shape, precision: str, seq_len: int, device_name: str, dp: int) -> str:
-    """What tokens/s depends on, as each train row of metrics.jsonl records it ("setup")."""
-    return (f"{shape.arch} {shape.num_layers}x{shape.hidden_size} ffn {shape.ffn_hidden_size} "
-            f"vocab {shape.vocab_size} experts {shape.num_experts}/{shape.experts_top_k}, {precision}, "
-            f"seq_len {seq_len}, {dp} x {device_name}")
-
-
-def measured_tokens_per_s(run_dir: Path, tokens_per_step: int, setup: str,
+def measured_tokens_per_s(run_dir: Path, tokens_per_step: int, setup: SpeedSetup,
                           last: int = 20) -> tuple[float | None, str | None]:
     """(median tokens/s of the last `last` log steps in `run_dir`/metrics.jsonl measured under `setup` with the
     same tokens per step (an earlier segment of this run, before a resume), the other setup the folder's speeds
     were measured under when none matches); (None, None) where it has none."""
-    rows = [row for row in read_metrics(run_dir / "metrics.jsonl") if row.get("tokens_per_s") and row.get("step")]
-    speeds = [float(row["tokens_per_s"]) for row in rows
-              if row.get("setup") == setup and row.get("tokens") == row["step"] * tokens_per_step]
+    rows = [row for row in of_kind(read_metrics(run_dir / "metrics.jsonl"), TrainRow) if row.tokens_per_s and row.step]
+    speeds = [float(row.tokens_per_s) for row in rows
+              if row.setup == str(setup) and row.tokens == row.step * tokens_per_step]
     if speeds:
         return statistics.median(speeds[-last:]), None
-    return None, (rows[-1].get("setup") or "an unrecorded setup") if rows else None
+    return None, (rows[-1].setup or "an unrecorded setup") if rows else None
 
 
 def world_size() -> int:
@@ -219,7 +212,7 @@ def make_plan(config: PipelineConfig, vocab_size: int, dp: int | None = None, de
             "is available. Fix: lower train.train_tokens or train.train_epochs"
             + (", or set train.offload_optimizer=false" if settings.offload else ""))
 
-    setup = speed_setup(shape, train.precision, train.seq_len, name, dp)
+    setup = SpeedSetup(shape, train.precision, train.seq_len, name, dp)
     measured, elsewhere = ((None, None) if is_url(train.output_model_dir) else
                            measured_tokens_per_s(train.output_model_dir, tokens_per_step, setup))
     p = bytes_per_value(train.precision)

@@ -33,6 +33,7 @@ from gptpipe.train.data import (DataError, build_datasets, collate, eval_batches
                                 source_counts, source_names, to_device)
 from gptpipe.train.engine import Dist, EngineConfigError, build_engine, deepspeed_config
 from gptpipe.train.loop import LogWindow, TrainLoop, run_ranks
+from gptpipe.train.metrics_rows import MixtureRow, TrainRow, ValidationRow
 from gptpipe.tolerance import loss_tolerance
 from gptpipe.train.model import build_model, expert_shares, router_loss
 from gptpipe.train.plan import Plan, PlanError, check_parameter_count, make_plan
@@ -208,14 +209,14 @@ class Pretrainer(TrainLoop):
         each source's validation loss has its starting point (the base model's, when continuing pretraining)."""
         console = "data mixture of the run (megatron's blend index):\n" + "\n".join(f"  {m.line()}"
                                                                                    for m in self.mixture)
-        row: dict[str, Any] = {"step": self.step, "mixture": {m.name: {"tokens": m.tokens, "share": m.share,
-                                                                       "epochs": m.epochs} for m in self.mixture}}
+        row = MixtureRow(self.step, {m.name: {"tokens": m.tokens, "share": m.share, "epochs": m.epochs}
+                                     for m in self.mixture})
         if len(self.sources) > 1:
             # eval_batches keeps a multiple of the ranks of each source's validation samples
             world = self.dist.world_size
             counts = [n // world * world for n in source_counts(self.valid_data, self.plan.eval_samples,
                                                                 len(self.sources))]
-            row["validation_samples"] = dict(zip(self.sources, counts))
+            row.validation_samples = dict(zip(self.sources, counts))
             console += "\n  validation samples per source: " + ", ".join(
                 f"{name} {n}" for name, n in zip(self.sources, counts))
             if not all(counts):
@@ -227,32 +228,30 @@ class Pretrainer(TrainLoop):
     def log_train(self, window: LogWindow) -> None:
         plan = self.plan
         tokens_per_s = window.steps * plan.tokens_per_step / max(window.seconds, 1e-9)
-        row: dict[str, Any] = {"step": self.step, "tokens": self.consumed * self.train_cfg.seq_len, **window.row(),
-                               "tokens_per_s": tokens_per_s, "setup": plan.setup}
+        row = TrainRow(self.step, **window.row(), tokens_per_s=tokens_per_s,
+                       tokens=self.consumed * self.train_cfg.seq_len, setup=str(plan.setup),
+                       skipped_steps=self.skipped)
         routing = ""
         if window.last.aux_loss is not None:
-            row["aux_loss"] = float(window.last.aux_loss)
-            routing = f"  router-aux {row['aux_loss']:.3f}" + self._routing(window.last.aux_loss.counts, row, "")
+            row.aux_loss = float(window.last.aux_loss)
+            routing = f"  router-aux {row.aux_loss:.3f}" + self._routing(window.last.aux_loss.counts, row)
         if plan.peak_flops:
-            row["mfu"] = plan.flops_per_token * tokens_per_s / (plan.peak_flops * self.dist.world_size)
-        row["mem_gib"] = self._memory_gib()
-        row["skipped_steps"] = self.skipped
+            row.mfu = plan.flops_per_token * tokens_per_s / (plan.peak_flops * self.dist.world_size)
+        row.mem_gib = self._memory_gib()
         self.log.record(row, console=(
-            f"step {self.step}/{self.steps}  tokens {row['tokens']:,}  {window.line()}"
+            f"step {self.step}/{self.steps}  tokens {row.tokens:,}  {window.line()}"
             + routing
-            + f"  {tokens_per_s:,.0f} tok/s" + (f"  MFU {row['mfu']:.1%}" if "mfu" in row else "")
-            + f"  mem {row['mem_gib']:.2f} GiB" + (f"  skipped {self.skipped}" if self.skipped else "")
+            + f"  {tokens_per_s:,.0f} tok/s" + (f"  MFU {row.mfu:.1%}" if row.mfu is not None else "")
+            + f"  mem {row.mem_gib:.2f} GiB" + (f"  skipped {self.skipped}" if self.skipped else "")
             + (self.mirror.status() if self.mirror else "")))
 
-    def _routing(self, counts: torch.Tensor, row: dict[str, Any], prefix: str) -> str:
+    def _routing(self, counts: torch.Tensor, row: TrainRow | ValidationRow) -> str:
         """A mixture of experts' routing over this step's (or the validation's) tokens of every rank: each
         layer's smallest expert share into `row` (a fair share is 1/num_experts) and the experts under a
         quarter of a fair share; returns the console text. Collective: every rank calls it."""
         counts = counts.clone()
         torch.distributed.all_reduce(counts)
-        smallest, starved = expert_shares(counts)
-        row.update({f"{prefix}expert_share_min/layer{i}": share for i, share in enumerate(smallest)})
-        row[f"{prefix}experts_starved"] = starved
+        smallest, starved = row.expert_share_min, row.experts_starved = expert_shares(counts)
         return f"  expert-min {'/'.join(f'{share:.1%}' for share in smallest)}  starved {starved}"
 
     def _memory_gib(self) -> float:
@@ -291,15 +290,15 @@ class Pretrainer(TrainLoop):
         loss = (overall[0] / overall[1]).item()
         self.last_val_loss = loss
         ppl = math.exp(min(loss, 50.0))
-        row: dict[str, Any] = {"step": self.step, "val_loss": loss, "val_ppl": ppl}
+        row = ValidationRow(self.step, val_loss=loss, val_ppl=ppl)
         per_source = ""
         if len(self.sources) > 1:
             for name, (loss_sum, count) in zip(self.sources, totals.tolist()):
                 if count:  # a source with no validation sample in the budget has no loss to show
-                    row[f"val_loss/{name}"] = loss_sum / count
-            per_source = "  (" + ", ".join(f"{name} {row[f'val_loss/{name}']:.4f}" if f"val_loss/{name}" in row
+                    row.per_source[name] = loss_sum / count
+            per_source = "  (" + ", ".join(f"{name} {row.per_source[name]:.4f}" if name in row.per_source
                                            else f"{name} -" for name in self.sources) + ")"
-        routing = self._routing(counts, row, "val_") if counts is not None else ""
+        routing = self._routing(counts, row) if counts is not None else ""
         self.log.record(row, console=f"validation  step {self.step}  loss {loss:.4f}{per_source}  "
                                      f"perplexity {ppl:.2f}{routing}")
         self.log.samples(self.step, self._generate())
