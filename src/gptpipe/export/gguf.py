@@ -352,7 +352,8 @@ def write_gguf(folder: Path, path: Path, outtype: str, name: str) -> dict[str, A
         writer.write_tensors_to_file()
         writer.close()
     return {"arch": arch, "outtype": outtype, "vocabulary": vocab.model, "pre_tokenizer": vocab.pre,
-            "tokens": len(vocab.tokens), "tensors": tensors, "tensors_kept_f16": kept_f16,
+            "tokens": len(vocab.tokens), "byte_pieces": vocab.types.count(gguf.TokenType.BYTE),
+            "tensors": tensors, "tensors_kept_f16": kept_f16,
             "chat_template": vocab.chat_template is not None, "bytes": path.stat().st_size}
 
 
@@ -503,7 +504,12 @@ def run(config: ConvertConfig, args: argparse.Namespace) -> int:
 
     manifest = GGUF.run(out, settings, {"model": model_input}, work, force=args.force,
                         versions=("gguf", "transformers", "tokenizers"))
-    check = manifest.counts.get("llamacpp_check")
+    counts = manifest.counts
+    if counts["vocabulary"] == "t5" and counts.get("byte_pieces"):
+        log.warning("llama.cpp's unigram (UGM) tokenizer has no byte fallback: a character none of the pieces "
+                    "covers becomes <unk> in llama.cpp, where transformers writes its UTF-8 bytes. For a GGUF that "
+                    "tokenizes every text as transformers does, train stage 1 with model_type: bpe.")
+    check = counts.get("llamacpp_check")
     if check:
         print(f"llama.cpp ({check['llama_cpp']}): {check['texts_differing']}/{check['texts']} texts tokenized "
               f"differently ({check['texts_differing_with_byte_fallback']} of them hold byte-fallback characters); "
