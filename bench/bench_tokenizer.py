@@ -29,7 +29,8 @@ language-model quality: stage 2 with the tokenizer, then the same tiny Llama tra
 same steps and tokens per step, once per seed, its validation loss over the whole validation split turned into
 bits per character (loss per token x validation tokens / validation characters / ln 2), which compares across
 tokenizers where per-token losses do not. Outputs are kept in --workdir, and a stage whose outputs are current
-is skipped on a rerun (the training figures then come from its manifest). Prints a table and compare.json.
+is skipped on a rerun (the training figures then come from its manifest). Prints a table and writes the
+figures to compare-<vocab sizes>.json.
 """
 
 from __future__ import annotations
@@ -274,7 +275,8 @@ def compare(workdir: Path, source: Path, vocab_sizes: list[int], steps: int, see
                 print(f"{label}: tiny Llama, seed {seed} ...", file=sys.stderr, flush=True)
                 row["lm"].append(bits_per_character(workdir, tokenizer, steps, seed))
             rows.append(row)
-            (workdir / "compare.json").write_text(json.dumps(rows, indent=1, ensure_ascii=False), encoding="utf-8")
+            figures = json.dumps(rows, indent=1, ensure_ascii=False)
+            (workdir / f"compare-{'-'.join(map(str, vocab_sizes))}.json").write_text(figures, encoding="utf-8")
     print(f"{'tokenizer':<14} {'train s':>8} {'stage s':>7} {'peak RSS MiB':>12} {'chars/token':>11} "
           f"{'byte chars':>10} {'llama.cpp ids differ':>20} {'greedy differ':>13} {'val bits/char (per seed)':>26}")
     for r in rows:
@@ -285,7 +287,7 @@ def compare(workdir: Path, source: Path, vocab_sizes: list[int], steps: int, see
               f"{len(check['greedy_differing']):>11}/{check['prompts']} "
               f"{sum(bpc) / len(bpc):>8.4f} ({', '.join(f'{b:.4f}' for b in bpc)})")
     print(f"(held-out: {len(heldout)} documents; tiny Llama {steps} steps x 8 x 128 tokens; outputs and "
-          f"compare.json in {workdir}; {os.cpu_count()} CPUs)")
+          f"compare-*.json in {workdir}; {os.cpu_count()} CPUs)")
 
 
 def main() -> None:
