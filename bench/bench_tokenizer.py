@@ -18,12 +18,26 @@ instead calibrates the stage's RAM estimate (RSS_BASE_MIB, RSS_PER_SAMPLE_BYTE i
 a ~1.1 GB corpus of new documents recombined from the man pages' lines (calibration.jsonl in the workdir, kept
 for reruns), then one training per input_sentence_size, each printing the sample size the stage expected
 before sampling and got, and its RSS estimate against the measured peak (slow: ~1 hour on 2 cores).
+
+    python bench/bench_tokenizer.py --compare [--vocab-sizes 32000,8000] [--steps 300] [--seeds 1234,1235]
+
+instead compares model_type unigram with bpe on the man-page corpus, at each vocabulary size: stage 1's training
+time and peak RSS; characters per token on stage 1's held-out documents and the share of their characters written
+as byte pieces; llama.cpp exactness (a tiny random Llama with the tokenizer, written by `gptpipe gguf`'s writer,
+its ids on the held-out documents and the tricky strings through llama-tokenize against transformers'); and
+language-model quality: stage 2 with the tokenizer, then the same tiny Llama trained by `gptpipe train` for the
+same steps and tokens per step, once per seed, its validation loss over the whole validation split turned into
+bits per character (loss per token x validation tokens / validation characters / ln 2), which compares across
+tokenizers where per-token losses do not. Outputs are kept in --workdir, and a stage whose outputs are current
+is skipped on a rerun (the training figures then come from its manifest). Prints a table and writes the
+figures to compare-<vocab sizes>.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -36,7 +50,15 @@ import threading
 import time
 from pathlib import Path
 
+from gptpipe.config.core import load_config
+from gptpipe.data.count import count_dataset
+from gptpipe.data.split import split_documents
+from gptpipe.export.gguf import llamacpp_report, write_gguf
+from gptpipe.pipeline import PipelineConfig
 from gptpipe.tokenizer.build import estimate_peak_mib
+from gptpipe.tokenizer.config import TokenizerConfig
+from gptpipe.tokenizer.hf import TRICKY_STRINGS
+from gptpipe.tokenizer.sample import sample_corpus, scan_corpus
 
 REPO = Path(__file__).resolve().parent.parent
 REPEAT = 10
@@ -63,13 +85,15 @@ def corpus_stage(workdir: Path, jsonl: Path, name: str) -> None:
 
 
 def train(workdir: Path, corpus: str, label: str, *overrides: str) -> dict:
-    wall, rss = gptpipe("train-tokenizer", "--config", str(workdir / "sentence_piece_config.yaml"),
-                        f"input=data/{corpus}/corpus.jsonl", f"output_dir=tokenizers/{label}", *overrides, cwd=workdir)
+    """Stage 1 (skipped when its outputs are current); its figures come from its manifest, so a rerun reports
+    the run that made the outputs: wall_s is the stage's own time (sampling, training, export, verification)."""
+    gptpipe("train-tokenizer", "--config", str(workdir / "sentence_piece_config.yaml"),
+            f"input=data/{corpus}/corpus.jsonl", f"output_dir=tokenizers/{label}", *overrides, cwd=workdir)
     manifest = json.loads((workdir / "tokenizers" / label / "manifest.json").read_text(encoding="utf-8"))
     counts, timings = manifest["counts"], manifest["timings"]
     return {"run": label, "corpus_mib": (workdir / "data" / corpus / "corpus.jsonl").stat().st_size / 2**20,
             "lines": counts["training_lines_sampled"], "sample_mib": counts["sample_mib"],
-            "train_s": timings["train_s"], "wall_s": wall, "peak_rss_mib": rss,
+            "train_s": timings["train_s"], "wall_s": timings["total_s"], "peak_rss_mib": counts["peak_rss_mib"],
             "estimated_mib": counts["estimated_peak_rss_mib"], "chars_per_token": counts["chars_per_token"]}
 
 
@@ -161,6 +185,111 @@ def calibrate(workdir: Path, source: Path, mib: int, sizes: list[int], full: boo
     print(f"(corpus {large.stat().st_size / 2**20:,.0f} MiB, outputs in {workdir}; {os.cpu_count()} CPUs)")
 
 
+# --- unigram against bpe (--compare) ---------------------------------------------------------------------
+MODEL_TYPES = ("unigram", "bpe")
+# A short `gptpipe train` of the tiny preset: the demo's sequence length and batch, no samples or loggers.
+LM_RUN = ("model.arch=llama", "model.preset=tiny", "train.seq_len=128", "train.global_batch_size=8",
+          "train.train_tokens=null", "train.train_epochs=1", "train.precision=fp32", "train.log_interval=50",
+          "train.sample_prompts=[]", "logging.wandb=false", "logging.tensorboard=false")
+
+
+def heldout_documents(workdir: Path, corpus: Path) -> list[str]:
+    """Stage 1's held-out documents: they depend on the corpus, seed and heldout_documents only, not on the
+    model type, so every tokenizer of the comparison is measured on the same texts."""
+    config = load_config(TokenizerConfig, workdir / "sentence_piece_config.yaml")
+    with tempfile.TemporaryDirectory() as tmp:
+        return sample_corpus([corpus], scan_corpus([corpus]), Path(tmp) / "sample.txt", 1000,
+                             config.max_sentence_length, config.heldout_documents, config.seed).heldout
+
+
+def byte_piece_share(model: Path, texts: list[str]) -> float:
+    """Share of the texts' characters that the tokenizer writes as UTF-8 byte pieces (each such character
+    starts with one byte piece that is not a continuation byte)."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    lead = {i for i in range(sp.get_piece_size())
+            if sp.is_byte(i) and not 0x80 <= int(sp.id_to_piece(i)[3:5], 16) < 0xC0}
+    return sum(i in lead for ids in sp.encode(texts) for i in ids) / sum(len(t) for t in texts)
+
+
+def llamacpp_exactness(workdir: Path, tokenizer: Path, texts: list[str]) -> dict:
+    """`gptpipe gguf`'s writer on a tiny random Llama with the tokenizer, then its llama.cpp check on the
+    held-out documents and the tricky strings."""
+    sys.path.insert(0, str(REPO))
+    from tests.conftest import tiny_llama  # the test suite's tiny model, so bench and tests check one thing
+
+    folder = tiny_llama(tokenizer / "hf", workdir / "models" / tokenizer.name)
+    gguf_path = workdir / "models" / f"{tokenizer.name}.gguf"
+    write_gguf(folder, gguf_path, "f16", tokenizer.name)
+    return llamacpp_report(gguf_path, folder, texts + list(TRICKY_STRINGS), ["このコマンドは"])
+
+
+def validation_split(workdir: Path, prefix: str) -> tuple[int, int]:
+    """(tokens, characters) of stage 2's validation documents, cut as training cuts them."""
+    config = load_config(PipelineConfig, workdir / "config.yaml")
+    counts = count_dataset(workdir / prefix, config.data.split, config.data.seed)
+    with open(workdir / "data" / "corpus" / "corpus.jsonl", encoding="utf-8") as fh:
+        lengths = [len(json.loads(line)["text"]) for line in fh]
+    if len(lengths) != counts.documents:
+        sys.exit(f"{prefix}: {counts.documents} documents, the corpus {len(lengths)}: cannot match characters")
+    valid = split_documents(config.data.split, counts.documents, config.data.seed)[1]
+    return counts.split_tokens[1], sum(lengths[i] for i in valid)
+
+
+def bits_per_character(workdir: Path, tokenizer: Path, steps: int, seed: int) -> dict:
+    """Stage 2 with the tokenizer, then `gptpipe train` of the tiny preset for ``steps`` steps; the validation
+    loss at the end covers the whole validation split once (eval_iters from its token count)."""
+    prefix = f"data/tokenized/{tokenizer.name}"
+    gptpipe("tokenize", "--config", str(workdir / "config.yaml"), f"tokenize.tokenizer_dir={tokenizer}",
+            f"tokenize.output_prefix={prefix}", cwd=workdir)
+    prefix += "_text_document"
+    tokens, chars = validation_split(workdir, prefix)
+    eval_iters = math.ceil(tokens / (128 * 8))
+    run = workdir / "runs" / f"{tokenizer.name}-{steps}steps-seed{seed}"
+    wall, _ = gptpipe("train", "--config", str(workdir / "config.yaml"), *LM_RUN, f"tokenize.tokenizer_dir={tokenizer}",
+                      f"data.prefixes=[{prefix}]",
+                      f"train.train_iters={steps}", f"train.eval_interval={steps}", f"train.save_interval={steps}",
+                      f"train.eval_iters={eval_iters}", f"train.seed={seed}", f"train.output_model_dir={run}",
+                      cwd=workdir)
+    with open(run / "metrics.jsonl", encoding="utf-8") as fh:
+        loss = [row for row in map(json.loads, fh) if "val_loss" in row][-1]["val_loss"]
+    return {"seed": seed, "val_loss": loss, "val_tokens": tokens, "val_chars": chars, "train_wall_s": wall,
+            "bits_per_char": loss * tokens / chars / math.log(2)}
+
+
+def compare(workdir: Path, source: Path, vocab_sizes: list[int], steps: int, seeds: list[int]) -> None:
+    heldout = heldout_documents(workdir, source)
+    rows = []
+    for vocab in vocab_sizes:
+        for model_type in MODEL_TYPES:
+            label = f"{model_type}_{vocab}"
+            print(f"{label}: stage 1 ...", file=sys.stderr, flush=True)
+            row = train(workdir, "corpus", label, f"model_type={model_type}", f"vocab_size={vocab}")
+            tokenizer = workdir / "tokenizers" / label
+            row["byte_share"] = byte_piece_share(tokenizer / "tokenizer.model", heldout)
+            print(f"{label}: llama.cpp check ...", file=sys.stderr, flush=True)
+            row["llamacpp"] = llamacpp_exactness(workdir, tokenizer, heldout)
+            row["lm"] = []
+            for seed in seeds:
+                print(f"{label}: tiny Llama, seed {seed} ...", file=sys.stderr, flush=True)
+                row["lm"].append(bits_per_character(workdir, tokenizer, steps, seed))
+            rows.append(row)
+            figures = json.dumps(rows, indent=1, ensure_ascii=False)
+            (workdir / f"compare-{'-'.join(map(str, vocab_sizes))}.json").write_text(figures, encoding="utf-8")
+    print(f"{'tokenizer':<14} {'train s':>8} {'stage s':>7} {'peak RSS MiB':>12} {'chars/token':>11} "
+          f"{'byte chars':>10} {'llama.cpp ids differ':>20} {'greedy differ':>13} {'val bits/char (per seed)':>26}")
+    for r in rows:
+        check, bpc = r["llamacpp"], [lm["bits_per_char"] for lm in r["lm"]]
+        print(f"{r['run']:<14} {r['train_s']:>8.1f} {r['wall_s']:>7.1f} {r['peak_rss_mib']:>12.0f} "
+              f"{r['chars_per_token']:>11.3f} {r['byte_share']:>10.4%} "
+              f"{check['texts_differing']:>8}/{check['texts']} texts "
+              f"{len(check['greedy_differing']):>11}/{check['prompts']} "
+              f"{sum(bpc) / len(bpc):>8.4f} ({', '.join(f'{b:.4f}' for b in bpc)})")
+    print(f"(held-out: {len(heldout)} documents; tiny Llama {steps} steps x 8 x 128 tokens; outputs and "
+          f"compare-*.json in {workdir}; {os.cpu_count()} CPUs)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", type=Path, help="an existing corpus.jsonl (default: build it with stage 0)")
@@ -172,6 +301,10 @@ def main() -> None:
     parser.add_argument("--full", action="store_true",
                         help="--calibrate: let every training finish instead of stopping it after its peak")
     parser.add_argument("--calibration-mib", type=int, default=1100, help="size of the --calibrate corpus")
+    parser.add_argument("--compare", action="store_true", help="unigram against bpe (see above)")
+    parser.add_argument("--vocab-sizes", default="32000,8000", help="--compare: vocabulary sizes")
+    parser.add_argument("--steps", type=int, default=300, help="--compare: tiny Llama training steps")
+    parser.add_argument("--seeds", default="1234,1235", help="--compare: a tiny Llama training per seed")
     args = parser.parse_args()
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_tokenizer_"))
@@ -185,6 +318,10 @@ def main() -> None:
         source = workdir / "data" / "corpus" / "corpus.jsonl"
     else:
         corpus_stage(workdir, source, "corpus")
+    if args.compare:
+        compare(workdir, source, [int(n) for n in args.vocab_sizes.split(",")], args.steps,
+                [int(n) for n in args.seeds.split(",")])
+        return
     if args.calibrate:
         calibrate(workdir, source, args.calibration_mib, [int(n) for n in args.sizes.split(",")], args.full)
         return
@@ -198,7 +335,7 @@ def main() -> None:
     if args.unbounded:
         rows.append(train(workdir, "corpus10x", "10x-all"))
 
-    header = f"{'run':<12} {'corpus MiB':>10} {'lines':>10} {'sample MiB':>10} {'train s':>8} {'wall s':>8} " \
+    header = f"{'run':<12} {'corpus MiB':>10} {'lines':>10} {'sample MiB':>10} {'train s':>8} {'stage s':>8} " \
              f"{'peak RSS MiB':>12} {'estimated':>9} {'chars/token':>11}"
     print(header)
     for r in rows:

@@ -194,7 +194,7 @@ def _with_tokenizer(folder: Path, tokenizer_hf: Path) -> Path:
 def unigram_tokenizer(corpus_dir: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Stage 1's output folder: a 2,000-piece unigram tokenizer trained on the man pages."""
     tokenizer = tmp_path_factory.mktemp("tok") / "unigram"
-    assert train_small_tokenizer(workspace, tokenizer, *SMALLER) == 0
+    assert train_small_tokenizer(workspace, tokenizer, *SMALLER, "model_type=unigram") == 0
     return tokenizer
 
 

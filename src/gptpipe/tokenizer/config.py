@@ -19,7 +19,9 @@ class TokenizerConfig:
     output_dir: Path = option(Path("tokenizers/ja_32k"), "folder for tokenizer.model/.vocab, hf/ and the manifest")
     model_prefix: str = option("tokenizer", "file name stem of the .model/.vocab files")
     vocab_size: int = option(32000, "number of pieces, special tokens included")
-    model_type: Literal["unigram", "bpe"] = option("unigram", "SentencePiece algorithm")
+    model_type: Literal["unigram", "bpe"] = option(
+        "unigram", "SentencePiece algorithm: bpe's GGUF tokenizes exactly in llama.cpp (unigram's loses characters "
+        "it writes as bytes), unigram gave ~2% fewer bits per character on the man pages (docs/benchmarks.md)")
     character_coverage: float = option(0.9995, "share of characters covered by pieces; the rest byte-fall-back")
     normalization: Literal["identity", "nfkc", "nmt_nfkc"] = option(
         "identity", "text normalization; identity round-trips Japanese exactly (decode(encode(x)) == x)")
