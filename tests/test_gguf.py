@@ -9,6 +9,7 @@ skipped, with the reason, where that build is absent.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -227,6 +228,21 @@ def heldout_texts(corpus_dir: Path) -> list[str]:
         lines = document.split("\n")
         texts += ["\n".join(lines[i:i + 6]) for i in range(0, min(len(lines), 60), 6)]
     return [*texts, *TRICKY_STRINGS]
+
+
+@pytest.mark.llamacpp
+@needs_llamacpp
+def test_llamacpp_reads_special_token_text_as_a_chat_tokenizer_does(bpe_llama: Path, workspace: Path,
+                                                                     tmp_path: Path) -> None:
+    """A chat run's tokenizer does not split special tokens ("</s>" in text is EOS, as its template writes it);
+    llama.cpp then parses them too, as its chat path does, and the ids agree on the tricky strings."""
+    chat_like = tmp_path / "chat-like"
+    shutil.copytree(bpe_llama, chat_like)
+    config_path = chat_like / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config_path.write_text(json.dumps({**config, "split_special_tokens": False}), encoding="utf-8")
+    report = export_gguf.llamacpp_report(write(workspace, chat_like, "f16"), chat_like, list(TRICKY_STRINGS), [])
+    assert report["texts_differing"] == 0, report["examples"]
 
 
 @pytest.mark.llamacpp

@@ -378,12 +378,15 @@ def llamacpp_version() -> str:
     return path.read_text(encoding="utf-8").strip().replace("\n", ", ") if path.is_file() else "not built"
 
 
-def llamacpp_ids(gguf_path: Path, text: str) -> list[int]:
-    """llama.cpp's ids for ``text`` (BOS as the GGUF says; literal special-token text stays text, as in HF)."""
+def llamacpp_ids(gguf_path: Path, text: str, parse_special: bool = False) -> list[int]:
+    """llama.cpp's ids for ``text`` (BOS as the GGUF says). Literal special-token text stays text unless
+    ``parse_special``, as with an HF tokenizer that splits special tokens (a chat run's does not: its template
+    writes "</s>" as text)."""
     tool = llamacpp_tool("llama-tokenize")
     if tool is None:
         raise FileNotFoundError("llama-tokenize not built: run scripts/build_llamacpp.sh")
-    done = subprocess.run([str(tool), "-m", str(gguf_path), "--stdin", "--ids", "--no-escape", "--no-parse-special",
+    special = [] if parse_special else ["--no-parse-special"]
+    done = subprocess.run([str(tool), "-m", str(gguf_path), "--stdin", "--ids", "--no-escape", *special,
                            "--log-disable"],
                           input=text.encode(), capture_output=True, check=True)
     return json.loads(done.stdout.decode().strip().splitlines()[-1])
@@ -453,8 +456,9 @@ def llamacpp_report(gguf_path: Path, folder: Path, texts: list[str], prompts: li
     differing, byte_fallback, examples = 0, 0, []
     byte_ids = {i for i, t in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
                 if t and BYTE_PIECE.fullmatch(t)}
+    parse_special = not getattr(tokenizer, "split_special_tokens", True)
     for text in texts:
-        want, got = tokenizer(text).input_ids, llamacpp_ids(gguf_path, text)
+        want, got = tokenizer(text).input_ids, llamacpp_ids(gguf_path, text, parse_special)
         if want != got:
             differing += 1
             byte_fallback += bool(byte_ids & set(want))
