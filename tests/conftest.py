@@ -54,7 +54,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         fixtures = set(getattr(item, "fixturenames", ()))  # the closure: fixtures of fixtures included
         if fixtures & MANPAGE_FIXTURES:
             item.add_marker(pytest.mark.manpages)
-        if fixtures & SLOW_FIXTURES or item.get_closest_marker("ranks"):
+        # llama.cpp's checks write and read several GGUFs: seconds each, kept out of the quick tier.
+        if fixtures & SLOW_FIXTURES or item.get_closest_marker("ranks") or item.get_closest_marker("llamacpp"):
             item.add_marker(pytest.mark.slow)
 
 
