@@ -48,6 +48,10 @@ def run_ranks(work: Callable[[Dist], int]) -> int:
     one (2, 75) from there."""
     dist = setup_distributed()
     code = work(dist)
+    if torch.distributed.is_initialized():
+        # Left to interpreter exit, the process group's threads were torn down in no set order, and a rank
+        # that had finished its work could still abort ("terminate called without an active exception").
+        torch.distributed.destroy_process_group()
     exit_file = os.environ.get("GPTPIPE_EXIT_FILE")
     if exit_file and dist.local_rank == 0:
         Path(exit_file).write_text(str(code), encoding="utf-8")
