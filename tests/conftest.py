@@ -28,6 +28,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from prewarmed import Forked, run_gptpipe
 
 from gptpipe.cli import main
 from gptpipe.config.core import load_config
@@ -252,15 +253,16 @@ def train_env(ranks: int = 1) -> dict[str, str]:
     return env
 
 
-def start_train(config: Path, *overrides: str) -> subprocess.Popen:
+def start_train(config: Path, *overrides: str) -> Forked:
     """A quick stage-3 run (QUICK_TRAIN) in the background, stderr captured: for tests that signal or kill it."""
-    return subprocess.Popen(train_command("--config", config, *QUICK_TRAIN, *overrides), env=train_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return Forked(["train", "--config", config, *QUICK_TRAIN, *overrides], train_env())
 
 
 def run_train(*argv: object, ranks: int = 1, launcher: str = "torchrun", timeout: float = 900):
-    """Stage 3 in a subprocess (its process group must not leak into the test process); returns the
-    CompletedProcess with stderr (the plan, the log lines) captured as text."""
+    """Stage 3 in a process of its own (its process group must not leak into the test process): a prewarmed fork
+    for one rank, else the launcher; returns the CompletedProcess with stderr (the plan, the log lines) as text."""
+    if ranks == 1:
+        return run_gptpipe(["train", *argv], train_env(), timeout=timeout)
     return subprocess.run(train_command(*argv, ranks=ranks, launcher=launcher), env=train_env(ranks),
                           capture_output=True, text=True, timeout=timeout)
 
@@ -611,9 +613,11 @@ def chat_args(model: Path, chat_files: tuple[Path, Path], run: Path, *overrides:
 
 def gptpipe_command(command: str, *argv: object, ranks: int = 1, stdin: str | None = None,
             timeout: float = 900) -> subprocess.CompletedProcess:
-    """A gptpipe subcommand in a subprocess (its process group must not leak into the test process)."""
-    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                   "--nproc_per_node", str(ranks)]
+    """A gptpipe subcommand in a process of its own (its process group must not leak into the test process): a
+    prewarmed fork for one rank, else torchrun."""
+    if ranks == 1:
+        return run_gptpipe([command, *argv], train_env(), stdin=stdin, timeout=timeout)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
     return subprocess.run([*launcher, "-m", "gptpipe", command, *map(str, argv)], env=train_env(ranks), input=stdin,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -9,12 +9,11 @@ verified export (stage 4) with its template, its stop token and its GGUF.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from prewarmed import Forked
 from conftest import (chat_args, gptpipe_command, manifest_counts, manpages_installed, metrics, train_env,
                       write_jsonl)
 from gptpipe.data.jsonl import (EMPTY, INVALID_JSON, MISSING_KEY, NO_ASSISTANT_TURN, NOT_A_MESSAGE_LIST,
@@ -267,8 +266,7 @@ def test_chat_finetune_resumes_exactly_predicts_and_chats(chat_lm: Path, chat_fi
     # Killed (no handler runs) after step 6, then resumed from step 4: the same losses as the whole run.
     killed = tmp_path / "killed"
     args = chat_args(chat_lm, chat_files, killed)
-    process = subprocess.Popen([sys.executable, "-m", "gptpipe", "finetune", *args], env=train_env(),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = Forked(["finetune", *args], train_env())
     deadline = time.time() + 300
     while not any(r.step == 6 for r in metrics(killed, TrainRow)):
         assert process.poll() is None and time.time() < deadline

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from prewarmed import Forked
 from conftest import (REPO, finetune_args, manpage_rows, metrics, train_env, train_losses, wait_for_step,
                       write_tsv)
 from conftest import gptpipe_command as gptpipe
@@ -422,8 +423,7 @@ def test_a_base_model_baseline_needs_a_continued_pretraining_export(tmp_path: Pa
 
 def kill_after_step(args: list[str], run: Path, step: int) -> None:
     """Start `gptpipe finetune args`, SIGKILL it once `step` is logged (no handler runs)."""
-    process = subprocess.Popen([sys.executable, "-m", "gptpipe", "finetune", *args], env=train_env(),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = Forked(["finetune", *args], train_env())
     wait_for_step(run, step, process, timeout=600)
     process.send_signal(signal.SIGKILL)
     process.wait()
@@ -484,11 +484,10 @@ def test_sigkilled_t5_with_dropout_resumes_to_the_same_curve(tiny_t5: Path, task
 
 def test_sigterm_saves_and_exits_75(tiny_lm: Path, task_files: tuple[Path, Path], tmp_path: Path) -> None:
     run = tmp_path / "run"
-    process = subprocess.Popen([sys.executable, "-m", "gptpipe", "finetune",
-                                *finetune_args(tiny_lm, task_files, run, "train.global_batch_size=8",
-                                               "train.micro_batch_size=2", "train.train_iters=1000",
-                                               "train.eval_interval=1000", "train.save_interval=1000")],
-                               env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = Forked(["finetune", *finetune_args(tiny_lm, task_files, run, "train.global_batch_size=8",
+                                                 "train.micro_batch_size=2", "train.train_iters=1000",
+                                                 "train.eval_interval=1000", "train.save_interval=1000")],
+                     train_env())
     wait_for_step(run, 1, process)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=300)

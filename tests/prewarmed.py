@@ -1,0 +1,162 @@
+"""`gptpipe` subcommands in processes forked from one that has already imported torch, DeepSpeed, transformers and
+Megatron's datasets: a `python -m gptpipe` subprocess spends ~7 of a tiny run's 8 s importing them.
+
+Each run is still a process of its own (multiprocessing's forkserver forks a fresh copy of the imported, never
+used, single-threaded server per run): its process group, signal handlers, environment and globals die with it,
+as a subprocess's would. What differs: settings a package reads from the environment at import time come from the
+server's start (the test session's environment), and the program name is `gptpipe`, not `python -m gptpipe`.
+Tests of launchers, scripts and the command line itself start real subprocesses instead.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+# What `gptpipe train`, `finetune`, `predict`, `convert` and `chat` import, in the order they do.
+PRELOAD = ["torch", "deepspeed", "transformers", "wandb", "torch.utils.tensorboard",
+           "megatron.core.datasets.gpt_dataset", "megatron.core.datasets.blended_megatron_dataset_builder",
+           "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
+           "transformers.models.mixtral.modeling_mixtral", "transformers.models.t5.modeling_t5",
+           "gptpipe.cli", "gptpipe.train.train", "gptpipe.finetune.finetune", "gptpipe.finetune.predict",
+           "gptpipe.export.convert"]
+
+_context = multiprocessing.get_context("forkserver")
+_context.set_forkserver_preload(PRELOAD)
+
+
+def _gptpipe(argv: list[str], env: dict[str, str], stdin: str | None, out: str, err: str) -> None:
+    """The forked process: `gptpipe argv` with this environment and its stdio on files, as `python -m gptpipe`."""
+    # What the server's imports registered to clean up at exit (wandb's media folder...) is the server's: a run's
+    # exit must not delete it from under the runs after it. The run's own exit handlers and finalizers still run.
+    atexit._clear()
+    for finalizer in list(weakref.finalize._registry):
+        finalizer.atexit = False
+    weakref.finalize._registered_with_atexit = False
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = None  # the server's imports fixed it from the session's TMPDIR; this run's may differ
+    for fd, path, flags in ((0, stdin or os.devnull, os.O_RDONLY), (1, out, os.O_WRONLY), (2, err, os.O_WRONLY)):
+        opened = os.open(path, flags)
+        os.dup2(opened, fd)
+        os.close(opened)
+    sys.stdin = open(0, encoding="utf-8", closefd=False)
+    sys.argv = ["gptpipe", *argv]
+    import torch
+
+    from gptpipe.cli import main
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or 1))  # a new process reads it at start
+    try:
+        code = main(argv)
+    finally:
+        atexit._run_exitfuncs()  # multiprocessing ends its processes with os._exit, which skips them
+    sys.exit(code)
+
+
+class _Followed:
+    """A run's stderr file read as a pipe is: `read()` and iterating wait for more until the run has ended."""
+
+    def __init__(self, path: Path, run: Forked) -> None:
+        self._file = open(path, encoding="utf-8", errors="replace")
+        self._run = run
+
+    def read(self) -> str:
+        self._run.wait()
+        return self._file.read()
+
+    def __iter__(self) -> Iterator[str]:
+        partial = ""
+        while True:
+            ended = self._run.poll() is not None  # before reading: nothing written after it is missed
+            partial += self._file.readline()
+            if partial.endswith("\n"):
+                yield partial
+                partial = ""
+            elif ended:
+                if partial:
+                    yield partial
+                return
+            else:
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class Forked:
+    """A started `gptpipe` run, with the part of subprocess.Popen's interface the tests use; stdout and stderr
+    go to files (no pipe to drain), ``stderr`` reads them as a pipe would."""
+
+    def __init__(self, argv: Sequence[object], env: dict[str, str], stdin: str | None = None) -> None:
+        self._folder = tempfile.TemporaryDirectory(prefix="gptpipe-run-")
+        folder = Path(self._folder.name)
+        self._out, self._err = folder / "stdout", folder / "stderr"
+        self._out.touch()
+        self._err.touch()
+        stdin_path = None
+        if stdin is not None:
+            (folder / "stdin").write_text(stdin, encoding="utf-8")
+            stdin_path = str(folder / "stdin")
+        self.args = ["gptpipe", *map(str, argv)]
+        self._process = _context.Process(target=_gptpipe, args=(self.args[1:], env, stdin_path, str(self._out),
+                                                                 str(self._err)))
+        self._process.start()
+        self.pid = self._process.pid
+        self.stderr = _Followed(self._err, self)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        return self._out.read_text(encoding="utf-8", errors="replace"), self._err.read_text(
+            encoding="utf-8", errors="replace")
+
+    def finish(self, timeout: float | None = None) -> subprocess.CompletedProcess:
+        """Wait for the end (killing the run past `timeout`) → CompletedProcess with stdout and stderr as text."""
+        try:
+            stdout, stderr = self.communicate(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.wait()
+            raise
+        return subprocess.CompletedProcess(self.args, self.returncode, stdout, stderr)
+
+    def __del__(self) -> None:
+        if getattr(self, "_process", None) is not None and self._process.exitcode is None:
+            self.kill()
+        if getattr(self, "stderr", None) is not None:
+            self.stderr.close()
+
+
+def run_gptpipe(argv: Sequence[object], env: dict[str, str], stdin: str | None = None,
+                timeout: float | None = None) -> subprocess.CompletedProcess:
+    """`gptpipe argv` in a forked process, to its end: what subprocess.run(capture_output=True, text=True) gives."""
+    return Forked(argv, env, stdin).finish(timeout)
