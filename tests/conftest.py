@@ -1,8 +1,9 @@
 """Shared fixtures and helpers: the real pipeline, run once per test session on the Japanese man pages.
 
 Each fixture runs a stage through the `gptpipe` command exactly as a user would, in a temporary copy of
-the shipped YAMLs, so later stages' tests consume real outputs of earlier stages. Tests that need the man
-pages skip outside CI when they are not installed, and fail in CI (which installs them).
+the shipped YAMLs, so later stages' tests consume real outputs of earlier stages (built once for both of
+run_tests.sh's xdist workers; one-rank runs fork from a prewarmed server, tests/prewarmed.py). Tests that need
+the man pages skip outside CI when they are not installed, and fail in CI (which installs them).
 
 Tiers (markers, added here from the fixtures a test uses): ``manpages`` for every test that needs the man
 pages, ``slow`` for every test that needs the stage-1 tokenizer (minutes per session) or fine-tunes tiny_t5, and
@@ -21,13 +22,15 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import orjson
 import pytest
+from filelock import FileLock
 from prewarmed import Forked, run_gptpipe
 
 from gptpipe.cli import main
@@ -48,9 +51,13 @@ MANPAGE_FIXTURES = {"corpus_dir"}  # every later stage's fixture depends on it
 # Stage 1 trains the shipped 32k tokenizer on the man pages (~3 min on 2 cores); everything after it is slower.
 # tiny_t5 needs no man pages, but every test that takes it starts `gptpipe finetune` (minutes under load).
 SLOW_FIXTURES = {"tokenizer_dir", "tiny_t5"}
+# Whether this session runs a test that reads the trained run (set at collection).
+TRAINED_RUN_READERS = False
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
+    global TRAINED_RUN_READERS
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))  # the closure: fixtures of fixtures included
         if fixtures & MANPAGE_FIXTURES:
@@ -58,6 +65,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         # llama.cpp's checks write and read several GGUFs: seconds each, kept out of the quick tier.
         if fixtures & SLOW_FIXTURES or item.get_closest_marker("ranks") or item.get_closest_marker("llamacpp"):
             item.add_marker(pytest.mark.slow)
+    yield  # -m and -k deselect
+    readers = {item.path for item in items if "trained_run" in getattr(item, "fixturenames", ())}
+    TRAINED_RUN_READERS = bool(readers)
+    # xdist's loadfile starts the files in this order: vLLM's (the longest file) first, the trained run's readers
+    # last, so that the run, started in the background after stage 2, is done when they start.
+    first = {item.path for item in items if item.get_closest_marker("vllm")}
+    items.sort(key=lambda item: 0 if item.path in first else 2 if item.path in readers else 1)
 
 
 def manpages_installed() -> bool:
@@ -71,6 +85,27 @@ def require_manpages() -> None:
     if os.environ.get("CI"):
         pytest.fail(message + " (CI must install them)")
     pytest.skip(message)
+
+
+# --- runs shared by the pytest-xdist workers ------------------------------------------------------------------
+# run_tests.sh starts two workers (--dist loadfile: a file's tests, and its module fixtures, stay on one worker).
+# The pipeline's outputs (stages 0-4, the reference and tiny runs) are built once per session, by the first worker
+# that needs one, in a folder both see; the other waits for it.
+def shared_folder(factory: pytest.TempPathFactory) -> Path:
+    """The session's folder that every xdist worker sees (the session's own folder without xdist)."""
+    base = factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def once(factory: pytest.TempPathFactory, name: str, make: Callable[[], object]) -> None:
+    """Run `make` once per test session, in whichever worker asks first; the others wait until it is done. One
+    that fails leaves no mark, so the next test that needs it tries again (and fails the same way)."""
+    root = shared_folder(factory)
+    done = root / f"{name}.done"
+    with FileLock(root / f"{name}.lock"):
+        if not done.exists():
+            make()
+            done.touch()
 
 
 def run_cli(*argv: object) -> None:
@@ -118,24 +153,30 @@ def train_losses(run: Path) -> dict[int, float]:
 @pytest.fixture(scope="session")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder holding copies of the shipped YAMLs; stage outputs land beside them."""
-    ws = tmp_path_factory.mktemp("pipeline")
-    for name in SHIPPED_YAMLS:
-        shutil.copy(REPO / name, ws / name)
+    ws = shared_folder(tmp_path_factory) / "pipeline"
+
+    def make() -> None:
+        ws.mkdir()
+        for name in SHIPPED_YAMLS:
+            shutil.copy(REPO / name, ws / name)
+
+    once(tmp_path_factory, "workspace", make)
     return ws
 
 
 @pytest.fixture(scope="session")
-def corpus_dir(workspace: Path) -> Path:
+def corpus_dir(workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Stage 0 on the man pages: data/corpus/corpus.jsonl + manifest.json."""
     require_manpages()
-    run_cli("prepare", "--config", workspace / "config.yaml")
+    once(tmp_path_factory, "corpus", lambda: run_cli("prepare", "--config", workspace / "config.yaml"))
     return workspace / "data" / "corpus"
 
 
 @pytest.fixture(scope="session")
-def tokenizer_dir(corpus_dir: Path, workspace: Path) -> Path:
+def tokenizer_dir(corpus_dir: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Stage 1 with the shipped sentence_piece_config.yaml (32k unigram) on the man-page corpus."""
-    run_cli("train-tokenizer", "--config", workspace / "sentence_piece_config.yaml")
+    once(tmp_path_factory, "tokenizer",
+         lambda: run_cli("train-tokenizer", "--config", workspace / "sentence_piece_config.yaml"))
     return workspace / "tokenizers" / "ja_32k"
 
 
@@ -207,9 +248,18 @@ def unigram_llama(unigram_tokenizer: Path, tmp_path_factory: pytest.TempPathFact
 
 
 @pytest.fixture(scope="session")
-def dataset_prefix(tokenizer_dir: Path, workspace: Path) -> Path:
+def dataset_prefix(tokenizer_dir: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Stage 2: data/tokenized/ja_text_document.bin/.idx."""
-    run_cli("tokenize", "--config", workspace / "config.yaml")
+
+    def make() -> None:
+        run_cli("tokenize", "--config", workspace / "config.yaml")
+        # Under xdist the trained run (the longest shared run) starts now, beside the tests, rather than when a
+        # test first asks for it, with the other worker likely waiting for it too.
+        if os.environ.get("PYTEST_XDIST_WORKER") and TRAINED_RUN_READERS:
+            threading.Thread(target=once, args=(tmp_path_factory, "trained-run", lambda: train_demo(workspace)),
+                             daemon=True).start()
+
+    once(tmp_path_factory, "dataset", make)
     return workspace / "data" / "tokenized" / "ja_text_document"
 
 
@@ -245,10 +295,12 @@ def train_command(*argv: object, ranks: int = 1, launcher: str = "torchrun") -> 
 
 
 def train_env(ranks: int = 1) -> dict[str, str]:
-    """The cores split between the ranks; wandb offline; no process-group variables from outside."""
+    """The cores split between the ranks (and the xdist workers); wandb offline; no process-group variables from
+    outside."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)), WANDB_MODE="offline",
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    env.update(OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // (ranks * workers))), WANDB_MODE="offline",
                PYTHONWARNINGS="ignore")
     return env
 
@@ -292,18 +344,19 @@ def reference_run(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytes
     REFERENCE_RUN run (made once per setting): the per-step losses that a killed, preempted or bucket-mirrored
     run of the same settings must reproduce bit for bit, and the final checkpoint a resumed run's export must
     equal. Tests only read it."""
-    made: dict[tuple[int, str], Path] = {}
-
     def make(zero_stage: int = 1, precision: str = "fp32") -> Path:
-        if (zero_stage, precision) not in made:
-            run = tmp_path_factory.mktemp(f"reference-z{zero_stage}-{precision}")
+        name = f"reference-z{zero_stage}-{precision}"
+        run = shared_folder(tmp_path_factory) / name
+
+        def train() -> None:
             done = run_train("--config", workspace / "config.yaml", *QUICK_TRAIN, *REFERENCE_RUN,
                              f"train.zero_stage={zero_stage}", f"train.precision={precision}",
                              f"train.output_model_dir={run}")
             assert done.returncode == 0, done.stderr[-3000:]
             assert sorted(train_losses(run)) == list(range(1, REFERENCE_STEPS + 1))
-            made[zero_stage, precision] = run
-        return made[zero_stage, precision]
+
+        once(tmp_path_factory, name, train)
+        return run
 
     return make
 
@@ -313,38 +366,47 @@ def tiny_run(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytest.Tem
     """Factory: ``tiny_run(arch, zero, bf16, ranks)`` → the run folder of a real `gptpipe train` of the tiny
     preset, TINY_STEPS steps on the man pages (`ranks` CPU ranks through torchrun), with its one checkpoint
     global_step{TINY_STEPS}. Made once per argument set; ``tiny_run.stderr[folder]`` is that run's stderr."""
-    made: dict[tuple, Path] = {}
     stderr: dict[Path, str] = {}
 
     def make(arch: str = "llama", zero: int = 1, bf16: bool = False, ranks: int = 1) -> Path:
-        key = (arch, zero, bf16, ranks)
-        if key not in made:
-            run = tmp_path_factory.mktemp(f"run-{arch}-z{zero}{'-bf16' if bf16 else ''}-r{ranks}")
+        name = f"run-{arch}-z{zero}{'-bf16' if bf16 else ''}-r{ranks}"
+        run = shared_folder(tmp_path_factory) / name
+        log = run.with_name(f"{name}.stderr")
+
+        def train() -> None:
             done = run_train("--config", workspace / "config.yaml", *TINY_RUN, f"model.arch={arch}",
                              f"train.zero_stage={zero}", f"train.precision={'bf16' if bf16 else 'fp32'}",
                              f"train.output_model_dir={run}", ranks=ranks)
             assert done.returncode == 0, done.stderr[-3000:]
-            made[key], stderr[run] = run, done.stderr
-        return made[key]
+            log.write_text(done.stderr, encoding="utf-8")
+
+        once(tmp_path_factory, name, train)
+        stderr[run] = log.read_text(encoding="utf-8")
+        return run
 
     make.stderr = stderr
     return make
 
 
 @pytest.fixture(scope="session")
-def trained_run(dataset_prefix: Path, workspace: Path) -> Path:
+def trained_run(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Stage 3: the tiny preset trained TRAINED.train_iters steps on the man pages (fp32, ZeRO-1, wandb
     offline and TensorBoard on) → the run folder <workspace>/runs/demo with a checkpoint every save_interval."""
-    # ~2 min on a quiet 2-core machine (docs/benchmarks.md); the generous limit is for one shared with other work.
-    done = run_train("--config", workspace / "config.yaml", *TRAINED_RUN, timeout=2700)
-    assert done.returncode == 0, done.stderr[-3000:]
+    once(tmp_path_factory, "trained-run", lambda: train_demo(workspace))
     return workspace / "runs" / "demo"
 
 
+def train_demo(workspace: Path) -> None:
+    """TRAINED_RUN in the workspace: ~2 min on a quiet 2-core machine (docs/benchmarks.md); the generous limit is
+    for one shared with other work."""
+    done = run_train("--config", workspace / "config.yaml", *TRAINED_RUN, timeout=2700)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.fixture(scope="session")
-def exported_model(trained_run: Path, workspace: Path) -> Path:
+def exported_model(trained_run: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Stage 4 with the shipped convert_config.yaml on the stage-3 run: the verified folder models/hf/demo."""
-    run_cli("convert", "--config", workspace / "convert_config.yaml")
+    once(tmp_path_factory, "export", lambda: run_cli("convert", "--config", workspace / "convert_config.yaml"))
     return workspace / "models" / "hf" / "demo"
 
 

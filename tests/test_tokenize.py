@@ -240,15 +240,19 @@ def test_a_dead_worker_fails_the_run_instead_of_hanging(workspace: Path, corpus_
     assert not [p for p in tmp_path.iterdir() if p.name.startswith((".", "oom"))]
 
 
-def test_rerun_skips_and_force_redoes(workspace: Path, dataset_prefix: Path, capfd) -> None:
-    files = [bin_path(dataset_prefix), idx_path(dataset_prefix), TOKENIZE.manifest_path(dataset_prefix)]
+def test_rerun_skips_and_force_redoes(workspace: Path, dataset_prefix: Path, tmp_path: Path, capfd) -> None:
+    # Its own output: the session's dataset is read by other tests meanwhile (run_tests.sh's two workers).
+    prefix = tmp_path / "ja_text_document"
+    tokenize(workspace, f"tokenize.output_prefix={tmp_path}/ja")
+    files = [bin_path(prefix), idx_path(prefix), TOKENIZE.manifest_path(prefix)]
     before = [(os.stat(p).st_mtime_ns, p.read_bytes()) for p in files]
+    assert [b[1] for b in before[:2]] == [p.read_bytes() for p in (bin_path(dataset_prefix), idx_path(dataset_prefix))]
     capfd.readouterr()
-    tokenize(workspace)
+    tokenize(workspace, f"tokenize.output_prefix={tmp_path}/ja")
     assert "up to date" in capfd.readouterr().err
     assert [(os.stat(p).st_mtime_ns, p.read_bytes()) for p in files] == before
 
-    tokenize(workspace, force=True)
+    tokenize(workspace, f"tokenize.output_prefix={tmp_path}/ja", force=True)
     assert "documents" in capfd.readouterr().err
     after = [(os.stat(p).st_mtime_ns, p.read_bytes()) for p in files]
     assert all(a[0] != b[0] for a, b in zip(after, before))  # rewritten ...
