@@ -2,12 +2,12 @@
 
 Each fixture runs a stage through the `gptpipe` command exactly as a user would, in a temporary copy of
 the shipped YAMLs, so later stages' tests consume real outputs of earlier stages (built once for both of
-run_tests.sh's xdist workers; one-rank runs fork from a prewarmed server, tests/prewarmed.py). Tests that need
+run_tests.sh's xdist workers; runs fork from a prewarmed server, tests/prewarmed.py). Tests that need
 the man pages skip outside CI when they are not installed, and fail in CI (which installs them).
 
 Tiers (markers, added here from the fixtures a test uses): ``manpages`` for every test that needs the man
-pages, ``slow`` for every test that needs the stage-1 tokenizer (minutes per session) or fine-tunes tiny_t5, and
-for every test marked ``ranks`` (it starts a multi-rank launcher: torchrun or deepspeed's);
+pages, ``slow`` for every test that needs the stage-1 tokenizer (half a minute per session) or fine-tunes tiny_t5,
+and for every test marked ``ranks`` (it runs several ranks: forked, or through torchrun or deepspeed's launcher);
 ``pytest -m "not slow"`` is the quick tier.
 """
 
@@ -25,13 +25,14 @@ import sys
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import orjson
 import pytest
 from filelock import FileLock
-from prewarmed import Forked, run_gptpipe
+from prewarmed import Forked, run_gptpipe, run_ranks
 
 from gptpipe.cli import main
 from gptpipe.config.core import load_config
@@ -48,9 +49,9 @@ SHIPPED = load_config(PipelineConfig, REPO / "config.yaml")
 SHIPPED_TOKENIZER = load_config(TokenizerConfig, REPO / "sentence_piece_config.yaml")
 
 MANPAGE_FIXTURES = {"corpus_dir"}  # every later stage's fixture depends on it
-# Stage 1 trains the shipped 32k tokenizer on the man pages (~3 min on 2 cores); everything after it is slower.
+# Stage 1 on the man pages takes ~30 s on 2 cores; everything after it is slower.
 # tiny_t5 needs no man pages, but every test that takes it starts `gptpipe finetune` (minutes under load).
-SLOW_FIXTURES = {"tokenizer_dir", "tiny_t5"}
+SLOW_FIXTURES = {"tokenizer_dir", "shipped_tokenizer", "tiny_t5"}
 # Whether this session runs a test that reads the trained run (set at collection).
 TRAINED_RUN_READERS = False
 
@@ -68,10 +69,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
     yield  # -m and -k deselect
     readers = {item.path for item in items if "trained_run" in getattr(item, "fixturenames", ())}
     TRAINED_RUN_READERS = bool(readers)
-    # xdist's loadfile starts the files in this order: vLLM's (the longest file) first, the trained run's readers
-    # last, so that the run, started in the background after stage 2, is done when they start.
+    # xdist's loadfile hands out the files in this order (run_tests.sh turns off its own reordering): vLLM's (the
+    # longest file) first, then the files with the most slow tests, the trained run's readers last, so that the
+    # run, started in the background after stage 2, is done when they start.
     first = {item.path for item in items if item.get_closest_marker("vllm")}
-    items.sort(key=lambda item: 0 if item.path in first else 2 if item.path in readers else 1)
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: (0 if item.path in first else 2 if item.path in readers else 1, -slow[item.path]))
 
 
 def manpages_installed() -> bool:
@@ -150,15 +153,31 @@ def train_losses(run: Path) -> dict[int, float]:
     return step_losses(metrics(run))
 
 
+# The workspace's pipeline has a 4,000-piece vocabulary instead of the shipped 32,000. The embedding and head are
+# then about half of the tiny model instead of ~90%, so every run the tests train is ~3x faster (the trained run:
+# 131 -> 38 s on 2 threads, docs/benchmarks.md). The shipped stage-1 YAML is trained as it is beside it
+# (shipped_tokenizer).
+TEST_VOCABULARY = {"sentence_piece_config.yaml": (("vocab_size: 32000", "vocab_size: 4000"),
+                                                  ("tokenizers/ja_32k", "tokenizers/ja_4k")),
+                   "config.yaml": (("tokenizers/ja_32k", "tokenizers/ja_4k"),)}
+SHIPPED_STAGE1 = "sentence_piece_config.shipped.yaml"
+
+
 @pytest.fixture(scope="session")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder holding copies of the shipped YAMLs; stage outputs land beside them."""
+    """A folder holding the shipped YAMLs, with TEST_VOCABULARY's edits, and the shipped stage-1 YAML as it is
+    (SHIPPED_STAGE1); stage outputs land beside them."""
     ws = shared_folder(tmp_path_factory) / "pipeline"
 
     def make() -> None:
         ws.mkdir()
         for name in SHIPPED_YAMLS:
-            shutil.copy(REPO / name, ws / name)
+            text = (REPO / name).read_text(encoding="utf-8")
+            for old, new in TEST_VOCABULARY.get(name, ()):
+                assert text.count(old) == 1, f"{name}: {old!r} is not there once; update TEST_VOCABULARY"
+                text = text.replace(old, new)
+            (ws / name).write_text(text, encoding="utf-8")
+        shutil.copy(REPO / "sentence_piece_config.yaml", ws / SHIPPED_STAGE1)
 
     once(tmp_path_factory, "workspace", make)
     return ws
@@ -174,9 +193,17 @@ def corpus_dir(workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(corpus_dir: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Stage 1 with the shipped sentence_piece_config.yaml (32k unigram) on the man-page corpus."""
+    """Stage 1 of the workspace's pipeline (a 4k unigram, TEST_VOCABULARY) on the man-page corpus."""
     once(tmp_path_factory, "tokenizer",
          lambda: run_cli("train-tokenizer", "--config", workspace / "sentence_piece_config.yaml"))
+    return workspace / "tokenizers" / "ja_4k"
+
+
+@pytest.fixture(scope="session")
+def shipped_tokenizer(corpus_dir: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Stage 1 with the shipped sentence_piece_config.yaml as it is (32k unigram) on the man-page corpus."""
+    once(tmp_path_factory, "shipped-tokenizer",
+         lambda: run_cli("train-tokenizer", "--config", workspace / SHIPPED_STAGE1))
     return workspace / "tokenizers" / "ja_32k"
 
 
@@ -282,16 +309,9 @@ TRAINED_RUN = ("train.seq_len=128", "train.global_batch_size=8", "train.lr=3e-3"
 TRAINED = load_config(PipelineConfig, REPO / "config.yaml", list(TRAINED_RUN)).train
 
 
-def train_command(*argv: object, ranks: int = 1, launcher: str = "torchrun") -> list[str]:
-    """argv of `gptpipe train` on `ranks` CPU ranks (gloo): plain python, torchrun or the deepspeed launcher."""
-    args = ["-m", "gptpipe", "train", *map(str, argv)]
-    if ranks == 1:
-        return [sys.executable, *args]
-    if launcher == "deepspeed":
-        return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
-                free_port(), "--no_local_rank", "--module", *args[1:]]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-            free_port(), *args]
+def train_command(*argv: object) -> list[str]:
+    """argv of a one-rank `gptpipe train` subprocess."""
+    return [sys.executable, "-m", "gptpipe", "train", *map(str, argv)]
 
 
 def train_env(ranks: int = 1) -> dict[str, str]:
@@ -310,13 +330,13 @@ def start_train(config: Path, *overrides: str) -> Forked:
     return Forked(["train", "--config", config, *QUICK_TRAIN, *overrides], train_env())
 
 
-def run_train(*argv: object, ranks: int = 1, launcher: str = "torchrun", timeout: float = 900):
-    """Stage 3 in a process of its own (its process group must not leak into the test process): a prewarmed fork
-    for one rank, else the launcher; returns the CompletedProcess with stderr (the plan, the log lines) as text."""
+def run_train(*argv: object, ranks: int = 1, timeout: float = 900):
+    """Stage 3 in processes of its own (its process group must not leak into the test process), forked from the
+    prewarmed server (`ranks` of one node, as torchrun starts them); returns the CompletedProcess with stderr (the
+    plan, the log lines) as text. The launchers themselves are tested through the scripts that call them."""
     if ranks == 1:
         return run_gptpipe(["train", *argv], train_env(), timeout=timeout)
-    return subprocess.run(train_command(*argv, ranks=ranks, launcher=launcher), env=train_env(ranks),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_ranks(["train", *argv], train_env(ranks), ranks, free_port(), timeout=timeout)
 
 
 def wait_for_step(run: Path, step: int, process: subprocess.Popen, timeout: float = 300) -> None:
@@ -675,13 +695,11 @@ def chat_args(model: Path, chat_files: tuple[Path, Path], run: Path, *overrides:
 
 def gptpipe_command(command: str, *argv: object, ranks: int = 1, stdin: str | None = None,
             timeout: float = 900) -> subprocess.CompletedProcess:
-    """A gptpipe subcommand in a process of its own (its process group must not leak into the test process): a
-    prewarmed fork for one rank, else torchrun."""
+    """A gptpipe subcommand in processes of its own (its process group must not leak into the test process), forked
+    from the prewarmed server: one, or `ranks` of one node as torchrun starts them."""
     if ranks == 1:
         return run_gptpipe([command, *argv], train_env(), stdin=stdin, timeout=timeout)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
-    return subprocess.run([*launcher, "-m", "gptpipe", command, *map(str, argv)], env=train_env(ranks), input=stdin,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_ranks([command, *argv], train_env(ranks), ranks, free_port(), timeout=timeout)
 
 
 def finetune_args(model: Path, task_files: tuple[Path, Path], run: Path, *overrides: str) -> list[str]:

@@ -41,6 +41,7 @@ def _gptpipe(argv: list[str], env: dict[str, str], stdin: str | None, out: str, 
     # What the server's imports registered to clean up at exit (wandb's media folder...) is the server's: a run's
     # exit must not delete it from under the runs after it. The run's own exit handlers and finalizers still run.
     atexit._clear()
+    os.setpgid(0, 0)  # a process group of its own, the run's helpers (the bucket uploader) in it: kill_group()
     for finalizer in list(weakref.finalize._registry):
         finalizer.atexit = False
     weakref.finalize._registered_with_atexit = False
@@ -147,6 +148,13 @@ class Forked:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
+    def kill_group(self) -> None:
+        """SIGKILL the run and every process it started, at once: what a lost machine does."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         self.wait(timeout)
         return self._out.read_text(encoding="utf-8", errors="replace"), self._err.read_text(
@@ -173,3 +181,33 @@ def run_gptpipe(argv: Sequence[object], env: dict[str, str], stdin: str | None =
                 timeout: float | None = None) -> subprocess.CompletedProcess:
     """`gptpipe argv` in a forked process, to its end: what subprocess.run(capture_output=True, text=True) gives."""
     return Forked(argv, env, stdin).finish(timeout)
+
+
+def torchrun_env(rank: int, world: int, per_node: int, port: str) -> dict[str, str]:
+    """The process-group variables torchrun gives global rank `rank` of `world` on nodes of `per_node` ranks."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank % per_node), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+
+
+def run_ranks(argv: Sequence[object], env: dict[str, str], ranks: int, port: str,
+              timeout: float | None = None) -> subprocess.CompletedProcess:
+    """`gptpipe argv` on `ranks` forked processes of one node, each with the variables torchrun gives its ranks,
+    to their end. As torchrun does, the first rank to fail ends the others; the exit code is that rank's (torchrun
+    would say 1), stderr is every rank's in rank order."""
+    runs = [Forked(argv, {**env, **torchrun_env(rank, ranks, ranks, port)}) for rank in range(ranks)]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while any(run.poll() is None for run in runs):
+            if any(run.poll() for run in runs):  # one failed: the others would wait for it in a collective
+                for run in runs:
+                    run.kill()
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(["gptpipe", *map(str, argv)], timeout)
+            time.sleep(0.05)
+    finally:
+        for run in runs:
+            run.kill()
+    outputs = [run.communicate() for run in runs]
+    code = next((run.returncode for run in runs if run.returncode), 0)
+    return subprocess.CompletedProcess(runs[0].args, code, "".join(out for out, _ in outputs),
+                                       "".join(err for _, err in outputs))

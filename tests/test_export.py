@@ -176,7 +176,7 @@ def test_export_is_skipped_when_current_and_sharded_on_request(exported_model, t
     assert file_fingerprint(exported_model / "model.safetensors") == before
 
     sharded = workspace / "models" / "hf" / "sharded"
-    assert convert(workspace, trained_run, sharded, "max_shard_size=5MB", f"checkpoint_step={steps[0]}") == 0
+    assert convert(workspace, trained_run, sharded, "max_shard_size=1MB", f"checkpoint_step={steps[0]}") == 0
     shards = sorted(sharded.glob("model-*.safetensors"))
     assert len(shards) > 1 and (sharded / "model.safetensors.index.json").is_file()
     assert counts(sharded)["verified"] is True and counts(sharded)["step"] == steps[0]

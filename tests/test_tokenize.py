@@ -47,7 +47,7 @@ def test_dataset_decodes_to_the_tokenizers_ids(dataset_prefix: Path, tokenizer_d
     expected = expected_ids(tokenizer_dir, texts)
     dataset = MegatronDataset(str(dataset_prefix), mmap=True)
     assert len(dataset) == len(texts)
-    assert dataset.index.dtype == np.uint16  # a 32k vocab fits
+    assert dataset.index.dtype == np.uint16  # the vocabulary is below 65,536
     for i, ids in enumerate(expected):  # every document, EOD included and counted in its size
         assert dataset[i].tolist() == ids, f"document {i} differs"
     counts = TOKENIZE.require(dataset_prefix).counts

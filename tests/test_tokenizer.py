@@ -1,6 +1,6 @@
 """Stage 1 on the real Japanese man-page corpus: SentencePiece training, the HF export and its verification.
 
-The shipped 32k unigram tokenizer comes from the session fixture ``tokenizer_dir``; extra trainings use a
+The shipped 32k unigram tokenizer comes from the session fixture ``shipped_tokenizer``; extra trainings use a
 small sample (input_sentence_size) and mostly BPE, which trains in seconds, to keep this file quick.
 """
 
@@ -14,7 +14,7 @@ import pytest
 import sentencepiece as spm
 from transformers import AutoTokenizer
 
-from conftest import SHIPPED_TOKENIZER
+from conftest import SHIPPED_STAGE1, SHIPPED_TOKENIZER
 from conftest import train_small_tokenizer as train
 from conftest import corpus_texts as documents
 from conftest import manifest_counts as counts
@@ -50,39 +50,39 @@ def small_bpe(corpus_dir: Path, workspace: Path, tmp_path_factory: pytest.TempPa
 
 # --- the shipped 32k unigram tokenizer ---------------------------------------------------------------
 
-def test_hf_ids_equal_sentencepiece_on_every_document(tokenizer_dir: Path, corpus_dir: Path) -> None:
+def test_hf_ids_equal_sentencepiece_on_every_document(shipped_tokenizer: Path, corpus_dir: Path) -> None:
     """Every document of the corpus (the held-out ones and all the others), not just the stage's own check."""
-    assert counts(tokenizer_dir)["heldout_documents_verified"] == SHIPPED_TOKENIZER.heldout_documents
-    assert_identical_ids(tokenizer_dir, documents(corpus_dir))
+    assert counts(shipped_tokenizer)["heldout_documents_verified"] == SHIPPED_TOKENIZER.heldout_documents
+    assert_identical_ids(shipped_tokenizer, documents(corpus_dir))
 
 
-def test_tricky_strings(tokenizer_dir: Path) -> None:
-    sp = spm.SentencePieceProcessor(model_file=str(tokenizer_dir / "tokenizer.model"))
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir / "hf")
+def test_tricky_strings(shipped_tokenizer: Path) -> None:
+    sp = spm.SentencePieceProcessor(model_file=str(shipped_tokenizer / "tokenizer.model"))
+    tok = AutoTokenizer.from_pretrained(shipped_tokenizer / "hf")
     texts = list(hf.TRICKY_STRINGS) + ["x▁y", "末尾の改行\n", "\n\n先頭の改行"]
     for text in texts:
         assert tok(text).input_ids == sp.encode(text), repr(text)
-    assert_identical_ids(tokenizer_dir, texts)
+    assert_identical_ids(shipped_tokenizer, texts)
     # Characters outside the vocabulary go through byte fallback: 4 UTF-8 bytes, no <unk>.
     for rare in ("𪚥", "😀"):
         ids = sp.encode(rare)
         assert len(ids) == 4 and all(sp.is_byte(i) for i in ids), rare
-    newline = counts(tokenizer_dir)["user_defined_ids"]["\n"]
+    newline = counts(shipped_tokenizer)["user_defined_ids"]["\n"]
     assert sp.encode("\n\n") == [newline, newline]
     assert len(sp.encode("2024")) == 4  # split_digits
     assert sp.eos_id() not in sp.encode("</s>") and sp.bos_id() not in tok("<s>").input_ids  # text stays text
     assert sp.decode(sp.encode("a   b\t\tc")) == "a   b\t\tc"  # whitespace runs kept
 
 
-def test_manifest_ids_and_info(tokenizer_dir: Path) -> None:
-    c = counts(tokenizer_dir)
+def test_manifest_ids_and_info(shipped_tokenizer: Path) -> None:
+    c = counts(shipped_tokenizer)
     vocab = SHIPPED_TOKENIZER.vocab_size
     assert (c["vocab_size"], c["unk_id"], c["bos_id"], c["eos_id"], c["pad_id"]) == (vocab, 0, 1, 2, 3)
     assert c["eod_id"] == c["eos_id"] and c["eod_piece"] == "</s>"
     assert list(c["user_defined_ids"]) == ["<CLS>", "<SEP>", "<EOD>", "<MASK>", "\n"]
     assert c["chars_per_token"] > 2.0 and c["heldout_tokens"] > 0
     assert c["training_lines_sampled"] == c["corpus_lines"]  # the man pages are below input_sentence_size
-    info = read_tokenizer(tokenizer_dir)
+    info = read_tokenizer(shipped_tokenizer)
     assert (info.vocab_size, info.eod_id, info.pad_id) == (vocab, 2, 3) and info.model_path.is_file()
     sp = spm.SentencePieceProcessor(model_file=str(info.model_path))
     assert [sp.id_to_piece(i) for i in range(4)] == ["<unk>", "<s>", "</s>", "<pad>"]
@@ -93,12 +93,15 @@ def test_manifest_ids_and_info(tokenizer_dir: Path) -> None:
     assert special_map["eos_token"] == "</s>"
 
 
-def test_rerun_is_up_to_date(tokenizer_dir: Path, workspace: Path, capfd: pytest.CaptureFixture) -> None:
-    before = (tokenizer_dir / "tokenizer.model").stat().st_mtime_ns, (tokenizer_dir / "manifest.json").read_text()
-    assert main(["train-tokenizer", "--config", str(workspace / "sentence_piece_config.yaml")]) == 0
+def test_rerun_is_up_to_date(shipped_tokenizer: Path, workspace: Path, capfd: pytest.CaptureFixture) -> None:
+    def state() -> tuple[int, str]:
+        model, manifest = shipped_tokenizer / "tokenizer.model", shipped_tokenizer / "manifest.json"
+        return model.stat().st_mtime_ns, manifest.read_text()
+
+    before = state()
+    assert main(["train-tokenizer", "--config", str(workspace / SHIPPED_STAGE1)]) == 0
     assert "up to date" in capfd.readouterr().err
-    assert ((tokenizer_dir / "tokenizer.model").stat().st_mtime_ns, (tokenizer_dir / "manifest.json").read_text()) \
-        == before
+    assert state() == before
 
 
 # --- extra trainings (small sample) -----------------------------------------------------------------
