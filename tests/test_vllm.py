@@ -19,7 +19,7 @@ from gptpipe.export import vllm_check
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.slow,  # vLLM starts in about a minute on 2 cores
+    pytest.mark.slow,  # each check starts vLLM: ~12 s on 2 cores
     pytest.mark.skipif(vllm_check.vllm_python() is None,
                        reason=f"no vLLM venv in {vllm_check.VLLM_HOME}: run scripts/setup_vllm.sh"),
 ]
