@@ -417,7 +417,7 @@ def trained_run(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytest.
 
 
 def train_demo(workspace: Path) -> None:
-    """TRAINED_RUN in the workspace: ~2 min on a quiet 2-core machine (docs/benchmarks.md); the generous limit is
+    """TRAINED_RUN in the workspace: ~40 s on a quiet 2-core machine (docs/benchmarks.md); the generous limit is
     for one shared with other work."""
     done = run_train("--config", workspace / "config.yaml", *TRAINED_RUN, timeout=2700)
     assert done.returncode == 0, done.stderr[-3000:]
