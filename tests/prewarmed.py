@@ -11,6 +11,7 @@ Tests of launchers, scripts and the command line itself start real subprocesses 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -22,6 +23,8 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+import psutil
 
 # What `gptpipe train`, `finetune`, `predict`, `convert` and `chat` import, in the order they do.
 PRELOAD = ["torch", "deepspeed", "transformers", "wandb", "torch.utils.tensorboard",
@@ -41,7 +44,6 @@ def _gptpipe(argv: list[str], env: dict[str, str], stdin: str | None, out: str, 
     # What the server's imports registered to clean up at exit (wandb's media folder...) is the server's: a run's
     # exit must not delete it from under the runs after it. The run's own exit handlers and finalizers still run.
     atexit._clear()
-    os.setpgid(0, 0)  # a process group of its own, the run's helpers (the bucket uploader) in it: kill_group()
     for finalizer in list(weakref.finalize._registry):
         finalizer.atexit = False
     weakref.finalize._registered_with_atexit = False
@@ -148,12 +150,15 @@ class Forked:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def kill_group(self) -> None:
-        """SIGKILL the run and every process it started, at once: what a lost machine does."""
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    def kill_all(self) -> None:
+        """SIGKILL the run and every process it started (the bucket uploader...): what a lost machine does. The
+        run is stopped first, so that it cannot start another helper in between."""
+        with contextlib.suppress(psutil.NoSuchProcess):
+            run = psutil.Process(self.pid)
+            run.suspend()
+            for process in [*run.children(recursive=True), run]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         self.wait(timeout)

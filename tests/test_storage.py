@@ -113,7 +113,7 @@ def drill(store, config: Path, workspace: Path, full: Path, reference: dict[int,
     while not mid_upload and process.poll() is None and time.monotonic() < deadline:
         mid_upload = any(step > first and not done for step, done in bucket_steps(store, url).items())
         time.sleep(0.05)
-    process.kill_group()  # the machine is lost: its uploader too, so no upload in flight commits afterwards
+    process.kill_all()  # the machine is lost: its uploader too, so no upload in flight commits afterwards
     _, stderr = process.communicate(timeout=60)
     outputs.append(stderr)
     assert f"downloaded {url}/checkpoints/global_step{first}" in stderr
