@@ -330,13 +330,9 @@ def start_train(config: Path, *overrides: str) -> Forked:
     return Forked(["train", "--config", config, *QUICK_TRAIN, *overrides], train_env())
 
 
-def run_train(*argv: object, ranks: int = 1, timeout: float = 900):
-    """Stage 3 in processes of its own (its process group must not leak into the test process), forked from the
-    prewarmed server (`ranks` of one node, as torchrun starts them); returns the CompletedProcess with stderr (the
-    plan, the log lines) as text. The launchers themselves are tested through the scripts that call them."""
-    if ranks == 1:
-        return run_gptpipe(["train", *argv], train_env(), timeout=timeout)
-    return run_ranks(["train", *argv], train_env(ranks), ranks, free_port(), timeout=timeout)
+def run_train(*argv: object, ranks: int = 1, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Stage 3 through gptpipe_command; stderr (the plan, the log lines) as text."""
+    return gptpipe_command("train", *argv, ranks=ranks, timeout=timeout)
 
 
 def wait_for_step(run: Path, step: int, process: subprocess.Popen, timeout: float = 300) -> None:
@@ -384,7 +380,7 @@ def reference_run(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytes
 @pytest.fixture(scope="session")
 def tiny_run(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory):
     """Factory: ``tiny_run(arch, zero, bf16, ranks)`` → the run folder of a real `gptpipe train` of the tiny
-    preset, TINY_STEPS steps on the man pages (`ranks` CPU ranks through torchrun), with its one checkpoint
+    preset, TINY_STEPS steps on the man pages (`ranks` forked CPU ranks), with its one checkpoint
     global_step{TINY_STEPS}. Made once per argument set; ``tiny_run.stderr[folder]`` is that run's stderr."""
     stderr: dict[Path, str] = {}
 
@@ -696,7 +692,8 @@ def chat_args(model: Path, chat_files: tuple[Path, Path], run: Path, *overrides:
 def gptpipe_command(command: str, *argv: object, ranks: int = 1, stdin: str | None = None,
             timeout: float = 900) -> subprocess.CompletedProcess:
     """A gptpipe subcommand in processes of its own (its process group must not leak into the test process), forked
-    from the prewarmed server: one, or `ranks` of one node as torchrun starts them."""
+    from the prewarmed server: one, or `ranks` of one node as torchrun starts them. The launchers themselves are
+    tested through the scripts that call them."""
     if ranks == 1:
         return run_gptpipe([command, *argv], train_env(), stdin=stdin, timeout=timeout)
     return run_ranks([command, *argv], train_env(ranks), ranks, free_port(), timeout=timeout)

@@ -15,7 +15,7 @@ from gptpipe.cli import main
 from gptpipe.train.config import ModelConfig, TrainConfig
 from gptpipe.train.engine import TEMPLATE, EngineConfigError, deepspeed_config
 from gptpipe.train.metrics_rows import TrainRow
-from gptpipe.train.model import PRESETS, VOCAB_MULTIPLE, build_model_config, count_parameters, resolve_shape
+from gptpipe.train.model import PRESETS, build_model_config, count_parameters, padded_vocab_size, resolve_shape
 from gptpipe.train.schedule import Schedule
 
 TOKENIZER = SimpleNamespace(vocab_size=32000, bos_id=1, eos_id=2, pad_id=3)
@@ -435,7 +435,7 @@ def test_gpt2_on_an_h100_is_planned_with_its_full_logits(dataset_prefix: Path, w
     assert code == 0 and "unfused: Liger has no gpt2 patch" in err, err
     micro = int(re.search(r"micro_batch_size=(\d+)", err).group(1))
     logits = float(re.search(r"logits ([.0-9]+) GiB", err).group(1))
-    vocab = -(-read_tokenizer(tokenizer_dir).vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    vocab = padded_vocab_size(read_tokenizer(tokenizer_dir).vocab_size)
     assert micro < 64 and logits == pytest.approx(micro * 2048 * vocab * 12 / 1024**3, rel=0.01), err
     # llama is planned with Liger's fused loss on the GPU machine, installed here or not
     code, err = _plan(workspace, capsys, "--gpu-name", "H100", "--gpu-memory", "80", "--gpus", "1",
