@@ -5,7 +5,8 @@
 #                whose pip serves CPU wheels locally this is the CPU build; on a CUDA machine PyPI's wheel is
 #                the CUDA build. For a CPU-only build elsewhere, point PIP_EXTRA_INDEX_URL at PyTorch's CPU index.
 #   PYTHON       interpreter for the venv (default python3, 3.10+)
-#   EXTRAS       gptpipe's extras (default ja,datasets,notebook,eval,cloud,gguf,test)
+#   EXTRAS       gptpipe's extras (default ja,datasets,notebook,eval,cloud,gguf,gpu,test; gpu is Liger's kernels and
+#                Triton, whose interpreter checks them on CPU in the tests)
 #   CONSTRAINTS  the tested versions of every other package (default constraints.txt); empty: newest within
 #                pyproject.toml's ranges
 # pip runs only when .venv is new or one of these inputs changed since the last install (a hash in .venv).
@@ -15,7 +16,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-EXTRAS=${EXTRAS:-ja,datasets,notebook,eval,cloud,gguf,test}
+EXTRAS=${EXTRAS:-ja,datasets,notebook,eval,cloud,gguf,gpu,test}
 CONSTRAINTS=${CONSTRAINTS-constraints.txt}
 STAMP=.venv/gptpipe-setup.sha256
 
@@ -41,7 +42,14 @@ if [ "$(cat "$STAMP" 2>/dev/null)" = "$inputs" ]; then
 else
   rm -f "$STAMP"
   # torch first and pinned: an unpinned torch pulled in by another package means GBs of CUDA wheels.
-  if ! .venv/bin/python -m pip install -q "${constrain[@]}" "$TORCH_SPEC" \
+  # A CUDA build of torch requires the one Triton it was built with: that requirement replaces constraints.txt's
+  # triton (the version the CPU tests interpret Liger's kernels with).
+  if .venv/bin/python -m pip install -q "${constrain[@]}" "$TORCH_SPEC" && [ -n "$CONSTRAINTS" ] \
+     && .venv/bin/python -c 'import importlib.metadata as m, sys; sys.exit(not any(r.startswith("triton") for r in m.requires("torch") or []))'; then
+    grep -v '^triton==' "$CONSTRAINTS" > .venv/constraints-torch-triton.txt
+    constrain=(-c .venv/constraints-torch-triton.txt)
+  fi
+  if ! .venv/bin/python -c 'import torch' 2>/dev/null \
      || ! .venv/bin/python -m pip install -q "${constrain[@]}" -e ".[${EXTRAS}]"; then
     [ -n "$CONSTRAINTS" ] && echo "[setup] the tested versions ($CONSTRAINTS) did not install here (another Python" \
       "or TORCH_SPEC?); 'CONSTRAINTS= bash $0' installs the newest within pyproject.toml's ranges instead" >&2

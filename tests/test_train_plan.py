@@ -287,19 +287,67 @@ def _saved_bytes(model, tokens) -> int:
     return sum(saved.values())
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])
-def test_planned_activations_are_what_autograd_keeps(arch: str) -> None:
+def _tiny_base_config(model_type: str, layers: int, **overrides):
+    """A tiny random config of `model_type` with transformers' own class, as a base model (model.init_from) has
+    it: hidden 256, 4 heads over 2 KV heads (GPT-2: 4), a head_dim of its own (96, not 64) where the architecture
+    has one (Qwen3, Gemma), no dropout."""
+    from transformers import AutoConfig
+
+    if model_type == "gpt2":
+        return AutoConfig.for_model("gpt2", vocab_size=1000, n_embd=256, n_layer=layers, n_head=4, n_inner=512,
+                                    n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **overrides)
+    own = {"head_dim": 96} if model_type in ("qwen3", "gemma2", "gemma3_text") else {}
+    experts = {"num_local_experts": 4, "num_experts_per_tok": 2} if model_type == "mixtral" else {}
+    return AutoConfig.for_model(model_type, vocab_size=1000, hidden_size=256, intermediate_size=512,
+                                num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                max_position_embeddings=128, **own, **experts, **overrides)
+
+
+def _cuda_attention_on_cpu(shape, precision: str, windowed: bool):
+    """SDPA on CPU with the kernel that keeps what CUDA's keeps for this block. CPU's flash kernel keeps what
+    CUDA's flash and memory-efficient ones do (q, k, v, the log-sum-exp; with a mask, the mask); but it takes
+    fp32 with grouped-query attention, where CUDA has no fused kernel (flash is bf16/fp16 only, memory-efficient
+    takes no GQA) and runs the math composite: on CPU too, then."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    math = (precision == "fp32" and shape.num_kv_heads < shape.num_attn_heads and not windowed
+            and not shape.eager_attention)
+    return sdpa_kernel(SDPBackend.MATH) if math else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("model_type, overrides", [
+    ("llama", {}), ("mistral", {}), ("qwen2", {}), ("qwen3", {}), ("gemma2", {}), ("gemma3_text", {}),
+    ("gemma3_text", {"sliding_window": 64}),  # its sliding layers then get a mask
+    ("gpt2", {}),  # a base GPT-2's gelu_new
+    ("gpt2", {"activation_function": "gelu_pytorch_tanh"}),  # GPT-2 from scratch (build_model_config)
+    ("mixtral", {})], ids=lambda v: ",".join(f"{k}={v[k]}" for k in v) or "defaults" if isinstance(v, dict) else v)
+def test_planned_activations_are_what_autograd_keeps(model_type: str, overrides: dict, precision: str) -> None:
     """One block's saved tensors (a 2-layer model's less a 1-layer one's) per token, against the planner's
-    figure: gpt2's gelu_new used to keep 21,532 values/token/layer at h=768 against 13,056 planned."""
+    figure, for every supported architecture as build_model runs it (Gemma 2's eager attention), with the
+    attention kernel CUDA would run: GPT-2 with gelu_new kept 21,532 values/token/layer at h=768 against 13,056
+    planned, and every base model's block was counted as Llama's (missing Gemma 2's S×S scores, Qwen3's and
+    Gemma 3's q/k norms, Gemma's four norms, and fp32 GQA's math fallback)."""
     import torch
 
-    from gptpipe.train.memory import activation_bytes_per_token
+    from gptpipe.train.memory import activation_bytes_per_token, windowed_layers
+    from gptpipe.train.model import base_shape, build_model
 
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     tokens = torch.randint(0, 1000, (2, 128))
-    one, shape = _tiny_bf16_model(arch, 1)
-    two, _ = _tiny_bf16_model(arch, 2)
-    measured = (_saved_bytes(two, tokens) - _saved_bytes(one, tokens)) / tokens.numel()
-    planned = activation_bytes_per_token(shape, "bf16", fused_kernels=False)
+    saved = {}
+    for layers in (1, 2):
+        config = _tiny_base_config(model_type, layers, **overrides)
+        shape = base_shape(config)
+        windowed = windowed_layers(shape, 128) > 0  # the tiny models' layers are alike: all windowed, or none
+        torch.manual_seed(0)
+        model = build_model(config).to(dtype)
+        with _cuda_attention_on_cpu(shape, precision, windowed):
+            saved[layers] = _saved_bytes(model, tokens)
+    measured = (saved[2] - saved[1]) / tokens.numel()
+    planned = activation_bytes_per_token(shape, precision, fused_kernels=False, seq_len=128, windowed=windowed)
     assert planned == pytest.approx(measured, rel=0.10), (measured, planned)
 
 

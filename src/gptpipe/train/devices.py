@@ -70,13 +70,23 @@ def host_threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // ranks_per_node(world_size))
 
 
-def liger_available() -> bool:
-    """Whether Liger's kernels are installed (the [gpu] extra)."""
+def liger_missing(arch: str) -> str | None:
+    """Why Liger's patch for `arch` (one of LIGER_ARCHS) cannot be applied here, None when it can.
+
+    Imports what engine.apply_liger calls: `liger_kernel.transformers` imports transformers' model modules, and
+    raises under a transformers version it does not know even where `import liger_kernel` works."""
     try:
-        import liger_kernel  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        import liger_kernel.transformers
+    except ImportError as exc:
+        if exc.name in ("liger_kernel", "triton"):
+            return f"{exc.name} is not installed (pip install -e .[gpu])"
+        return f"liger_kernel.transformers does not import here ({type(exc).__name__}: {exc})"
+    except Exception as exc:  # a transformers it does not support fails in other ways too (AttributeError...)
+        return f"liger_kernel.transformers does not import here ({type(exc).__name__}: {exc})"
+    function = f"apply_liger_kernel_to_{LIGER_ARCHS[arch][0]}"
+    if not hasattr(liger_kernel.transformers, function):
+        return f"this liger-kernel has no {function}"
+    return None
 
 
 def triton_missing() -> str | None:
@@ -117,9 +127,9 @@ def loss_path(arch: str, on_gpu: bool, liger_kernels: bool, other_machine: bool 
         return LossPath(False, f"Liger has no {arch} patch: transformers' loss over the full logits")
     if other_machine:
         return LossPath(True, "Liger's fused linear cross-entropy (assumed: the GPU machine has the [gpu] extra)")
-    if not liger_available():
-        return LossPath(False, "liger-kernel is not installed (pip install -e .[gpu]): transformers' loss over "
-                               "the full logits")
+    unusable = liger_missing(arch)
+    if unusable:
+        return LossPath(False, f"Liger cannot patch {arch}: {unusable}; transformers' loss over the full logits")
     missing = triton_missing()
     if missing:
         return LossPath(False, f"Liger's kernels cannot build: {missing}; transformers' loss over the full logits")

@@ -186,6 +186,11 @@ def deepspeed_config(train: LoopConfig, micro_batch: int, accumulation: int, dp:
         config["communication_data_type"] = "fp32"
     if train.offload_optimizer:
         config["zero_force_ds_cpu_optimizer"] = False  # torch's AdamW on the host, no CPUAdam build
+    # DeepSpeed's throughput timer is on by default and synchronizes the device in every forward and every
+    # step() when no dataloader is handed to it (ours is not): two full syncs per micro-batch, the GPU idle
+    # while the host builds the next batch. The train line measures throughput itself, on log steps. A
+    # template that sets "timers" keeps its own.
+    config.setdefault("timers", {"throughput": {"enabled": False, "synchronized": False}})
     return config, wandb_block
 
 
@@ -211,11 +216,22 @@ def apply_liger(arch: str) -> None:
           **({mlp: True} if mlp else {"swiglu": False}))
 
 
+def fused_loss_kwargs(train: LoopConfig) -> dict[str, Any]:
+    """What every forward with labels passes to a model whose loss is Liger's fused linear cross-entropy.
+
+    skip_logits: Liger skips the logits only in training mode unless told (evaluation's would not fit).
+    accum_dtype: Liger sums lm_head's gradient over its chunks of tokens in the weight's dtype unless told
+    otherwise: bf16, one rounding per chunk (32 chunks for 125m at micro-batch 64). With train.fp32_gradients
+    the sum is fp32, as every other gradient's (memory.estimate_memory counts the fp32 buffer)."""
+    fp32 = gradient_bytes(train.precision, train.zero_stage, train.fp32_gradients) == 4
+    return {"skip_logits": True, **({"accum_dtype": torch.float32} if fp32 else {})}
+
+
 def build_engine(train: LoopConfig, arch: str, hf_config: Any, ds_config: dict[str, Any], schedule: Schedule,
-                 device: torch.device, make_model: Callable[[], Any] | None = None) -> tuple[Any, bool]:
+                 device: torch.device, make_model: Callable[[], Any] | None = None) -> tuple[Any, dict[str, Any]]:
     """The model (freshly initialized from the current RNG state, or `make_model()`'s, e.g. pretrained
-    weights for fine-tuning) inside a DeepSpeed engine, and whether Liger's fused linear cross-entropy
-    computes its loss (then evaluation must ask for `skip_logits` too).
+    weights for fine-tuning) inside a DeepSpeed engine, and the keyword arguments every forward with labels
+    passes (`fused_loss_kwargs` where Liger's fused linear cross-entropy computes the loss, else none).
 
     The LR scheduler goes into `deepspeed.initialize`, so DeepSpeed checkpoints it. `make_model` is called
     after Liger has patched the model classes, so its model gets the fused kernels too.
@@ -245,29 +261,40 @@ def build_engine(train: LoopConfig, arch: str, hf_config: Any, ds_config: dict[s
     engine, *_ = deepspeed.initialize(model=model, model_parameters=parameter_groups(model, train.weight_decay),
                                       config=ds_config, lr_scheduler=schedule.scheduler_factory())
     if train.compile:
-        inductor = train.compile_backend == "inductor"
-        missing = triton_missing() if inductor and on_gpu else None
-        if inductor and not on_gpu:
-            if main:
-                log.info("train.compile: inductor compiles for CUDA only; this CPU run is not compiled")
-        elif missing:
-            if main:
-                log.warning(f"train.compile: running uncompiled, torch.compile's inductor needs Triton: {missing}")
-        else:
+        why_not = uncompiled_because(train, on_gpu, loss.fused)
+        if why_not is None:
             engine.compile(backend=train.compile_backend)
-    return engine, loss.fused
+        elif main:
+            log.warning(f"train.compile: running uncompiled: {why_not}")
+    return engine, fused_loss_kwargs(train) if loss.fused else {}
 
 
-def forward_loss(engine: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, RouterStats | None]:
+def uncompiled_because(train: LoopConfig, on_gpu: bool, liger: bool) -> str | None:
+    """Why train.compile cannot compile this run, None when it can."""
+    inductor = train.compile_backend == "inductor"
+    if inductor and not on_gpu:
+        return "inductor compiles for CUDA only"
+    if inductor and liger:
+        # Seen on an H200 (bench/gpu_check.sh, docs/benchmarks.md): inductor cannot analyse Liger's RMSNorm kernel
+        # (its float eps) and the tiny llama's loss went NaN within 13 steps; uncompiled, the same run trains.
+        return ("Liger's Triton kernels under torch.compile gave a NaN loss (torch 2.11, liger-kernel 0.8.5); "
+                "set train.liger_kernels=false to compile instead")
+    missing = triton_missing() if inductor else None
+    return f"torch.compile's inductor needs Triton: {missing}" if missing else None
+
+
+def forward_loss(engine: Any, batch: dict[str, torch.Tensor],
+                 **loss_kwargs: Any) -> tuple[torch.Tensor, RouterStats | None]:
     """(loss to backpropagate, the router's statistics or None). Labels are already shifted by the dataset,
-    so they go in as `shift_labels` (no token is lost to the model's own shift).
+    so they go in as `shift_labels` (no token is lost to the model's own shift); `loss_kwargs` are
+    build_engine's. `engine` may also be the plain model (bench/bench_liger.py, bench_train.py's plain loop).
 
     A mixture of experts asks for its router logits here (its saved config leaves them off) and adds each
     layer's load-balancing loss (model.router_loss) with the config's router_aux_loss_coef."""
-    config = engine.module.config
+    config = getattr(engine, "module", engine).config
     moe = hasattr(config, "output_router_logits")
     out = engine(input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["labels"],
-                 use_cache=False, **({"output_router_logits": True} if moe else {}))
+                 use_cache=False, **loss_kwargs, **({"output_router_logits": True} if moe else {}))
     if not moe:
         return out.loss, None
     stats = router_loss(out.router_logits, config.num_experts_per_tok)

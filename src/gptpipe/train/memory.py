@@ -3,10 +3,11 @@
 `estimate_memory` counts what torch's allocator hands out on each device (GPU, or CPU rank): weights,
 gradients and optimizer states under the ZeRO stage, activations with or without checkpointing, and logits;
 bench/bench_train.py compares it with the measured peak allocation. Activation bytes per token are the
-tensors autograd keeps for each block and the loss's are its peak, both as measured on CPU in bf16
-(tests/test_train_plan.py); Liger's kernels are counted from their source. What the allocator never reports (the CUDA
-context, NCCL's buffers, the caching allocator's fragmentation) and the estimate's own error are not
-predicted: `memory_budget` leaves them as headroom, so a plan a few percent off does not run out of memory.
+tensors autograd keeps for each block of each architecture, with the attention kernel CUDA runs, and the loss's
+are its peak, both as measured on CPU in bf16 and fp32 (tests/test_train_plan.py); Liger's kernels are counted
+from their source (liger-kernel 0.8). What the allocator never reports (the CUDA context, NCCL's buffers, the
+caching allocator's fragmentation) and the estimate's own error are not predicted: `memory_budget` leaves them
+as headroom, so a plan a few percent off does not run out of memory.
 """
 
 from __future__ import annotations
@@ -118,30 +119,94 @@ def gradient_bytes(precision: str, zero_stage: int, fp32_gradients: bool) -> int
 LOSS_BYTES_PER_LOGIT = 12
 
 
-def activation_bytes_per_token(shape: Shape, precision: str, fused_kernels: bool) -> float:
-    """Bytes autograd keeps per token and block, as torch.autograd.graph.saved_tensors_hooks records them
-    (tests/test_train_plan.py measures them on 1- and 2-layer models). `fused_kernels`: Liger's RMSNorm (and,
-    for llama, SwiGLU) replace transformers' eager ones (apply_liger in train/engine.py). A base model's block
-    (model.init_from: mistral, qwen2/3, gemma2/3) is counted as llama's, measured for llama only."""
+@dataclass(frozen=True)
+class Block:
+    """What sets the tensors one block of an architecture keeps for backward, beyond its sizes."""
+
+    norms: int  # per block: Gemma's four (input, post-attention, pre- and post-feedforward), else two
+    norm: str  # "llama", "gemma" or "layer" (GPT-2's LayerNorm): how the eager norm computes
+    qk_norm: bool = False  # a per-head RMSNorm on q and on k (Qwen3, Gemma 3)
+
+
+# Mistral's and Qwen2's blocks are Llama's (Qwen2's q/k/v biases are parameters: nothing more is kept); Gemma
+# 2's GeGLU (gelu_pytorch_tanh) keeps what Llama's SwiGLU does, as does Liger's GeGLU what its SwiGLU does.
+BLOCKS = {"llama": Block(2, "llama"), "mistral": Block(2, "llama"), "qwen2": Block(2, "llama"),
+          "qwen3": Block(2, "llama", qk_norm=True), "gemma2": Block(4, "gemma"),
+          "gemma3_text": Block(4, "gemma", qk_norm=True), "gpt2": Block(2, "layer"), "mixtral": Block(2, "llama")}
+
+
+def _norm_bytes(kind: str, p: int, n: int, rows: int, fused: bool) -> int:
+    """What one norm over n values per token, in `rows` rows (1, or q's/k's heads), keeps, its output aside
+    (kept by the linear that reads it, where one does)."""
+    if fused:
+        return p * n + 4 * rows  # Liger's RMSNorm (Gemma's offset too): its input and the fp32 rstd
+    if kind == "llama":
+        return 4 * n + 4 * rows + p * n  # fp32 input (its upcast in bf16), rstd, the normalized cast back
+    if kind == "gemma":
+        return 8 * n + 4 * rows  # fp32 throughout: input, rstd and normalized, which the weight multiplies
+    return p * n + 8 * rows  # LayerNorm: input, fp32 mean and rstd (on CUDA; bf16 on CPU)
+
+
+def _attention_bytes(shape: Shape, p: int, seq_len: int, windowed: bool) -> int:
+    """What the attention itself keeps per token (its output, o_proj's input, aside), on CUDA as transformers
+    calls it: SDPA with is_causal and enable_gqa (k and v at their own heads) when no mask is passed."""
+    heads, q, kv = shape.num_attn_heads, shape.num_attn_heads * shape.head_dim, shape.kv_dim
+    if shape.eager_attention:
+        # Gemma 2's eager, soft-capped attention: q, and k and v repeated to every head; per score tanh's output
+        # and the fp32 softmax, plus its cast back in bf16 (the fp32 softmax is its own cast): 8 bytes either way.
+        return 3 * q * p + 8 * heads * seq_len
+    if windowed:
+        # A sliding window no longer than the sequence: transformers passes a mask, repeats k and v to every head,
+        # and the kernel (CUDA's memory-efficient one: flash takes no mask) keeps the mask, cast to the dtype,
+        # per layer ([batch, 1, seq, seq]).
+        return 3 * q * p + 4 * heads + seq_len * p
+    if p == 4 and kv < q:
+        # fp32 with grouped-query attention: flash runs bf16/fp16 only and the memory-efficient kernel takes no
+        # GQA (torch's sdp_utils), so SDPA falls back to its math composite: q, k and v expanded to every
+        # head, and the fp32 softmax per score. (fp32 without GQA: memory-efficient, as below.)
+        return 3 * q * p + 4 * heads * seq_len
+    return p * (q + 2 * kv) + 4 * heads  # flash / memory-efficient: q, k, v and the fp32 log-sum-exp per head
+
+
+def windowed_layers(shape: Shape, seq_len: int) -> int:
+    """The layers given a mask: those whose sliding window is no longer than the sequence (transformers only
+    relies on SDPA's is_causal where the window covers it)."""
+    return shape.sliding_layers if shape.sliding_window is not None and shape.sliding_window <= seq_len else 0
+
+
+def activation_bytes_per_token(shape: Shape, precision: str, fused_kernels: bool, seq_len: int,
+                               windowed: bool = False) -> float:
+    """Bytes autograd keeps per token for one block on CUDA, as torch.autograd.graph.saved_tensors_hooks
+    records them (tests/test_train_plan.py measures every architecture's on 1- and 2-layer models on CPU).
+    `fused_kernels`: Liger's RMSNorm, RoPE and SwiGLU/GeGLU replace transformers' eager ones (apply_liger in
+    train/engine.py; Mixtral's experts stay eager, GPT-2 has no patch). `windowed`: a sliding-window layer
+    given a mask (windowed_layers). RoPE keeps nothing per block either way (its cos/sin are the model's).
+    Measured on CUDA too (an H200, torch 2.11, transformers 5.23, liger-kernel 0.8.5), eager and with Liger's
+    kernels, bf16 and fp32: every architecture within 0.2% of these figures."""
     p = bytes_per_value(precision)
-    h, f, kv, heads = shape.hidden_size, shape.ffn_hidden_size, shape.kv_dim, shape.num_attn_heads
-    q = heads * shape.head_dim  # = h, except for base models with their own head_dim (Gemma, Qwen3)
-    attention = p * (2 * q + 2 * kv) + 4 * heads  # q, k, v into attention, its output, fp32 log-sum-exp per head
-    if shape.arch == "gpt2":
-        # 2 LayerNorms (input and output, mean and rstd), attention, and the MLP's activation input and
-        # output (gelu_pytorch_tanh: one kernel saving its input only).
-        return 2 * (2 * p * h + 2 * p) + attention + 2 * p * f
-    # RMSNorm: eager keeps the fp32 upcast of its input, rsqrt, the normalized and the weighted output;
-    # Liger's keeps its input, the fp32 rstd and the output.
-    norm = (2 * p * h + 4) if fused_kernels else (4 * h + 4 + 2 * p * h)
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    heads, q, kv = shape.num_attn_heads, shape.num_attn_heads * shape.head_dim, shape.kv_dim
+    block = BLOCKS[shape.arch]
+    fused = fused_kernels and shape.arch != "gpt2"
+    # The inputs the linears keep: q/k/v's and the MLP's (the norms' outputs), o_proj's (attention's output)
+    linear_inputs = p * (2 * h + q)
+    norms = block.norms * _norm_bytes(block.norm, p, h, 1, fused)
+    if block.qk_norm:
+        norms += (_norm_bytes(block.norm, p, q, heads, fused)
+                  + _norm_bytes(block.norm, p, kv, shape.num_kv_heads, fused))
+    attention = _attention_bytes(shape, p, seq_len, windowed)
     if shape.arch == "mixtral":
         e, k = shape.num_experts, shape.experts_top_k
         # router softmax (fp32 and cast), routing indices and weights, each routed token's input, gate/up,
         # activation, product and expert output (the MLP always eager: Liger's mixtral patch has no SwiGLU)
         mlp = e * (4 + p) + 4 + 48 * k + 2 * k * h * p + 4 * k * f * p
+    elif shape.arch == "gpt2":
+        # gelu_pytorch_tanh (build_model_config's): one kernel keeping its input, and its output (c_proj's input);
+        # a base GPT-2's gelu_new is a Python composite that keeps its input, tanh's output, 0.5x and 1+tanh
+        mlp = (5 if shape.activation == "gelu_new" else 2) * f * p
     else:
-        mlp = (3 if fused_kernels else 4) * f * p  # gate, up, (eager: silu,) product
-    return 2 * norm + attention + mlp
+        mlp = (3 if fused else 4) * f * p  # gate, up, (eager: the activation's output,) product (down's input)
+    return linear_inputs + norms + attention + mlp
 
 
 def estimate_memory(shape: Shape, parameters: int, seq_len: int, precision: str, dp: int, settings: EngineSettings,
@@ -170,15 +235,23 @@ def estimate_memory(shape: Shape, parameters: int, seq_len: int, precision: str,
         block = (n - V * h * (1 if shape.tie_word_embeddings else 2)) / shape.num_layers
         weights += (min(n, ZERO_BUCKET) + max(block, V * h) + (V * h if fused_loss else 0)) * p
     tokens = settings.micro_batch * seq_len
-    per_layer = activation_bytes_per_token(shape, precision, fused_loss) * tokens
-    if settings.checkpointing:
-        activations = shape.num_layers * tokens * h * p + per_layer  # block inputs + one block
+    windowed = windowed_layers(shape, seq_len)
+    blocks = [(shape.num_layers - windowed, activation_bytes_per_token(shape, precision, fused_loss, seq_len)),
+              (windowed, activation_bytes_per_token(shape, precision, fused_loss, seq_len, windowed=True))]
+    if settings.checkpointing:  # block inputs + the largest block, recomputed in backward
+        activations = tokens * (shape.num_layers * h * p + max(per_token for n, per_token in blocks if n))
     else:
-        activations = shape.num_layers * per_layer
+        activations = tokens * sum(n * per_token for n, per_token in blocks)
     if fused_loss:
-        # Liger's chunked loss: the gradient of its input and a chunk of ~tokens x hidden logits, the fp32 loss
-        # per token, and lm_head's gradient computed in forward
-        logits = tokens * (2 * h * p + 4) + V * h * p
+        # Liger's chunked loss (fused_linear_cross_entropy_forward, liger-kernel 0.8.5) at its peak: the gradient
+        # of its input, the fp32 loss per token and lm_head's gradient, summed over the chunks in forward (in
+        # fp32 with fp32 gradients: accum_dtype, engine.fused_loss_kwargs); with them either
+        # - a chunk of ~tokens x hidden logits, in which the kernel writes their gradient, and in fp32 runs each
+        #   chunk's product with lm_head's input, a V x h temporary (the addmm into the sum is for bf16/fp16), or
+        # - after the chunks, the fp32 sum's cast to the weight's dtype (bf16 with fp32 gradients).
+        chunk = tokens * h * p + (V * h * p if p == 4 else 0)
+        cast = V * h * p if g != p else 0
+        logits = tokens * (h * p + 4) + V * h * g + max(chunk, cast)
     else:
         logits = tokens * V * LOSS_BYTES_PER_LOGIT
     return Memory(weights, gradients, optimizer, activations, logits)

@@ -59,6 +59,10 @@ class Shape:
     num_experts: int  # 1 unless mixtral
     experts_top_k: int
     explicit_head_dim: int | None = None  # a base model's head_dim where it is not hidden / heads (Gemma, Qwen3)
+    eager_attention: bool = False  # build_model runs the eager attention (Gemma 2), not SDPA
+    sliding_window: int | None = None  # a base model's attention window (Mistral, Gemma, Qwen2/3 with it on)
+    sliding_layers: int = 0  # the layers that use the window (Gemma: 5 of 6 or every other one)
+    activation: str | None = None  # a base GPT-2's activation_function (gelu_new); None: the one this file sets
 
     @property
     def head_dim(self) -> int:
@@ -119,15 +123,21 @@ def base_shape(config: PretrainedConfig) -> Shape:
         return Shape(arch="gpt2", num_layers=config.n_layer, hidden_size=config.n_embd, num_attn_heads=heads,
                      num_kv_heads=heads, ffn_hidden_size=config.n_inner or 4 * config.n_embd,
                      vocab_size=config.vocab_size, init_std=config.initializer_range,
-                     tie_word_embeddings=bool(config.tie_word_embeddings), num_experts=1, experts_top_k=1)
+                     tie_word_embeddings=bool(config.tie_word_embeddings), num_experts=1, experts_top_k=1,
+                     activation=config.activation_function)
     heads = config.num_attention_heads
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)  # none: Mistral's window is every layer's
+    sliding = (sum(t == "sliding_attention" for t in layer_types) if layer_types else config.num_hidden_layers)
     return Shape(arch=config.model_type, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
                  num_attn_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                  ffn_hidden_size=config.intermediate_size, vocab_size=config.vocab_size,
                  init_std=config.initializer_range, tie_word_embeddings=bool(config.tie_word_embeddings),
                  num_experts=getattr(config, "num_local_experts", 1),
                  experts_top_k=getattr(config, "num_experts_per_tok", 1),
-                 explicit_head_dim=getattr(config, "head_dim", None))
+                 explicit_head_dim=getattr(config, "head_dim", None),
+                 eager_attention=attention_implementation(config) == "eager",
+                 sliding_window=window, sliding_layers=sliding if window else 0)
 
 
 def meta_parameters(hf_config: PretrainedConfig) -> int:
@@ -214,6 +224,12 @@ def build_model_config(model_cfg: ModelConfig, tokenizer_info: Any, seq_len: int
     return LlamaConfig(**common)
 
 
+def attention_implementation(hf_config: PretrainedConfig) -> str:
+    """The attention build_model runs: SDPA, except where Gemma 2 caps its attention scores
+    (attn_logit_softcapping), which only the eager attention does."""
+    return "eager" if getattr(hf_config, "attn_logit_softcapping", None) else "sdpa"
+
+
 def build_model(hf_config: PretrainedConfig, device: torch.device | str = "cpu",
                 init_from: Path | None = None) -> PreTrainedModel:
     """A freshly initialized model (weights drawn with initializer_range), or a base model's weights
@@ -225,8 +241,7 @@ def build_model(hf_config: PretrainedConfig, device: torch.device | str = "cpu",
     import torch
     from transformers import AutoModelForCausalLM
 
-    # Gemma 2 caps its attention scores (attn_logit_softcapping), which only the eager attention does.
-    attention = "eager" if getattr(hf_config, "attn_logit_softcapping", None) else "sdpa"
+    attention = attention_implementation(hf_config)
     if init_from is not None:
         model = AutoModelForCausalLM.from_pretrained(init_from, dtype=torch.float32,
                                                      attn_implementation=attention).to(device)

@@ -194,9 +194,8 @@ def make_plan(config: PipelineConfig, vocab_size: int, dp: int | None = None, de
 
     settings = EngineSettings(train.micro_batch_size or per_rank, train.zero_stage, train.activation_checkpointing,
                               train.offload_optimizer)
-    if train.micro_batch_size is None:  # the planner's choice: the largest micro-batch that fits
-        settings = next((replace(settings, micro_batch=m) for m in sorted(_divisors(per_rank), reverse=True)
-                         if fits(replace(settings, micro_batch=m))), replace(settings, micro_batch=1))
+    if train.micro_batch_size is None:
+        settings = largest_micro_batch(settings, per_rank, fits)
     if not fits(settings):
         raise PlanError(_refusal(memory_of(settings), budget, name, settings, per_rank, dp,
                                  train.global_batch_size, fits, memory_of))
@@ -230,6 +229,14 @@ def make_plan(config: PipelineConfig, vocab_size: int, dp: int | None = None, de
                 checkpoint_bytes=checkpoint_bytes,
                 peak_flops=peak_flops(name, train.precision, train.peak_tflops) if on_gpu else None,
                 setup=setup, measured_tokens_per_s=measured, measured_elsewhere=elsewhere)
+
+
+def largest_micro_batch(settings: EngineSettings, per_rank: int,
+                        fits: Callable[[EngineSettings], bool]) -> EngineSettings:
+    """The planner's choice when train.micro_batch_size is unset: `settings` with the largest micro-batch that
+    divides the rank's samples per step and fits (1 when none does: the refusal then says what to change)."""
+    return next((replace(settings, micro_batch=m) for m in sorted(_divisors(per_rank), reverse=True)
+                 if fits(replace(settings, micro_batch=m))), replace(settings, micro_batch=1))
 
 
 def _divisors(n: int) -> list[int]:

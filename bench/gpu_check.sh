@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The CUDA path in one prepared run, for a person with ten minutes on one H100/H200 (about 6 minutes of it on an
+# H200). From the repository root:
+#   bash bench/gpu_check.sh
+# It sets up .venv with the [gpu] extra (scripts/setup_env.sh; TORCH_SPEC picks the CUDA build), then:
+#   1. the device, driver and library versions;
+#   2. smoke: a tiny bf16 model through the engine with Liger's kernels, and again with torch.compile;
+#   3. Liger on/off: every model type Liger patches, the same weights and batch (bench/bench_liger.py), and the
+#      125m llama's step-1 loss with and without Liger at one micro-batch;
+#   4. at seq 2048 in bf16, at the planner's micro-batch: llama 125m and 1b, gpt2 125m, mixtral 125m and a
+#      Qwen3-0.6B-shaped base (random weights, 151,936 vocabulary): tokens/s, MFU (dense peak), peak memory against
+#      the plan, host-device syncs per step, and a plain PyTorch loop on the same model (bench/bench_train.py);
+#   5. the real loop: `gptpipe train` (data loading, logging, evaluation, a checkpoint) on the demo's stage-2
+#      data (demo/ after `bash demo.sh`, or its stages 0-2), 125m at seq 2048, beside the kernel path.
+# Every row runs even when one fails; the table is printed at the end and written to $GPU_CHECK_OUT/gpu_check.md
+# (the rows as JSON lines in rows.jsonl, each command's output in logs/). Exit status: the number of failed rows.
+#   GPU_CHECK_OUT        folder for the results (default bench/results/gpu-check-<date>-<time>)
+#   GPU_CHECK_PYTHON     an interpreter that already has gptpipe's packages and liger-kernel (skips the set-up)
+#   GPU_CHECK_STEPS      timed steps per row (default 10; 3 warm-up steps first)
+#   GPU_CHECK_WORKSPACE  the folder whose config.yaml and stage-2 data the real loop trains on (default demo)
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+OUT=${GPU_CHECK_OUT:-bench/results/gpu-check-$(date +%Y%m%d-%H%M%S)}
+STEPS=${GPU_CHECK_STEPS:-10}
+WORKSPACE=${GPU_CHECK_WORKSPACE:-demo}
+mkdir -p "$OUT/logs"
+if [ -n "${GPU_CHECK_PYTHON:-}" ]; then
+  PY=$GPU_CHECK_PYTHON
+else
+  EXTRAS=${EXTRAS:-ja,gpu,test} bash scripts/setup_env.sh || exit 1
+  PY=.venv/bin/python
+fi
+export WANDB_MODE=${WANDB_MODE:-offline} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+ROWS=$OUT/rows.jsonl
+: > "$ROWS"
+failed=()
+started=$(date +%s)
+
+say() { echo "[gpu_check $(( $(date +%s) - started ))s] $*"; }
+# run NAME LIMIT_S COMMAND...: the command's output to logs/NAME.log; a failure (or timeout) is counted, not fatal
+run() {
+  local name=$1 limit=$2
+  shift 2
+  say "$name"
+  if ! timeout "$limit" "$@" > "$OUT/logs/$name.log" 2>&1; then
+    failed+=("$name")
+    say "FAILED: $name (last lines of logs/$name.log:)"
+    tail -n 5 "$OUT/logs/$name.log"
+  fi
+  grep -h '^|' "$OUT/logs/$name.log" || true
+}
+bench() { local name=$1; shift; run "$name" 240 "$PY" bench/bench_train.py --json "$ROWS" --label "$name" \
+  --steps "$STEPS" --warmup 3 "$@"; }
+
+say "versions"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  "$PY" - <<'PY'
+import importlib.metadata as md, platform, torch
+print(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+      f"device {torch.cuda.get_device_name(0)}, capability {torch.cuda.get_device_capability(0)}")
+for name in ("deepspeed", "transformers", "liger-kernel", "triton", "megatron-core", "tokenizers"):
+    try:
+        print(f"{name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        print(f"{name} not installed")
+PY
+} 2>&1 | tee "$OUT/versions.txt"
+
+# The rows that decide the targets first, torch.compile's smoke (minutes of compiling) last.
+bench smoke-liger --preset tiny --seq 512 --micro 8
+bench llama-125m --plain
+bench llama-1b --preset 1b --plain
+bench qwen3-base --base qwen3 --plain
+run liger-on-off 240 "$PY" bench/bench_liger.py --device cuda --precision bf16
+bench gpt2-125m --arch gpt2 --plain
+bench mixtral-125m --arch mixtral --plain
+bench llama-125m-micro8-liger --micro 8
+bench llama-125m-micro8-no-liger --micro 8 --no-liger
+
+if [ -f "$WORKSPACE/config.yaml" ]; then
+  # micro-batch 16 and 4 of them per step: the planner's accumulation path, a log line every 5 steps, an
+  # evaluation and a checkpoint at step 10
+  run real-loop 300 "$PY" -m gptpipe train --config "$WORKSPACE/config.yaml" model.preset=125m train.seq_len=2048 \
+    train.precision=bf16 train.global_batch_size=64 train.micro_batch_size=16 train.lr=6e-4 train.min_lr=6e-5 \
+    train.train_tokens=null train.train_epochs=8 train.train_iters=20 train.log_interval=5 train.eval_interval=10 \
+    train.save_interval=10 train.eval_iters=1 train.sample_prompts=[] logging.wandb=false \
+    train.output_model_dir="$(pwd)/$OUT/real-loop"
+  bench llama-125m-micro16 --micro 16
+else
+  say "no $WORKSPACE/config.yaml: the real loop is skipped (run bash demo.sh, or set GPU_CHECK_WORKSPACE)"
+fi
+# engine.uncompiled_because leaves a run with Liger's kernels uncompiled: compiled without them
+bench smoke-compile --preset tiny --seq 512 --micro 8 --compile --no-liger
+
+"$PY" bench/gpu_check_report.py "$OUT" | tee "$OUT/gpu_check.md"
+say "done in $(( $(date +%s) - started )) s; failed: ${failed[*]:-none}"
+echo "results: $OUT"
+exit "${#failed[@]}"

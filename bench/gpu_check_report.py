@@ -1,0 +1,60 @@
+"""bench/gpu_check.sh's table: the rows of <folder>/rows.jsonl (bench/bench_train.py --json) and the real loop's
+<folder>/real-loop/metrics.jsonl as markdown, each row with its verdict against issue 30's targets: MFU (dense peak)
+>= 45% for llama 125m and >= 50% for 1b, peak memory within ±10% of the plan at the planner's micro-batch, the
+engine >= 0.95x the plain loop, Liger on/off step-1 losses equal within bf16 noise.
+
+    python bench/gpu_check_report.py bench/results/gpu-check-<date>-<time>
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+
+def percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+out = Path(sys.argv[1])
+rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines() if line.strip()]
+targets = {"llama-125m": 0.45, "llama-1b": 0.50}
+print("| row | micro | tok/s | MFU dense (causal) | peak / plan GiB | plain tok/s (engine ×) | host syncs/step "
+      "| loss 1 → n | verdict |")
+print("|---|---|---|---|---|---|---|---|---|")
+by_label = {row["label"]: row for row in rows}
+for row in rows:
+    notes = []
+    mfu = row["mfu_full"]
+    if row["label"] in targets and mfu is not None and mfu < targets[row["label"]]:
+        notes.append(f"MFU under {targets[row['label']]:.0%}")
+    ratio = row["peak_gib"] / row["planned_gib"] if row["planned_gib"] else float("nan")
+    if row["micro_planned"] and not 0.9 <= ratio <= 1.1:
+        notes.append(f"peak {ratio:.2f}× plan")
+    if row["engine_vs_plain"] is not None and row["engine_vs_plain"] < 0.95:
+        notes.append("engine < 0.95× plain")
+    plain = (f"{row['plain_tokens_per_s']:,.0f} ({row['engine_vs_plain']:.2f}×)" if row["plain_tokens_per_s"]
+             else "-")
+    print(f"| {row['label']} | {row['micro']}{' plan' if row['micro_planned'] else ''} | {row['tokens_per_s']:,.0f} | "
+          f"{percent(mfu)} ({percent(row['mfu_causal'])}) | {row['peak_gib']:.1f} / {row['planned_gib']:.1f} "
+          f"({ratio:.2f}×) | "
+          f"{plain} | {row['host_syncs_per_step']} | {row['first_loss']:.4f} → {row['loss']:.3f} | "
+          f"{'; '.join(notes) or 'ok'} |")
+on, off = by_label.get("llama-125m-micro8-liger"), by_label.get("llama-125m-micro8-no-liger")
+if on and off:
+    rel = abs(on["first_loss"] - off["first_loss"]) / off["first_loss"]
+    print(f"\nLiger on/off, llama 125m, micro 8, step 1: {on['first_loss']:.5f} vs {off['first_loss']:.5f} "
+          f"(rel {rel:.1e}; bf16 noise is ~4e-3): {'ok' if rel < 1e-2 else 'DIFFERENT'}")
+metrics = out / "real-loop" / "metrics.jsonl"
+if metrics.is_file():
+    train_rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("kind") == "train"]
+    later = [r["tokens_per_s"] for r in train_rows[1:] if r.get("tokens_per_s")]
+    kernel = by_label.get("llama-125m-micro16")
+    if later:
+        speed = statistics.median(later)
+        versus = f", {speed / kernel['tokens_per_s']:.2f}× the kernel path at micro 16" if kernel else ""
+        print(f"\nReal loop (gptpipe train, 125m, seq 2048, micro 16 × 4 accumulation, log every 5 steps, eval and "
+              f"checkpoint at step 10): {speed:,.0f} tok/s after the first log window{versus}")
