@@ -4,14 +4,18 @@
 #   bash bench/gpu_check.sh
 # It sets up .venv with the [gpu] extra (scripts/setup_env.sh; TORCH_SPEC picks the CUDA build), then:
 #   1. the device, driver and library versions;
-#   2. smoke: a tiny bf16 model through the engine with Liger's kernels, and again with torch.compile;
+#   2. smoke: a tiny bf16 model through the engine with Liger's kernels, and (last) compiled with torch.compile,
+#      without Liger (a run with both stays uncompiled: engine.uncompiled_because);
 #   3. Liger on/off: every model type Liger patches, the same weights and batch (bench/bench_liger.py), and the
 #      125m llama's step-1 loss with and without Liger at one micro-batch;
 #   4. at seq 2048 in bf16, at the planner's micro-batch: llama 125m and 1b, gpt2 125m, mixtral 125m and a
 #      Qwen3-0.6B-shaped base (random weights, 151,936 vocabulary): tokens/s, MFU (dense peak), peak memory against
-#      the plan, host-device syncs per step, and a plain PyTorch loop on the same model (bench/bench_train.py);
+#      the plan, host-device syncs per step and where they are (logs/), and a plain PyTorch loop on the same model
+#      (bench/bench_train.py);
 #   5. the real loop: `gptpipe train` (data loading, logging, evaluation, a checkpoint) on the demo's stage-2
-#      data (demo/ after `bash demo.sh`, or its stages 0-2), 125m at seq 2048, beside the kernel path.
+#      data (demo/ after `bash demo.sh`, or its stages 0-2; copied from another machine, keep the files' mtimes to
+#      the nanosecond, e.g. `tar --format=posix`: stage 3 refuses outputs changed after their stage), 125m at seq
+#      2048, beside the kernel path at the same micro-batch.
 # Every row runs even when one fails; the table is printed at the end and written to $GPU_CHECK_OUT/gpu_check.md
 # (the rows as JSON lines in rows.jsonl, each command's output in logs/). Exit status: the number of failed rows.
 #   GPU_CHECK_OUT        folder for the results (default bench/results/gpu-check-<date>-<time>)
