@@ -1,11 +1,12 @@
-"""Stage 7: fine-tune rows (bad rows counted, never fatal), prompt masking, loss normalisation over gradient
-accumulation, length-grouped and packed batches, label mapping, evaluation and the best checkpoint, resume
-after SIGKILL, beam vs greedy, a ByT5-tokenized T5, and `gptpipe predict` on one and two (ZeRO-3) ranks.
-Labelled rows come from the man pages: a page's NAME description → its manual section."""
+"""Stage 7: fine-tune rows (bad rows counted, never fatal), train.seq_len auto, prompt masking, loss
+normalisation over gradient accumulation, length-grouped and packed batches, label mapping, evaluation and the
+best checkpoint, resume after SIGKILL, beam vs greedy, a ByT5-tokenized T5, and `gptpipe predict` on one and two
+(ZeRO-3) ranks. Labelled rows come from the man pages: a page's NAME description → its manual section."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from gptpipe.finetune.data import (
     IGNORE,
     Encoder,
     Row,
+    auto_seq_len,
     collate,
     collate_packed,
     computed_positions,
@@ -128,6 +130,129 @@ def test_a_seq_len_that_cuts_training_rows_is_warned_with_the_value_that_keeps_t
                          r"dropped\); the longest needs (\d+) tokens, the model takes 64: train.seq_len=64 cuts the "
                          r"fewest", over.length_warning)
     assert found and found[1] == found[2] and 48 - int(found[1]) == len(over.train) and int(found[3]) > 64
+
+
+def test_seq_len_is_auto_by_default_a_number_as_given_else_an_error_naming_the_key() -> None:
+    from gptpipe.config.core import ConfigError, load_config
+    from gptpipe.finetune.config import FinetuneConfig, FinetuneTrainConfig
+
+    shipped = REPO / "finetune_config.yaml"
+    assert FinetuneTrainConfig().seq_len == load_config(FinetuneConfig, shipped).train.seq_len == "auto"
+    assert load_config(FinetuneConfig, shipped, ["train.seq_len=96"]).train.seq_len == 96
+    for override, why in (("train.seq_len=autox", "expected int | 'auto', got 'autox'"),
+                          ("train.seq_len=0", "must be auto or an integer >= 1, got 0"),
+                          ("train.seq_len=-3", "must be auto or an integer >= 1, got -3"),
+                          ("train.seq_len_percentile=0", "must be in (0, 100], got 0.0")):
+        with pytest.raises(ConfigError) as refused:
+            load_config(FinetuneConfig, shipped, [override])
+        assert f"command-line override {override.split('=')[0]}: {why}" in str(refused.value)
+
+
+def test_auto_seq_len_keeps_the_stated_share_of_rows_within_the_models_positions() -> None:
+    lengths = [12, 30, 7, 93, 41, 18, 25, 9, 60, 33]
+    assert auto_seq_len(lengths, 100, 2048) == (93, "train.seq_len auto: 93 tokens, enough for the longest of 10 "
+                                                    "training rows; the model takes 2,048 positions")
+    assert auto_seq_len(lengths, 100, None)[0] == 93  # T5: relative positions, no cap
+    # 90% of 10 rows: the 9th shortest; 85% keeps 9 rows whole too (at least the share).
+    assert auto_seq_len(lengths, 90, 2048)[0] == auto_seq_len(lengths, 85, 2048)[0] == 60
+    assert auto_seq_len(lengths, 90, 2048)[1].startswith(
+        "train.seq_len auto: 60 tokens, enough for 90% of 10 training rows (train.seq_len_percentile; the longest "
+        "needs 93)")
+    assert auto_seq_len(lengths, 100, 64) == (
+        64, "train.seq_len auto: 64 tokens, the model's positions, not the 93 enough for the longest of 10 training "
+            "rows")
+
+
+def users_rows(folder: Path) -> tuple[Path, Path]:
+    """A user's own TSV: 1, 3 or 5 consecutive man pages' NAME descriptions joined into one input, labelled by the
+    first one's section, so that many rows are longer than the demo's short ones (48 training and 12 validation
+    rows, sections 1, 2, 3 interleaved)."""
+    texts = manpage_rows(per_section=40)
+    rows = [("。".join(text for text, _ in texts[i:i + 1 + i % 6]), texts[i][1]) for i in range(0, 120, 2)]
+    rows = [rows[i + k * 20] for i in range(20) for k in range(3)]
+    return write_tsv(folder / "train.tsv", rows[:48]), write_tsv(folder / "validation.tsv", rows[48:])
+
+
+def with_positions(model: Path, folder: Path, positions: int) -> Path:
+    """A copy of the model folder that takes `positions` positions (Llama's RoPE has no weights for them)."""
+    import shutil
+
+    shutil.copytree(model, folder)
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": positions}), encoding="utf-8")
+    return folder
+
+
+def test_seq_len_auto_keeps_every_row_of_a_users_tsv_and_says_what_it_chose(tiny_lm: Path, tmp_path: Path) -> None:
+    from gptpipe.config.core import load_config
+    from gptpipe.finetune.config import FinetuneConfig
+    from gptpipe.finetune.finetune import load_task
+
+    files = users_rows(tmp_path)
+    model = with_positions(tiny_lm, tmp_path / "model", 256)
+
+    def task(*overrides: str, model: Path = model):
+        return load_task(load_config(FinetuneConfig, None, finetune_args(model, files, tmp_path / "run", *overrides)))
+
+    rows, _ = read_rows(files[0], "tsv")
+    demo = task("train.seq_len=64")  # a number is kept as it is: the demo's 64 cuts the user's long rows
+    lengths = [demo.encoder.uncut_length(row) for row in rows]
+    longest, over = max(lengths), sum(n > 64 for n in lengths)
+    assert longest > 64 and demo.encoder.seq_len == 64 and demo.seq_len_note is None
+    assert demo.skipped.counts[CUT_TO_FIT] == over > 0 and demo.length_warning.startswith(
+        f"train.seq_len 64 is too short for {over} of 48 training rows")
+    auto = task("train.seq_len=auto")
+    assert auto.encoder.seq_len == longest and len(auto.train) == 48
+    assert not auto.skipped.counts[CUT_TO_FIT] and not auto.skipped.counts[TOO_LONG] and auto.length_warning is None
+    assert auto.seq_len_note == (f"train.seq_len auto: {longest} tokens, enough for the longest of 48 training rows; "
+                                 f"the model takes 256 positions")
+    assert [e.input_ids for e in auto.train] == [e.input_ids for e in task(f"train.seq_len={longest}").train]
+    # A stated percentile: the rows beyond it follow data.too_long, and the warning says auto chose the number.
+    share = task("train.seq_len=auto", "train.seq_len_percentile=80")
+    chosen = sorted(lengths)[math.ceil(0.8 * 48) - 1]
+    assert share.encoder.seq_len == chosen < longest and share.skipped.counts[CUT_TO_FIT] == sum(
+        n > chosen for n in lengths) <= 48 - math.ceil(0.8 * 48)
+    assert share.seq_len_note.startswith(f"train.seq_len auto: {chosen} tokens, enough for 80% of 48 training rows")
+    assert share.length_warning.startswith(f"train.seq_len {chosen} (auto) is too short for ")
+    # The model's 64 positions cap it: the longer rows are cut, and no number would keep them.
+    capped = task("train.seq_len=auto", model=tiny_lm)
+    assert capped.encoder.seq_len == 64 and capped.skipped.counts[CUT_TO_FIT] == over
+    assert capped.seq_len_note == (f"train.seq_len auto: 64 tokens, the model's positions, not the {longest} enough "
+                                   f"for the longest of 48 training rows")
+    assert capped.length_warning.endswith(f"the longest needs {longest} tokens, the model takes 64")
+
+
+def test_a_finetune_with_seq_len_auto_records_the_number_and_predicts_and_resumes_with_it(
+        tiny_lm: Path, tmp_path: Path) -> None:
+    files, run = users_rows(tmp_path), tmp_path / "run"
+    model = with_positions(tiny_lm, tmp_path / "model", 256)
+    args = finetune_args(model, files, run, "train.seq_len=auto", "train.global_batch_size=8",
+                         "train.train_iters=2", "train.eval_interval=1000")
+    done = gptpipe("finetune", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = re.search(r"\[finetune\] train.seq_len auto: (\d+) tokens, enough for the longest of 48 training rows; "
+                     r"the model takes 256 positions\n", done.stderr)
+    assert said, done.stderr[-3000:]
+    chosen = int(said[1])
+    assert chosen > 64 and "cut to fit" not in done.stderr and "too short" not in done.stderr
+    task = json.loads((run / "task.json").read_text(encoding="utf-8"))
+    summary = json.loads((run / "finetune_summary.json").read_text(encoding="utf-8"))
+    state = json.loads((complete_checkpoints(run / "checkpoints")[-1][1] / "gptpipe_state.json").read_text())
+    assert task["seq_len"] == summary["config"]["train"]["seq_len"] == state["config"]["train"]["seq_len"] == chosen
+    assert not summary["data_problems"]["repaired"] and not summary["data_problems"]["skipped"]
+    out = tmp_path / "pred.jsonl"
+    predicted = gptpipe("predict", "--input", files[1], "--output", out, *args, "predict.max_new_tokens=3")
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    assert len(out.read_text(encoding="utf-8").splitlines()) == 12 and "inputs cut" not in predicted.stderr
+    # The same command again resolves the same number from the same rows and resumes the finished run.
+    again = gptpipe("finetune", *args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stderr and said[0] in again.stderr
+    # A folder no fine-tune recorded a number for: auto is the model's positions.
+    foreign = gptpipe("predict", "--input", files[1], "--output", out, *args, f"predict.model={model}",
+                      "predict.max_new_tokens=3")
+    assert foreign.returncode == 0, foreign.stderr[-3000:]
+    assert f"train.seq_len auto: 256 tokens, the model's positions ({model} has no task.json" in foreign.stderr
 
 
 # --- prompt masking and the loss --------------------------------------------------------------------------
@@ -568,6 +693,19 @@ def test_t5_with_byt5_tokenizer_finetunes_and_predicts(t5_run, task_files: tuple
     assert len(lines) == 12 and all(r["prediction"] in ("1", "2", "3") for r in lines)
     figures = json.loads(out.with_suffix(".metrics.json").read_text(encoding="utf-8"))
     assert figures["mapped"] == sum(r["mapped"] for r in lines) and "majority_accuracy" in figures
+
+
+def test_predict_on_a_folder_with_no_task_json_nor_position_limit_needs_a_seq_len(
+        tiny_t5: Path, task_files: tuple[Path, Path], tmp_path: Path) -> None:
+    """seq_len auto is a fine-tune's number (task.json) or else the model's positions; T5 states none."""
+    args = ("--input", task_files[1], "--output", tmp_path / "pred.jsonl", f"predict.model={tiny_t5}",
+            "task.kind=generation", "predict.max_new_tokens=2")
+    refused = gptpipe("predict", *args)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert f"{tiny_t5} has no task.json and its config states no position limit: set train.seq_len" in refused.stderr
+    done = gptpipe("predict", *args, "train.seq_len=64")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len((tmp_path / "pred.jsonl").read_text(encoding="utf-8").splitlines()) == 12
 
 
 @pytest.mark.ranks

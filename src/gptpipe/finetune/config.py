@@ -8,13 +8,15 @@ template, schedule and checkpoint code serve both stages; `logging:` is stage 3'
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
 from gptpipe.config.core import option
 from gptpipe.finetune.metrics import DEFAULT_BEST, best_metric_choices
 from gptpipe.train.config import LoggingConfig, LoopConfig
+
+AUTO = "auto"  # train.seq_len resolved from the training rows (finetune.load_task)
 
 # Metrics a classification / generation run can select its best checkpoint by; all higher-is-better but val_loss.
 
@@ -79,7 +81,13 @@ class FinetuneTrainConfig(LoopConfig):
 
     output_model_dir: Path = option(Path("runs/finetune-demo"),
                                     "run folder: checkpoints, metrics.jsonl, tokenizer, summary, predictions")
-    seq_len: int = option(128, "max tokens of prompt + label + EOS (longer rows: data.too_long)")
+    seq_len: int | Literal["auto"] = option(
+        AUTO, "max tokens of prompt + label + EOS (longer rows: data.too_long); auto: what the longest training "
+              "row needs (or seq_len_percentile's share of them), at most the model's positions; printed, and "
+              "recorded in the run")
+    seq_len_percentile: float = option(
+        100.0, "seq_len auto: the share of training rows (%, the shortest first) kept whole; the rest follow "
+               "data.too_long (100: every row)")
     global_batch_size: int = option(16, "rows per optimizer step, over all ranks and accumulation steps")
     micro_batch_size: int | None = option(None, "rows per rank per forward pass (null: global_batch_size / ranks)")
     train_epochs: float = option(3.0, "passes over the training rows")
@@ -102,6 +110,15 @@ class FinetuneTrainConfig(LoopConfig):
     best_metric: str = option("auto", "validation metric that picks the best checkpoint: classification "
                                       "accuracy | macro_f1 | val_loss; generation exact_match | chrf | val_loss; "
                                       "chat chrf | val_loss; auto: macro_f1, chrf, val_loss by task.kind")
+
+    def check(self) -> list[tuple[str, str]]:
+        # The loop's checks, but seq_len's own here: it may be auto, resolved once the rows are read.
+        problems = LoopConfig.check(replace(self, seq_len=1))
+        if self.seq_len != AUTO and self.seq_len < 1:
+            problems.append(("seq_len", f"must be auto or an integer >= 1, got {self.seq_len}"))
+        if not 0 < self.seq_len_percentile <= 100:
+            problems.append(("seq_len_percentile", f"must be in (0, 100], got {self.seq_len_percentile}"))
+        return problems
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""Labelled rows for fine-tuning: reading TSV/jsonl, the validation split, prompt masking, the training order
-(optionally grouped by length), padded or packed batches.
+"""Labelled rows for fine-tuning: reading TSV/jsonl, the validation split, prompt masking, the length limit
+(train.seq_len auto), the training order (optionally grouped by length), padded or packed batches.
 
 Bad rows never stop a run: each is skipped and counted by data/jsonl.py's reasons (one set for every stage),
 with the first file:line examples, and the counts are printed and kept in the run's summary. Prompt and label
@@ -10,6 +10,7 @@ depend on context).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,6 +234,31 @@ class Encoder:
         if self.seq2seq:
             return Encoded(prompt, label_ids)
         return Encoded(prompt + label_ids, [IGNORE] * len(prompt) + label_ids)
+
+
+def model_positions(folder: Path) -> int | None:
+    """The positions the model in `folder` takes (max_position_embeddings, GPT-2's n_positions); None when its
+    config states no limit (T5's relative positions)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def auto_seq_len(lengths: list[int], percentile: float, positions: int | None) -> tuple[int, str]:
+    """train.seq_len auto and the line that says what it chose and why: the length that keeps `percentile`% of
+    the training rows whole (100: the longest row; `lengths` are their uncut_length), at most the model's
+    `positions` (None: no limit)."""
+    ordered = sorted(lengths)
+    wanted = ordered[math.ceil(percentile * len(ordered) / 100) - 1]
+    rows = f"{len(ordered):,} training rows"
+    share = (f"the longest of {rows}" if percentile == 100 else
+             f"{percentile:g}% of {rows} (train.seq_len_percentile; the longest needs {ordered[-1]})")
+    if positions is not None and wanted > positions:
+        return positions, (f"train.seq_len auto: {positions} tokens, the model's positions, not the {wanted} "
+                           f"enough for {share}")
+    limit = f"the model takes {positions:,} positions" if positions is not None else "the model has no position limit"
+    return wanted, f"train.seq_len auto: {wanted} tokens, enough for {share}; {limit}"
 
 
 def pad_id(tokenizer: Any) -> int:

@@ -35,12 +35,13 @@ from gptpipe.finetune.chat_data import (
     save_tokenizer,
     special_tokens_as_tokens,
 )
-from gptpipe.finetune.config import FinetuneConfig
+from gptpipe.finetune.config import AUTO, FinetuneConfig
 from gptpipe.finetune.data import (
     IGNORE,
     Encoded,
     Encoder,
     Row,
+    auto_seq_len,
     collate,
     collate_packed,
     computed_positions,
@@ -48,6 +49,7 @@ from gptpipe.finetune.data import (
     file_format,
     label_set,
     map_to_label,
+    model_positions,
     pad_id,
     read_rows,
     row_positions,
@@ -96,6 +98,7 @@ class TaskData:
     labels: list[str] | None  # classification: the label set, most frequent first
     skipped: Reasons
     length_warning: str | None = None  # train.seq_len cut or dropped training rows: how many, what keeps them
+    seq_len_note: str | None = None  # train.seq_len auto: what it chose and why
     validation_items: list[Encoded] | None = None  # chat: the validation conversations encoded
     notes: tuple[str, ...] = ()  # chat: which template, what became of the pad token
 
@@ -127,6 +130,7 @@ def load_task(config: FinetuneConfig) -> TaskData:
         validation, _ = read_rows(data.validation, data.format, data.input_key, data.label_key, skipped)
     else:
         rows, validation = split_validation(rows, data.validation_proportion, data.seed)
+    encoder.seq_len, seq_len_note = _seq_len(config, encoder, rows)
     encoded = [(row, encoder.encode(row, skipped)) for row in rows]
     kept = [(row, e) for row, e in encoded if e is not None]
     if not kept or not validation:
@@ -134,7 +138,7 @@ def load_task(config: FinetuneConfig) -> TaskData:
                               f"{'' if kept else ' (see the skipped rows above)'}:\n{skipped.lines()}")
     labels = label_set([row for row, _ in kept]) if config.task.kind == "classification" else None
     return TaskData(tokenizer, encoder, seq2seq, [r for r, _ in kept], [e for _, e in kept], validation, labels,
-                    skipped, _length_warning(config, encoder, rows, skipped))
+                    skipped, _length_warning(config, encoder, rows, skipped), seq_len_note=seq_len_note)
 
 
 def _load_chat_task(config: FinetuneConfig, tokenizer: Any, seq2seq: bool) -> TaskData:
@@ -158,32 +162,55 @@ def _load_chat_task(config: FinetuneConfig, tokenizer: Any, seq2seq: bool) -> Ta
         validation = read_conversations(data.validation, skipped, data.messages_key)
     else:
         rows, validation = split_validation(rows, data.validation_proportion, data.seed)
+    encoder.seq_len, seq_len_note = _seq_len(config, encoder, rows)
     kept = [(row, e) for row in rows if (e := encoder.encode(row, skipped)) is not None]
+    length_warning = _length_warning(config, encoder, rows, skipped)  # before the validation rows count too
     held = [(row, e) for row in validation if (e := encoder.encode(row, skipped)) is not None]
     if not kept or not held:
         raise StageInputError(f"no usable {'training' if not kept else 'validation'} conversations in "
                               f"{data.train if not kept else data.validation or data.train}:\n{skipped.lines()}")
     return TaskData(tokenizer, encoder, False, [r for r, _ in kept], [e for _, e in kept], [r for r, _ in held],
-                    None, skipped, _length_warning(config, encoder, rows, skipped), [e for _, e in held],
-                    tuple(n for n in notes if n))
+                    None, skipped, length_warning, seq_len_note, [e for _, e in held], tuple(n for n in notes if n))
+
+
+def _row_lengths(encoder: Encoder | ChatEncoder, rows: list[Row] | list[Conversation]) -> list[int]:
+    """The train.seq_len that keeps each row whole (uncut_length), as encode counts the row against it."""
+    from jinja2 import TemplateError as JinjaError
+
+    lengths = []
+    for row in rows:
+        try:
+            lengths.append(encoder.uncut_length(row))
+        except JinjaError:  # a conversation the chat template refuses: encode counts and skips it
+            continue
+    return lengths
+
+
+def _seq_len(config: FinetuneConfig, encoder: Encoder | ChatEncoder, rows: list[Row] | list[Conversation]
+             ) -> tuple[int, str | None]:
+    """train.seq_len, auto resolved from the training rows (a resumed run reads the same rows, so resolves to the
+    same number), and the line that says what auto chose and why (None for a number, kept as it is)."""
+    if config.train.seq_len != AUTO:
+        return config.train.seq_len, None
+    lengths, positions = _row_lengths(encoder, rows), model_positions(config.model.path)
+    if not lengths:  # no row to measure: load_task refuses the run, naming why each row was skipped
+        return positions or 1, None
+    return auto_seq_len(lengths, config.train.seq_len_percentile, positions)
 
 
 def _length_warning(config: FinetuneConfig, encoder: Encoder | ChatEncoder, rows: list[Row] | list[Conversation],
                     skipped: Reasons) -> str | None:
     """What train.seq_len cost the training rows (only they are encoded so far), and the value that keeps
     every row within the model's positions; None when it cost nothing."""
-    from transformers import AutoConfig
-
     dropped, cut = skipped.counts[TOO_LONG], skipped.counts[CUT_TO_FIT]
     if not cut + dropped:
         return None
-    longest = max(encoder.uncut_length(row) for row in rows)
-    model = AutoConfig.from_pretrained(config.model.path)
-    positions = getattr(model, "max_position_embeddings", None) or getattr(model, "n_positions", None)
+    longest, positions = max(_row_lengths(encoder, rows)), model_positions(config.model.path)
     keep = (f"train.seq_len={longest} keeps every row" if positions is None or longest <= positions else
-            f"the longest needs {longest} tokens, the model takes {positions}: train.seq_len={positions} cuts "
-            f"the fewest")
-    return (f"train.seq_len {config.train.seq_len} is too short for {cut + dropped:,} of {len(rows):,} training "
+            f"the longest needs {longest} tokens, the model takes {positions}"
+            + ("" if encoder.seq_len == positions else f": train.seq_len={positions} cuts the fewest"))
+    auto = " (auto)" if config.train.seq_len == AUTO else ""
+    return (f"train.seq_len {encoder.seq_len}{auto} is too short for {cut + dropped:,} of {len(rows):,} training "
             f"rows ({(cut + dropped) / len(rows):.0%}: {cut:,} cut, {dropped:,} dropped); {keep}")
 
 
@@ -193,10 +220,12 @@ def run(config: FinetuneConfig, args: argparse.Namespace) -> int:
 
 
 def _finetune(config: FinetuneConfig, dist: Dist) -> int:
-    train = config.train
     try:
         base = base_of(config.model.path) if config.baseline.model == "base" else None
         task = load_task(config)
+        # From here on train.seq_len is the number auto chose: the run trains, records and predicts with it.
+        config = replace(config, train=replace(config.train, seq_len=task.encoder.seq_len))
+        train = config.train
         micro = train.micro_batch_size or train.global_batch_size // dist.world_size
         if micro < 1 or train.global_batch_size % (micro * dist.world_size):
             raise StageInputError(f"train.global_batch_size {train.global_batch_size} is not a multiple of "
@@ -217,6 +246,8 @@ def _finetune(config: FinetuneConfig, dist: Dist) -> int:
         log.info(f"{config.model.path} ({'encoder-decoder' if task.seq2seq else 'causal LM'}); "
                  f"{len(task.train):,} training rows, {len(task.validation):,} validation rows; {kinds}"
                  + "".join(f"; {note}" for note in task.notes))
+        if task.seq_len_note:
+            log.info(task.seq_len_note)
         if task.skipped.counts:
             log.info(task.skipped.lines())
         if task.length_warning:

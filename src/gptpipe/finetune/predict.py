@@ -30,12 +30,13 @@ from gptpipe.finetune.chat_data import (
     read_conversations,
     task_chat_encoder,
 )
-from gptpipe.finetune.config import FinetuneConfig
+from gptpipe.finetune.config import AUTO, FinetuneConfig
 from gptpipe.finetune.data import (
     Encoder,
     Row,
     label_set,
     map_to_label,
+    model_positions,
     pad_id,
     read_lines,
     read_rows,
@@ -131,8 +132,22 @@ def _task_from_config(config: FinetuneConfig, folder: Path) -> dict[str, Any]:
         rows, _ = read_rows(config.data.train, config.data.format, config.data.input_key, config.data.label_key)
         labels = label_set(rows)
     return {"kind": config.task.kind, "prompt": config.task.prompt, "labels": labels,
-            "seq2seq": is_seq2seq(folder, config.model.kind), "seq_len": config.train.seq_len,
+            "seq2seq": is_seq2seq(folder, config.model.kind), "seq_len": _seq_len_from_config(config, folder),
             "too_long": config.data.too_long}
+
+
+def _seq_len_from_config(config: FinetuneConfig, folder: Path) -> int:
+    """train.seq_len for a folder without task.json; auto, which no fine-tune resolved for it, is the model's
+    positions (its training rows are unknown)."""
+    if config.train.seq_len != AUTO:
+        return config.train.seq_len
+    positions = model_positions(folder)
+    if positions is None:
+        raise StageInputError(f"{folder} has no {TASK_FILE} and its config states no position limit: set "
+                              f"train.seq_len to the tokens an input may take")
+    log.info(f"train.seq_len auto: {positions} tokens, the model's positions ({folder} has no {TASK_FILE} "
+             f"recording a fine-tune's)")
+    return positions
 
 
 def read_input(config: FinetuneConfig, args: argparse.Namespace, chat: bool
