@@ -1,13 +1,15 @@
 """Continued pretraining (model.init_from): tiny random base models of every supported family that this
 transformers has, each saved with a tokenizer trained here (a byte-level BPE past uint16's range, a
 SentencePiece-style BPE, or a SentencePiece unigram tokenizer.model), go through stage 2 with their own
-tokenizer, stage 3 from their weights (the step-0 gate, the refusals) and stage 4 (the base's class, config and
-tokenizer files, logits against the checkpoint).
+tokenizer (the ids AutoTokenizer gives, also where transformers rebuilds the tokenizer.json), stage 3 from their
+weights (the step-0 gate, the refusals) and stage 4 (the base's class, config and tokenizer files, logits
+against the checkpoint).
 
 The corpus is the first CORPUS_DOCS documents of the man-page corpus, as a user's own jsonl."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -16,6 +18,7 @@ import orjson
 import pytest
 from conftest import (QUIET_RUN, SHIFT, byte_level_bpe, corpus_texts, finetune_args, gptpipe_command, manifest_counts,
                       metrics, run_cli, run_train)
+from tokenizers import Tokenizer
 
 from gptpipe.cli import main
 from gptpipe.config.core import load_config
@@ -23,7 +26,8 @@ from gptpipe.data.indexed import UINT16_VOCAB_LIMIT
 from gptpipe.pipeline import PipelineConfig
 from gptpipe.artifacts import EXIT_BAD_INPUT, TOKENIZE
 from gptpipe.tolerance import LOSS_HALF_RELATIVE
-from gptpipe.train.base_model import SUPPORTED, is_copied
+from gptpipe.stage import StageInputError
+from gptpipe.train.base_model import BUILD_KEYS, SUPPORTED, check_data, first_documents, is_copied, open_base
 from gptpipe.train.checkpoint import STATE, newest_checkpoint
 from gptpipe.train.config import CONTINUED_LR, CONTINUED_WARMUP_STEPS
 from gptpipe.train.devices import LIGER_ARCHS, loss_path
@@ -135,14 +139,17 @@ def corpus(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
 @pytest.fixture(scope="module")
 def tokenizers(corpus, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The tokenizer folders: "bpe" (byte-level, ids past 65,535: int32 data), "sp" (SentencePiece-style),
-    "spm" (a SentencePiece unigram tokenizer.model) and "qwen" (the byte-level one through Qwen2's class)."""
+    "spm" (a SentencePiece unigram tokenizer.model), "qwen" (the byte-level one through Qwen2's class) and
+    "qwen2-bpe" (a qwen2 base on the byte-level one, a custom tokenizer on a standard architecture: transformers
+    loads it as Qwen2Tokenizer, which puts in its own normalizer and pre-tokenizer)."""
     root = tmp_path_factory.mktemp("cpt-tokenizers")
     texts = corpus[1]
     bpe = byte_level_bpe(texts, root / "bpe", adds_bos=False, shift=SHIFT)
     config = json.loads((bpe / "tokenizer_config.json").read_text())
     (bpe / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
     return {"bpe": bpe, "sp": sentencepiece_bpe(texts, root / "sp"), "qwen": qwen_bpe(bpe, root / "qwen"),
-            "spm": sentencepiece_unigram(texts, root / "spm")}
+            "spm": sentencepiece_unigram(texts, root / "spm"),
+            "qwen2-bpe": make_base("qwen2", bpe, root / "qwen2-bpe", extra_vocab=64)}  # room for <|endoftext|>
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +162,38 @@ def datasets(corpus, tokenizers, workspace: Path, tmp_path_factory: pytest.TempP
                 f"tokenize.tokenizer_dir={folder}", f"tokenize.output_prefix={root / name}", "tokenize.workers=1")
         prefixes[name] = root / f"{name}_text_document"
     return prefixes
+
+
+def test_stage_2_writes_the_ids_autotokenizer_gives_for_every_kind_of_base(corpus, tokenizers, datasets) -> None:
+    """Byte-level BPE (GPT-2's; Llama 3's, with BOS, in test_pretrained_tokenizer; Qwen's own class),
+    SentencePiece-style BPE (Gemma, Mistral), a SentencePiece unigram tokenizer.model (Llama 2) and a qwen2 base
+    with a GPT-2-style BPE: every document is the ids of AutoTokenizer(folder)(text) and its EOS, and the manifest
+    names the class and the pipeline it encoded with. For the qwen2 base that is Qwen2Tokenizer's pipeline (digits
+    one by one, NFC), not the file's own."""
+    from transformers import AutoTokenizer
+
+    texts = corpus[1]
+    classes = {"bpe": "TokenizersBackend", "sp": "TokenizersBackend", "qwen": "Qwen2Tokenizer",
+               "spm": "LlamaTokenizer", "qwen2-bpe": "Qwen2Tokenizer"}
+    for name, folder in tokenizers.items():
+        reference = AutoTokenizer.from_pretrained(folder)
+        want = [ids + [reference.eos_token_id] for ids in reference(texts)["input_ids"]]
+        assert first_documents(datasets[name], len(texts)) == want, name
+        boundaries = TOKENIZE.require(datasets[name]).counts["boundaries"]
+        assert boundaries["tokenizer_class"] == type(reference).__name__ == classes[name]
+        built = reference.backend_tokenizer.to_str().encode()
+        assert boundaries["encoder_sha256"] == hashlib.sha256(built).hexdigest(), name
+        assert (boundaries["rebuilt"] is None) == (name != "qwen2-bpe"), name
+    assert boundaries["rebuilt"].startswith("transformers' Qwen2Tokenizer changed tokenizer.json's normalizer, "
+                                            "pre_tokenizer")
+    assert boundaries["tokenizer_sha256"] == TOKENIZE.require(datasets["bpe"]).counts["boundaries"][
+        "tokenizer_sha256"]  # the same file, built into another pipeline
+    # The file's own pipeline keeps digit runs together: other ids, for the step-0 gate's first documents too.
+    own = Tokenizer.from_file(str(tokenizers["qwen2-bpe"] / "tokenizer.json"))
+    assert len(own.encode("12010000", add_special_tokens=False).ids) < len(reference("12010000")["input_ids"]) == 8
+    differ = [i for i, ids in enumerate(reference(texts, add_special_tokens=False)["input_ids"])
+              if own.encode(texts[i], add_special_tokens=False).ids != ids]
+    assert len(differ) > len(texts) // 2 and differ[:8] == list(range(8)), len(differ)
 
 
 def train_args(workspace: Path, base: Path, prefix: Path, run: Path, *extra: str) -> list[object]:
@@ -334,10 +373,48 @@ def test_a_tokenizer_other_than_the_datas_is_refused_before_any_work(datasets, t
 
 
 @pytest.mark.slow
+def test_a_base_whose_tokenizer_transformers_rebuilds_trains_once_stage_2_encodes_as_it_does(
+        datasets, tokenizers, corpus, workspace: Path, tmp_path: Path) -> None:
+    """A qwen2 base with a GPT-2-style BPE (transformers loads it as Qwen2Tokenizer, with its own pre-tokenizer):
+    data encoded with the file's own pipeline is refused naming the cause, before any work where its manifest
+    names the class, at the step-0 gate where an older gptpipe wrote it (no class recorded); stage 2 rerun with
+    --force, as the gate says, writes AutoTokenizer's ids and the run trains past the gate."""
+    base = tokenizers["qwen2-bpe"]
+    own_pipeline = datasets["bpe"]  # the same tokenizer.json without a config.json: the file's pipeline
+    with pytest.raises(StageInputError) as refused:
+        check_data(open_base(base), {str(own_pipeline): TOKENIZE.require(own_pipeline)})
+    assert "tokenizer_class 'TokenizersBackend' in the data, 'Qwen2Tokenizer' in the base" in str(refused.value)
+    assert "the same tokenizer files, which transformers builds into another tokenizer" in str(refused.value)
+
+    # What an older gptpipe wrote with the base folder: the file's pipeline, boundaries without class or encoder.
+    prefix = shutil.copytree(own_pipeline.parent, tmp_path / "data") / own_pipeline.name
+    manifest = json.loads(TOKENIZE.manifest_path(prefix).read_text())
+    manifest["counts"]["boundaries"] = {key: value for key, value in open_base(base).tokenizer.boundaries().items()
+                                        if key not in BUILD_KEYS}
+    TOKENIZE.manifest_path(prefix).write_text(json.dumps(manifest))
+    run = tmp_path / "run"
+    done = run_train(*train_args(workspace, base, prefix, run))
+    assert done.returncode == EXIT_BAD_INPUT, done.stderr[-3000:]
+    assert "document 0: the data has ids" in done.stderr
+    assert ("likely cause: the data's manifest records no tokenizer class, so an older gptpipe wrote it, encoding "
+            "with tokenizer.json as the file has it") in done.stderr
+    assert (f"AutoTokenizer now loads {base} as Qwen2Tokenizer (transformers' Qwen2Tokenizer changed tokenizer.json's "
+            "normalizer, pre_tokenizer") in done.stderr and "Rerun stage 2 with --force" in done.stderr
+
+    run_cli("tokenize", "--config", workspace / "config.yaml", f"tokenize.input=[{corpus[0]}]",
+            f"tokenize.tokenizer_dir={base}", f"tokenize.output_prefix={tmp_path / 'data' / 'bpe'}",
+            "tokenize.workers=1", "--force")
+    assert TOKENIZE.require(prefix).counts["boundaries"] == open_base(base).tokenizer.boundaries()
+    done = run_train(*train_args(workspace, base, prefix, run))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step-0 gate passed" in done.stderr and f"initialised from {base}" in done.stderr
+
+
+@pytest.mark.slow
 def test_same_ids_and_boundaries_but_another_tokenizer_fails_the_step_0_gate(datasets, tokenizers, corpus,
                                                                             workspace: Path, tmp_path: Path) -> None:
     """The tokenizer.json of the data's tokenizer with two frequent pieces' ids swapped: same vocabulary size,
-    BOS and EOS, and the recorded hash made to match, so only the gate's re-encoding of the source text can tell
+    BOS and EOS, and the recorded hashes made to match, so only the gate's re-encoding of the source text can tell
     (decoding and re-encoding would not: the swap is consistent)."""
     tokenizer_dir = shutil.copytree(tokenizers["sp"], tmp_path / "swapped")
     state = json.loads((tokenizer_dir / "tokenizer.json").read_text())
@@ -348,15 +425,13 @@ def test_same_ids_and_boundaries_but_another_tokenizer_fails_the_step_0_gate(dat
     base = make_base("llama", tokenizer_dir, tmp_path / "base")
     prefix = shutil.copytree(datasets["sp"].parent, tmp_path / "data") / datasets["sp"].name
     manifest = json.loads(TOKENIZE.manifest_path(prefix).read_text())
-    from gptpipe.data.base_tokenizer import read_pretrained_tokenizer
-
-    manifest["counts"]["boundaries"]["tokenizer_sha256"] = read_pretrained_tokenizer(base).boundaries()[
-        "tokenizer_sha256"]
+    manifest["counts"]["boundaries"] = open_base(base).tokenizer.boundaries()
     TOKENIZE.manifest_path(prefix).write_text(json.dumps(manifest))
     done = run_train(*train_args(workspace, base, prefix, tmp_path / "run"))
     assert done.returncode == EXIT_BAD_INPUT, done.stderr[-3000:]
     assert "refused: the run would not train model.init_from" in done.stderr
     assert "document 0: the data has ids" in done.stderr and "for its text" in done.stderr
+    assert "stage 2 recorded the tokenizer AutoTokenizer builds now (TokenizersBackend, encoder sha256" in done.stderr
     assert not (tmp_path / "run" / "checkpoints").exists() or not list((tmp_path / "run" / "checkpoints").iterdir())
 
 
@@ -371,9 +446,6 @@ def test_size_keys_with_init_from_are_refused(tmp_path: Path) -> None:
 
 def test_an_unsupported_model_type_is_refused_naming_the_supported_ones(tmp_path: Path) -> None:
     from transformers import AutoConfig
-
-    from gptpipe.stage import StageInputError
-    from gptpipe.train.base_model import open_base
 
     AutoConfig.for_model("bert", hidden_size=32, num_hidden_layers=1, num_attention_heads=4).save_pretrained(tmp_path)
     with pytest.raises(StageInputError, match="model_type 'bert' is not supported; supported: llama, mistral"):

@@ -46,7 +46,9 @@ def test_a_base_models_tokenizer_gives_its_own_ids_and_document_boundaries(adds_
     assert counts["boundaries"] == {"tokenizer": "hf", "bos_id": reference.bos_token_id if adds_bos else None,
                                     "eod_id": reference.eos_token_id, "vocab_size": len(reference),
                                     "tokenizer_sha256": hashlib.sha256((folder / "tokenizer.json").read_bytes())
-                                    .hexdigest()}
+                                    .hexdigest(), "tokenizer_class": "TokenizersBackend",
+                                    "encoder_sha256": hashlib.sha256(reference.backend_tokenizer.to_str().encode())
+                                    .hexdigest(), "rebuilt": None}
     if adds_bos:
         assert counts["dtype"] == "uint16"
     else:  # a vocabulary past uint16's range: int32 on disk, and ids above it really occur

@@ -169,10 +169,13 @@ def run(config: PipelineConfig, args: argparse.Namespace) -> int:
                               f"local path for the shard runs (it is {cfg.output_prefix}), or tokenize in one run")
     files, fingerprints = check_input_files(cfg.input, "tokenize.input", PREPARE)
     prefix = cfg.dataset_prefix if shard is None else shard_prefix(cfg.dataset_prefix, *shard)
-    scratch = tempfile.TemporaryDirectory(prefix="gptpipe-tokenize-")  # a converted tokenizer.json, if any
+    scratch = tempfile.TemporaryDirectory(prefix="gptpipe-tokenize-")  # the tokenizer.json transformers builds
     if not is_url(cfg.tokenizer_dir) and not TRAIN_TOKENIZER.has_manifest(cfg.tokenizer_dir) \
             and is_pretrained_tokenizer(cfg.tokenizer_dir):  # a base model's own tokenizer (continued pretraining)
         base = read_pretrained_tokenizer(cfg.tokenizer_dir)
+        if base.rebuilt:
+            log.warning(f"tokenize.tokenizer_dir {cfg.tokenizer_dir}: {base.rebuilt} when loading it; the data gets "
+                        "the ids AutoTokenizer gives, not those of tokenizer.json as the file has it")
         model_path = str(base.tokenizer_json(Path(scratch.name)))
         eod_id, bos_id, vocab_size = base.eod_id, base.bos_id, base.vocab_size
         inputs = {"files": fingerprints, "tokenizer": base.fingerprint()}
@@ -202,7 +205,7 @@ def run(config: PipelineConfig, args: argparse.Namespace) -> int:
 
     with scratch:
         TOKENIZE.run(prefix, _manifest_config(cfg, **extra), inputs, work, force=args.force,
-                     versions=("sentencepiece", "tokenizers", "numpy", "orjson"))
+                     versions=("sentencepiece", "tokenizers", "transformers", "numpy", "orjson"))
     return 0
 
 

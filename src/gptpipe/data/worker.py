@@ -1,10 +1,10 @@
 """What one stage-2 worker process does with one byte range: read, check, encode, write a part file.
 
 A worker decodes and parses each line on its own (a bad line costs only itself), encodes the surviving
-texts with one batched call per block (sentencepiece for a stage-1 tokenizer, the `tokenizers` library for a
-base model's tokenizer.json), puts BOS before every document where the base model's tokenizer adds one,
-appends EOD to every document and writes its ids to a part file, which the main process concatenates in
-order (data/tokenize.py).
+texts with one batched call per block (sentencepiece for a stage-1 tokenizer, the `tokenizers` library for the
+pipeline transformers builds of a base model's tokenizer), puts BOS before every document where the base model's
+tokenizer adds one, appends EOD to every document and writes its ids to a part file, which the main process
+concatenates in order (data/tokenize.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class TaskResult:
 class WorkerSettings:
     """What every worker needs, passed once when its process starts."""
 
-    model_path: str  # a SentencePiece .model, or a base model's tokenizer.json
+    model_path: str  # a SentencePiece .model, or the tokenizer.json AutoTokenizer builds of a base model's folder
     eod_id: int
     dtype: str
     text_key: str

@@ -3,9 +3,10 @@ trained.
 
 A base model is a local HF folder: its config.json decides the architecture, its weights initialise a run that
 has no checkpoint yet, and its tokenizer must be the one stage 2 encoded the data with. Before the first step:
-the data's manifests name this tokenizer (`check_data`), the engine's step-0 loss equals transformers' own
-(`reference_loss`), the tokenizer re-encodes the data's documents (`tokenizer_problems`); the folder's files
-are recorded (`fingerprint`), and a resumed run or export refuses a folder that changed since (`folder_changes`).
+the data's manifests name this tokenizer as transformers builds it (`check_data`), the engine's step-0 loss
+equals transformers' own (`reference_loss`), the tokenizer re-encodes the data's documents (`tokenizer_problems`,
+naming the likely cause when it does not); the folder's files are recorded (`fingerprint`), and a resumed run
+or export refuses a folder that changed since (`folder_changes`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ GATE_TOKENS = 512
 ROUND_TRIP_DOCUMENTS = 8
 ROUND_TRIP_MAX_TOKENS = 4096
 BASE_STATE_KEY = "base_model"  # the key of gptpipe_state.json holding the base's record
+# The boundaries' keys that name the tokenizer transformers builds of the folder's files, not the files.
+BUILD_KEYS = ("tokenizer_class", "encoder_sha256", "rebuilt")
 
 
 @dataclass(frozen=True)
@@ -71,13 +74,17 @@ def open_base(folder: Path) -> BaseModel:
 
 
 def check_data(base: BaseModel, manifests: dict[str, Any]) -> None:
-    """Refuse datasets (prefix → its stage-2 manifest) not encoded with the base's tokenizer, naming both."""
+    """Refuse datasets (prefix → its stage-2 manifest) not encoded with the base's tokenizer, naming both. A
+    manifest of an older gptpipe records no class or encoder: the step-0 gate's re-encoding judges those."""
     want = base.tokenizer.boundaries()
     problems = []
     for prefix, manifest in manifests.items():
         got = manifest.counts.get("boundaries") or {}
-        differ = [f"{key} {got.get(key)!r} in the data, {value!r} in the base"
-                  for key, value in want.items() if key in got and got[key] != value]
+        keys = [key for key, value in want.items() if key in got and got[key] != value]
+        differ = [f"{key} {got[key]!r} in the data, {want[key]!r} in the base" for key in keys]
+        if "tokenizer_sha256" not in keys and set(keys) & set(BUILD_KEYS):
+            differ.append("the same tokenizer files, which transformers builds into another tokenizer for the base "
+                          "(it picks the class by the folder's config.json model_type, and by its own version)")
         if got.get("tokenizer") != "hf":
             differ = [f"it was encoded with a {got.get('tokenizer', 'unrecorded')} tokenizer, not an HF folder's"]
         if differ:
@@ -245,12 +252,30 @@ def tokenizer_problems(tokenizer: Any, base: BaseModel, prefix: Path, split: str
     dataset = read_dataset(prefix)  # a URL prefix: its verified local copy
     texts = source_texts(dataset.manifest)
     if texts:
-        return (reencode_problems(tokenizer, texts, first_documents(dataset.prefix, len(texts)), bos, eod),
-                f"re-encodes the source text of {len(texts)} documents to the data's ids")
-    documents = heldout_token_documents(dataset.prefix, split, seed)
-    return (round_trip_problems(tokenizer, documents, bos, eod),
-            f"decodes and re-encodes {len(documents)} held-out documents to the data's ids (their source jsonl is "
-            "not readable as it was encoded)")
+        problems = reencode_problems(tokenizer, texts, first_documents(dataset.prefix, len(texts)), bos, eod)
+        checked = f"re-encodes the source text of {len(texts)} documents to the data's ids"
+    else:
+        documents = heldout_token_documents(dataset.prefix, split, seed)
+        problems = round_trip_problems(tokenizer, documents, bos, eod)
+        checked = (f"decodes and re-encodes {len(documents)} held-out documents to the data's ids (their source "
+                   "jsonl is not readable as it was encoded)")
+    if problems:
+        problems.append(mismatch_cause(base.tokenizer, dataset.manifest.counts.get("boundaries") or {}))
+    return problems, checked
+
+
+def mismatch_cause(tokenizer: PretrainedTokenizer, recorded: dict[str, Any]) -> str:
+    """The likely cause of data ids that the base's tokenizer does not give, from what stage 2 `recorded` of the
+    tokenizer it encoded with (check_data has refused a recorded one that differs from the base's)."""
+    built = tokenizer.tokenizer_class + (f" ({tokenizer.rebuilt})" if tokenizer.rebuilt else "")
+    if "encoder_sha256" not in recorded:
+        return (f"likely cause: the data's manifest records no tokenizer class, so an older gptpipe wrote it, encoding "
+                f"with tokenizer.json as the file has it (or an older transformers' conversion of tokenizer.model); "
+                f"AutoTokenizer now loads {tokenizer.folder} as {built}. Rerun stage 2 with --force (gptpipe "
+                "tokenize --force) to write the ids AutoTokenizer gives")
+    return (f"stage 2 recorded the tokenizer AutoTokenizer builds now ({built}, encoder sha256 "
+            f"{recorded['encoder_sha256'][:12]}), so the data's ids were changed after it wrote them, or its manifest "
+            "is not theirs; rerun stage 2 with --force (gptpipe tokenize --force)")
 
 
 def round_trip_problems(tokenizer: Any, documents: list[list[int]], bos_id: int | None, eod_id: int) -> list[str]:
