@@ -20,11 +20,14 @@ for reruns), then one training per input_sentence_size, each printing the sample
 before sampling and got, and its RSS estimate against the measured peak (slow: ~1 hour on 2 cores).
 
     python bench/bench_tokenizer.py --compare [--vocab-sizes 32000,8000] [--steps 300] [--seeds 1234,1235]
+        [--variants unigram:0.9995,unigram:1.0,bpe:0.9995]
 
-instead compares model_type unigram with bpe on the man-page corpus, at each vocabulary size: stage 1's training
-time and peak RSS; characters per token on stage 1's held-out documents and the share of their characters written
-as byte pieces; llama.cpp exactness (a tiny random Llama with the tokenizer, written by `gptpipe gguf`'s writer,
-its ids on the held-out documents and the tricky strings through llama-tokenize against transformers'); and
+instead compares tokenizer settings (model_type:character_coverage, default unigram and bpe at 0.9995) on the
+man-page corpus (or --corpus), at each vocabulary size: stage 1's training time and peak RSS; characters per
+token on stage 1's held-out documents and the share of their characters written as byte pieces; llama.cpp
+exactness (a tiny random Llama with the tokenizer, written by `gptpipe gguf`'s writer, its ids on the held-out
+documents and the tricky strings through llama-tokenize against transformers', and the share of 200 held-out
+passages of 300 characters it reads as transformers does, sampled as `gptpipe gguf` samples them); and
 language-model quality: stage 2 with the tokenizer, then the same tiny Llama trained by `gptpipe train` for the
 same steps and tokens per step, once per seed, its validation loss over the whole validation split turned into
 bits per character (loss per token x validation tokens / validation characters / ln 2), which compares across
@@ -53,7 +56,7 @@ from pathlib import Path
 from gptpipe.config.core import load_config
 from gptpipe.data.count import count_dataset
 from gptpipe.data.split import split_documents
-from gptpipe.export.gguf import llamacpp_report, write_gguf
+from gptpipe.export.gguf import PASSAGE_CHARS, llamacpp_report, passages, write_gguf
 from gptpipe.pipeline import PipelineConfig
 from gptpipe.tokenizer.build import estimate_peak_mib
 from gptpipe.tokenizer.config import TokenizerConfig
@@ -186,7 +189,6 @@ def calibrate(workdir: Path, source: Path, mib: int, sizes: list[int], full: boo
 
 
 # --- unigram against bpe (--compare) ---------------------------------------------------------------------
-MODEL_TYPES = ("unigram", "bpe")
 # A short `gptpipe train` of the tiny preset: the demo's sequence length and batch, no samples or loggers.
 LM_RUN = ("model.arch=llama", "model.preset=tiny", "train.seq_len=128", "train.global_batch_size=8",
           "train.train_tokens=null", "train.train_epochs=1", "train.precision=fp32", "train.log_interval=50",
@@ -213,16 +215,18 @@ def byte_piece_share(model: Path, texts: list[str]) -> float:
     return sum(i in lead for ids in sp.encode(texts) for i in ids) / sum(len(t) for t in texts)
 
 
-def llamacpp_exactness(workdir: Path, tokenizer: Path, texts: list[str]) -> dict:
+def llamacpp_exactness(workdir: Path, tokenizer: Path, texts: list[str], passages: list[str]) -> dict:
     """`gptpipe gguf`'s writer on a tiny random Llama with the tokenizer, then its llama.cpp check on the
-    held-out documents and the tricky strings."""
-    sys.path.insert(0, str(REPO))
-    from tests.conftest import tiny_llama  # the test suite's tiny model, so bench and tests check one thing
+    held-out documents and the tricky strings, and on the held-out passages (`passages` in the result)."""
+    sys.path.insert(0, str(REPO / "tests"))  # conftest imports its neighbours (prewarmed) by their names
+    from conftest import tiny_llama  # the test suite's tiny model, so bench and tests check one thing
 
     folder = tiny_llama(tokenizer / "hf", workdir / "models" / tokenizer.name)
     gguf_path = workdir / "models" / f"{tokenizer.name}.gguf"
     write_gguf(folder, gguf_path, "f16", tokenizer.name)
-    return llamacpp_report(gguf_path, folder, texts + list(TRICKY_STRINGS), ["このコマンドは"])
+    report = llamacpp_report(gguf_path, folder, texts + list(TRICKY_STRINGS), ["このコマンドは"])
+    report["passages"] = llamacpp_report(gguf_path, folder, passages, [])
+    return report
 
 
 def validation_split(workdir: Path, prefix: str) -> tuple[int, int]:
@@ -258,18 +262,22 @@ def bits_per_character(workdir: Path, tokenizer: Path, steps: int, seed: int) ->
             "bits_per_char": loss * tokens / chars / math.log(2)}
 
 
-def compare(workdir: Path, source: Path, vocab_sizes: list[int], steps: int, seeds: list[int]) -> None:
+def compare(workdir: Path, source: Path, vocab_sizes: list[int], steps: int, seeds: list[int],
+            variants: list[tuple[str, float]]) -> None:
     heldout = heldout_documents(workdir, source)
+    heldout_passages = passages(heldout)
     rows = []
     for vocab in vocab_sizes:
-        for model_type in MODEL_TYPES:
-            label = f"{model_type}_{vocab}"
+        for model_type, coverage in variants:
+            label = f"{model_type}_cc{coverage:g}_{vocab}"
             print(f"{label}: stage 1 ...", file=sys.stderr, flush=True)
-            row = train(workdir, "corpus", label, f"model_type={model_type}", f"vocab_size={vocab}")
+            row = train(workdir, "corpus", label, f"model_type={model_type}", f"vocab_size={vocab}",
+                        f"character_coverage={coverage}")
             tokenizer = workdir / "tokenizers" / label
             row["byte_share"] = byte_piece_share(tokenizer / "tokenizer.model", heldout)
+            row["pieces"] = vocab
             print(f"{label}: llama.cpp check ...", file=sys.stderr, flush=True)
-            row["llamacpp"] = llamacpp_exactness(workdir, tokenizer, heldout)
+            row["llamacpp"] = llamacpp_exactness(workdir, tokenizer, heldout, heldout_passages)
             row["lm"] = []
             for seed in seeds:
                 print(f"{label}: tiny Llama, seed {seed} ...", file=sys.stderr, flush=True)
@@ -277,17 +285,19 @@ def compare(workdir: Path, source: Path, vocab_sizes: list[int], steps: int, see
             rows.append(row)
             figures = json.dumps(rows, indent=1, ensure_ascii=False)
             (workdir / f"compare-{'-'.join(map(str, vocab_sizes))}.json").write_text(figures, encoding="utf-8")
-    print(f"{'tokenizer':<14} {'train s':>8} {'stage s':>7} {'peak RSS MiB':>12} {'chars/token':>11} "
-          f"{'byte chars':>10} {'llama.cpp ids differ':>20} {'greedy differ':>13} {'val bits/char (per seed)':>26}")
+    print(f"{'tokenizer':<22} {'train s':>8} {'stage s':>7} {'peak RSS MiB':>12} {'chars/token':>11} "
+          f"{'byte chars':>10} {'llama.cpp ids differ':>20} {'passages exact':>14} {'greedy differ':>13} "
+          f"{'val bits/char (per seed)':>26}")
     for r in rows:
         check, bpc = r["llamacpp"], [lm["bits_per_char"] for lm in r["lm"]]
-        print(f"{r['run']:<14} {r['train_s']:>8.1f} {r['wall_s']:>7.1f} {r['peak_rss_mib']:>12.0f} "
+        exact = 1 - check["passages"]["texts_differing"] / max(1, check["passages"]["texts"])
+        print(f"{r['run']:<22} {r['train_s']:>8.1f} {r['wall_s']:>7.1f} {r['peak_rss_mib']:>12.0f} "
               f"{r['chars_per_token']:>11.3f} {r['byte_share']:>10.4%} "
-              f"{check['texts_differing']:>8}/{check['texts']} texts "
+              f"{check['texts_differing']:>8}/{check['texts']} texts {exact:>14.1%} "
               f"{len(check['greedy_differing']):>11}/{check['prompts']} "
-              f"{sum(bpc) / len(bpc):>8.4f} ({', '.join(f'{b:.4f}' for b in bpc)})")
-    print(f"(held-out: {len(heldout)} documents; tiny Llama {steps} steps x 8 x 128 tokens; outputs and "
-          f"compare-*.json in {workdir}; {os.cpu_count()} CPUs)")
+              + (f"{sum(bpc) / len(bpc):>8.4f} ({', '.join(f'{b:.4f}' for b in bpc)})" if bpc else "-"))
+    print(f"(held-out: {len(heldout)} documents, {len(heldout_passages)} passages of {PASSAGE_CHARS} characters; "
+          f"tiny Llama {steps} steps x 8 x 128 tokens; outputs and compare-*.json in {workdir}; {os.cpu_count()} CPUs)")
 
 
 def main() -> None:
@@ -304,7 +314,10 @@ def main() -> None:
     parser.add_argument("--compare", action="store_true", help="unigram against bpe (see above)")
     parser.add_argument("--vocab-sizes", default="32000,8000", help="--compare: vocabulary sizes")
     parser.add_argument("--steps", type=int, default=300, help="--compare: tiny Llama training steps")
-    parser.add_argument("--seeds", default="1234,1235", help="--compare: a tiny Llama training per seed")
+    parser.add_argument("--seeds", default="1234,1235",
+                        help="--compare: a tiny Llama training per seed (empty: no language-model runs)")
+    parser.add_argument("--variants", default="unigram:0.9995,bpe:0.9995",
+                        help="--compare: model_type:character_coverage pairs")
     args = parser.parse_args()
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_tokenizer_"))
@@ -319,8 +332,9 @@ def main() -> None:
     else:
         corpus_stage(workdir, source, "corpus")
     if args.compare:
+        variants = [(kind, float(coverage)) for kind, coverage in (v.split(":") for v in args.variants.split(","))]
         compare(workdir, source, [int(n) for n in args.vocab_sizes.split(",")], args.steps,
-                [int(n) for n in args.seeds.split(",")])
+                [int(n) for n in args.seeds.split(",") if n], variants)
         return
     if args.calibrate:
         calibrate(workdir, source, args.calibration_mib, [int(n) for n in args.sizes.split(",")], args.full)

@@ -35,7 +35,7 @@ import numpy as np
 
 from gptpipe.export.config import ConvertConfig
 from gptpipe.log import get_logger
-from gptpipe.stage import StageInputError, StageResult, atomic_path, tree_fingerprint, write_text_atomic
+from gptpipe.stage import Manifest, StageInputError, StageResult, atomic_path, tree_fingerprint, write_text_atomic
 from gptpipe.artifacts import CONVERT, EXIT_OK, GGUF
 
 log = get_logger("gguf")
@@ -49,6 +49,9 @@ LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS = {GPT2_REGEX: "gpt-2", LLAMA3_REGEX: "llama-bpe"}
 LLAMACPP_HOME = Path(os.environ.get("GPTPIPE_LLAMACPP", Path.home() / ".cache" / "gptpipe-llamacpp"))
+# The llama.cpp check's held-out text: passages of this many characters (what a prompt or a served request
+# looks like) from documents the model never trained on, at most this many of them.
+PASSAGE_CHARS, HELDOUT_PASSAGES, HELDOUT_DOCUMENTS = 300, 200, 400
 
 
 def gguf_arguments(parser: argparse.ArgumentParser) -> None:
@@ -464,7 +467,7 @@ def llamacpp_report(gguf_path: Path, folder: Path, texts: list[str], prompts: li
             byte_fallback += bool(byte_ids & set(want))
             if len(examples) < 3:
                 examples.append(f"{text[:40]!r}: HF {want[:12]} vs llama.cpp {got[:12]}")
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype="float32").eval()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype="float32").eval() if prompts else None
     greedy_differing, near_ties = [], []
     for prompt in prompts:
         (want, generated), got = transformers_greedy(model, tokenizer, prompt, max_new_tokens), llamacpp_greedy(
@@ -480,6 +483,41 @@ def llamacpp_report(gguf_path: Path, folder: Path, texts: list[str], prompts: li
     return {"llama_cpp": llamacpp_version(), "texts": len(texts), "texts_differing": differing,
             "texts_differing_with_byte_fallback": byte_fallback, "examples": examples, "prompts": len(prompts),
             "greedy_differing": greedy_differing, "greedy_near_ties": near_ties}
+
+
+def passages(documents: list[str], count: int = HELDOUT_PASSAGES, seed: int = 0) -> list[str]:
+    """`count` passages of PASSAGE_CHARS consecutive characters drawn (seeded) from the documents' cuts."""
+    import random
+
+    cut = [doc[i:i + PASSAGE_CHARS] for doc in documents for i in range(0, len(doc), PASSAGE_CHARS)]
+    cut = [text for text in cut if text.strip()]
+    return random.Random(seed).sample(cut, min(count, len(cut)))
+
+
+def heldout_texts(model_dir: Path) -> tuple[list[str], str]:
+    """(documents of the run's own data that the model never trained on, where they come from), decoded by the
+    folder's tokenizer: the validation/test split of the first dataset of the stage-3 run the folder was exported
+    from, as stage 4's gate takes them. ([], why not) for another folder, or where that run's files are gone."""
+    from transformers import AutoTokenizer
+
+    from gptpipe.export.checkpoint import training_config
+    from gptpipe.export.source import heldout_documents
+    from gptpipe.train.checkpoint import find_checkpoint
+
+    if not CONVERT.has_manifest(model_dir):
+        return [], "not a gptpipe export (no manifest.json): no held-out text of its training data"
+    inputs = Manifest.read(model_dir / "manifest.json").inputs
+    path = Path((inputs.get("checkpoint") or {}).get("path", ""))
+    if not inputs.get("datasets") or not path.is_dir():
+        return [], f"the checkpoint it was exported from ({path}) is not here, or it is no stage-3 run"
+    try:
+        training = training_config(find_checkpoint(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        rows = heldout_documents(Path(training.data.prefixes[0]), HELDOUT_DOCUMENTS, tokenizer.eos_token_id,
+                                 training.data.split, training.data.seed, "")
+    except (StageInputError, OSError) as exc:
+        return [], f"its training data cannot be read here ({exc})"
+    return [tokenizer.decode(doc, skip_special_tokens=True) for doc in rows.documents], rows.source
 
 
 def run(config: ConvertConfig, args: argparse.Namespace) -> int:
@@ -504,6 +542,9 @@ def run(config: ConvertConfig, args: argparse.Namespace) -> int:
         if llamacpp_tool("llama-tokenize") and llamacpp_tool("llama-simple"):
             counts["llamacpp_check"] = llamacpp_report(out / name, model_dir, list(TRICKY_STRINGS),
                                                        [config.test_prompt_text])
+            documents, source = heldout_texts(model_dir)
+            held_out = llamacpp_report(out / name, model_dir, passages(documents), []) if documents else {}
+            counts["llamacpp_heldout"] = {"source": source, **held_out}
         return StageResult([Path(name), Path("Modelfile")], counts)  # outputs are named relative to `out`
 
     manifest = GGUF.run(out, settings, {"model": model_input}, work, force=args.force,
@@ -511,14 +552,24 @@ def run(config: ConvertConfig, args: argparse.Namespace) -> int:
     counts = manifest.counts
     if counts["vocabulary"] == "t5" and counts.get("byte_pieces"):
         log.warning("llama.cpp's unigram (UGM) tokenizer has no byte fallback: a character none of the pieces "
-                    "covers becomes <unk> in llama.cpp, where transformers writes its UTF-8 bytes. For a GGUF that "
-                    "tokenizes every text as transformers does, train stage 1 with model_type: bpe.")
+                    "covers becomes <unk> in llama.cpp, where transformers writes its UTF-8 bytes. Stage 1's "
+                    "character_coverage 1.0 (the default) gives every character of its training sample a piece; "
+                    "for a GGUF that tokenizes every text as transformers does, train it with model_type: bpe.")
     check = counts.get("llamacpp_check")
     if check:
-        print(f"llama.cpp ({check['llama_cpp']}): {check['texts_differing']}/{check['texts']} texts tokenized "
-              f"differently ({check['texts_differing_with_byte_fallback']} of them hold byte-fallback characters); "
-              f"{len(check['greedy_differing'])}/{check['prompts']} greedy continuations differ "
+        print(f"llama.cpp ({check['llama_cpp']}): {check['texts_differing']}/{check['texts']} tricky strings "
+              f"tokenized differently ({check['texts_differing_with_byte_fallback']} of them hold byte-fallback "
+              f"characters); {len(check['greedy_differing'])}/{check['prompts']} greedy continuations differ "
               f"({len(check.get('greedy_near_ties', []))} more at near-ties)")
+        held_out = counts.get("llamacpp_heldout", {})
+        if held_out.get("texts"):
+            exact = held_out["texts"] - held_out["texts_differing"]
+            print(f"llama.cpp on held-out text of the run's data: {exact}/{held_out['texts']} passages of "
+                  f"{PASSAGE_CHARS} characters ({exact / held_out['texts']:.1%}) tokenized as transformers does "
+                  f"({held_out['source']}; {held_out['texts_differing_with_byte_fallback']} of the others hold "
+                  "byte-fallback characters)")
+        else:
+            print(f"llama.cpp on held-out text: not checked: {held_out.get('source', 'rerun with --force')}")
     else:
         print("not checked with llama.cpp (build it once with scripts/build_llamacpp.sh, then rerun with --force)")
     print(f"wrote {out / name}\n"
