@@ -8,6 +8,8 @@ section, Wikipedia by title) does not validate on its tail only (the original pi
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 SPLITS = ("train", "valid", "test")
@@ -51,6 +53,18 @@ def unseen_documents(split: str, documents: int, seed: int) -> np.ndarray:
     """The validation then test documents: everything training never reads, in `document_order`."""
     train = split_bounds(split, documents)[0]
     return document_order(documents, seed)[train[1] if train else 0:]
+
+
+def unseen_document_ids(prefix: Path | str, count: int, split: str, seed: int, drop: set[int]) -> list[list[int]]:
+    """The token ids of up to `count` documents of the dataset at `prefix` that training never reads
+    (`unseen_documents`), without the ids in `drop` (the separators stage 2 put around them); empty ones left
+    out. Stage 4's gate and `gptpipe gguf`'s llama.cpp check read held-out text through this."""
+    from gptpipe.data.indexed import IndexedDataset
+
+    reader = IndexedDataset(prefix)
+    documents = [[t for t in reader[int(i)].tolist() if t not in drop]
+                 for i in unseen_documents(split, len(reader), seed)[:count]]
+    return [d for d in documents if d]
 
 
 def split_problems(name: str, split: str, documents: tuple[int, ...], tokens: tuple[int, ...],

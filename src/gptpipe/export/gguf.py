@@ -500,8 +500,8 @@ def heldout_texts(model_dir: Path) -> tuple[list[str], str]:
     from, as stage 4's gate takes them. ([], why not) for another folder, or where that run's files are gone."""
     from transformers import AutoTokenizer
 
+    from gptpipe.data.split import unseen_document_ids
     from gptpipe.export.checkpoint import training_config
-    from gptpipe.export.source import heldout_documents
     from gptpipe.train.checkpoint import find_checkpoint
 
     if not CONVERT.has_manifest(model_dir):
@@ -513,11 +513,13 @@ def heldout_texts(model_dir: Path) -> tuple[list[str], str]:
     try:
         training = training_config(find_checkpoint(path))
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        rows = heldout_documents(Path(training.data.prefixes[0]), HELDOUT_DOCUMENTS, tokenizer.eos_token_id,
-                                 training.data.split, training.data.seed, "")
+        prefix = Path(training.data.prefixes[0])
+        documents = unseen_document_ids(prefix, HELDOUT_DOCUMENTS, training.data.split, training.data.seed,
+                                        set(tokenizer.all_special_ids))
     except (StageInputError, OSError) as exc:
         return [], f"its training data cannot be read here ({exc})"
-    return [tokenizer.decode(doc, skip_special_tokens=True) for doc in rows.documents], rows.source
+    return ([tokenizer.decode(doc) for doc in documents],
+            f"{len(documents)} validation/test documents of {prefix.name}")
 
 
 def run(config: ConvertConfig, args: argparse.Namespace) -> int:

@@ -92,14 +92,10 @@ def check_tokenizer_fits(checkpoint: Checkpoint, tokenizer: Any) -> None:
 
 def heldout_documents(prefix: Path, count: int, separator: int, split: str, seed: int, prompt: str) -> DocumentRows:
     """Up to `count` documents that training never saw: the first of the valid/test splits (gptpipe.data.split)."""
-    from gptpipe.data.indexed import IndexedDataset
-    from gptpipe.data.split import unseen_documents
+    from gptpipe.data.split import unseen_document_ids
 
-    reader = IndexedDataset(prefix)
-    unseen = unseen_documents(split, len(reader), seed)[:count]
-    docs = [[t for t in reader[int(i)].tolist() if t != separator] for i in unseen]
-    return DocumentRows([d for d in docs if d], f"{len(docs)} validation/test documents of {prefix.name}",
-                        separator, prompt)
+    docs = unseen_document_ids(prefix, count, split, seed, {separator})
+    return DocumentRows(docs, f"{len(docs)} validation/test documents of {prefix.name}", separator, prompt)
 
 
 # --- a pretraining run (stage 3) ---------------------------------------------------------------------------
