@@ -288,17 +288,17 @@ def test_llamacpp_stops_at_the_end_of_turn_token(unigram_llama: Path, workspace:
 
 @pytest.mark.llamacpp
 @needs_llamacpp
-def test_the_default_tokenizers_gguf_reads_held_out_text_as_transformers(exported_model: Path, workspace: Path,
-                                                                         capfd: pytest.CaptureFixture) -> None:
+def test_the_gguf_check_reads_held_out_text_of_the_run(exported_model: Path, workspace: Path,
+                                                      capfd: pytest.CaptureFixture) -> None:
     """`gptpipe gguf` checks llama.cpp on 300-character passages of the run's own validation/test documents, not
-    only on fixed strings; the default stage-1 tokenizer (the tests' has 4,000 pieces, the rest as shipped)
-    gives transformers' ids on at least 99% of them (a unigram model with character coverage 0.9995 misread a
-    quarter of a held-out corpus: llama.cpp's UGM tokenizer has no byte fallback)."""
+    only on fixed strings, and prints the share it reads as transformers does. With the default stage-1 tokenizer
+    (a unigram model: llama.cpp's UGM tokenizer has no byte fallback) only passages holding a character written as
+    UTF-8 bytes may differ, and they are few (character_coverage 0.9999: 1-2% on held-out man pages)."""
     folder = workspace / "default-tokenizer-export"
     shutil.copytree(exported_model, folder, dirs_exist_ok=True)
     gguf_path = write(workspace, folder, "f16")
     held_out = Manifest.read(gguf_path.parent / "manifest.json").counts["llamacpp_heldout"]
     assert "validation/test documents" in held_out["source"] and held_out["texts"] >= 100, held_out
-    exact = 1 - held_out["texts_differing"] / held_out["texts"]
-    assert exact >= 0.99, held_out["examples"]
+    assert held_out["texts_differing"] == held_out["texts_differing_with_byte_fallback"], held_out["examples"]
+    assert held_out["texts_differing"] <= 0.05 * held_out["texts"], held_out["examples"]
     assert "passages of 300 characters" in capfd.readouterr().out

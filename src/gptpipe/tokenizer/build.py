@@ -48,10 +48,9 @@ MIB = 1 << 20
 # Japanese-only lines (2.6 bytes per character) at 687 MiB and ASCII-only lines at 882 MiB for 38 MiB each.
 # Least squares gives 67 MiB + 13.4 per byte + 8.0 per character (within 3 MiB of every point); the constants
 # round that up (4-10% above every point) so the estimate is not low. Below ~20 MiB the process's own floor
-# dominates: 405 MiB for the 10.6 MiB of the man pages at character_coverage 0.9995, 627 MiB at 1.0 (the default
-# since 2026-11-26; 599 on a 24-language man-page corpus), although SentencePiece's training alone peaked at
-# 240 MiB with either coverage. The per-sample constants were fitted at 0.9995. The corpus size does not enter.
-RSS_FLOOR_MIB = 650
+# dominates (405 MiB for the 10.6 MiB of the man pages, 408 at character_coverage 0.9999; 627 at 0.99999 and
+# 1.0). The constants were fitted at 0.9995. The corpus size does not enter.
+RSS_FLOOR_MIB = 420
 RSS_BASE_MIB = 100
 RSS_PER_SAMPLE_BYTE = 14.0
 RSS_PER_SAMPLE_CHAR = 8.5
