@@ -508,8 +508,10 @@ def heldout_texts(model_dir: Path) -> tuple[list[str], str]:
         return [], "not a gptpipe export (no manifest.json): no held-out text of its training data"
     inputs = Manifest.read(model_dir / "manifest.json").inputs
     path = Path((inputs.get("checkpoint") or {}).get("path", ""))
-    if not inputs.get("datasets") or not path.is_dir():
-        return [], f"the checkpoint it was exported from ({path}) is not here, or it is no stage-3 run"
+    if not inputs.get("datasets"):
+        return [], "it was not exported from a stage-3 run (held-out text comes from a pretraining run's data)"
+    if not path.is_dir():
+        return [], f"the checkpoint it was exported from ({path}) is not on this machine"
     try:
         training = training_config(find_checkpoint(path))
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -554,9 +556,9 @@ def run(config: ConvertConfig, args: argparse.Namespace) -> int:
     counts = manifest.counts
     if counts["vocabulary"] == "t5" and counts.get("byte_pieces"):
         log.warning("llama.cpp's unigram (UGM) tokenizer has no byte fallback: a character none of the pieces "
-                    "covers becomes <unk> in llama.cpp, where transformers writes its UTF-8 bytes. Stage 1's "
-                    "character_coverage 1.0 (the default) gives every character of its training sample a piece; "
-                    "for a GGUF that tokenizes every text as transformers does, train it with model_type: bpe.")
+                    "covers becomes <unk> in llama.cpp, where transformers writes its UTF-8 bytes (the held-out "
+                    "line below says how often). For a GGUF that tokenizes every text as transformers does, train "
+                    "stage 1 with model_type: bpe.")
     check = counts.get("llamacpp_check")
     if check:
         print(f"llama.cpp ({check['llama_cpp']}): {check['texts_differing']}/{check['texts']} tricky strings "
