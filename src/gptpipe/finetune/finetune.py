@@ -317,10 +317,10 @@ class FineTuner(TrainLoop):
 
         # As the model pretrained_factory builds: the router switch off, in this run's checkpoints too.
         self.hf_config = inference_config(AutoConfig.from_pretrained(config.model.path))
-        self.engine, _ = build_engine(train, self.hf_config.model_type, self.hf_config, ds_config,
-                                      Schedule.for_run(train, self.steps), dist.device,
-                                      make_model=pretrained_factory(config.model.path, task.seq2seq, dist.device,
-                                                                    scratch=from_scratch))
+        self.engine, self.loss_kwargs = build_engine(
+            train, self.hf_config.model_type, self.hf_config, ds_config, Schedule.for_run(train, self.steps),
+            dist.device, make_model=pretrained_factory(config.model.path, task.seq2seq, dist.device,
+                                                       scratch=from_scratch))
         if train.packing:
             self.engine.eval()
             leaks = packing_leaks(self.engine, task.train, len(task.tokenizer), self.pad, dist.device)

@@ -84,7 +84,7 @@ class TrainLoop(ABC):
     the final validation and save, and the exit code.
 
     A subclass's __init__ calls this one first (it cleans the checkpoint folder and seeds every RNG), then
-    sets `engine`, `hf_config` and `steps`, and fills in:
+    sets `engine` and `loss_kwargs` (build_engine's), `hf_config` and `steps`, and fills in:
 
         batches()                this rank's micro-batches of the current step
         forward(engine, batch)   (loss, aux loss) of one micro-batch (default: the pretraining LM loss)
@@ -97,6 +97,7 @@ class TrainLoop(ABC):
 
     name = "train"  # the logger: status lines read "[train] ..."
     engine: Any
+    loss_kwargs: dict[str, Any]  # build_engine's: what every forward with labels passes (Liger's fused loss)
     hf_config: Any  # the transformers config; a checkpoint of another model is refused on resume
     steps: int  # optimizer steps of the whole run
 
@@ -135,7 +136,7 @@ class TrainLoop(ABC):
 
     def forward(self, engine: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(loss to backpropagate, aux loss or None) of one micro-batch."""
-        return forward_loss(engine, batch)
+        return forward_loss(engine, batch, **self.loss_kwargs)
 
     def after_step(self) -> None:
         """Called once a step has finished (e.g. to count the samples consumed)."""

@@ -100,8 +100,8 @@ class Pretrainer(TrainLoop):
         elif self.initialising:
             self._prepare_gate(base)
         make_model = (lambda: build_model(hf_config, dist.device, base.folder)) if self.initialising else None
-        self.engine, self.fused_loss = build_engine(train, plan.shape.arch, hf_config, ds_config, plan.schedule,
-                                                    dist.device, make_model)
+        self.engine, self.loss_kwargs = build_engine(train, plan.shape.arch, hf_config, ds_config, plan.schedule,
+                                                     dist.device, make_model)
         self.consumed = 0
         self.last_val_loss: float | None = None
 
@@ -143,7 +143,7 @@ class Pretrainer(TrainLoop):
         batch = to_device(self.gate_sample, self.dist.device)
         self.engine.eval()
         out = self.engine(input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["labels"],
-                          use_cache=False, **({"skip_logits": True} if self.fused_loss else {}))
+                          use_cache=False, **self.loss_kwargs)
         self.engine.train()
         problems = []
         if self.dist.is_main:
@@ -272,10 +272,9 @@ class Pretrainer(TrainLoop):
         engine.eval()
         totals = torch.zeros(len(self.sources), 2, dtype=torch.float64, device=self.dist.device)
         moe = hasattr(self.hf_config, "output_router_logits")
-        extra = {"output_router_logits": True} if moe else {}  # the routing on held-out text
+        # the routing on held-out text; Liger's skip_logits (it skips them only in training mode unless told)
+        extra = {**self.loss_kwargs, **({"output_router_logits": True} if moe else {})}
         counts = None
-        if self.fused_loss:  # Liger skips the logits only in training mode unless told: they would not fit
-            extra["skip_logits"] = True
         for source, batch in eval_batches(self.valid_data, plan.eval_samples, plan.settings.micro_batch,
                                           self.dist.rank, self.dist.world_size, self.dist.device):
             out = engine(input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["labels"],
