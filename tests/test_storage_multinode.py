@@ -21,6 +21,15 @@ from prewarmed import Forked, torchrun_env
 ZERO = ("train.zero_stage=2",)
 
 
+def _logged(node_tmp: Path, step: int) -> bool:
+    """Whether the node's staging run folder (under its TMPDIR) has logged `step`. The run's other temporary
+    folders there come and go while the glob walks them: one gone mid-walk is a "not yet"."""
+    try:
+        return any(f'"step": {step},' in m.read_text() for m in node_tmp.glob("*/*/*/metrics.jsonl"))
+    except FileNotFoundError:
+        return False
+
+
 def run_two_nodes(config: Path, tmp: Path, *overrides: str, stop_after: int | None = None) -> list[str]:
     """`gptpipe train` on two single-rank nodes, each with TMPDIR tmp/node{K}; with `stop_after`, both get
     SIGTERM once that step is logged (a preemption). Returns their stderr. The nodes share no folder: each
@@ -33,7 +42,7 @@ def run_two_nodes(config: Path, tmp: Path, *overrides: str, stop_after: int | No
         nodes.append(Forked(["train", "--config", config, *QUICK_TRAIN, *ZERO, *overrides], env))
     if stop_after is not None:
         deadline = time.monotonic() + 600
-        while not any(f'"step": {stop_after},' in m.read_text() for m in (tmp / "node0").glob("*/*/*/metrics.jsonl")):
+        while not _logged(tmp / "node0", stop_after):
             assert all(n.poll() is None for n in nodes) and time.monotonic() < deadline, "a node stopped early"
             time.sleep(0.05)
         for process in nodes:
