@@ -32,6 +32,7 @@ import json
 import math
 import os
 import sys
+import sysconfig
 import tempfile
 import time
 import traceback
@@ -248,16 +249,24 @@ def host_syncs(step: Any) -> list[str]:
     """Where one call of `step` synchronizes host and device: the Python line of each sync that torch.cuda's sync
     debug mode warns of (the innermost frame outside torch)."""
     sites = []
+    stdlib = sysconfig.get_paths()["stdlib"]
+
+    def short(frame: traceback.FrameSummary) -> str:
+        """package/file.py:line, the path below site-packages (or the repository)."""
+        parts = Path(frame.filename).parts
+        return f"{'/'.join(parts[-2:])}:{frame.lineno}"
 
     def record(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
         if "synchroniz" in str(message):
-            frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
-            sites.append(f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else f"{filename}:{lineno}")
+            # the innermost frame outside torch and the standard library (warnings.py), and its caller
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if "/torch/" not in f.filename and not f.filename.startswith(stdlib)]
+            sites.append(" < ".join(short(f) for f in reversed(frames[-2:])) if frames else f"{filename}:{lineno}")
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")  # reports a sync of its own: recorded only from the next line on
         warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
         try:
             step()
         finally:

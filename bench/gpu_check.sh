@@ -22,6 +22,8 @@
 #   GPU_CHECK_PYTHON     an interpreter that already has gptpipe's packages and liger-kernel (skips the set-up)
 #   GPU_CHECK_STEPS      timed steps per row (default 10; 3 warm-up steps first)
 #   GPU_CHECK_WORKSPACE  the folder whose config.yaml and stage-2 data the real loop trains on (default demo)
+#   GPU_CHECK_ROWS       only these rows, by name, space-separated (e.g. "real-loop smoke-compile" to rerun what
+#                        failed); default all
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -29,6 +31,7 @@ OUT=${GPU_CHECK_OUT:-bench/results/gpu-check-$(date +%Y%m%d-%H%M%S)}
 STEPS=${GPU_CHECK_STEPS:-10}
 WORKSPACE=${GPU_CHECK_WORKSPACE:-demo}
 mkdir -p "$OUT/logs"
+OUT=$(cd "$OUT" && pwd)  # absolute: the real loop writes its run folder there
 if [ -n "${GPU_CHECK_PYTHON:-}" ]; then
   PY=$GPU_CHECK_PYTHON
 else
@@ -46,6 +49,7 @@ say() { echo "[gpu_check $(( $(date +%s) - started ))s] $*"; }
 run() {
   local name=$1 limit=$2
   shift 2
+  if [ -n "${GPU_CHECK_ROWS:-}" ] && [[ " $GPU_CHECK_ROWS " != *" $name "* ]]; then return 0; fi
   say "$name"
   if ! timeout "$limit" "$@" > "$OUT/logs/$name.log" 2>&1; then
     failed+=("$name")
@@ -84,12 +88,13 @@ bench llama-125m-micro8-no-liger --micro 8 --no-liger
 
 if [ -f "$WORKSPACE/config.yaml" ]; then
   # micro-batch 16 and 4 of them per step: the planner's accumulation path, a log line every 5 steps, an
-  # evaluation and a checkpoint at step 10
+  # evaluation and a checkpoint at step 10; data.split because the demo's 969,30,1 leaves its test split less
+  # than one 2048-token sample (stage 3 refuses that split)
   run real-loop 300 "$PY" -m gptpipe train --config "$WORKSPACE/config.yaml" model.preset=125m train.seq_len=2048 \
     train.precision=bf16 train.global_batch_size=64 train.micro_batch_size=16 train.lr=6e-4 train.min_lr=6e-5 \
     train.train_tokens=null train.train_epochs=8 train.train_iters=20 train.log_interval=5 train.eval_interval=10 \
     train.save_interval=10 train.eval_iters=1 train.sample_prompts=[] logging.wandb=false \
-    train.output_model_dir="$(pwd)/$OUT/real-loop"
+    data.split=90,9,1 train.output_model_dir="$OUT/real-loop"
   bench llama-125m-micro16 --micro 16
 else
   say "no $WORKSPACE/config.yaml: the real loop is skipped (run bash demo.sh, or set GPU_CHECK_WORKSPACE)"
