@@ -21,7 +21,7 @@ from conftest import manifest_counts as counts
 from gptpipe.cli import main
 from gptpipe.config.core import ConfigError, load_config
 from gptpipe.stage import Manifest, StageInputError, file_fingerprint, manifest_fingerprint
-from gptpipe.tokenizer import hf
+from gptpipe.tokenizer import charsets, hf
 from gptpipe.tokenizer.config import TokenizerConfig
 from gptpipe.artifacts import TOKENIZE, read_tokenizer
 from gptpipe.tokenizer.morpheme import DELIMITER
@@ -91,6 +91,60 @@ def test_manifest_ids_and_info(shipped_tokenizer: Path) -> None:
     assert len(tok) == vocab
     special_map = json.loads((info.hf_dir / "special_tokens_map.json").read_text(encoding="utf-8"))
     assert special_map["eos_token"] == "</s>"
+
+
+def test_every_common_japanese_character_has_a_piece(shipped_tokenizer: Path, corpus_dir: Path) -> None:
+    """character_sets: auto gives the Japanese sample JIS X 0208's kana, symbols and level-1 kanji, a piece each,
+    those the man pages never write too; a unigram GGUF then reads them in llama.cpp, which has no byte fallback
+    for unigram models (test_gguf.py reads held-out passages with it)."""
+    c = counts(shipped_tokenizer)
+    assert (c["character_sets"], c["required_characters"]) == (["ja"], 3489)
+    assert c["script_shares"]["kana"] > 0.3 and c["script_shares"]["hangul"] == 0
+    sp = spm.SentencePieceProcessor(model_file=str(shipped_tokenizer / "tokenizer.model"))
+    written = set("".join(documents(corpus_dir)))
+    unseen = [ch for ch in charsets.characters("ja") if ch not in written]
+    assert len(unseen) > 1000  # 材, 誌, 君 ...: the man pages lack half of the level-1 kanji
+    assert all(sp.piece_to_id(ch) != sp.unk_id() for ch in charsets.characters("ja"))
+    assert sp.encode("材料の雑誌と君", out_type=str) == list("材料の雑誌と君")
+
+
+def test_auto_leaves_out_a_set_the_vocabulary_cannot_spare(tokenizer_dir: Path) -> None:
+    """The tests' 4,000-piece tokenizer: the ja set's 3,489 characters exceed a quarter of it."""
+    c = counts(tokenizer_dir)
+    assert (c["character_sets"], c["required_characters"]) == ([], 0) and c["script_shares"]["kana"] > 0.3
+
+
+def manpage_lines(language: str, count: int = 400) -> list[str]:
+    """Lines of the roff sources of a language's man pages, as Debian installs them."""
+    import gzip
+
+    lines: list[str] = []
+    for page in sorted(Path(f"/usr/share/man/{language}/man1").glob("*.gz"))[:20]:
+        with gzip.open(page, "rt", encoding="utf-8", errors="replace") as fh:
+            lines += [line for line in fh.read().splitlines() if line and not line.startswith(".")]
+    if not lines:
+        pytest.skip(f"no man pages in /usr/share/man/{language}")
+    return lines[:count]
+
+
+def test_character_sets_follow_the_scripts_of_the_sample(corpus_dir: Path) -> None:
+    """auto: kana → ja (its kanji included), Hangul → ko, Han without kana → zh-hans and zh-hant, each only when
+    it fits a quarter of the vocabulary; named sets are kept whatever the sample; sets come from Python's codecs."""
+    assert [len(charsets.characters(n)) for n in charsets.SETS] == [3489, 3390, 2350, 3755, 5401]
+    japanese = charsets.script_shares(documents(corpus_dir)[:50])
+    assert charsets.choose(["auto"], japanese, 32000).names == ["ja"]
+    left_out = charsets.choose(["auto"], japanese, 8000)
+    assert left_out.names == []
+    assert "auto left out ja (3,489 characters > 25% of vocab_size 8,000" in left_out.reasons[0]
+    assert charsets.choose(["auto"], charsets.script_shares(manpage_lines("ko")), 32000).names == ["ko"]
+    chinese = charsets.script_shares(manpage_lines("zh_CN"))
+    assert chinese["kana"] == 0 and chinese["han"] > 0.1
+    assert charsets.choose(["auto"], chinese, 32000).names == ["zh-hans", "zh-hant"]
+    assert charsets.choose(["auto"], chinese, 16000).names == ["zh-hans"]  # Big5's 5,401 > 4,000
+    english = charsets.script_shares(manpage_lines("de"))
+    assert charsets.choose(["auto"], english, 32000).names == []
+    named = charsets.choose(["ja-level2", "ja"], english, 32000)
+    assert named.names == ["ja-level2", "ja"] and len(named.characters) == 3390 + 3489
 
 
 def test_rerun_is_up_to_date(shipped_tokenizer: Path, workspace: Path, capfd: pytest.CaptureFixture) -> None:
@@ -213,6 +267,15 @@ def test_config_rejects_reserved_symbols_and_tiny_vocab() -> None:
         load_config(TokenizerConfig, None, ["user_defined_symbols=[<s>, <EOD>]", "vocab_size=200"])
     message = str(err.value)
     assert "<s> already have fixed ids" in message and "vocab_size" in message and "byte-fallback" in message
+
+
+def test_config_rejects_unknown_and_oversized_character_sets() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(TokenizerConfig, None, ["character_sets=[ja, kanji]"])
+    assert "character_sets: unknown kanji; known: auto, ja, ja-level2, ko, zh-hans, zh-hant" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(TokenizerConfig, None, ["character_sets=[ja, ja-level2]", "vocab_size=8000"])
+    assert "6,879 characters need more than half of vocab_size 8,000" in str(err.value)
 
 
 def test_sample_holds_out_documents_and_cuts_long_lines(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from gptpipe.log import get_logger
 from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_dir, atomic_path
 from gptpipe.artifacts import PREPARE, TOKENIZER_HF_DIR, TRAIN_TOKENIZER, check_input_files
-from gptpipe.tokenizer import hf
+from gptpipe.tokenizer import charsets, hf
 from gptpipe.tokenizer.config import TokenizerConfig
 from gptpipe.tokenizer.morpheme import DELIMITER, MorphemeSplitter, crossing_share
 from gptpipe.tokenizer.sample import CorpusScan, Sample, sample_corpus, scan_corpus
@@ -38,6 +38,8 @@ from gptpipe.tokenizer.sample import CorpusScan, Sample, sample_corpus, scan_cor
 STAGE = TRAIN_TOKENIZER.name
 log = get_logger(STAGE)
 SPECIAL_PIECES = {"unk": (0, "<unk>"), "bos": (1, "<s>"), "eos": (2, "</s>"), "pad": (3, "<pad>")}
+# the sample's first characters that estimate its script shares (charsets.script_shares)
+SHARE_SAMPLE_CHARS = 16 * 2**20
 EOD = "eos"  # the document separator: Megatron appends eos ("</s>") after every document
 MIB = 1 << 20
 
@@ -108,8 +110,9 @@ def _elapsed_bar(desc: str) -> Iterator[None]:
             ticker.join()
 
 
-def train_sentencepiece(config: TokenizerConfig, text_path: Path, prefix: Path) -> None:
-    """SentencePiece on the sampled lines with the original pipeline's Japanese-first settings."""
+def train_sentencepiece(config: TokenizerConfig, text_path: Path, prefix: Path, required: str = "") -> None:
+    """SentencePiece on the sampled lines with the original pipeline's Japanese-first settings; every character
+    of `required` gets a piece (charsets.choose)."""
     import sentencepiece as spm
 
     spm.set_random_generator_seed(config.seed)
@@ -121,7 +124,7 @@ def train_sentencepiece(config: TokenizerConfig, text_path: Path, prefix: Path) 
         with _elapsed_bar("stage 1: training SentencePiece"):
             spm.SentencePieceTrainer.train(
                 input=str(text_path), model_prefix=str(prefix), model_type=config.model_type,
-                vocab_size=config.vocab_size, character_coverage=config.character_coverage,
+                vocab_size=config.vocab_size, character_coverage=config.character_coverage, required_chars=required,
                 normalization_rule_name=config.normalization, byte_fallback=config.byte_fallback,
                 split_digits=config.split_digits, allow_whitespace_only_pieces=config.allow_whitespace_only_pieces,
                 remove_extra_whitespaces=False,  # text is kept as it is (the original's setting; exact export)
@@ -178,6 +181,18 @@ def _sampling(config: TokenizerConfig, files: list[Path], splitter: MorphemeSpli
     return scan, sample, expected
 
 
+def choose_character_sets(config: TokenizerConfig, sample_path: Path) -> charsets.Choice:
+    """The sets `character_sets` resolves to on this sample. The reservoir sample is in random order, so its
+    first SHARE_SAMPLE_CHARS estimate the script shares of all of it."""
+    with open(sample_path, encoding="utf-8") as fh:
+        head = fh.read(SHARE_SAMPLE_CHARS).splitlines()
+    shares = charsets.script_shares(head)
+    chosen = charsets.choose(config.character_sets, shares, config.vocab_size)
+    for reason in chosen.reasons:
+        log.info(reason)
+    return chosen
+
+
 def train_tokenizer(config: TokenizerConfig, files: list[Path], splitter: MorphemeSplitter | None) -> StageResult:
     """The stage's work: returns its outputs and counts; raises VerificationError on any HF mismatch."""
     out = config.output_dir
@@ -196,7 +211,8 @@ def train_tokenizer(config: TokenizerConfig, files: list[Path], splitter: Morphe
         scan, sample, expected = _sampling(config, files, splitter, tmp / "sample.txt")
         lap("sample_s")
         estimate = _log_ram_estimate(f"sampled {sample.lines:,} lines", sample.bytes, sample.chars)
-        train_sentencepiece(config, tmp / "sample.txt", tmp / config.model_prefix)
+        chosen = choose_character_sets(config, tmp / "sample.txt")
+        train_sentencepiece(config, tmp / "sample.txt", tmp / config.model_prefix, chosen.characters)
         lap("train_s")
         hf.round_scores(tmp / model_name)
         proto = hf.load_proto(tmp / model_name)
@@ -223,6 +239,8 @@ def train_tokenizer(config: TokenizerConfig, files: list[Path], splitter: Morphe
         "vocab_size": len(proto.pieces), **ids, "eod_id": ids[f"{EOD}_id"], "eod_piece": SPECIAL_PIECES[EOD][1],
         "user_defined_ids": {p.piece: i for i, p in enumerate(proto.pieces) if p.type == hf.Piece.USER_DEFINED},
         **report,
+        "character_sets": chosen.names, "required_characters": len(chosen.characters),
+        "script_shares": chosen.shares,
         "corpus_documents": scan.documents, **sample.reasons.manifest_counts(),
         "training_documents": sample.training_documents,
         "corpus_lines": sample.lines_seen, "training_lines_sampled": sample.lines, "long_lines_cut": sample.lines_cut,

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from gptpipe.config.core import option
+from gptpipe.tokenizer import charsets
 
 
 @dataclass
@@ -26,8 +27,14 @@ class TokenizerConfig:
     character_coverage: float = option(
         0.9999, "share of the sample's characters covered by pieces; the rest byte-fall-back, which llama.cpp's "
         "unigram tokenizer lacks: its GGUF misread 2-7% of held-out 300-character passages at 0.9995, 1-1.6% at "
-        "0.9999 and about as many at 1.0 (characters the sample never held); 1.0 would give every character of "
-        "the sample a piece, thousands of rare ones on web text")
+        "0.9999 and about as many at 1.0 (characters the sample never held: character_sets covers those); 1.0 "
+        "would give every character of the sample a piece, thousands of rare ones on web text")
+    character_sets: list[str] = option(
+        factory=lambda: [charsets.AUTO],
+        doc="characters that get a piece each even when the sample lacks them, so that a unigram GGUF reads them "
+        "in llama.cpp (no <unk>): ja (kana, symbols and JIS level-1 kanji, 3,489), ja-level2, ko (2,350 Hangul), "
+        "zh-hans, zh-hant; auto takes each whose script is at least 0.5% of the sample and whose set fits in a "
+        "quarter of vocab_size (the manifest says which); [] for none")
     normalization: Literal["identity", "nfkc", "nmt_nfkc"] = option(
         "identity", "text normalization; identity round-trips Japanese exactly (decode(encode(x)) == x)")
     byte_fallback: bool = option(True, "encode unknown characters as UTF-8 bytes instead of <unk>")
@@ -56,6 +63,14 @@ class TokenizerConfig:
             problems.append(("vocab_size", f"must be between 100 and 1,000,000, got {self.vocab_size}"))
         if not 0.9 <= self.character_coverage <= 1.0:
             problems.append(("character_coverage", "must be between 0.9 and 1.0"))
+        unknown = [name for name in self.character_sets if name not in charsets.NAMES]
+        if unknown:
+            problems.append(("character_sets", f"unknown {', '.join(unknown)}; known: {', '.join(charsets.NAMES)}"))
+        else:
+            named = charsets.choose([n for n in self.character_sets if n != charsets.AUTO], {}, self.vocab_size)
+            if len(named.characters) > self.vocab_size // 2:
+                problems.append(("character_sets", f"{len(named.characters):,} characters need more than half of "
+                                 f"vocab_size {self.vocab_size:,}: raise vocab_size or drop a set"))
         if self.input_sentence_size < 1000:
             problems.append(("input_sentence_size", "must be at least 1000"))
         if self.num_threads < 0:
