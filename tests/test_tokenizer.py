@@ -94,24 +94,24 @@ def test_manifest_ids_and_info(shipped_tokenizer: Path) -> None:
 
 
 def test_every_common_japanese_character_has_a_piece(shipped_tokenizer: Path, corpus_dir: Path) -> None:
-    """character_sets: auto gives the Japanese sample JIS X 0208's kana, symbols and level-1 kanji, a piece each,
-    those the man pages never write too; a unigram GGUF then reads them in llama.cpp, which has no byte fallback
-    for unigram models (test_gguf.py reads held-out passages with it)."""
+    """character_sets: auto gives the Japanese sample JIS X 0208's kana, symbols and level-1 kanji (and the basic
+    Latin set) a piece each, those the man pages never write too; a unigram GGUF then reads them in llama.cpp,
+    which has no byte fallback for unigram models (test_gguf.py reads held-out passages with it)."""
     c = counts(shipped_tokenizer)
-    assert (c["character_sets"], c["required_characters"]) == (["ja"], 3489)
+    assert (c["character_sets"], c["required_characters"]) == (["basic", "ja"], 3689)
     assert c["script_shares"]["kana"] > 0.3 and c["script_shares"]["hangul"] == 0
     sp = spm.SentencePieceProcessor(model_file=str(shipped_tokenizer / "tokenizer.model"))
     written = set("".join(documents(corpus_dir)))
     unseen = [ch for ch in charsets.characters("ja") if ch not in written]
     assert len(unseen) > 1000  # 材, 誌, 君 ...: the man pages lack half of the level-1 kanji
-    assert all(sp.piece_to_id(ch) != sp.unk_id() for ch in charsets.characters("ja"))
+    assert all(sp.piece_to_id(ch) != sp.unk_id() for ch in charsets.characters("ja") + charsets.characters("basic"))
     assert sp.encode("材料の雑誌と君", out_type=str) == list("材料の雑誌と君")
 
 
 def test_auto_leaves_out_a_set_the_vocabulary_cannot_spare(tokenizer_dir: Path) -> None:
-    """The tests' 4,000-piece tokenizer: the ja set's 3,489 characters exceed a quarter of it."""
+    """The tests' 4,000-piece tokenizer: the ja set's 3,489 characters exceed a quarter of it; basic's 225 fit."""
     c = counts(tokenizer_dir)
-    assert (c["character_sets"], c["required_characters"]) == ([], 0) and c["script_shares"]["kana"] > 0.3
+    assert (c["character_sets"], c["required_characters"]) == (["basic"], 225) and c["script_shares"]["kana"] > 0.3
 
 
 def manpage_lines(language: str, count: int = 400) -> list[str]:
@@ -128,22 +128,24 @@ def manpage_lines(language: str, count: int = 400) -> list[str]:
 
 
 def test_character_sets_follow_the_scripts_of_the_sample(corpus_dir: Path) -> None:
-    """auto: kana → ja (its kanji included), Hangul → ko, Han without kana → zh-hans and zh-hant, each only when
-    it fits a quarter of the vocabulary; named sets are kept whatever the sample; sets come from Python's codecs."""
-    assert [len(charsets.characters(n)) for n in charsets.SETS] == [3489, 3390, 2350, 3755, 5401]
+    """auto: basic always, kana → ja (its kanji included), Hangul → ko, Han without kana → zh-hans and zh-hant,
+    each only when it fits a quarter of the vocabulary; named sets are kept whatever the sample; sets come from
+    Python's codecs."""
+    assert [len(charsets.characters(n)) for n in charsets.SETS] == [225, 3489, 3390, 2350, 3755, 5401]
+    assert "?" in charsets.characters("basic") and "“" in charsets.characters("basic")
     japanese = charsets.script_shares(documents(corpus_dir)[:50])
-    assert charsets.choose(["auto"], japanese, 32000).names == ["ja"]
+    assert charsets.choose(["auto"], japanese, 32000).names == ["basic", "ja"]
     left_out = charsets.choose(["auto"], japanese, 8000)
-    assert left_out.names == []
-    assert "auto left out ja (3,489 characters > 25% of vocab_size 8,000" in left_out.reasons[0]
-    assert charsets.choose(["auto"], charsets.script_shares(manpage_lines("ko")), 32000).names == ["ko"]
+    assert left_out.names == ["basic"]
+    assert "auto left out ja (3,489 characters > 25% of vocab_size 8,000" in left_out.reasons[1]
+    assert charsets.choose(["auto"], charsets.script_shares(manpage_lines("ko")), 32000).names == ["basic", "ko"]
     chinese = charsets.script_shares(manpage_lines("zh_CN"))
     assert chinese["kana"] == 0 and chinese["han"] > 0.1
-    assert charsets.choose(["auto"], chinese, 32000).names == ["zh-hans", "zh-hant"]
-    assert charsets.choose(["auto"], chinese, 16000).names == ["zh-hans"]  # Big5's 5,401 > 4,000
-    english = charsets.script_shares(manpage_lines("de"))
-    assert charsets.choose(["auto"], english, 32000).names == []
-    named = charsets.choose(["ja-level2", "ja"], english, 32000)
+    assert charsets.choose(["auto"], chinese, 32000).names == ["basic", "zh-hans", "zh-hant"]
+    assert charsets.choose(["auto"], chinese, 16000).names == ["basic", "zh-hans"]  # Big5's 5,401 > 4,000
+    german = charsets.script_shares(manpage_lines("de"))
+    assert charsets.choose(["auto"], german, 32000).names == ["basic"]
+    named = charsets.choose(["ja-level2", "ja"], german, 32000)
     assert named.names == ["ja-level2", "ja"] and len(named.characters) == 3390 + 3489
 
 
@@ -272,7 +274,7 @@ def test_config_rejects_reserved_symbols_and_tiny_vocab() -> None:
 def test_config_rejects_unknown_and_oversized_character_sets() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(TokenizerConfig, None, ["character_sets=[ja, kanji]"])
-    assert "character_sets: unknown kanji; known: auto, ja, ja-level2, ko, zh-hans, zh-hant" in str(err.value)
+    assert "character_sets: unknown kanji; known: auto, basic, ja, ja-level2, ko, zh-hans, zh-hant" in str(err.value)
     with pytest.raises(ConfigError) as err:
         load_config(TokenizerConfig, None, ["character_sets=[ja, ja-level2]", "vocab_size=8000"])
     assert "6,879 characters need more than half of vocab_size 8,000" in str(err.value)

@@ -4,7 +4,8 @@ A unigram tokenizer's GGUF reads a character without a piece as <unk> in llama.c
 byte fallback), and a small corpus misses common characters: the Japanese man pages lack 1,515 of JIS X 0208's
 2,965 level-1 kanji (材, 誌, 君 ...), and 1.6% of their held-out passages held one. The sets come from the national
 standards every CJK system can write, read out of Python's own codecs (no data file, no download). `auto` takes
-the sets whose script the sample writes (`SCRIPT_SHARE_MIN`), when they fit the vocabulary (`VOCAB_SHARE_MAX`).
+`basic` (ASCII, Latin-1, punctuation: coverage drops a rare "?" on a small English corpus) and the sets whose
+script the sample writes (`SCRIPT_SHARE_MIN`), when they fit the vocabulary (`VOCAB_SHARE_MAX`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ AUTO = "auto"
 SCRIPT_SHARE_MIN = 0.005
 # `auto` leaves out a set that would take more than this share of vocab_size (it logs that it did)
 VOCAB_SHARE_MAX = 0.25
+ANY_SCRIPT = "any"  # a set auto takes whatever the sample writes
 SCRIPTS = {"kana": re.compile(r"[\u3041-\u30ff]"), "hangul": re.compile(r"[\uac00-\ud7a3]"),
            "han": re.compile(r"[\u4e00-\u9fff]"), "space": re.compile(r"\s")}
 
@@ -57,7 +59,16 @@ class CharacterSet:
     build: Callable[[], str]
 
 
+def _ranges(*ranges: tuple[int, int]) -> str:
+    """The characters of inclusive code point ranges."""
+    return "".join(chr(c) for first, last in ranges for c in range(first, last + 1))
+
+
 SETS = {s.name: s for s in (
+    CharacterSet("basic", "printable ASCII, Latin-1 and general punctuation (quotes, dashes, ellipsis): 226 "
+                 "characters every script's text uses; SentencePiece's coverage can drop rare ones such as ? "
+                 "and & on a small corpus", ANY_SCRIPT,
+                 lambda: _ranges((0x21, 0x7E), (0xA0, 0xFF), (0x2010, 0x2027), (0x2030, 0x203A))),
     CharacterSet("ja", "JIS X 0208 rows 1-8 (kana, symbols, full-width letters, Greek, Cyrillic, box drawing) and "
                  "its 2,965 level-1 kanji: 3,489 characters", "kana",
                  lambda: _euc_rows("euc_jp", range(1, 9)) + _euc_rows("euc_jp", range(16, 48))),
@@ -108,7 +119,7 @@ def choose(requested: list[str], shares: dict[str, float], vocab_size: int) -> C
         for name, charset in SETS.items():
             if not charset.script or name in names:
                 continue
-            share = shares[charset.script]
+            share = 1.0 if charset.script == ANY_SCRIPT else shares[charset.script]
             if share < SCRIPT_SHARE_MIN or (charset.script == "han" and not chinese):
                 continue
             size = len(characters(name))
@@ -117,6 +128,7 @@ def choose(requested: list[str], shares: dict[str, float], vocab_size: int) -> C
                                f"vocab_size {vocab_size:,}; {charset.script} is {share:.1%} of the sample)")
                 continue
             names.append(name)
-            reasons.append(f"auto chose {name}: {charset.script} is {share:.1%} of the sample")
+            reasons.append(f"auto chose {name}" + ("" if charset.script == ANY_SCRIPT else
+                                                   f": {charset.script} is {share:.1%} of the sample"))
     chars = "".join(dict.fromkeys("".join(characters(n) for n in names)))  # union, first occurrence order
     return Choice(names, chars, reasons, shares)

@@ -32,9 +32,10 @@ class TokenizerConfig:
     character_sets: list[str] = option(
         factory=lambda: [charsets.AUTO],
         doc="characters that get a piece each even when the sample lacks them, so that a unigram GGUF reads them "
-        "in llama.cpp (no <unk>): ja (kana, symbols and JIS level-1 kanji, 3,489), ja-level2, ko (2,350 Hangul), "
-        "zh-hans, zh-hant; auto takes each whose script is at least 0.5% of the sample and whose set fits in a "
-        "quarter of vocab_size (the manifest says which); [] for none")
+        "in llama.cpp (no <unk>): basic (ASCII, Latin-1, punctuation, 225), ja (kana, symbols and JIS level-1 "
+        "kanji, 3,489), ja-level2, ko (2,350 Hangul), zh-hans, zh-hant; auto takes basic and each set whose "
+        "script is at least 0.5% of the sample, when it fits a quarter of vocab_size (the manifest says which); "
+        "[] for none")
     normalization: Literal["identity", "nfkc", "nmt_nfkc"] = option(
         "identity", "text normalization; identity round-trips Japanese exactly (decode(encode(x)) == x)")
     byte_fallback: bool = option(True, "encode unknown characters as UTF-8 bytes instead of <unk>")
