@@ -16,22 +16,35 @@ import fcntl
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from collections.abc import Callable, Iterator
 
 from gptpipe.committed import CommittedFolder, local_matches
 from gptpipe.config.core import to_plain
 from gptpipe.log import get_logger
-from gptpipe.stage import Manifest, StageInputError, StageResult, run_local
+from gptpipe.stage import Manifest, StageInputError, StageResult, StageRules, run_local
 from gptpipe.storage import cache_folder, filesystem, is_url
-
-if TYPE_CHECKING:
-    from gptpipe.artifacts import Stage
 
 log = get_logger("storage")
 
 
-def layout(stage: Stage, location: str) -> tuple[str, str]:
+class RemoteStage(StageRules, Protocol):
+    """What a URL's outputs need of their stage besides the contract's: a protocol, since gptpipe.artifacts.Stage
+    (the one) calls this module."""
+
+    @property
+    def title(self) -> str: ...
+
+    @property
+    def beside_prefix(self) -> bool: ...
+
+    @property
+    def usable(self) -> Callable[[Manifest], list[str]] | None: ...
+
+    def hint(self, force: bool = False) -> str: ...
+
+
+def layout(stage: RemoteStage, location: str) -> tuple[str, str]:
     """(the URL of the folder holding the manifest and the outputs it lists, the manifest's name)."""
     location = location.rstrip("/")
     if stage.beside_prefix:
@@ -40,7 +53,7 @@ def layout(stage: Stage, location: str) -> tuple[str, str]:
     return location, stage.manifest_path(Path("x")).name
 
 
-def cache_location(stage: Stage, url: str) -> Path:
+def cache_location(stage: RemoteStage, url: str) -> Path:
     """The local stand-in for ``url``: where ``fetch`` puts it and where a stage publishing to it writes first."""
     url = url.rstrip("/")
     folder, _ = layout(stage, url)
@@ -48,7 +61,7 @@ def cache_location(stage: Stage, url: str) -> Path:
     return root / url.rsplit("/", 1)[1] if stage.beside_prefix else root
 
 
-def staging(stage: Stage, location: Any) -> Path:
+def staging(stage: RemoteStage, location: Any) -> Path:
     """Where a stage writes ``location``: the path itself, or the local stand-in of a URL."""
     return cache_location(stage, str(location)) if is_url(location) else Path(location)
 
@@ -65,7 +78,7 @@ def _locked(folder: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def committed_folder(stage: Stage, url: str, fs: Any = None) -> CommittedFolder:
+def committed_folder(stage: RemoteStage, url: str, fs: Any = None) -> CommittedFolder:
     """The bucket folder holding ``stage``'s outputs at ``url``, with their manifest as its record."""
     folder, name = layout(stage, url.rstrip("/"))
     return CommittedFolder(folder, name, fs)
@@ -75,7 +88,7 @@ def _sizes(manifest: Manifest) -> dict[str, int]:
     return {name: recorded["size"] for name, recorded in manifest.outputs.items()}
 
 
-def read_remote_manifest(stage: Stage, url: str, fs: Any) -> tuple[Manifest, bytes] | None:
+def read_remote_manifest(stage: RemoteStage, url: str, fs: Any) -> tuple[Manifest, bytes] | None:
     """The manifest at ``url`` and its bytes; None when there is none."""
     folder = committed_folder(stage, url, fs)
     data = folder.read_record()
@@ -88,7 +101,7 @@ def read_remote_manifest(stage: Stage, url: str, fs: Any) -> tuple[Manifest, byt
                               f"{stage.hint(force=True)}") from None
 
 
-def remote_problems(stage: Stage, url: str, manifest: Manifest, fs: Any) -> list[str]:
+def remote_problems(stage: RemoteStage, url: str, manifest: Manifest, fs: Any) -> list[str]:
     """Why the outputs a bucket manifest lists cannot be used (empty: every file is there with its size)."""
     problems = [] if manifest.complete else ["the manifest is not marked complete"]
     problems += committed_folder(stage, url, fs).problems(_sizes(manifest))
@@ -97,7 +110,7 @@ def remote_problems(stage: Stage, url: str, manifest: Manifest, fs: Any) -> list
     return problems
 
 
-def fetch(stage: Stage, url: str, only: Callable[[str], bool] | None = None) -> Path:
+def fetch(stage: RemoteStage, url: str, only: Callable[[str], bool] | None = None) -> Path:
     """``stage``'s outputs at ``url`` in the verified local cache (module doc); the local location returned
     stands for ``url`` (a dataset prefix or a folder). ``only`` picks the outputs to download (count_tokens
     needs the .idx alone); every listed output must still be in the bucket with its size."""
@@ -132,7 +145,7 @@ def fetch(stage: Stage, url: str, only: Callable[[str], bool] | None = None) -> 
     return local
 
 
-def publish(stage: Stage, local: Path, url: str) -> None:
+def publish(stage: RemoteStage, local: Path, url: str) -> None:
     """Upload the finished local output ``local`` to ``url``: outputs, the resolved config, the manifest last.
     Nothing is sent when the bucket already holds this very manifest and its files."""
     url = url.rstrip("/")
@@ -162,7 +175,7 @@ def publish(stage: Stage, local: Path, url: str) -> None:
              f"s) and then the manifest to {url}")
 
 
-def run_published(stage: Stage, url: str, config: Any, inputs: dict[str, Any], work: Callable[[], StageResult],
+def run_published(stage: RemoteStage, url: str, config: Any, inputs: dict[str, Any], work: Callable[[], StageResult],
                   force: bool = False, versions: tuple[str, ...] = ()) -> Manifest:
     """``Stage.run`` for a URL: skipped when the bucket's manifest is current (same config and inputs, files
     there); else made in ``staging(stage, url)`` (``work`` writes there) and published."""

@@ -19,16 +19,13 @@ import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from collections.abc import Callable, Iterator
 
 import yaml
 
 from gptpipe.config.core import to_plain
 from gptpipe.log import get_logger
-
-if TYPE_CHECKING:
-    from gptpipe.artifacts import Stage
 
 MANIFEST_VERSION = 1
 
@@ -153,6 +150,18 @@ def outputs_intact(manifest: Manifest, root: Path) -> list[str]:
     return problems
 
 
+class StageRules(Protocol):
+    """What the contract needs of a stage: a protocol, since gptpipe.artifacts.Stage (the one) builds on this
+    module."""
+
+    @property
+    def name(self) -> str: ...
+
+    def manifest_path(self, location: Path) -> Path: ...
+
+    def problems(self, manifest: Manifest, root: Path) -> list[str]: ...
+
+
 @dataclass
 class StageResult:
     """What a stage's work function returns: files it wrote (relative to the manifest's folder) and counts."""
@@ -163,7 +172,7 @@ class StageResult:
 
 
 def run_local(
-    stage: Stage,
+    stage: StageRules,
     location: Path,
     config: Any,
     inputs: dict[str, Any],
