@@ -12,6 +12,7 @@ import yaml
 
 from conftest import corpus_texts as read_corpus
 from conftest import run_cli
+from gptpipe.cli import main
 from gptpipe.corpus.manpages import roff_to_text
 from gptpipe.stage import Manifest, StageInputError
 
@@ -42,6 +43,40 @@ def test_manpages_become_japanese_documents(corpus_dir: Path) -> None:
     assert joined.count("\\fB") + joined.count("\\fI") <= 3
     assert manifest.counts["dropped"].get("alias page (.so)", 0) >= 1
     assert len(set(texts)) == len(texts)
+
+
+def test_languages_keep_japanese_pages_and_judge_mixed_ones_by_share(corpus_dir: Path, tmp_path: Path) -> None:
+    """The shipped config keeps documents mainly in Japanese (languages: [ja]); a page whose option lists are
+    English stays, an untranslated page goes, and the manifest tells the corpus's languages."""
+    from gptpipe.corpus import language
+
+    counts = Manifest.read(corpus_dir / "manifest.json").counts
+    main = counts["main_languages"]
+    assert main["ja"] > 1500 and main["en"] >= 10, main
+    assert counts["dropped"]["language not ja (mainly en)"] >= 5, counts["dropped"]
+    texts = read_corpus(corpus_dir)
+    assert all(language.judge(t, frozenset({"ja"}), 0.5).share >= 0.3 for t in texts)
+    ranlib = next(t for t in texts if t.startswith("名前\nranlib - "))  # Japanese prose, English options
+    assert 0.3 <= language.judge(ranlib, frozenset({"ja"}), 0.5).share < 0.5
+    assert not any(t.startswith("名前\nman-recode - convert manual pages") for t in texts)  # untranslated
+
+    # Korean, German and Japanese man pages in one run, Korean kept.
+    sources = [{"type": "manpages", "path": f"/usr/share/man/{lang}", "max_documents": 40}
+               for lang in ("ko", "de", "ja")]
+    run_cli("prepare", "--config", write_config(tmp_path, sources, min_chars=50, languages=["ko"]))
+    counts = Manifest.read(tmp_path / "out" / "manifest.json").counts
+    kept = read_corpus(tmp_path / "out")
+    assert 20 <= len(kept) <= 40 and all(language.judge(t, frozenset({"ko"}), 0.5).main == "ko" for t in kept)
+    assert counts["dropped"]["language not ko (mainly de)"] >= 30 and counts["dropped"]["language not ko (mainly ja)"]
+
+
+def test_unknown_language_is_a_config_error(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    config = write_config(tmp_path, [{"type": "manpages", "path": "/usr/share/man/ja"}], languages=["ja", "jpn"],
+                          language_min_share=1.5)
+    assert main(["prepare", "--config", str(config)]) == 2
+    err = capfd.readouterr().err
+    assert "'jpn' is not a language the model knows" in err and "language_min_share" in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_roff_conversion_details() -> None:

