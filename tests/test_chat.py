@@ -195,7 +195,7 @@ def test_a_tokenizer_that_splits_special_tokens_reads_the_templates_eos_as_eos(t
     and the saved tokenizer keeps the setting, so the export and `gptpipe chat` read templates the same way."""
     from gptpipe.config.core import load_config
     from gptpipe.finetune.config import FinetuneConfig
-    from gptpipe.finetune.finetune import load_task
+    from gptpipe.finetune.task import load_task
 
     config = load_config(FinetuneConfig, None, chat_args(tiny_lm, chat_files, tmp_path / "run"))
     task = load_task(config)

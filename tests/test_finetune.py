@@ -109,7 +109,7 @@ def test_a_seq_len_that_cuts_training_rows_is_warned_with_the_value_that_keeps_t
         tiny_lm: Path, task_files: tuple[Path, Path], tmp_path: Path) -> None:
     from gptpipe.config.core import load_config
     from gptpipe.finetune.config import FinetuneConfig
-    from gptpipe.finetune.finetune import load_task
+    from gptpipe.finetune.task import load_task
 
     def task(seq_len: int, *overrides: str):
         args = finetune_args(tiny_lm, task_files, tmp_path, f"train.seq_len={seq_len}", *overrides)
@@ -186,7 +186,7 @@ def with_positions(model: Path, folder: Path, positions: int) -> Path:
 def test_seq_len_auto_keeps_every_row_of_a_users_tsv_and_says_what_it_chose(tiny_lm: Path, tmp_path: Path) -> None:
     from gptpipe.config.core import load_config
     from gptpipe.finetune.config import FinetuneConfig
-    from gptpipe.finetune.finetune import load_task
+    from gptpipe.finetune.task import load_task
 
     files = users_rows(tmp_path)
     model = with_positions(tiny_lm, tmp_path / "model", 256)

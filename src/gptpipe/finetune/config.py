@@ -16,7 +16,7 @@ from gptpipe.config.core import option
 from gptpipe.finetune.metrics import DEFAULT_BEST, best_metric_choices
 from gptpipe.train.config import LoggingConfig, LoopConfig
 
-AUTO = "auto"  # train.seq_len resolved from the training rows (finetune.load_task)
+AUTO = "auto"  # train.seq_len resolved from the training rows (finetune/task.py's load_task)
 
 # Metrics a classification / generation run can select its best checkpoint by; all higher-is-better but val_loss.
 
