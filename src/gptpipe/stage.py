@@ -44,6 +44,15 @@ def file_fingerprint(path: Path) -> dict[str, Any]:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of a file's bytes, read in blocks (a model's weights can be many GB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def tree_fingerprint(paths: list[Path]) -> dict[str, Any]:
     """One fingerprint for many files (e.g. 1,800 man pages): a hash over their names, sizes and mtimes."""
     digest = hashlib.sha256()
@@ -57,7 +66,7 @@ def tree_fingerprint(paths: list[Path]) -> dict[str, Any]:
 
 def manifest_fingerprint(manifest_path: Path) -> dict[str, Any]:
     """An upstream stage's output, identified by its manifest's hash: it changes whenever that stage reruns."""
-    return {"manifest_sha256": hashlib.sha256(manifest_path.read_bytes()).hexdigest()}
+    return {"manifest_sha256": file_sha256(manifest_path)}
 
 
 def package_versions(names: tuple[str, ...] = ()) -> dict[str, str]:

@@ -9,7 +9,6 @@ for byte, loaded and asked for a greedy continuation of the test prompt.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 
 from gptpipe.export.config import ConvertConfig
 from gptpipe.log import get_logger
-from gptpipe.stage import StageFailed, StageInputError
+from gptpipe.stage import StageFailed, StageInputError, file_sha256
 from gptpipe.artifacts import EXIT_OK, read_export
 from gptpipe.storage import is_url
 
@@ -33,14 +32,6 @@ def repo_name(config: ConvertConfig) -> str:
     return config.repo_name
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def check_hub_copy(local: Path, downloaded: Path, files: list[str], prompt: str) -> tuple[list[str], str]:
     """(problems, greedy sample): the downloaded copy must be byte-identical, load and generate, like the original's
     smoke test. Its sample is not compared with the gate's: another machine's kernels may break a near-tie."""
@@ -51,7 +42,7 @@ def check_hub_copy(local: Path, downloaded: Path, files: list[str], prompt: str)
     from gptpipe.export.verify import greedy_continuation
 
     problems = [f"{f} differs from the local file" for f in files
-                if not (downloaded / f).is_file() or _sha256(downloaded / f) != _sha256(local / f)]
+                if not (downloaded / f).is_file() or file_sha256(downloaded / f) != file_sha256(local / f)]
     if problems:
         return problems, ""
     task = downloaded / "task.json"  # a fine-tune export says whether it is an encoder-decoder

@@ -11,13 +11,12 @@ or export refuses a folder that changed since (`folder_changes`).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gptpipe.data.base_tokenizer import PretrainedTokenizer, read_pretrained_tokenizer
-from gptpipe.stage import StageInputError
+from gptpipe.stage import StageInputError, file_sha256
 
 if TYPE_CHECKING:
     import torch
@@ -99,14 +98,6 @@ def check_data(base: BaseModel, manifests: dict[str, Any]) -> None:
 
 
 # --- the folder's record --------------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def fingerprint(folder: Path, previous: dict[str, Any] | None = None) -> dict[str, Any]:
     """{relative path: {size, mtime_ns, sha256}} of every file under `folder`. A file whose size and mtime equal
     `previous`'s record keeps its recorded hash (rewriting a file changes its mtime), so a resumed run rehashes
@@ -118,7 +109,7 @@ def fingerprint(folder: Path, previous: dict[str, Any] | None = None) -> dict[st
         old = previous.get(name)
         same = old and old["size"] == st.st_size and old["mtime_ns"] == st.st_mtime_ns
         files[name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                       "sha256": old["sha256"] if same else _sha256(path)}
+                       "sha256": old["sha256"] if same else file_sha256(path)}
     return files
 
 
