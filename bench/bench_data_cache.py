@@ -17,18 +17,13 @@ import argparse
 import logging
 import os
 import random
-import socket
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gptpipe.ports import free_port
 
 
 def main() -> None:

@@ -31,7 +31,6 @@ import os
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,17 +38,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from gptpipe.ports import free_port
 from gptpipe.train.metrics_rows import TrainRow, of_kind, read_metrics
 
 QUICK = ("train.seq_len=128", "train.global_batch_size=8", "train.eval_iters=1", "train.eval_interval=100000",
          "train.log_interval=1", "train.sample_prompts=[]", "train.train_tokens=null", "train.train_epochs=1",
          "logging.wandb=false", "logging.tensorboard=false", "train.precision=fp32")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def command(config: Path, *overrides: str) -> list[str]:

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -37,6 +36,7 @@ from prewarmed import Forked, run_gptpipe, run_ranks
 from gptpipe.cli import main
 from gptpipe.config.core import load_config
 from gptpipe.pipeline import PipelineConfig
+from gptpipe.ports import free_port
 from gptpipe.stage import Manifest
 from gptpipe.tokenizer.config import TokenizerConfig
 from gptpipe.train.metrics_rows import Row, TrainRow, of_kind, parse_metrics, read_metrics
@@ -115,13 +115,6 @@ def run_cli(*argv: object) -> None:
     """Run a gptpipe subcommand in-process and fail the test on a non-zero exit."""
     code = main([str(a) for a in argv])
     assert code == 0, f"gptpipe {' '.join(map(str, argv))} exited {code}"
-
-
-def free_port() -> str:
-    """A TCP port free right now, so concurrent test sessions' process groups do not collide."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 def corpus_texts(folder: Path) -> list[str]:
@@ -474,7 +467,7 @@ class S3Store:
     def __init__(self) -> None:
         from moto.server import ThreadedMotoServer
 
-        self.port = int(free_port())
+        self.port = free_port()
         self._server_class = ThreadedMotoServer
         self.running = False
         self.env = {"AWS_ACCESS_KEY_ID": FAKE_KEY_ID, "AWS_SECRET_ACCESS_KEY": FAKE_SECRET,
@@ -498,7 +491,7 @@ class GCSStore:
     scheme = "gs"
 
     def __init__(self) -> None:
-        self.port = int(free_port())
+        self.port = free_port()
         self.env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{self.port}",
                     "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}  # else each bucket call stalls ~60 s
 

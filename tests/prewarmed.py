@@ -188,13 +188,13 @@ def run_gptpipe(argv: Sequence[object], env: dict[str, str], stdin: str | None =
     return Forked(argv, env, stdin).finish(timeout)
 
 
-def torchrun_env(rank: int, world: int, per_node: int, port: str) -> dict[str, str]:
+def torchrun_env(rank: int, world: int, per_node: int, port: int) -> dict[str, str]:
     """The process-group variables torchrun gives global rank `rank` of `world` on nodes of `per_node` ranks."""
     return {"RANK": str(rank), "LOCAL_RANK": str(rank % per_node), "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
-def run_ranks(argv: Sequence[object], env: dict[str, str], ranks: int, port: str,
+def run_ranks(argv: Sequence[object], env: dict[str, str], ranks: int, port: int,
               timeout: float | None = None) -> subprocess.CompletedProcess:
     """`gptpipe argv` on `ranks` forked processes of one node, each with the variables torchrun gives its ranks,
     to their end. As torchrun does, the first rank to fail ends the others; the exit code is that rank's (torchrun

@@ -14,9 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import (QUICK_TRAIN, REPO, bucket_losses, bucket_steps, free_port, open_store, run_train, train_env,
-                      train_losses, wait_for_step)
+from conftest import (QUICK_TRAIN, REPO, bucket_losses, bucket_steps, open_store, run_train, train_env, train_losses,
+                      wait_for_step)
 from prewarmed import Forked, torchrun_env
+
+from gptpipe.ports import free_port
 
 ZERO = ("train.zero_stage=2",)
 
@@ -106,7 +108,7 @@ def test_two_ranks_on_a_node_keep_a_sigterm_upload_alive_until_it_commits(datase
             url = f"{store.url}/runs/run"
             hostfile = tmp_path / "hostfile"
             hostfile.write_text("localhost slots=2\n")
-            env = {**train_env(2), "HOSTFILE": str(hostfile), "MASTER_PORT": free_port(), "PYTHON": sys.executable,
+            env = {**train_env(2), "HOSTFILE": str(hostfile), "MASTER_PORT": str(free_port()), "PYTHON": sys.executable,
                    "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
             script = subprocess.Popen(
                 ["bash", str(REPO / "3_train_multi_node.sh"), "--config", str(workspace / "config.yaml"), *QUICK_TRAIN,

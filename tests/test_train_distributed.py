@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import QUICK_TRAIN, REPO, free_port, run_train, train_env, train_losses, wait_for_step
+from conftest import QUICK_TRAIN, REPO, run_train, train_env, train_losses, wait_for_step
+
+from gptpipe.ports import free_port
 
 STEPS = 4
 
@@ -62,7 +64,7 @@ def test_zero3_two_ranks_via_3_train_multi_node(one_rank: dict[int, float], work
     run = tmp_path / "run"
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
-    env = {**train_env(2), "HOSTFILE": str(hostfile), "MASTER_PORT": free_port(), "PYTHON": sys.executable,
+    env = {**train_env(2), "HOSTFILE": str(hostfile), "MASTER_PORT": str(free_port()), "PYTHON": sys.executable,
            "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     done = subprocess.run(["bash", str(REPO / "3_train_multi_node.sh"), "--config", str(workspace / "config.yaml"),
                            *QUICK_TRAIN, f"train.train_iters={STEPS}", "train.zero_stage=3",
@@ -87,7 +89,7 @@ def test_two_nodes_without_ssh_sigterm_to_3_train_multi_node_saves_and_exits_75(
     port = free_port()
     scripts = []
     for node in (0, 1):
-        env = {**train_env(2), "HOSTFILE": str(hostfile), "MASTER_PORT": port, "PYTHON": sys.executable,
+        env = {**train_env(2), "HOSTFILE": str(hostfile), "MASTER_PORT": str(port), "PYTHON": sys.executable,
                "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1"}
         scripts.append(subprocess.Popen(
             ["bash", str(REPO / "3_train_multi_node.sh"), "--config", str(workspace / "config.yaml"), *QUICK_TRAIN,

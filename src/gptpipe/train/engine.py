@@ -16,7 +16,6 @@ import copy
 import json
 import logging
 import os
-import socket
 import threading
 import warnings
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from gptpipe.log import get_logger
+from gptpipe.ports import free_port
 from gptpipe.train.config import LoopConfig
 from gptpipe.train.devices import LIGER_ARCHS, host_threads_per_rank, loss_path, triton_missing
 from gptpipe.train.memory import gradient_bytes
@@ -77,12 +77,6 @@ class Dist:
         return self.rank == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def setup_distributed() -> Dist:
     """Join (or, run directly, create) the process group: NCCL on GPUs, gloo on CPU."""
     import deepspeed
@@ -93,7 +87,7 @@ def setup_distributed() -> Dist:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
     local_rank = int(os.environ["LOCAL_RANK"])
     on_gpu = torch.cuda.is_available()
     if on_gpu:
