@@ -1,6 +1,7 @@
 """How closely two computations of the same model must agree, in one place: stage 4's gate (an export against
-its checkpoint), stage 7's export gate, stage 3's step-0 gate (the engine against a base model's folder) and
-the vLLM check (a served folder against transformers).
+its checkpoint), stage 7's export gate and stage 3's step-0 gate (the engine against a base model's folder).
+How far another runtime's logits may lie from the fp32 model's, per weight type, builds on these steps in
+export/agreement.py.
 
 fp32: the same weights through the same code, so only summation order may differ: FP32_TOLERANCE absolute on
 logits, the same relative to a loss. bf16: one bf16 rounding step (2^-8 relative) of the largest logit for two
@@ -18,12 +19,6 @@ LOSS_HALF_RELATIVE = 4 * BF16_RELATIVE
 def logits_tolerance(largest_logit: float, dtype: str) -> float:
     """Largest |Δ| allowed between a folder's logits and the reference's, whose largest magnitude is given."""
     return FP32_TOLERANCE + (BF16_RELATIVE * largest_logit if dtype == "bf16" else 0.0)
-
-
-def half_forward_logits_tolerance(largest_logit: float, dtype: str) -> float:
-    """Largest |Δ| allowed between the logits of a forward pass in `dtype` by another engine (vLLM serving a
-    bf16 folder) and the fp32 reference's, whose largest magnitude is given: four bf16 steps, as for a loss."""
-    return FP32_TOLERANCE + (LOSS_HALF_RELATIVE * largest_logit if dtype != "fp32" else 0.0)
 
 
 def loss_tolerance(reference: float, precision: str) -> float:

@@ -171,9 +171,9 @@ def _verification_text(report: dict[str, Any]) -> str:
         tokenizer += "; the chat template the run's, identical in chat_template.jinja and tokenizer_config.json"
     return (f"Exported by `gptpipe convert` and checked against the checkpoint it was exported from on "
             f"{report['heldout_source']}: logits max |Δ| = {report['logits_max_abs_diff']:.3g} ({report['dtype']}, "
-            f"tolerance {report['logits_tolerance']:.3g}); {tokenizer}; greedy generation picks the checkpoint's top "
-            f"token at every step (largest gap {report['greedy_max_gap']:.3g}, tolerance "
-            f"{report['greedy_gap_tolerance']:.3g}). Verified.\n\n"
+            f"tolerance {report['logits_tolerance']:.3g}); {tokenizer}; greedy generation picks the fp32 "
+            f"checkpoint's top token at every step up to near-ties (largest gap {report['greedy_max_gap']:.3g}, "
+            f"near-tie allowance {report['greedy_gap_tolerance']:.3g}). Verified.\n\n"
             f"For information (not part of the check): the greedy sample is {report['greedy_sample']!r}"
             + ("" if same is None else f", {'the same' if same else 'not the same'} output as the checkpoint's") + ".")
 

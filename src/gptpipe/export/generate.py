@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
+from gptpipe.export.agreement import prompt_ids
 from gptpipe.export.config import ConvertConfig
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError
@@ -83,11 +84,11 @@ def generate(model: Any, tokenizer: Any, prompt: str, sampling: Sampling,
                 on_text(text[self.sent:])
                 self.sent = len(text)
 
-    inputs = tokenizer(prompt, return_tensors="pt")
+    ids = torch.tensor([prompt_ids(tokenizer, prompt)])  # encoded as the runtimes' agreement checks encode it
     with torch.no_grad():
-        out = model.generate(**inputs, streamer=Stream() if on_text else None, pad_token_id=tokenizer.pad_token_id,
-                             **sampling.generate_kwargs())
-    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), streamer=Stream() if on_text else None,
+                             pad_token_id=tokenizer.pad_token_id, **sampling.generate_kwargs())
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
 def _print_piece(text: str) -> None:

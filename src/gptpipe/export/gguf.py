@@ -33,9 +33,11 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from gptpipe.export.agreement import DEPARTS, GREEDY_TOKENS, NEAR_TIE, check, prompt_ids, reference_model
 from gptpipe.export.config import ConvertConfig
 from gptpipe.log import get_logger
-from gptpipe.stage import Manifest, StageInputError, StageResult, atomic_path, tree_fingerprint, write_text_atomic
+from gptpipe.stage import (Manifest, StageFailed, StageInputError, StageResult, atomic_path, tree_fingerprint,
+                           write_text_atomic)
 from gptpipe.artifacts import CONVERT, EXIT_OK, GGUF
 
 log = get_logger("gguf")
@@ -52,6 +54,7 @@ LLAMACPP_HOME = Path(os.environ.get("GPTPIPE_LLAMACPP", Path.home() / ".cache" /
 # The llama.cpp check's held-out text: passages of this many characters (what a prompt or a served request
 # looks like) from documents the model never trained on, at most this many of them.
 PASSAGE_CHARS, HELDOUT_PASSAGES, HELDOUT_DOCUMENTS = 300, 200, 400
+GREEDY_TOOL = "gptpipe-llama-greedy"  # scripts/llamacpp_greedy.cpp, built beside llama.cpp's tools
 
 
 def gguf_arguments(parser: argparse.ArgumentParser) -> None:
@@ -395,65 +398,33 @@ def llamacpp_ids(gguf_path: Path, text: str, parse_special: bool = False) -> lis
     return json.loads(done.stdout.decode().strip().splitlines()[-1])
 
 
-def llamacpp_greedy(gguf_path: Path, prompt: str, max_new_tokens: int) -> str:
-    """llama.cpp's greedy continuation (llama-simple): the prompt's text followed by the generated text."""
-    tool = llamacpp_tool("llama-simple")
+def llamacpp_greedy(gguf_path: Path, prompt: list[int], max_new_tokens: int = GREEDY_TOKENS) -> list[int]:
+    """llama.cpp's greedy ids after the ``prompt`` ids (scripts/llamacpp_greedy.cpp), ending with the
+    end-of-generation token where llama.cpp stops at one."""
+    tool = llamacpp_tool(GREEDY_TOOL)
     if tool is None:
-        raise FileNotFoundError("llama-simple not built: run scripts/build_llamacpp.sh")
-    done = subprocess.run([str(tool), "-m", str(gguf_path), "-n", str(max_new_tokens), prompt],
+        raise FileNotFoundError(f"{GREEDY_TOOL} not built: run scripts/build_llamacpp.sh")
+    done = subprocess.run([str(tool), str(gguf_path), str(max_new_tokens)], input=" ".join(map(str, prompt)).encode(),
                           capture_output=True, check=True)
-    return done.stdout.removesuffix(b"\n").decode("utf-8", errors="replace")
+    return json.loads(done.stdout)["ids"]
 
 
-def transformers_greedy(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int) -> tuple[str, list[int]]:
-    """transformers' greedy continuation, written as llama-simple prints one (special tokens as text, the
-    end-of-sequence token that stops it left out), and the generated ids."""
-    import torch
+def gguf_outtype(gguf_path: Path) -> str:
+    """The weight type (an OUTTYPES name) the GGUF file states."""
+    from gguf import GGUFReader, LlamaFileType
 
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    tokens = out[0].tolist()
-    if tokens[-1] == tokenizer.eos_token_id and len(tokens) > ids.shape[1]:
-        tokens = tokens[:-1]
-    return _text(tokenizer, tokens), tokens[ids.shape[1]:]
-
-
-def _text(tokenizer: Any, ids: list[int]) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def near_tie(model: Any, tokenizer: Any, prompt: str, generated: list[int], got: str) -> float | None:
-    """Where llama.cpp's continuation ``got`` leaves transformers' greedy ``generated`` ids: how far below
-    transformers' best the logit of the token llama.cpp's text goes on with is, when that is within what a
-    half-precision forward may move a logit (tolerance.py), else None. Rounding decides such near-ties."""
-    import torch
-
-    from gptpipe.tolerance import half_forward_logits_tolerance
-
-    ids = tokenizer(prompt).input_ids
-    # A token may end inside a character: its decoded text then ends in U+FFFD, left out of the comparison.
-    follows = lambda extra: got.startswith(_text(tokenizer, ids + extra).rstrip("\ufffd"))
-    step = 0
-    while step < len(generated) and follows(generated[:step + 1]):
-        step += 1
-    if step == len(generated):
-        return None
-    with torch.no_grad():
-        logits = model(torch.tensor([ids + generated[:step]])).logits[0, -1]
-    best = float(logits.max())
-    tolerance = half_forward_logits_tolerance(float(logits.abs().max()), "bf16")
-    close = [int(t) for t in (logits >= best - tolerance).nonzero().flatten() if int(t) != generated[step]]
-    gaps = [best - float(logits[t]) for t in close if follows(generated[:step] + [t])]
-    return min(gaps) if gaps else None
+    names = {LlamaFileType.MOSTLY_F16: "f16", LlamaFileType.MOSTLY_BF16: "bf16", LlamaFileType.MOSTLY_Q8_0: "q8_0"}
+    return names[LlamaFileType(int(GGUFReader(gguf_path).fields["general.file_type"].contents()))]
 
 
 def llamacpp_report(gguf_path: Path, folder: Path, texts: list[str], prompts: list[str],
-                    max_new_tokens: int = 24) -> dict[str, Any]:
-    """How llama.cpp runs the GGUF compared with transformers on the HF folder: texts whose ids differ
-    (and how many of those hold a character the HF tokenizer writes as bytes), and prompts whose greedy
-    continuation differs, apart from near-ties (:func:`near_tie`), which are listed on their own."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+                    max_new_tokens: int = GREEDY_TOKENS) -> dict[str, Any]:
+    """How llama.cpp runs the GGUF compared with the model: texts whose ids differ from the HF tokenizer's (and
+    how many of those hold a character the HF tokenizer writes as bytes), and per prompt agreement.py's verdict
+    on llama.cpp's greedy ids against the fp32 model's, from the same prompt ids, at the GGUF's weight type's
+    tolerance: ``greedy_differing`` lists the departures (``agrees`` is then false), ``greedy_near_ties`` the
+    prompts whose ids part at near-ties."""
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     differing, byte_fallback, examples = 0, 0, []
@@ -467,22 +438,23 @@ def llamacpp_report(gguf_path: Path, folder: Path, texts: list[str], prompts: li
             byte_fallback += bool(byte_ids & set(want))
             if len(examples) < 3:
                 examples.append(f"{text[:40]!r}: HF {want[:12]} vs llama.cpp {got[:12]}")
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype="float32").eval() if prompts else None
-    greedy_differing, near_ties = [], []
-    for prompt in prompts:
-        (want, generated), got = transformers_greedy(model, tokenizer, prompt, max_new_tokens), llamacpp_greedy(
-            gguf_path, prompt, max_new_tokens)
-        if want == got:
-            continue
-        gap = near_tie(model, tokenizer, prompt, generated, got)
-        where = f"{prompt!r}: transformers {want!r} vs llama.cpp {got!r}"
-        if gap is None:
-            greedy_differing.append(where)
-        else:
-            near_ties.append(f"{where}, llama.cpp's token {gap:.3f} below transformers' best")
-    return {"llama_cpp": llamacpp_version(), "texts": len(texts), "texts_differing": differing,
-            "texts_differing_with_byte_fallback": byte_fallback, "examples": examples, "prompts": len(prompts),
-            "greedy_differing": greedy_differing, "greedy_near_ties": near_ties}
+    report = {"llama_cpp": llamacpp_version(), "texts": len(texts), "texts_differing": differing,
+              "texts_differing_with_byte_fallback": byte_fallback, "examples": examples, "prompts": len(prompts)}
+    if not prompts:
+        return report
+    outtype = gguf_outtype(gguf_path)
+    ids = [prompt_ids(tokenizer, prompt) for prompt in prompts]
+    verdicts = check(reference_model(folder), ids, [llamacpp_greedy(gguf_path, i, max_new_tokens) for i in ids],
+                     outtype, max_new_tokens)
+    text = lambda i: tokenizer.decode(i, skip_special_tokens=False)
+    described = [f"{prompt!r}: {v.describe(tokenizer)} (llama.cpp {text(v.got)!r}, the model {text(v.expected)!r})"
+                 for prompt, v in zip(prompts, verdicts)]
+    return {**report, "outtype": outtype,
+            "greedy": [{"prompt": prompt, **v.as_dict(), "llama_cpp_tokens": v.got, "transformers_tokens": v.expected}
+                       for prompt, v in zip(prompts, verdicts)],
+            "greedy_differing": [d for d, v in zip(described, verdicts) if v.kind == DEPARTS],
+            "greedy_near_ties": [d for d, v in zip(described, verdicts) if v.kind == NEAR_TIE],
+            "agrees": all(v.kind != DEPARTS for v in verdicts)}
 
 
 def passages(documents: list[str], count: int = HELDOUT_PASSAGES, seed: int = 0) -> list[str]:
@@ -543,15 +515,17 @@ def run(config: ConvertConfig, args: argparse.Namespace) -> int:
     def work() -> StageResult:
         counts = write_gguf(model_dir, out / name, args.outtype, model_dir.name)
         write_text_atomic(out / "Modelfile", modelfile(name, counts["chat_template"]))
-        if llamacpp_tool("llama-tokenize") and llamacpp_tool("llama-simple"):
-            counts["llamacpp_check"] = llamacpp_report(out / name, model_dir, list(TRICKY_STRINGS),
-                                                       [config.test_prompt_text])
+        if llamacpp_tool("llama-tokenize") and llamacpp_tool(GREEDY_TOOL):
+            check = llamacpp_report(out / name, model_dir, list(TRICKY_STRINGS), [config.test_prompt_text])
             documents, source = heldout_texts(model_dir)
             held_out = llamacpp_report(out / name, model_dir, passages(documents), []) if documents else {}
-            counts["llamacpp_heldout"] = {"source": source, **held_out}
+            # As stage 4's gate: the file stays for inspection, its manifest says it failed.
+            counts.update(llamacpp_check=check, llamacpp_heldout={"source": source, **held_out},
+                          verified=check["agrees"], failures=[f"llama.cpp's greedy tokens depart from the model's "
+                                                              f"on {where}" for where in check["greedy_differing"]])
         return StageResult([Path(name), Path("Modelfile")], counts)  # outputs are named relative to `out`
 
-    manifest = GGUF.run(out, settings, {"model": model_input}, work, force=args.force,
+    manifest = GGUF.run(out, settings, {"model": model_input}, work, force=args.force or failed_before(out),
                         versions=("gguf", "transformers", "tokenizers"))
     counts = manifest.counts
     if counts["vocabulary"] == "t5" and counts.get("byte_pieces"):
@@ -564,8 +538,8 @@ def run(config: ConvertConfig, args: argparse.Namespace) -> int:
     if check:
         print(f"llama.cpp ({check['llama_cpp']}): {check['texts_differing']}/{check['texts']} tricky strings "
               f"tokenized differently ({check['texts_differing_with_byte_fallback']} of them hold byte-fallback "
-              f"characters); {len(check['greedy_differing'])}/{check['prompts']} greedy continuations differ "
-              f"({len(check.get('greedy_near_ties', []))} more at near-ties)")
+              f"characters); {len(check['greedy_differing'])}/{check['prompts']} greedy continuations depart from "
+              f"the model's ({len(check.get('greedy_near_ties', []))} more part at near-ties, {check['outtype']})")
         held_out = counts.get("llamacpp_heldout", {})
         if held_out.get("texts"):
             exact = held_out["texts"] - held_out["texts_differing"]
@@ -577,7 +551,19 @@ def run(config: ConvertConfig, args: argparse.Namespace) -> int:
             print(f"llama.cpp on held-out text: not checked: {held_out.get('source', 'rerun with --force')}")
     else:
         print("not checked with llama.cpp (build it once with scripts/build_llamacpp.sh, then rerun with --force)")
+    if counts.get("failures"):
+        raise StageFailed(f"{out / name} does not run as the model does in llama.cpp (its manifest says verified: "
+                          f"false; rerunning redoes it):\n  - " + "\n  - ".join(counts["failures"]))
     print(f"wrote {out / name}\n"
           f"  llama.cpp: llama-cli -m {out / name} -p {config.test_prompt_text!r} -n 64 --temp 0\n"
           f"  Ollama:    cd {out} && ollama create {model_dir.name} -f Modelfile && ollama run {model_dir.name}")
     return EXIT_OK
+
+
+def failed_before(out: Path) -> bool:
+    """Whether the GGUF folder at ``out`` failed its llama.cpp check: it is redone even when nothing changed,
+    as a stage-4 folder that failed verification is, since the fix may be in the software."""
+    try:
+        return bool(Manifest.read(GGUF.manifest_path(out)).counts.get("failures"))
+    except (OSError, ValueError, TypeError):  # none yet, or unreadable: GGUF.run decides
+        return False

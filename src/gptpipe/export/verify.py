@@ -9,8 +9,9 @@ would, and checked on rows the model did not train on: held-out documents of a p
 3. tokenizer: the same ids as the tokenizer the training data was encoded with (`TokenizerReference`); a
    SentencePiece tokenizer's model ships as tokenizer.model, byte-identical, with no space prefix stated; a
    chat model's template is the run's, the same in chat_template.jinja and tokenizer_config.json;
-4. generation: greedy decoding through `generate` (the folder's generation_config.json, its KV cache) picks,
-   at every step, a token the checkpoint's model also ranks first, up to a near-tie (`GREEDY_GAP_FACTOR`).
+4. generation: greedy decoding through `generate` (the folder's generation_config.json, its KV cache) agrees
+   with the checkpoint's fp32 model up to near-ties, as agreement.py judges every runtime: each token the
+   folder chose within the near-tie allowance of the best logit, stopping where the model stops.
 A continued run's export (`GateSpec.base`) also has every file copied from its base byte-identical and its
 config.json the base's. The greedy text and whether it equals the checkpoint's own are recorded as
 information only: after a near-tie the two may legitimately continue differently.
@@ -27,9 +28,10 @@ from typing import Any, Protocol
 import torch
 
 from gptpipe.data.jsonl import Reasons
+from gptpipe.export.agreement import DEPARTS, EXACT, compare, greedy, plain, prompt_ids, stop_ids
 from gptpipe.finetune.chat_data import ChatEncoder, Conversation, task_chat_encoder
 from gptpipe.finetune.data import IGNORE, Encoder, Row, collate, map_to_label, pad_id
-from gptpipe.finetune.model import as_scored, decode, generate, logits, model_class
+from gptpipe.finetune.model import decode, generate, logits, model_class
 from gptpipe.log import get_logger
 from gptpipe.tolerance import logits_tolerance
 
@@ -38,12 +40,7 @@ log = get_logger("convert")
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BATCH_ROWS = 4
 BATCH_TOKENS = 256
-GREEDY_TOKENS = 24
 GENERATED_ROWS = 4  # validation prompts answered greedily by both models
-# Logits that agree within a tolerance t can swap their argmax only where the best two are within 2·t of each
-# other (a near-tie); the generation check allows that gap between the reference's best logit and its logit of
-# the token the folder chose.
-GREEDY_GAP_FACTOR = 2.0
 
 
 class GateRows(Protocol):
@@ -90,8 +87,8 @@ class DocumentRows:
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, torch.ones_like(ids, dtype=torch.bool)
 
     def greedy(self, model: Any, tokenizer: Any) -> tuple[list[list[int]], list[list[int]]]:
-        prompt = tokenizer(self.prompt, add_special_tokens=False)["input_ids"]
-        return [prompt], [greedy_continuation(model, tokenizer, self.prompt)[0]]
+        prompt = prompt_ids(tokenizer, self.prompt)
+        return [prompt], [greedy(model, prompt)]
 
     def record(self, report: dict[str, Any], tokenizer: Any, answers: list[list[int]]) -> None:
         report["greedy_sample"] = self.prompt + tokenizer.decode(answers[0], skip_special_tokens=True)
@@ -218,18 +215,12 @@ def cast_parameters(model: Any, dtype: torch.dtype) -> Any:
     return model
 
 
-@torch.no_grad()
 def greedy_continuation(model: Any, tokenizer: Any, prompt: str) -> tuple[list[int], str]:
     """(new token ids, prompt + their text; an encoder-decoder's "prompt → output"): deterministic, so two
     copies of one model must agree."""
-    prompt_ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]], dtype=torch.long)
-    out = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), do_sample=False,
-                         max_new_tokens=GREEDY_TOKENS, pad_token_id=tokenizer.pad_token_id)
-    if model.config.is_encoder_decoder:  # the output is the decoder's alone (it starts with its start token)
-        ids = out[0, 1:].tolist()
-        return ids, f"{prompt} → {tokenizer.decode(ids, skip_special_tokens=True)}"
-    ids = out[0, prompt_ids.shape[1]:].tolist()
-    return ids, prompt + tokenizer.decode(ids, skip_special_tokens=True)
+    ids = greedy(model, prompt_ids(tokenizer, prompt))
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    return ids, f"{prompt} → {text}" if model.config.is_encoder_decoder else prompt + text
 
 
 def _check_ids(model: Any, tokenizer: Any, spec: GateSpec, dtype: str) -> list[str]:
@@ -335,47 +326,22 @@ def _check_tokenizer(report: dict[str, Any], tokenizer: Any, reference: Tokenize
     return [f"tokenizer ids differ from {reference.name} on {mismatches}/{texts} texts: " + "; ".join(examples)]
 
 
-@torch.no_grad()
-def _check_generation(report: dict[str, Any], model: Any, reference: Any, tokenizer: Any, rows: GateRows,
+def _check_generation(report: dict[str, Any], model: Any, reference_fp32: Any, tokenizer: Any, rows: GateRows,
                       dtype: str) -> list[str]:
-    """The folder's greedy output must be greedy under the checkpoint's model, step by step: a
-    generation_config.json that changes the choice (a penalty, suppressed tokens) or a broken cached decoding
-    fails. The reference reads the folder's own output, so a near-tie can never derail the comparison."""
+    """The folder's greedy output against the checkpoint's fp32 model (agreement.py): a generation_config.json
+    that changes the choice (a penalty, suppressed tokens, other stop ids) or a broken cached decoding fails."""
     prompts, answers = rows.greedy(model, tokenizer)
     log.info(f"greedy generation from {len(prompts)} prompt(s)")
     rows.record(report, tokenizer, answers)
-    report["greedy_matches_checkpoint"] = answers == rows.greedy(reference, tokenizer)[1]
-    batch = collate([as_scored(p, a, rows.seq2seq) for p, a in zip(prompts, answers)], pad_id(tokenizer),
-                    rows.seq2seq)
-    batch.pop("target_columns", None)
-    # The reference's logits at the positions that chose each generated token, over the ids generate chooses from.
-    chosen = logits(reference, batch, rows.seq2seq)[..., :rows.choosable(model, tokenizer)].float()
-    targets, scored = batch["targets"], batch["targets"] != IGNORE
-    gaps = chosen.max(dim=-1).values - chosen.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
-    gaps = gaps.masked_fill(~scored, 0.0)
-    tolerance = GREEDY_GAP_FACTOR * logits_tolerance(chosen[scored].abs().max().item() if scored.any() else 0.0,
-                                                     dtype)
-    worst = gaps.max().item()
-    report.update(greedy_max_gap=worst, greedy_gap_tolerance=tolerance)
-    if worst <= tolerance:
-        return []
-    row, column = divmod(int(gaps.argmax()), gaps.shape[1])
-    step = int(scored[row, :column].sum()) + 1
-    return [f"greedy generation is not greedy under the checkpoint's model: {rows.where(row)}, new token {step} "
-            f"({tokenizer.decode([int(targets[row, column])])!r}) is {worst:.3g} below its best logit "
-            f"(> {tolerance:.3g}); check generation_config.json"]
-
-
-def _plain_greedy(model: Any) -> Any:
-    """`model` generating with its special ids only: a base's generation_config.json is its author's (sampling
-    settings, a repetition penalty), copied unchanged and checked byte for byte, so the generation check tests
-    the cached decoding with nothing else changing the choice."""
-    from transformers import GenerationConfig
-
-    own = model.generation_config
-    model.generation_config = GenerationConfig(bos_token_id=own.bos_token_id, eos_token_id=own.eos_token_id,
-                                               pad_token_id=own.pad_token_id)
-    return model
+    verdicts = compare(reference_fp32, prompts, answers, rows.greedy(reference_fp32, tokenizer)[1], dtype,
+                       stop_ids(model), seq2seq=rows.seq2seq, choosable=rows.choosable(model, tokenizer))
+    worst = max(verdicts, key=lambda v: v.max_gap / v.tolerance)
+    report.update(greedy_matches_checkpoint=all(v.kind == EXACT for v in verdicts),
+                  greedy_verdicts=[v.kind for v in verdicts], greedy_max_gap=worst.max_gap,
+                  greedy_gap_tolerance=worst.tolerance)
+    return [f"greedy generation is not greedy under the checkpoint's model: {rows.where(row)}, "
+            f"{v.describe(tokenizer)}; check generation_config.json"
+            for row, v in enumerate(verdicts) if v.kind == DEPARTS]
 
 
 def verify_export(folder: Path, reference: Any, reference_fp32: Any, spec: GateSpec, dtype: str) -> dict[str, Any]:
@@ -396,7 +362,9 @@ def verify_export(folder: Path, reference: Any, reference_fp32: Any, spec: GateS
     except Exception as exc:
         failures = [f"the folder does not load with {loader.__name__}/AutoTokenizer: {type(exc).__name__}: {exc}"]
         return {**report, "verified": False, "failures": failures}
-    generating = _plain_greedy(model) if spec.base is not None else model
+    # A base's generation_config.json is its author's (sampling settings, a repetition penalty), copied unchanged
+    # and checked byte for byte: the generation check tests the cached decoding with nothing else changing it.
+    generating = plain(model) if spec.base is not None else model
     checks: dict[str, Callable[[], list[str]]] = {
         "ids": lambda: _check_ids(model, tokenizer, spec, dtype),
         **({"base files": lambda: _check_base_files(report, folder, spec.base)} if spec.base is not None else {}),
@@ -406,7 +374,7 @@ def verify_export(folder: Path, reference: Any, reference_fp32: Any, spec: GateS
            if spec.sentencepiece is not None else {}),
         **({"chat template": lambda: _check_chat_template(report, folder, tokenizer, spec.chat_template)}
            if spec.chat_template is not None else {}),
-        "generation": lambda: _check_generation(report, generating, reference, tokenizer, spec.rows, dtype),
+        "generation": lambda: _check_generation(report, generating, reference_fp32, tokenizer, spec.rows, dtype),
     }
     failures = []
     for name, check in checks.items():
