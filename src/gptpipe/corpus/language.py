@@ -5,7 +5,9 @@ met both).
 
 A document is judged line by line, so that a mixed document (a Japanese man page quoting English options) is
 judged by its share: each line long enough to identify votes for its language with its characters, when the
-model is at least `min_score` sure; the other lines (short options, code, tables) do not vote.
+model is at least `min_score` sure; the other lines (short options, code, tables) do not vote. A document of
+short lines only is judged as one line; one the model is unsure of throughout is "unidentified", and dropped
+when `corpus.languages` is set.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ def judge(text: str, wanted: frozenset[str], min_score: float) -> Verdict:
         labels, scores = model.predict(line, k=1)
         if labels and scores[0] >= min_score:
             votes[labels[0].removeprefix("__label__")] += len(line)
+    if not votes:  # only short lines (a list, verse): the whole text, as one line, votes once
+        joined = " ".join(text.split())
+        labels, scores = model.predict(joined, k=1)
+        if labels and scores[0] >= min_score:
+            votes[labels[0].removeprefix("__label__")] += len(joined)
     total = sum(votes.values())
     if not total:
         return Verdict(UNIDENTIFIED, 0.0)
