@@ -20,16 +20,12 @@ def _is_module(name: str) -> bool:
     return (SRC.parent / name.replace(".", "/")).with_suffix(".py").is_file()
 
 
-def _imports(path: Path, type_checking: bool = True) -> set[str]:
-    """gptpipe modules imported anywhere in the file (in functions too; under `if TYPE_CHECKING:` unless
-    `type_checking` is False); for ``from gptpipe.train import checkpoint``, the module ``gptpipe.train.checkpoint``."""
+def _imports(path: Path) -> set[str]:
+    """gptpipe modules imported anywhere in the file (in functions and under `if TYPE_CHECKING:` too); for
+    ``from gptpipe.train import checkpoint``, the module ``gptpipe.train.checkpoint``."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
     found = set()
     for node in ast.walk(tree):
-        if not type_checking and id(node) in typing_only:
-            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gptpipe"):
             found.add(node.module)
             found |= {f"{node.module}.{a.name}" for a in node.names if _is_module(f"{node.module}.{a.name}")}
@@ -57,18 +53,10 @@ def _cycles(edges: dict[str, set[str]]) -> list[str]:
     return sorted(f"{a} → {b}" for a, targets in edges.items() for b in targets if a in reachable(b))
 
 
-# Open (issue 31): the stage entry points of corpus, data and train annotate `config: PipelineConfig` while
-# gptpipe.pipeline composes their sections' configs; until they take their sections, those typing-only imports
-# are the one exception.
-ANNOTATES_PIPELINE = {"gptpipe.corpus", "gptpipe.data", "gptpipe.train"}
-
-
 def test_packages_import_each_other_without_a_cycle() -> None:
     edges: dict[str, set[str]] = {}
     for module, path in _modules().items():
-        pending = set() if _package(module) not in ANNOTATES_PIPELINE else \
-            {"gptpipe.pipeline"} - _imports(path, type_checking=False)
-        for target in _imports(path) - pending:
+        for target in _imports(path):
             if _package(target) != _package(module):
                 edges.setdefault(_package(module), set()).add(_package(target))
 

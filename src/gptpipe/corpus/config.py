@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 from gptpipe.config.core import Url, option
 from gptpipe.storage import url_problems
@@ -129,3 +129,9 @@ class CorpusConfig:
                     problems.append(("languages", f"{code!r} is not a language the model knows"
                                      + (f" (did you mean {', '.join(close)}?)" if close else "")))
         return problems
+
+
+class CorpusRun(Protocol):
+    """What stage 0 reads of config.yaml (pipeline.PipelineConfig is one: the stage need not import it)."""
+
+    corpus: CorpusConfig

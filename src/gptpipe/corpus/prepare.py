@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import argparse
 import hashlib
 import json
@@ -12,14 +10,12 @@ from collections import Counter
 from tqdm import tqdm
 
 from gptpipe.corpus import language, quality
-from gptpipe.corpus.config import CorpusConfig
+from gptpipe.corpus.config import CorpusConfig, CorpusRun
 from gptpipe.corpus.sources import fingerprint, read_source
 from gptpipe.log import get_logger
 from gptpipe.stage import StageFailed, StageResult, atomic_path
 from gptpipe.artifacts import PREPARE
 
-if TYPE_CHECKING:
-    from gptpipe.pipeline import PipelineConfig
 
 log = get_logger("prepare")
 
@@ -102,7 +98,7 @@ def build_corpus(config: CorpusConfig) -> StageResult:
                                "dropped_examples": examples, "main_languages": dict(languages.most_common())})
 
 
-def run(config: PipelineConfig, args: argparse.Namespace) -> int:
+def run(config: CorpusRun, args: argparse.Namespace) -> int:
     corpus = config.corpus
     inputs = {f"source{i}": fingerprint(s) for i, s in enumerate(corpus.sources)}
     PREPARE.run(corpus.output_dir, corpus, inputs, lambda: build_corpus(corpus),

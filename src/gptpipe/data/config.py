@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import Protocol
+
 from gptpipe.config.core import Url, option
 from gptpipe.storage import url_problems
 from gptpipe.data.split import split_shares
@@ -94,3 +96,26 @@ class DataConfig:
             problems.append(("split", str(exc)))
         return problems + url_problems(self, ("prefixes",))
 
+
+
+class TokenizeRun(Protocol):
+    """What stage 2 reads of config.yaml (pipeline.PipelineConfig is one: the stage need not import it)."""
+
+    tokenize: TokenizeConfig
+
+
+class CountedSchedule(Protocol):
+    """The train section's values count_tokens.py counts for (train.config.TrainConfig is one)."""
+
+    seq_len: int
+    global_batch_size: int
+    train_epochs: float
+    train_tokens: int | None
+    train_tokens_counted_for: str | None
+
+
+class CountRun(Protocol):
+    """What count_tokens.py reads of config.yaml."""
+
+    data: DataConfig
+    train: CountedSchedule

@@ -8,7 +8,6 @@ only its header and sizes with numpy (no torch, no megatron import): instant at 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import argparse
 from dataclasses import dataclass
@@ -18,13 +17,12 @@ import numpy as np
 
 from gptpipe.data.indexed import idx_path, read_index
 from gptpipe.data.split import SPLITS, split_documents, split_problems
+from gptpipe.data.config import CountRun
 from gptpipe.log import get_logger
 from gptpipe.stage import write_text_atomic
 from gptpipe.artifacts import TOKENIZE
 from gptpipe.storage import is_url
 
-if TYPE_CHECKING:
-    from gptpipe.pipeline import PipelineConfig
 
 log = get_logger("count")
 
@@ -90,7 +88,7 @@ def epoch_schedule(counts: list[DatasetCounts], seq_len: int, global_batch_size:
     return EpochSchedule(seq_len, global_batch_size, samples, train_epochs, int(train_epochs * samples))
 
 
-def counted_for(config: PipelineConfig) -> str:
+def counted_for(config: CountRun) -> str:
     """What a counted train_tokens depends on, as `key=value` words: each dataset's stage-2 manifest (it changes
     whenever stage 2 reruns), the split and its seed, seq_len and train_epochs."""
     datasets = ",".join(TOKENIZE.fingerprint(p)["manifest_sha256"][:12] for p in config.data.prefixes)
@@ -98,7 +96,7 @@ def counted_for(config: PipelineConfig) -> str:
             f"seq_len={config.train.seq_len} train_epochs={config.train.train_epochs:g}")
 
 
-def stale_train_tokens(config: PipelineConfig) -> str | None:
+def stale_train_tokens(config: CountRun) -> str | None:
     """Why train.train_tokens no longer fits the data it was counted for (None: it fits, or it is a budget the
     user set by hand). A stale count would silently stop a run early or late."""
     train = config.train
@@ -175,7 +173,7 @@ def format_report(counts: list[DatasetCounts], split: str, plan: EpochSchedule) 
     return "\n".join(lines)
 
 
-def run(config: PipelineConfig, args: argparse.Namespace) -> int:
+def run(config: CountRun, args: argparse.Namespace) -> int:
     """`gptpipe count` / count_tokens.py."""
     counts = [count_dataset(p, config.data.split, config.data.seed) for p in config.data.prefixes]
     train = config.train

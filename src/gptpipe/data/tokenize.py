@@ -13,7 +13,6 @@ prefix, byte-for-byte what a single run writes (data/shards.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import argparse
 import glob
@@ -31,7 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 from gptpipe.config.core import to_plain
-from gptpipe.data.config import TokenizeConfig
+from gptpipe.data.config import TokenizeConfig, TokenizeRun
 from gptpipe.data.indexed import IndexedDatasetWriter, bin_path, idx_path, token_dtype
 from gptpipe.data.jsonl import Reasons
 from gptpipe.data.ranges import BLOCK_BYTES, LineNumbers, plan_tasks
@@ -44,8 +43,6 @@ from gptpipe.artifacts import PREPARE, TOKENIZE, TRAIN_TOKENIZER, check_input_fi
 from gptpipe.storage import is_url
 from gptpipe.data.base_tokenizer import is_pretrained_tokenizer, read_pretrained_tokenizer
 
-if TYPE_CHECKING:
-    from gptpipe.pipeline import PipelineConfig
 
 STAGE = TOKENIZE.name
 log = get_logger(STAGE)
@@ -160,7 +157,7 @@ def tokenize_files(files: list[Path], prefix: Path, settings: WorkerSettings, wo
     )
 
 
-def run(config: PipelineConfig, args: argparse.Namespace) -> int:
+def run(config: TokenizeRun, args: argparse.Namespace) -> int:
     """`gptpipe tokenize [--shard I/N]`."""
     cfg = config.tokenize
     shard = parse_shard(getattr(args, "shard", None))
@@ -209,7 +206,7 @@ def run(config: PipelineConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def merge(config: PipelineConfig, args: argparse.Namespace) -> int:
+def merge(config: TokenizeRun, args: argparse.Namespace) -> int:
     """`gptpipe merge --shards N`: join the N shard datasets into the configured prefix."""
     cfg = config.tokenize
     if is_url(cfg.output_prefix):

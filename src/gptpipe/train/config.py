@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 from gptpipe.config.core import Url, option
+from gptpipe.data.config import DataConfig, TokenizeConfig
+from gptpipe.storage import StorageConfig
 
 
 # Stage 3's schedule defaults (TrainConfig.resolve_schedule).
@@ -281,3 +283,15 @@ def plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ranks sharing one node's host RAM (default: the launcher's LOCAL_WORLD_SIZE or "
                              "LOCAL_SIZE, else this machine's GPU count, else --gpus)")
 
+
+
+class TrainingRun(Protocol):
+    """What stage 3 (and its planner) reads of config.yaml (pipeline.PipelineConfig is one: the stage need not
+    import it)."""
+
+    tokenize: TokenizeConfig
+    data: DataConfig
+    model: ModelConfig
+    train: TrainConfig
+    logging: LoggingConfig
+    storage: StorageConfig

@@ -13,9 +13,10 @@ import os
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from collections.abc import Callable
 
+from gptpipe.train.config import TrainingRun
 from gptpipe.data.count import DatasetCounts, count_dataset, epoch_schedule, stale_train_tokens
 from gptpipe.storage import is_url
 from gptpipe.train.data import available_host_ram, blend_weights, check_splits, index_bytes
@@ -36,8 +37,6 @@ from gptpipe.train.model import (Shape, base_shape, count_parameters, flops_per_
                                  resolve_shape)
 from gptpipe.train.schedule import Schedule
 
-if TYPE_CHECKING:
-    from gptpipe.pipeline import PipelineConfig
 
 ASSUMED_MFU = 0.40  # for the expected tokens/s before anything was measured on this setup
 
@@ -117,7 +116,7 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def make_plan(config: PipelineConfig, vocab_size: int, dp: int | None = None, device_memory_gib: float | None = None,
+def make_plan(config: TrainingRun, vocab_size: int, dp: int | None = None, device_memory_gib: float | None = None,
               device_name: str | None = None, gpus_per_node: int | None = None, base_config: Any = None) -> Plan:
     """Work out the run and check it fits; raises PlanError (or DataError) with a concrete fix.
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
 
+from gptpipe.train.config import TrainingRun
 from gptpipe.log import get_logger
 from gptpipe.artifacts import EXIT_BAD_INPUT
 from gptpipe.storage import is_url
@@ -12,8 +12,6 @@ from gptpipe.train.data import DataError, mixture
 from gptpipe.train.memory import GIB
 from gptpipe.train.plan import ASSUMED_MFU, Plan, PlanError, check_parameter_count, make_plan
 
-if TYPE_CHECKING:
-    from gptpipe.pipeline import PipelineConfig
 
 log = get_logger("plan")
 
@@ -26,7 +24,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds < 48 * 3600 else f"{seconds / 86400:.1f} days"
 
 
-def format_plan(plan: Plan, config: PipelineConfig) -> str:
+def format_plan(plan: Plan, config: TrainingRun) -> str:
     """The plan as the table printed before training."""
     s, train = plan.shape, config.train
     g = lambda b: f"{b / GIB:.2f} GiB"
@@ -98,7 +96,7 @@ def format_plan(plan: Plan, config: PipelineConfig) -> str:
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
-def run(config: PipelineConfig, args: argparse.Namespace) -> int:
+def run(config: TrainingRun, args: argparse.Namespace) -> int:
     """`gptpipe plan`: print the plan; exit 2 when the run would not fit."""
     from gptpipe.train.base_model import stage3_model
 

@@ -18,10 +18,11 @@ import contextlib
 import json
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from gptpipe.train.config import TrainingRun
 from gptpipe.config.core import to_plain
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError
@@ -39,18 +40,16 @@ from gptpipe.train.model import build_model, expert_shares, router_loss
 from gptpipe.train.plan import Plan, PlanError, check_parameter_count, make_plan
 from gptpipe.train.plan_report import format_plan
 
-if TYPE_CHECKING:
-    from gptpipe.pipeline import PipelineConfig
 
 log = get_logger("train")
 
 
-def run(config: PipelineConfig, args: argparse.Namespace) -> int:
+def run(config: TrainingRun, args: argparse.Namespace) -> int:
     """`gptpipe train`: returns the exit code documented in the module doc."""
     return run_ranks(lambda dist: _train(config, dist))
 
 
-def _train(config: PipelineConfig, dist: Dist) -> int:
+def _train(config: TrainingRun, dist: Dist) -> int:
     tokenizer, hf_config, base = stage3_model(config)
     try:
         plan = make_plan(config, tokenizer.vocab_size, dp=dist.world_size, base_config=base.config if base else None)
@@ -72,7 +71,7 @@ class Pretrainer(TrainLoop):
 
     name = "train"
 
-    def __init__(self, config: PipelineConfig, plan: Plan, ds_config: dict[str, Any], wandb_block: dict[str, Any],
+    def __init__(self, config: TrainingRun, plan: Plan, ds_config: dict[str, Any], wandb_block: dict[str, Any],
                  hf_config: Any, tokenizer: Any, dist: Dist, base: BaseModel | None = None):
         super().__init__(config, config.train, dist, ds_config, wandb_block)
         self.plan, self.tokenizer, self.hf_config, self.base = plan, tokenizer, hf_config, base
