@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # a leaf: the config module imports nothing from here
     from gptpipe.corpus.config import QualityConfig
@@ -63,43 +63,41 @@ def ng_word_pattern(path: Path) -> re.Pattern[str]:
                                for w in words))
 
 
-def _hojichar(filter_: object) -> Callable[[str], bool]:
+def _hojichar(name: str, *args: object) -> Callable[[str], bool]:
+    """HojiChar's document filter `name`, built with `args`, as a predicate: True where it rejects."""
     from hojichar import Document
+    from hojichar.filters import document_filters
 
-    return lambda text: filter_.apply(Document(text)).is_rejected  # type: ignore[attr-defined]
+    filter_ = getattr(document_filters, name)(*args)
+    return lambda text: filter_.apply(Document(text)).is_rejected
+
+
+def _ng_words(path: Path) -> Callable[[str], bool]:
+    pattern = ng_word_pattern(path)
+    return lambda text: pattern.search(text) is not None
+
+
+# (QualityConfig key, the rule's name for its value, the predicate for its value), in the order the rules run:
+# the cheap ones first. A new rule is a line here and a key there.
+RULES: list[tuple[str, str, Callable[[Any], Callable[[str], bool]]]] = [
+    ("max_chars", "longer than max_chars ({:,})", lambda n: lambda text: len(text) > n),
+    ("single_char_run_max", "a character repeated {}+ times",
+     lambda n: _hojichar("SingleCharacterRepetitionFilter", n)),
+    ("duplicate_line_share_max", "duplicate lines > {:g}", lambda x: lambda text: duplicate_line_share(text) > x),
+    ("char_repetition_max", "character 5-gram repetition >= {:g}",
+     lambda x: _hojichar("CharRepetitionRatioFilter", x, 5)),
+    ("short_line_share_max", "short lines > {:g}", lambda x: lambda text: short_line_share(text) > x),
+    ("ellipsis_line_share_max", "lines ending in ellipsis > {:g}",
+     lambda x: _hojichar("DiscardTooManyEndingEllipsis", x)),
+    ("kuten_sentence_chars_max", "fewer than one 。 per {} characters", lambda n: _hojichar("DiscardRareKuten", n)),
+    ("ng_words_file", "an NG word of {.name}", _ng_words),
+]
 
 
 def rules(config: QualityConfig) -> list[Rule]:
-    """The rules `config` turns on (a threshold of null turns one off), in the order they run."""
-    from hojichar.filters import document_filters as hf
-
-    found = []
-    if config.max_chars is not None:
-        limit = config.max_chars
-        found.append(Rule(f"longer than max_chars ({limit:,})", lambda text: len(text) > limit))
-    if config.single_char_run_max is not None:
-        found.append(Rule(f"a character repeated {config.single_char_run_max}+ times",
-                          _hojichar(hf.SingleCharacterRepetitionFilter(config.single_char_run_max))))
-    if config.duplicate_line_share_max is not None:
-        share = config.duplicate_line_share_max
-        found.append(Rule(f"duplicate lines > {share:g}", lambda text: duplicate_line_share(text) > share))
-    if config.char_repetition_max is not None:
-        found.append(Rule(f"character 5-gram repetition >= {config.char_repetition_max:g}",
-                          _hojichar(hf.CharRepetitionRatioFilter(config.char_repetition_max, 5))))
-    if config.short_line_share_max is not None:
-        most = config.short_line_share_max
-        found.append(Rule(f"short lines > {most:g}", lambda text: short_line_share(text) > most))
-    if config.ellipsis_line_share_max is not None:
-        found.append(Rule(f"lines ending in ellipsis > {config.ellipsis_line_share_max:g}",
-                          _hojichar(hf.DiscardTooManyEndingEllipsis(config.ellipsis_line_share_max))))
-    if config.kuten_sentence_chars_max is not None:
-        found.append(Rule(f"fewer than one 。 per {config.kuten_sentence_chars_max} characters",
-                          _hojichar(hf.DiscardRareKuten(config.kuten_sentence_chars_max))))
-    if config.ng_words_file is not None:
-        pattern = ng_word_pattern(Path(config.ng_words_file))
-        found.append(Rule(f"an NG word of {Path(config.ng_words_file).name}",
-                          lambda text: pattern.search(text) is not None))
-    return found
+    """The rules `config` turns on (null turns one off), in the order they run."""
+    return [Rule(name.format(value), build(value))
+            for key, name, build in RULES if (value := getattr(config, key)) is not None]
 
 
 def pii_masker(config: QualityConfig) -> Callable[[str], str] | None:
