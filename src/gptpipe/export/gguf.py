@@ -532,7 +532,7 @@ def run(config: ConvertConfig, args: argparse.Namespace) -> int:
         log.warning("llama.cpp's unigram (UGM) tokenizer has no byte fallback: a character none of the pieces "
                     "covers becomes <unk> in llama.cpp, where transformers writes its UTF-8 bytes (the held-out "
                     "line below says how often). Stage 1's character_sets give a script's common characters a "
-                    "piece each (auto: at 32k pieces and up); for a GGUF that tokenizes every text as "
+                    "piece each (auto: from 14k pieces up); for a GGUF that tokenizes every text as "
                     "transformers does, train stage 1 with model_type: bpe.")
     check = counts.get("llamacpp_check")
     if check:
