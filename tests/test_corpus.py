@@ -53,7 +53,7 @@ def test_languages_keep_japanese_pages_and_judge_mixed_ones_by_share(corpus_dir:
     counts = Manifest.read(corpus_dir / "manifest.json").counts
     main = counts["main_languages"]
     assert main["ja"] > 1500 and main["en"] >= 10, main
-    assert counts["dropped"]["language not ja (mainly en)"] >= 5, counts["dropped"]
+    assert counts["dropped"]["language: under 0.3 ja (mainly en)"] >= 5, counts["dropped"]
     texts = read_corpus(corpus_dir)
     assert all(language.judge(t, frozenset({"ja"}), 0.5).share >= 0.3 for t in texts)
     ranlib = next(t for t in texts if t.startswith("名前\nranlib - "))  # Japanese prose, English options
@@ -67,7 +67,8 @@ def test_languages_keep_japanese_pages_and_judge_mixed_ones_by_share(corpus_dir:
     counts = Manifest.read(tmp_path / "out" / "manifest.json").counts
     kept = read_corpus(tmp_path / "out")
     assert 20 <= len(kept) <= 40 and all(language.judge(t, frozenset({"ko"}), 0.5).main == "ko" for t in kept)
-    assert counts["dropped"]["language not ko (mainly de)"] >= 30 and counts["dropped"]["language not ko (mainly ja)"]
+    assert counts["dropped"]["language: under 0.3 ko (mainly de)"] >= 30
+    assert counts["dropped"]["language: under 0.3 ko (mainly ja)"]
 
 
 def test_unknown_language_is_a_config_error(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:

@@ -63,7 +63,8 @@ def build_corpus(config: CorpusConfig) -> StageResult:
                     verdict = language.judge(text, wanted, config.language_min_score)
                     languages[verdict.main] += 1
                     if verdict.share < config.language_min_share:
-                        drop(f"language not {'/'.join(config.languages)} (mainly {verdict.main})", record.origin)
+                        drop(f"language: under {config.language_min_share:g} {'/'.join(config.languages)} "
+                             f"(mainly {verdict.main})", record.origin)
                         continue
                 failed = next((rule for rule in rules if rule.rejects(text)), None)
                 if failed:
