@@ -188,7 +188,8 @@ def test_hf_dataset_local_forms(tmp_path: Path) -> None:
     datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "saved"))
     datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "rows.parquet"))
     config = write_config(tmp_path, [{"type": "hf_dataset", "path": "saved"},
-                                     {"type": "hf_dataset", "path": "rows.parquet"}], dedup=False)
+                                     {"type": "hf_dataset", "path": "rows.parquet"}], dedup=False,
+                          near_dedup={"threshold": None})
     run_cli("prepare", "--config", config)
     assert read_corpus(tmp_path / "out") == rows["text"] * 2
 

@@ -37,6 +37,13 @@ def _shard_arguments(parser: argparse.ArgumentParser) -> None:
                         "machines; join the parts with `gptpipe merge`")
 
 
+def _prepare_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--explain", type=Path, metavar="FILE",
+                        help="print, for each document of FILE (.jsonl: one per line; any other file: one "
+                             "document), what each rule measures and which one would drop it, then exit without "
+                             "writing anything (duplicates are looked for among FILE's own documents only)")
+
+
 def _count_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-write", action="store_true", help="print the plan without writing "
                         "train.train_tokens into the config file")
@@ -64,7 +71,7 @@ PIPELINE = "gptpipe.pipeline:PipelineConfig"
 CONVERT = "gptpipe.export.config:ConvertConfig"
 COMMANDS = [
     Command("prepare", "stage 0: build the jsonl corpus from the sources in config.yaml",
-            "gptpipe.corpus.prepare:run", PIPELINE, "config.yaml"),
+            "gptpipe.corpus.prepare:run", PIPELINE, "config.yaml", _prepare_arguments),
     Command("train-tokenizer", "stage 1: train the SentencePiece tokenizer and export the HF fast tokenizer",
             "gptpipe.tokenizer.build:run", "gptpipe.tokenizer.config:TokenizerConfig",
             "sentence_piece_config.yaml"),

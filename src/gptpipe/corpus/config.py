@@ -92,6 +92,38 @@ class QualityConfig:
 
 
 @dataclass
+class NearDedupConfig:
+    """Stage 0's near-duplicate removal (corpus/neardup.py): MinHash LSH over shingles, duplicates joined
+    transitively, the first document of each cluster (in input order) kept; signatures and bucket keys on disk."""
+
+    threshold: float | None = option(
+        0.8, "drop a document whose shingle set has Jaccard similarity at least this with an earlier kept one's "
+        "(estimated from the MinHash signatures); null turns near-duplicate removal off")
+    bands: int = option(20, "LSH bands: two documents are compared when all the hashes of one band agree; more "
+                            "bands find more pairs under the threshold (bands x rows hashes per document)")
+    rows: int = option(6, "hashes per band: with 20 x 6, a pair at Jaccard 0.8 shares a band with probability "
+                          "0.998, one at 0.5 with 0.27 (then rejected by its estimated Jaccard)")
+    char_shingle: int = option(5, "characters per shingle for a document written mainly without spaces (Japanese, "
+                                  "Chinese, Thai), whitespace removed first")
+    word_shingle: int = option(5, "words per shingle for the others (lower-cased, punctuation dropped)")
+    spaceless_share: float = option(
+        0.1, "a document whose non-space characters are at least this share Han, kana, Thai, Lao, Khmer, Myanmar "
+        "or Tibetan is shingled by characters, by words otherwise (a word tokenizer finds no words in Japanese; "
+        "the Japanese man pages: median 0.5, all but 13 at 0.1 or more, the least the character-set tables)")
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        if self.threshold is not None and not 0.0 < self.threshold <= 1.0:
+            problems.append(("threshold", "must be in (0, 1], or null for off"))
+        for key in ("bands", "rows", "char_shingle", "word_shingle"):
+            if getattr(self, key) < 1:
+                problems.append((key, "must be at least 1"))
+        if not 0.0 <= self.spaceless_share <= 1.0:
+            problems.append(("spaceless_share", "must be between 0 and 1"))
+        return problems
+
+
+@dataclass
 class CorpusConfig:
     """Stage 0: build one jsonl corpus ({"text": ...} per line) from the listed sources."""
 
@@ -109,13 +141,18 @@ class CorpusConfig:
         "English scores 0.3-0.4, an untranslated one under 0.25")
     language_min_score: float = option(0.5, "a line votes for its language when the model is at least this sure")
     quality: QualityConfig = option(factory=QualityConfig, doc="quality rules, each named with its threshold")
+    near_dedup: NearDedupConfig = option(factory=NearDedupConfig, doc="near-duplicate removal (MinHash LSH)")
+    dropped_samples: int = option(
+        20, "write at most this many dropped documents per drop reason to output_dir/dropped/<reason>.jsonl "
+        "({origin, reason, text}), to read what a threshold removes; 0 writes none")
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
         if not self.sources:
             problems.append(("sources", "list at least one source"))
-        if self.min_chars < 0:
-            problems.append(("min_chars", "must be >= 0"))
+        for key in ("min_chars", "dropped_samples"):
+            if getattr(self, key) < 0:
+                problems.append((key, "must be >= 0"))
         for key in ("language_min_share", "language_min_score"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 problems.append((key, "must be between 0 and 1"))

@@ -1,7 +1,9 @@
 """Stage 0's quality rules: each named, each with its threshold in config.yaml `corpus.quality:`.
 
 The document rules are HojiChar's (written for Japanese web corpora), plus the duplicate-line share of Gopher's
-rules, which HojiChar lacks, and a short-line share that leaves short documents alone. HojiChar's web defaults
+rules, which HojiChar lacks, and a short-line share that leaves short documents alone. Each rule measures one
+value (HojiChar's formula, or its own function where it has one) so that `gptpipe prepare --explain` can print
+it beside the threshold. HojiChar's web defaults
 drop good technical text: on the 1,785 Japanese man pages its short-line rule (0.5) drops 56%, its sentence-length
 rule (。 every 100 characters) 37%, its character repetition rule (0.33) 1.7%. The defaults here keep every
 Japanese man page (docs/benchmarks.md) and still drop what the rules are for: a page repeated, a menu of short
@@ -26,10 +28,15 @@ SHORT_LINE_CHARS, MIN_LINES = 10, 5
 
 @dataclass(frozen=True)
 class Rule:
-    """One named rule: `rejects(text)` is True for a document the rule drops."""
+    """One named rule: `measure(text)` is the value it tests (what `gptpipe prepare --explain` prints), `past`
+    says whether that value drops the document."""
 
     name: str
-    rejects: Callable[[str], bool]
+    measure: Callable[[str], float]
+    past: Callable[[float], bool]
+
+    def rejects(self, text: str) -> bool:
+        return self.past(self.measure(text))
 
 
 def duplicate_line_share(text: str) -> float:
@@ -63,41 +70,64 @@ def ng_word_pattern(path: Path) -> re.Pattern[str]:
                                for w in words))
 
 
-def _hojichar(name: str, *args: object) -> Callable[[str], bool]:
-    """HojiChar's document filter `name`, built with `args`, as a predicate: True where it rejects."""
-    from hojichar import Document
-    from hojichar.filters import document_filters
-
-    filter_ = getattr(document_filters, name)(*args)
-    return lambda text: filter_.apply(Document(text)).is_rejected
+def longest_run(text: str) -> int:
+    """The longest run of one character (HojiChar's SingleCharacterRepetitionFilter tests it)."""
+    return max((len(m.group()) for m in re.finditer(r"(.)\1+", text, re.DOTALL)), default=min(len(text), 1))
 
 
-def _ng_words(path: Path) -> Callable[[str], bool]:
+def char_repetition(text: str) -> float:
+    """HojiChar's (BigScience's) character 5-gram repetition ratio: the top sqrt of the distinct 5-grams' share
+    of all."""
+    from hojichar.filters.document_filters import CharRepetitionRatioFilter
+
+    return CharRepetitionRatioFilter.compute_character_repetition_ratio(text, 5)
+
+
+def ellipsis_line_share(text: str) -> float:
+    """Lines ending in ... or … per line break (HojiChar's DiscardTooManyEndingEllipsis, as it counts)."""
+    return len(re.findall(r"(\.{3}|…)\n", text)) / max(text.count("\n"), 1)
+
+
+def chars_per_kuten(text: str) -> float:
+    """Characters per 。 (HojiChar's DiscardRareKuten drops a document with fewer than one 。 per n characters);
+    infinite without any 。."""
+    kuten = text.count("。")
+    return len(text) / kuten if kuten else (float("inf") if text else 0.0)
+
+
+def _ng_word_count(path: Path) -> Callable[[str], float]:
     pattern = ng_word_pattern(path)
-    return lambda text: pattern.search(text) is not None
+    return lambda text: len(pattern.findall(text))
 
 
-# (QualityConfig key, the rule's name for its value, the predicate for its value), in the order the rules run:
-# the cheap ones first. A new rule is a line here and a key there.
-RULES: list[tuple[str, str, Callable[[Any], Callable[[str], bool]]]] = [
-    ("max_chars", "longer than max_chars ({:,})", lambda n: lambda text: len(text) > n),
-    ("single_char_run_max", "a character repeated {}+ times",
-     lambda n: _hojichar("SingleCharacterRepetitionFilter", n)),
-    ("duplicate_line_share_max", "duplicate lines > {:g}", lambda x: lambda text: duplicate_line_share(text) > x),
-    ("char_repetition_max", "character 5-gram repetition >= {:g}",
-     lambda x: _hojichar("CharRepetitionRatioFilter", x, 5)),
-    ("short_line_share_max", "short lines > {:g}", lambda x: lambda text: short_line_share(text) > x),
-    ("ellipsis_line_share_max", "lines ending in ellipsis > {:g}",
-     lambda x: _hojichar("DiscardTooManyEndingEllipsis", x)),
-    ("kuten_sentence_chars_max", "fewer than one 。 per {} characters", lambda n: _hojichar("DiscardRareKuten", n)),
-    ("ng_words_file", "an NG word of {.name}", _ng_words),
+def _const(measure: Callable[[str], float]) -> Callable[[Any], Callable[[str], float]]:
+    return lambda setting: measure
+
+
+# (QualityConfig key, the rule's name for its setting, its measure for the setting, whether a measured value is
+# past the setting), in the order the rules run: the cheap ones first. A new rule is a line here and a key there.
+RULES: list[tuple[str, str, Callable[[Any], Callable[[str], float]], Callable[[float, Any], bool]]] = [
+    ("max_chars", "longer than max_chars ({:,})", _const(len), lambda chars, n: chars > n),
+    ("single_char_run_max", "a character repeated {}+ times", _const(longest_run), lambda run, n: run >= n),
+    ("duplicate_line_share_max", "duplicate lines > {:g}", _const(duplicate_line_share), lambda v, x: v > x),
+    ("char_repetition_max", "character 5-gram repetition >= {:g}", _const(char_repetition), lambda v, x: v >= x),
+    ("short_line_share_max", "short lines > {:g}", _const(short_line_share), lambda v, x: v > x),
+    ("ellipsis_line_share_max", "lines ending in ellipsis > {:g}", _const(ellipsis_line_share), lambda v, x: v > x),
+    ("kuten_sentence_chars_max", "fewer than one 。 per {} characters", _const(chars_per_kuten),
+     lambda v, n: v > n),
+    ("ng_words_file", "an NG word of {.name}", _ng_word_count, lambda count, path: count > 0),
 ]
 
 
 def rules(config: QualityConfig) -> list[Rule]:
     """The rules `config` turns on (null turns one off), in the order they run."""
-    return [Rule(name.format(value), build(value))
-            for key, name, build in RULES if (value := getattr(config, key)) is not None]
+    return [_rule(name, measure, past, value)
+            for key, name, measure, past in RULES if (value := getattr(config, key)) is not None]
+
+
+def _rule(name: str, measure: Callable[[Any], Callable[[str], float]], past: Callable[[float, Any], bool],
+          setting: Any) -> Rule:
+    return Rule(name.format(setting), measure(setting), lambda value: past(value, setting))
 
 
 def pii_masker(config: QualityConfig) -> Callable[[str], str] | None:

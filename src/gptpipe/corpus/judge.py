@@ -1,0 +1,54 @@
+"""Stage 0's verdict on one document: its length, its language and the quality rules, in the order they run.
+
+A pure function of the text and the config (no state across documents but the language counts), so that it can
+run in any worker; the exact and near-duplicate checks, which compare documents, live in prepare.py and
+neardup.py. `checks` is lazy: stage 0 stops at the first check that drops a document, `--explain` reads them all.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from gptpipe.corpus import language, quality
+from gptpipe.corpus.config import CorpusConfig
+
+
+@dataclass(frozen=True)
+class Check:
+    """One rule's look at one document: the drop reason as the manifest counts it, the value it measured."""
+
+    reason: str
+    measured: str
+    drops: bool
+
+
+class Judge:
+    """The per-document rules of `config`, built once (the NG-word pattern, HojiChar's masker)."""
+
+    def __init__(self, config: CorpusConfig) -> None:
+        self.config = config
+        self.wanted = frozenset(config.languages)
+        self.rules = quality.rules(config.quality)
+        self.mask: Callable[[str], str] | None = quality.pii_masker(config.quality)
+        self.languages: Counter[str] = Counter()  # each judged document's main language
+
+    def checks(self, text: str) -> Iterator[Check]:
+        config = self.config
+        yield Check(f"shorter than min_chars ({config.min_chars})", f"{len(text):,} characters",
+                    len(text) < config.min_chars)
+        if self.wanted:
+            verdict = language.judge(text, self.wanted, config.language_min_score)
+            self.languages[verdict.main] += 1
+            yield Check(f"language: under {config.language_min_share:g} {'/'.join(config.languages)} "
+                        f"(mainly {verdict.main})", f"{verdict.share:.3f} of the identified characters",
+                        verdict.share < config.language_min_share)
+        for rule in self.rules:
+            value = rule.measure(text)
+            yield Check(f"quality: {rule.name}", f"{value:,}" if isinstance(value, int) else f"{value:.3g}",
+                        rule.past(value))
+
+    def reject(self, text: str) -> str | None:
+        """The reason the first failing check gives, or None for a document to keep."""
+        return next((check.reason for check in self.checks(text) if check.drops), None)
