@@ -105,7 +105,10 @@ class NearDedupConfig:
                           "0.998, one at 0.5 with 0.27 (then rejected by its estimated Jaccard)")
     char_shingle: int = option(5, "characters per shingle for a document written mainly without spaces (Japanese, "
                                   "Chinese, Thai), whitespace removed first")
-    word_shingle: int = option(5, "words per shingle for the others (lower-cased, punctuation dropped)")
+    word_shingle: int = option(
+        3, "words per shingle for the others (lower-cased, punctuation dropped); an edited word changes this many "
+        "shingles: with one edit per 300 characters, 87% of English man-page copies stay at Jaccard 0.8 or more "
+        "with 3 words, 20% with datatrove's 5")
     spaceless_share: float = option(
         0.1, "a document whose non-space characters are at least this share Han, kana, Thai, Lao, Khmer, Myanmar "
         "or Tibetan is shingled by characters, by words otherwise (a word tokenizer finds no words in Japanese; "

@@ -183,8 +183,11 @@ def explain(config: CorpusConfig, path: Path) -> Iterator[str]:
                             bool(same) and config.dedup))
         signature = hasher.signature(text) if hasher else None
         if near and signature is not None:
-            best = max(((float(estimated_jaccard(signature, sig)), origin) for origin, _, sig in earlier
-                        if sig is not None), default=None)
+            # The first earlier document at the threshold (stage 0 keeps the first of a cluster), else the closest.
+            similar = [(float(estimated_jaccard(signature, sig)), origin) for origin, _, sig in earlier
+                       if sig is not None]
+            best = next((pair for pair in similar if pair[0] >= near.threshold),
+                        max(similar, key=lambda pair: pair[0], default=None))
             checks.append(Check(near_dup_reason(near), f"{best[0]:.3f} with {best[1]}" if best
                                 else "no earlier document in this file", bool(best) and best[0] >= near.threshold))
         earlier.append((record.origin, text, signature))
