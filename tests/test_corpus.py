@@ -28,9 +28,15 @@ def test_manpages_become_japanese_documents(corpus_dir: Path) -> None:
     texts = read_corpus(corpus_dir)
     manifest = Manifest.read(corpus_dir / "manifest.json")
     assert len(texts) == manifest.counts["documents"] > 1500
-    ls_page = next(t for t in texts if t.startswith("名前\nls - "))
-    assert "ls - ディレクトリの内容をリスト表示する\n" in ls_page
-    assert "-a, --all\n" in ls_page and "\\f" not in ls_page  # options kept, font escapes gone
+    dir_page = next(t for t in texts if t.startswith("名前\ndir - "))
+    assert "dir - ディレクトリの内容をリスト表示する\n" in dir_page
+    assert "-a, --all\n" in dir_page and "\\f" not in dir_page  # options kept, font escapes gone
+    # ls(1) and vdir(1) are dir(1) with another name: near duplicates of it, which comes first.
+    assert not any(t.startswith(("名前\nls - ", "名前\nvdir - ")) for t in texts)
+    near = [json.loads(line) for line in (corpus_dir / "dropped" / "near_duplicate_Jaccard_0.8.jsonl").open()]
+    assert {"origin": "man1/ls.1.gz", "duplicate_of": "man1/dir.1.gz"} in [
+        {key: sample[key] for key in ("origin", "duplicate_of")} for sample in near]
+    assert 10 <= manifest.counts["dropped"]["near duplicate (Jaccard ≥ 0.8)"] <= 40
     # netrc(5) is an mdoc page (.Dd/.Sh/.Nm/.Nd), not a man one.
     assert any(t.startswith("名前\nnetrc, .netrc — ftp のためのユーザー設定ファイル\n") for t in texts)
     # No page header or footer: every document starts with its NAME heading (a few pages lack one).
@@ -87,14 +93,14 @@ def test_quality_rules_keep_the_man_pages_and_drop_junk_made_from_them(corpus_di
     counts = Manifest.read(corpus_dir / "manifest.json").counts
     assert not [reason for reason in counts["dropped"] if reason.startswith("quality:")], counts["dropped"]
     pages = read_corpus(corpus_dir)
-    ls_page = next(t for t in pages if t.startswith("名前\nls - "))
+    dir_page = next(t for t in pages if t.startswith("名前\ndir - "))
     page = pages[100]
     lines = [line for line in page.split("\n") if len(line) > 20]
     junk = {"duplicate lines > 0.3": "\n".join([page] * 4),
             "short lines > 0.9": "\n".join(line[:8] for line in lines),
             "a character repeated 200+ times": page + "ー" * 300,
             "lines ending in ellipsis > 0.7": "\n".join(line[:30] + "…" for line in lines) + "\n",
-            "an NG word of ng.txt": ls_page}
+            "an NG word of ng.txt": dir_page}
     contact = pages[200] + "\n問い合わせ: taro@example.co.jp または 090-1234-5678 まで。"
     raw = tmp_path / "raw.jsonl"
     raw.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n"
