@@ -33,7 +33,7 @@ class Stage:
     """One stage's artifact: the command that makes it and the rules a later stage applies before using it."""
 
     number: str
-    name: str  # the `gptpipe` subcommand
+    name: str  # the `gptpipe` subcommand, or the mode of one (its log's name)
     script: str  # what a user runs
     output_file: str | None = None  # the file name it writes, where a later stage reads one file
     beside_prefix: bool = False  # manifest at <prefix>.manifest.json (a dataset) instead of <folder>/manifest.json
@@ -116,6 +116,8 @@ def _verified(manifest: Manifest) -> list[str]:
 
 PREPARE = Stage("0", "prepare", "python 0_prepare_corpus.py", output_file="corpus.jsonl")
 TRAIN_TOKENIZER = Stage("1", "train-tokenizer", "python 1_train_sentencepiece_tokenizer.py")
+# stage 1 with base_tokenizer set: a base model's tokenizer extended (gptpipe.tokenizer.extend)
+EXTEND_TOKENIZER = Stage("1", "extend-tokenizer", "python 1_train_sentencepiece_tokenizer.py")
 TOKENIZE = Stage("2", "tokenize", "bash 2_tokenize.sh", beside_prefix=True)
 TRAIN = Stage("3", "train", "bash 3_train_node1.sh")  # checkpoints carry markers, no manifest
 CONVERT = Stage("4", "convert", "bash 4_convert_to_HF.sh", usable=_verified)
@@ -222,6 +224,9 @@ def read_tokenizer(folder: Path | str) -> TokenizerInfo:
     manifest and files."""
     folder = TRAIN_TOKENIZER.local_copy(folder)
     manifest = TRAIN_TOKENIZER.require(folder)
+    if manifest.stage == EXTEND_TOKENIZER.name:
+        raise StageInputError(f"{folder} holds a base model's extended tokenizer: point tokenize.tokenizer_dir at "
+                              f"its {TOKENIZER_HF_DIR}/ folder, {folder / TOKENIZER_HF_DIR}")
     models = [name for name in manifest.outputs if name.endswith(".model")]
     if len(models) != 1:
         raise StageInputError(f"{TRAIN_TOKENIZER.manifest_path(folder)} lists {len(models)} .model files, expected "

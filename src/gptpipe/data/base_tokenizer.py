@@ -93,19 +93,19 @@ def _rebuilt(folder: Path, tokenizer_class: str, encoder: str) -> str | None:
     return f"transformers' {tokenizer_class} changed tokenizer.json's {', '.join(changed)}" if changed else None
 
 
-def read_pretrained_tokenizer(folder: Path) -> PretrainedTokenizer:
-    """The tokenizer AutoTokenizer builds of the HF folder ``folder`` and its conventions; a clear error when it
-    cannot separate documents (no EOS token)."""
+def read_pretrained_tokenizer(folder: Path, key: str = "tokenize.tokenizer_dir") -> PretrainedTokenizer:
+    """The tokenizer AutoTokenizer builds of the HF folder ``folder`` and its conventions; a clear error naming
+    the config ``key`` when it cannot separate documents (no EOS token)."""
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except Exception as exc:  # transformers raises many kinds for a broken folder
-        raise StageInputError(f"tokenize.tokenizer_dir {folder}: its tokenizer does not load ({exc})") from None
+        raise StageInputError(f"{key} {folder}: its tokenizer does not load ({exc})") from None
     if not tokenizer.is_fast:
-        raise StageInputError(f"tokenize.tokenizer_dir {folder}: not a fast tokenizer ({TOKENIZER_JSON} is needed)")
+        raise StageInputError(f"{key} {folder}: not a fast tokenizer ({TOKENIZER_JSON} is needed)")
     if tokenizer.eos_token_id is None:
-        raise StageInputError(f"tokenize.tokenizer_dir {folder}: the tokenizer has no EOS token, so documents "
+        raise StageInputError(f"{key} {folder}: the tokenizer has no EOS token, so documents "
                               f"cannot be separated; set eos_token in its tokenizer_config.json")
     name, encoder = type(tokenizer).__name__, tokenizer.backend_tokenizer.to_str()
     sample = "Tokyo 東京"

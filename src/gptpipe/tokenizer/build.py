@@ -260,6 +260,10 @@ def _peak_rss_mib() -> float:
 
 
 def run(config: TokenizerConfig, args: argparse.Namespace) -> int:
+    if config.base_tokenizer is not None:
+        from gptpipe.tokenizer import extend
+
+        return extend.run(config, args)
     files, fingerprints = check_input_files(config.input if isinstance(config.input, list) else [config.input],
                                             "input", PREPARE)
     splitter = None

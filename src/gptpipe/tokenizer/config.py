@@ -12,7 +12,8 @@ from gptpipe.tokenizer import charsets
 
 @dataclass
 class TokenizerConfig:
-    """Stage 1: train a SentencePiece tokenizer and export it as a HuggingFace fast tokenizer."""
+    """Stage 1: train a SentencePiece tokenizer and export it as a HuggingFace fast tokenizer; or, for continued
+    pretraining, extend a base model's tokenizer with pieces learned on the corpus (base_tokenizer)."""
 
     input: Path | list[Path] = option(
         Path("data/corpus/corpus.jsonl"), "training text: jsonl file(s) with a \"text\" string per line, e.g. the "
@@ -55,6 +56,15 @@ class TokenizerConfig:
     pretokenize: Literal["none", "morpheme"] = option(
         "none", "morpheme: pre-split Japanese with fugashi+unidic-lite (extra [ja]) so pieces never cross "
         "morpheme boundaries; the tokenizer still encodes raw text without the analyzer")
+    base_tokenizer: Path | None = option(
+        None, "a base model's HF folder (tokenizer.json, or tokenizer.model beside tokenizer_config.json): extend "
+        "its tokenizer with new_pieces pieces learned on input instead of training one (continued pretraining; "
+        "byte-level or SentencePiece-style BPE). Writes <output_dir>/hf, for tokenize.tokenizer_dir, and "
+        "new_pieces.jsonl; the SentencePiece keys above are not used")
+    new_pieces: int = option(
+        8000, "with base_tokenizer: pieces added after the base's ids, learned with the base's own BPE (characters "
+              "the base lacks first, then merges, most frequent first); fewer when no pair of tokens occurs twice "
+              "more in the sample")
     heldout_documents: int = option(200, "documents kept out of training to verify SP==HF ids and measure compression")
     seed: int = option(1234, "seed for sampling lines and picking held-out documents")
 
@@ -96,6 +106,8 @@ class TokenizerConfig:
                              + (", 256 byte-fallback)" if self.byte_fallback else ")")))
         if self.max_sentence_length < 256:
             problems.append(("max_sentence_length", "must be at least 256 bytes"))
+        if self.base_tokenizer is not None and self.new_pieces < 1:
+            problems.append(("new_pieces", "must be at least 1 to extend base_tokenizer"))
         if self.heldout_documents < 1:
             problems.append(("heldout_documents", "must be at least 1: the export is verified on them"))
         return problems
