@@ -38,6 +38,11 @@ from gptpipe.finetune.data import (
     split_validation,
 )
 from gptpipe.artifacts import EXIT_PREEMPTED
+from gptpipe.finetune.config import TaskConfig
+from gptpipe.finetune.kinds import KINDS
+from gptpipe.finetune.metrics import DEFAULT_BEST, TASK_METRICS
+from gptpipe.finetune.task_kind import TaskFacts
+from gptpipe.stage import StageInputError
 from gptpipe.train.checkpoint import BEST, complete_checkpoints
 from gptpipe.train.metrics_rows import TaskEvalRow, TrainRow
 
@@ -239,6 +244,10 @@ def test_a_finetune_with_seq_len_auto_records_the_number_and_predicts_and_resume
     summary = json.loads((run / "finetune_summary.json").read_text(encoding="utf-8"))
     state = json.loads((complete_checkpoints(run / "checkpoints")[-1][1] / "gptpipe_state.json").read_text())
     assert task["seq_len"] == summary["config"]["train"]["seq_len"] == state["config"]["train"]["seq_len"] == chosen
+    # task.json, the checkpoint's state and the summary hold the same typed facts
+    facts = TaskFacts.read(run / "task.json")
+    assert facts == TaskFacts.from_dict(state["task"], "state") == TaskFacts.from_dict(summary["task"], "summary")
+    assert facts.kind == "classification" and facts.labels and facts.majority_label == facts.labels[0]
     assert not summary["data_problems"]["repaired"] and not summary["data_problems"]["skipped"]
     out = tmp_path / "pred.jsonl"
     predicted = gptpipe("predict", "--input", files[1], "--output", out, *args, "predict.max_new_tokens=3")
@@ -253,6 +262,29 @@ def test_a_finetune_with_seq_len_auto_records_the_number_and_predicts_and_resume
                       "predict.max_new_tokens=3")
     assert foreign.returncode == 0, foreign.stderr[-3000:]
     assert f"train.seq_len auto: 256 tokens, the model's positions ({model} has no task.json" in foreign.stderr
+
+
+def test_every_task_kind_is_registered_with_its_metrics() -> None:
+    """task.kind's choices, the kinds registry and the metric catalogue name the same kinds."""
+    from typing import get_args, get_type_hints
+
+    declared = set(get_args(get_type_hints(TaskConfig)["kind"]))
+    assert declared == set(KINDS) == set(TASK_METRICS) == set(DEFAULT_BEST)
+    assert all(kind.name == name for name, kind in KINDS.items())
+
+
+def test_task_json_is_typed_and_a_wrong_key_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "task.json"
+    facts = TaskFacts("classification", False, 64, labels=["a", "b"], majority_label="a", train_file="/x/train.tsv")
+    facts.write(path)
+    assert TaskFacts.read(path) == facts and facts.shareable().train_file == "train.tsv"
+    path.write_text(json.dumps({**facts.to_dict(), "lables": ["a"]}), encoding="utf-8")
+    with pytest.raises(StageInputError, match=rf"{re.escape(str(path))}: unknown key\(s\) lables \(did you mean "
+                                              r"labels\?\)"):
+        TaskFacts.read(path)
+    path.write_text(json.dumps({"kind": "chat"}), encoding="utf-8")
+    with pytest.raises(StageInputError, match=r"missing key\(s\) seq2seq, seq_len"):
+        TaskFacts.read(path)
 
 
 # --- prompt masking and the loss --------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from gptpipe.finetune.metrics import TASK_METRICS, metric
+from gptpipe.finetune.task_kind import TaskFacts
 from gptpipe.train.metrics_rows import EVALUATIONS, Row, TaskEvalRow, TrainRow, of_kind
 
 LOSS_CURVE = "loss_curve.png"
@@ -44,7 +45,7 @@ class BaseBlock:
 class TaskBlock:
     """What a fine-tune was tuned for and how well it does it."""
 
-    task: dict[str, Any]  # the checkpoint's task facts (task.json)
+    task: TaskFacts  # the checkpoint's task.json, local paths cut
     total_steps: int | None
     best: dict[str, Any] | None  # {"step", "value", "metrics"}: the best evaluation of the run so far
     metrics: dict[str, Any] | None  # the validation metrics of the exported step (None: not evaluated there)
@@ -184,9 +185,9 @@ def _intro(facts: CardFacts) -> str:
     size = f"A {facts.parameters / 1e6:,.1f}M-parameter {cfg.model_type}"
     if b.task:
         task, best = b.task.task, b.task.best or {}
-        return (f"{size} model fine-tuned with gptpipe from `{task.get('pretrained_model')}` for {task['kind']}: "
+        return (f"{size} model fine-tuned with gptpipe from `{task.pretrained_model}` for {task.kind}: "
                 f"step {facts.step:,}" + (f" of {b.task.total_steps:,}" if b.task.total_steps else "")
-                + (f", the best by validation {task.get('best_metric')}" if best.get("step") == facts.step else "")
+                + (f", the best by validation {task.best_metric}" if best.get("step") == facts.step else "")
                 + ".")
     how = (f"continued from the base model `{b.base.name}` ({b.base.model_type}) with gptpipe: {facts.step:,} more "
            "steps" if b.base else f"pretrained from scratch with gptpipe for {facts.step:,} steps")
@@ -215,19 +216,19 @@ def _task_rows(block: TaskBlock) -> list[str]:
     from gptpipe.finetune.chat_data import describe_template
 
     task, rows = block.task, block.rows
-    lines = ["## Task", "", f"- kind: {task['kind']}"]
+    lines = ["## Task", "", f"- kind: {task.kind}"]
     if block.chat_template is not None:
         lines += [f"- chat template: {describe_template(block.chat_template)}, in chat_template.jinja and "
                   "tokenizer_config.json (loss on the assistant turns only; each ends with EOS, where generation "
                   "stops):", "", "```jinja", block.chat_template, "```", ""]
     else:
-        lines.append(f"- prompt template (the answer follows it, then EOS): `{task['prompt']!r}`")
-    if task.get("labels"):
-        lines.append(f"- label set ({len(task['labels'])}, most frequent first): "
-                     + ", ".join(f"`{label}`" for label in task["labels"]))
+        lines.append(f"- prompt template (the answer follows it, then EOS): `{task.prompt!r}`")
+    if task.labels:
+        lines.append(f"- label set ({len(task.labels)}, most frequent first): "
+                     + ", ".join(f"`{label}`" for label in task.labels))
     if rows.get("train"):
         lines.append(f"- rows: {rows['train']:,} training, {rows.get('validation', 0):,} validation"
-                     f" (from `{task.get('train_file')}`)")
+                     f" (from `{task.train_file}`)")
     if rows.get("skipped"):
         lines.append("- rows skipped while reading: " + ", ".join(f"{n} {reason}" for reason, n in
                                                                    rows["skipped"].items()))
@@ -240,28 +241,28 @@ def _metric_rows(block: TaskBlock, step: int) -> list[str]:
     if not m:
         return [f"Step {step} was not evaluated on the validation rows (the run's evaluations are in "
                 "its metrics.jsonl)."]
-    kind = task["kind"]
-    if kind == "classification":
+    from gptpipe.finetune.kinds import task_kind
+
+    kind, figures = task_kind(task.kind), TASK_METRICS[task.kind]
+    if kind.labelled:
         lines = ["| validation metric | this model | majority baseline |", "| --- | --- | --- |"]
-        lines += [f"| {x.label} | {x.show(m[x.key])} | {x.show(m['majority_' + x.key])} |" for x in TASK_METRICS[kind]]
+        lines += [f"| {x.label} | {x.show(m[x.key])} | {x.show(m['majority_' + x.key])} |" for x in figures]
         lines += ["", f"The majority baseline always answers the most frequent training label "
-                      f"({task.get('majority_label')!r})."]
+                      f"({task.majority_label!r})."]
         if m.get("per_class"):
             lines += ["", "| label | precision | recall | F1 | rows |", "| --- | --- | --- | --- | --- |"]
             lines += [f"| {label} | {c['precision']:.3f} | {c['recall']:.3f} | {c['f1']:.3f} | {c['support']} |"
                       for label, c in m["per_class"].items()]
     else:
         lines = ["| validation metric | this model |", "| --- | --- |"]
-        lines += [f"| {x.label} | {x.show(m[x.key])} |" for x in TASK_METRICS[kind]]
+        lines += [f"| {x.label} | {x.show(m[x.key])} |" for x in figures]
     if _number(m.get("val_loss")):
-        scored = "the assistant turns: {:.4f} nats per assistant token" if kind == "chat" else \
-            "the gold labels: {:.4f} nats per label token"
-        lines += ["", f"Validation loss on {scored.format(m['val_loss'])}."]
+        lines += ["", f"Validation loss on {kind.loss_scores.format(m['val_loss'])}."]
     if block.comparison:
-        lines += _comparison_rows(block.comparison, task.get("best_metric"))
+        lines += _comparison_rows(block.comparison, task.best_metric)
     best = block.best or {}
     if best.get("step") not in (None, step):
-        lines += ["", f"(The run's best evaluation was step {best['step']}, {task.get('best_metric')} "
+        lines += ["", f"(The run's best evaluation was step {best['step']}, {task.best_metric} "
                       f"{best['value']:.4f}; this export is step {step}.)"]
     return lines
 
@@ -300,7 +301,7 @@ def _usage_rows(facts: CardFacts, name: str, pipeline_tag: str) -> list[str]:
                 "or chat with it (multi-turn, streaming; `/reset` starts again), from a clone of the repository: "
                 "`gptpipe chat chat.model=PATH`.", ""]
     samples = facts.verification.get("greedy_samples") or [{"input": "..."}]
-    example = task.task["prompt"].format(input=samples[0]["input"])
+    example = task.task.prompt.format(input=samples[0]["input"])
     return [*lines, f'model = pipeline("{pipeline_tag}", model="{name}")  # or a local copy\'s path',
             f"prompt = {example!r}  # the task's template around your input",
             "print(model(prompt, do_sample=False, max_new_tokens=16"
@@ -327,8 +328,8 @@ def _serving_rows(facts: CardFacts) -> list[str]:
 def render_card(facts: CardFacts, repo_id: str | None) -> str:
     cfg, b = facts.model_config, facts.blocks
     task = b.task.task if b.task else None
-    pipeline_tag = "text2text-generation" if task and task.get("seq2seq") else "text-generation"
-    kind = (["fine-tuned", task["kind"]] if task else
+    pipeline_tag = "text2text-generation" if task and task.seq2seq else "text-generation"
+    kind = (["fine-tuned", task.kind] if task else
             ["continued-pretraining" if b.base else "pretrained-from-scratch"])
     front = {"language": ["ja"], "library_name": "transformers", "pipeline_tag": pipeline_tag,
              "tags": ["gptpipe", cfg.model_type, *kind], **({"base_model": b.base.name} if b.base else {})}

@@ -21,6 +21,7 @@ from gptpipe.export.config import ConvertConfig
 from gptpipe.export.verify import DocumentRows, GateSpec, TaskRows, TokenizerReference
 from gptpipe.finetune.metrics import TASK_METRICS
 from gptpipe.finetune.run_files import SUMMARY_FILE, TASK_FILE, TOKENIZER_DIR
+from gptpipe.finetune.task_kind import TaskFacts
 from gptpipe.stage import StageInputError, file_fingerprint, tree_fingerprint
 from gptpipe.artifacts import TOKENIZE, TRAIN_TOKENIZER, DatasetInfo, read_dataset, read_tokenizer
 from gptpipe.tokenizer.hf import SENTENCEPIECE_FILE, exported_config
@@ -94,7 +95,7 @@ def heldout_documents(prefix: Path, count: int, separator: int, split: str, seed
     """Up to `count` documents that training never saw: the first of the valid/test splits (gptpipe.data.split)."""
     from gptpipe.data.split import unseen_document_ids
 
-    docs = unseen_document_ids(prefix, count, split, seed, {separator})
+    docs = unseen_document_ids(prefix, count, split, seed, frozenset({separator}))
     return DocumentRows(docs, f"{len(docs)} validation/test documents of {prefix.name}", separator, prompt)
 
 
@@ -249,8 +250,8 @@ def validation_rows(checkpoint: Checkpoint, tokenizer: Any) -> tuple[TaskRows, P
     """(the first validation rows of the fine-tune's data, the file they come from), as its run record says:
     data.validation, or the seeded share of data.train it split off; `tokenizer`: the run's."""
     from gptpipe.data.jsonl import Reasons
-    from gptpipe.finetune.chat_data import read_conversations
-    from gptpipe.finetune.data import read_rows, split_validation
+    from gptpipe.finetune.data import split_validation
+    from gptpipe.finetune.kinds import task_kind
 
     data = finetune_config(checkpoint).data
     path = data.validation or data.train
@@ -258,9 +259,8 @@ def validation_rows(checkpoint: Checkpoint, tokenizer: Any) -> tuple[TaskRows, P
         key = "validation" if data.validation else "train"
         raise StageInputError(f"the fine-tune's validation rows are gone: {path} (data.{key} of the run record) "
                               "does not exist; the gate checks the export on them")
-    task = checkpoint.state["task"]
-    rows = (read_conversations(path, Reasons(), data.messages_key) if task["kind"] == "chat"
-            else read_rows(path, data.format, data.input_key, data.label_key)[0])
+    task = task_facts(checkpoint)
+    rows = task_kind(task.kind).read(path, data, Reasons())
     if data.validation is None:
         rows = split_validation(rows, data.validation_proportion, data.seed)[1]
         source = f"{min(VERIFY_ROWS, len(rows))} rows of the validation split of {path.name}"
@@ -271,9 +271,9 @@ def validation_rows(checkpoint: Checkpoint, tokenizer: Any) -> tuple[TaskRows, P
     return TaskRows(rows[:VERIFY_ROWS], task, source, tokenizer), path
 
 
-def shareable_task(task: dict[str, Any]) -> dict[str, Any]:
-    """The task facts for task.json and the card: local paths cut to their names (the folder may go public)."""
-    return {k: Path(v).name if k in ("pretrained_model", "train_file") and v else v for k, v in task.items()}
+def task_facts(checkpoint: Checkpoint) -> TaskFacts:
+    """The task.json a fine-tune's checkpoint records in its state."""
+    return TaskFacts.from_dict(checkpoint.state["task"], f"the task of {checkpoint.path}")
 
 
 def step_metrics(state: dict[str, Any], step: int) -> dict[str, Any] | None:
@@ -312,7 +312,7 @@ class FinetuneSource:
         return {**files, SENTENCEPIECE_FILE: self.sentencepiece} if self.sentencepiece else files
 
     def written_files(self) -> dict[str, str]:
-        task = json.dumps(shareable_task(self.checkpoint.state["task"]), ensure_ascii=False, indent=2) + "\n"
+        task = json.dumps(self.rows.task.shareable().to_dict(), ensure_ascii=False, indent=2) + "\n"
         if self.sentencepiece is None:
             return {TASK_FILE: task}
         return {TASK_FILE: task, "tokenizer_config.json": exported_config(self.tokenizer_dir)}
@@ -326,12 +326,12 @@ class FinetuneSource:
         from gptpipe.finetune.data import pad_id
 
         t, task, finetuning = self.tokenizer, self.rows.task, finetune_config(self.checkpoint)
-        if task.get("labels"):
+        if task.labels:
             max_new_tokens = self.rows.max_new_tokens(t)
         else:
-            max_new_tokens = (finetuning.chat if self.rows.chat else finetuning.predict).max_new_tokens
+            max_new_tokens = (finetuning.chat if self.rows.kind.converses else finetuning.predict).max_new_tokens
         return GenerationConfig(
-            bos_token_id=t.bos_token_id, eos_token_id=task.get("stop_ids") or t.eos_token_id, pad_token_id=pad_id(t),
+            bos_token_id=t.bos_token_id, eos_token_id=task.stop_ids or t.eos_token_id, pad_token_id=pad_id(t),
             decoder_start_token_id=getattr(model_config, "decoder_start_token_id", None), do_sample=False,
             max_new_tokens=max_new_tokens)
 
@@ -359,24 +359,24 @@ class FinetuneSource:
         reference = "the fine-tune's tokenizer" + (" and SentencePiece" if self.sentencepiece else "")
         return GateSpec(self.rows, TokenizerReference(reference, self.compare_tokenizer),
                         special_ids={"eos": t.eos_token_id, "pad": t.pad_token_id}, sentencepiece=self.sentencepiece,
-                        chat_template=t.chat_template if self.rows.chat else None)
+                        chat_template=t.chat_template if self.rows.kind.converses else None)
 
     def card(self, folder: Path, metrics: list[Row]) -> tuple[CardBlocks, dict[str, Any]]:
         state, step = self.checkpoint.state, self.checkpoint.step
-        task = state["task"]
+        task = self.rows.task
         summary_path = self.checkpoint.run_dir / SUMMARY_FILE
         summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.is_file() else {}
         finetuning = to_plain(finetune_config(self.checkpoint))
         evaluated = step_metrics(state, step)
         block = TaskBlock(
-            task=shareable_task(task), total_steps=state.get("total_steps"), best=state.get("best"),
+            task=task.shareable(), total_steps=state.get("total_steps"), best=state.get("best"),
             metrics=evaluated,
             rows={**summary.get("rows", {}), "skipped": summary.get("data_problems", {}).get("skipped", {})},
             comparison=summary.get("comparison"),
-            has_metric_curve=plot_metric_curve(metrics, task["kind"], folder / METRIC_CURVE),
-            chat_template=self.tokenizer.chat_template if self.rows.chat else None)
-        headline = {m.key: evaluated[m.key] for m in TASK_METRICS[task["kind"]]} if evaluated else {}
-        counts = {"task": task["kind"], "best_step": (state.get("best") or {}).get("step"), **headline}
+            has_metric_curve=plot_metric_curve(metrics, task.kind, folder / METRIC_CURVE),
+            chat_template=self.tokenizer.chat_template if self.rows.kind.converses else None)
+        headline = {m.key: evaluated[m.key] for m in TASK_METRICS[task.kind]} if evaluated else {}
+        counts = {"task": task.kind, "best_step": (state.get("best") or {}).get("step"), **headline}
         return CardBlocks(training_config={k: finetuning["train"][k] for k in FINETUNE_CARD_KEYS}, task=block), counts
 
 
@@ -407,7 +407,7 @@ def finetune_source(checkpoint: Checkpoint) -> FinetuneSource:
                               "(bash 7_finetune.sh writes it when it starts)")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     rows, data_file = validation_rows(checkpoint, tokenizer)
-    pretrained = checkpoint.state["task"].get("pretrained_model")
+    pretrained = task_facts(checkpoint).pretrained_model
     return FinetuneSource(checkpoint, tokenizer, rows, data_file,
                           export_sentencepiece(Path(pretrained), tokenizer) if pretrained else None)
 

@@ -29,9 +29,10 @@ import torch
 
 from gptpipe.data.jsonl import Reasons
 from gptpipe.export.agreement import DEPARTS, EXACT, compare, greedy, plain, prompt_ids, stop_ids
-from gptpipe.finetune.chat_data import ChatEncoder, Conversation, task_chat_encoder
-from gptpipe.finetune.data import IGNORE, Encoder, Row, collate, map_to_label, pad_id
+from gptpipe.finetune.data import IGNORE, collate, map_to_label, pad_id
+from gptpipe.finetune.kinds import task_kind
 from gptpipe.finetune.model import decode, generate, logits, model_class
+from gptpipe.finetune.task_kind import TaskFacts, TaskKind
 from gptpipe.log import get_logger
 from gptpipe.tolerance import logits_tolerance
 
@@ -102,61 +103,43 @@ class DocumentRows:
 
 @dataclass
 class TaskRows:
-    """Validation rows of a fine-tune's task (conversations for a chat task), and how the run encoded them
-    (with its own tokenizer)."""
+    """Validation rows of a fine-tune's task, and how the run encoded them (with its own tokenizer): its task
+    kind reads, encodes and answers them."""
 
-    rows: list[Row] | list[Conversation]
-    task: dict[str, Any]  # the checkpoint's task facts (task.json)
+    rows: list[Any]  # the kind's rows (finetune/data.py's Row, chat_data.py's Conversation)
+    task: TaskFacts  # the checkpoint's task.json
     source: str
     tokenizer: Any  # the run's tokenizer: the ids the model was fine-tuned on
 
     @property
     def seq2seq(self) -> bool:
-        return bool(self.task["seq2seq"])
+        return self.task.seq2seq
 
     @property
-    def chat(self) -> bool:
-        return self.task["kind"] == "chat"
+    def kind(self) -> TaskKind:
+        return task_kind(self.task.kind)
 
-    def encoder(self, tokenizer: Any) -> Encoder | ChatEncoder:
-        t = self.task
-        if self.chat:
-            return task_chat_encoder(tokenizer, t)
-        return Encoder(tokenizer, t["prompt"], t["seq_len"], t["seq2seq"], t["too_long"])
+    def encoder(self, tokenizer: Any) -> Any:
+        return self.kind.encoder(tokenizer, self.task)
 
-    def prompt_ids(self, encoder: Encoder | ChatEncoder, row: Row | Conversation) -> list[int]:
-        """What the model answers `row` from: the prompt template around its input (cut to fit as training
-        cut it), or the conversation before its last answer with the assistant's header."""
-        if isinstance(row, Conversation):
-            return encoder.prompt_ids(row.prompt)
-        return encoder.fit_prompt(row.input, 0, row.where, Reasons()) or [encoder.eos]
+    def prompt_ids(self, encoder: Any, row: Any) -> list[int]:
+        """What the model answers `row` from, cut to fit as training cut it."""
+        return self.kind.prompt(encoder, row, 0, Reasons())[0] or [encoder.eos]
 
-    def encodings(self, encoder: Encoder | ChatEncoder, row: Row | Conversation) -> tuple[list[int], list[int]]:
-        """The two ways `row` becomes ids, for comparing tokenizers: its prompt and its label, or a
-        conversation's whole ids (as training encoded it) and its generation prompt."""
-        if isinstance(row, Conversation):
-            encoded = encoder.encode(row, Reasons())
-            return (encoded.input_ids if encoded else []), encoder.prompt_ids(row.prompt)
-        return encoder.prompt_ids(row.input), encoder.label_ids(row.label)
+    def encodings(self, encoder: Any, row: Any) -> tuple[list[int], list[int]]:
+        """The two ways `row` becomes ids, for comparing tokenizers."""
+        return self.kind.encodings(encoder, row)
 
     def texts(self) -> list[str]:
-        """The rows' texts: inputs and labels, or every turn's content."""
-        if self.chat:
-            return [turn["content"] for row in self.rows for turn in row.messages]
-        return [text for row in self.rows for text in (row.input, row.label)]
+        return self.kind.texts(self.rows)
 
     def max_new_tokens(self, tokenizer: Any) -> int:
-        """Room for the longest label (+ EOS): of the label set, or of the rows answered (generation, chat)."""
-        encoder = self.encoder(tokenizer)
-        if self.chat:
-            return max(len(encoder.ids(row.label)) + 1 for row in self.rows[:GENERATED_ROWS])
-        labels = self.task.get("labels") or [row.label for row in self.rows[:GENERATED_ROWS]]
-        return max(len(encoder.label_ids(label)) for label in labels)
+        """Room for the longest answer (+ its stop token): of the label set, or of the rows answered."""
+        return self.kind.answer_room(self.encoder(tokenizer), self.rows[:GENERATED_ROWS], self.task.labels)
 
     def logits_batch(self, model: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        scratch = Reasons()  # a row the run would drop is simply not compared
-        encoder = self.encoder(self.tokenizer)
-        encoded = [e for e in (encoder.encode(row, scratch) for row in self.rows) if e is not None]
+        # a row the run would drop is simply not compared
+        encoded = self.kind.encode_all(self.encoder(self.tokenizer), self.rows, Reasons())
         batch = collate(encoded, pad_id(self.tokenizer), self.seq2seq)
         batch.pop("target_columns", None)  # logits at every position, not only the label columns training needs
         # The positions that carry a real token: every input token of a causal row, every label token of seq2seq.
@@ -171,10 +154,9 @@ class TaskRows:
 
     def record(self, report: dict[str, Any], tokenizer: Any, answers: list[list[int]]) -> None:
         texts = [decode(tokenizer, ids) for ids in answers]
-        labels = self.task.get("labels")
+        labels = self.task.labels
         report["greedy_samples"] = [
-            {**({"messages": row.prompt} if isinstance(row, Conversation) else {"input": row.input}),
-             "label": row.label, "generated": text,
+            {**self.kind.row_fields(row), "label": row.label, "generated": text,
              **({"prediction": map_to_label(text, labels)[0]} if labels else {})}
             for row, text in zip(self.rows, texts)]
         report["greedy_sample"] = texts[0]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from gptpipe.finetune.metrics import TASK_METRICS, VAL_LOSS, classification_metrics, metric
 
 if TYPE_CHECKING:
-    from gptpipe.finetune.task import TaskData
+    from gptpipe.finetune.task_kind import TaskData
 
 BASELINES_DIR = Path("baselines")  # <run>/baselines/<scratch|base>: the baseline fine-tunes' run folders
 DESCRIPTIONS = {"scratch": "the same architecture from random initialisation, fine-tuned alike",

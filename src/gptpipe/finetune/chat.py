@@ -43,7 +43,7 @@ class ChatSession:
     def prompt(self) -> list[int]:
         """The conversation's ids and the assistant's header, the oldest exchanges left out for good while they
         do not leave max_new_tokens within seq_len (the system prompt and the last user turn always stay)."""
-        self.messages, ids = self.encoder.fit_prompt(self.messages, self.settings.max_new_tokens)
+        self.messages, ids = self.encoder.fit_turns(self.messages, self.settings.max_new_tokens)
         return ids
 
     def answer(self, text: str, streamer: Any = None) -> str:
@@ -66,9 +66,10 @@ def run(config: FinetuneConfig, args: argparse.Namespace) -> int:
     try:
         # A folder without task.json (an HF folder with a chat template) is read as a chat model.
         predictor = load_predictor(replace(config, task=replace(config.task, kind="chat")), source, device)
+        if not predictor.kind.converses:
+            raise StageInputError(f"{source} was fine-tuned for task.kind {predictor.task.kind}, which does not "
+                                  f"converse (chat does)")
         encoder = predictor.encoder
-        if not isinstance(encoder, ChatEncoder):
-            raise StageInputError(f"{source} was fine-tuned for task.kind {predictor.task['kind']}, not chat")
     except StageInputError as exc:
         log.error(f"refused: {exc}")
         return EXIT_BAD_INPUT

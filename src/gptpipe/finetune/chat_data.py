@@ -255,8 +255,8 @@ class ChatEncoder:
         """The conversation so far and the assistant's header: what the model continues."""
         return self.ids(self.render(messages, generation_prompt=True))
 
-    def fit_prompt(self, messages: list[dict[str, str]], max_new_tokens: int
-                   ) -> tuple[list[dict[str, str]], list[int]]:
+    def fit_turns(self, messages: list[dict[str, str]], max_new_tokens: int
+                  ) -> tuple[list[dict[str, str]], list[int]]:
         """(the turns kept, their generation prompt): the oldest exchanges left out while the prompt does not
         leave ``max_new_tokens`` within seq_len. A leading system prompt and the last user turn always stay,
         so the prompt may still not leave them."""
@@ -319,10 +319,3 @@ class ChatEncoder:
                                 f"one that ends each turn's header with a special token or a newline piece")
         return len(ids)
 
-
-def task_chat_encoder(tokenizer: Any, task: dict[str, Any]) -> ChatEncoder:
-    """The encoder of a chat run, from its task facts (task.json): its seq_len and the end-of-turn tokens its
-    training found, at which generation stops (predict, chat, the export)."""
-    encoder = ChatEncoder(tokenizer, task["seq_len"])
-    encoder.stop_ids = task.get("stop_ids") or encoder.stop_ids
-    return encoder

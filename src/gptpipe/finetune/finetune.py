@@ -14,11 +14,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from gptpipe.config.core import to_plain
-from gptpipe.data.jsonl import Reasons
 from gptpipe.finetune.baseline import (
     BASELINES_DIR,
     base_of,
@@ -26,7 +24,7 @@ from gptpipe.finetune.baseline import (
     comparison,
     format_comparison,
 )
-from gptpipe.finetune.chat_data import ChatEncoder, save_tokenizer
+from gptpipe.finetune.chat_data import save_tokenizer
 from gptpipe.finetune.config import FinetuneConfig
 from gptpipe.finetune.data import (
     IGNORE,
@@ -35,27 +33,14 @@ from gptpipe.finetune.data import (
     collate_packed,
     computed_positions,
     epoch_order,
-    map_to_label,
     pad_id,
     row_positions,
 )
-from gptpipe.finetune.metrics import (
-    classification_metrics,
-    generation_metrics,
-    headline,
-    metric,
-)
-from gptpipe.finetune.model import (
-    decode,
-    gather,
-    generate,
-    pretrained_factory,
-    score,
-    shard,
-    target_logprobs,
-)
+from gptpipe.finetune.metrics import headline, metric
+from gptpipe.finetune.model import pretrained_factory, target_logprobs
 from gptpipe.finetune.run_files import SUMMARY_FILE, TASK_FILE, TOKENIZER_DIR
-from gptpipe.finetune.task import TaskData, load_task
+from gptpipe.finetune.task import load_task
+from gptpipe.finetune.task_kind import TaskData
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.artifacts import EXIT_BAD_INPUT, EXIT_OK
@@ -157,6 +142,7 @@ class FineTuner(TrainLoop):
                  ds_config: dict[str, Any], wandb_block: dict[str, Any], dist: Dist, from_scratch: bool = False):
         super().__init__(config, config.train, dist, ds_config, wandb_block)
         self.task, self.from_scratch = task, from_scratch
+        self.facts = task.facts(config, from_scratch)  # task.json: what predict, chat and the export rebuild
         train = config.train
         self.micro, self.accumulation = micro, accumulation
         self.pad = pad_id(task.tokenizer)
@@ -168,7 +154,7 @@ class FineTuner(TrainLoop):
         self.higher_is_better = metric(config.best_metric).higher_is_better
         if dist.is_main:
             save_tokenizer(task.tokenizer, self.run_dir / TOKENIZER_DIR)  # checkpoints are usable without model.path
-            write_text_atomic(self.run_dir / TASK_FILE, json.dumps(self.task_facts(), ensure_ascii=False, indent=2))
+            self.facts.write(self.run_dir / TASK_FILE)
         from transformers import AutoConfig
 
         # As the model pretrained_factory builds: the router switch off, in this run's checkpoints too.
@@ -187,16 +173,6 @@ class FineTuner(TrainLoop):
                                       f"from restarting position ids); set train.packing=false")
         self.best: dict[str, Any] | None = None  # {"step", "value", "metrics"} of the best evaluation
         self.last_eval: dict[str, Any] | None = None
-
-    def task_facts(self) -> dict[str, Any]:
-        """The task as predict and the model card need it."""
-        c = self.config
-        return {"kind": c.task.kind, "prompt": c.task.prompt, "labels": self.task.labels,
-                "majority_label": self.task.majority, "seq2seq": self.task.seq2seq, "seq_len": c.train.seq_len,
-                "too_long": c.data.too_long, "pretrained_model": None if self.from_scratch else str(c.model.path),
-                "train_file": str(c.data.train), "best_metric": c.best_metric,
-                **({"stop_ids": self.task.encoder.stop_ids} if c.task.kind == "chat" else {}),
-                **({"architecture_of": str(c.model.path)} if self.from_scratch else {})}
 
     def model_origin(self) -> str:
         return f"model.path {self.config.model.path}"
@@ -255,7 +231,7 @@ class FineTuner(TrainLoop):
     # --- checkpoints ---------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
         # The run record (the resolved finetune_config.yaml): stage 4 finds the validation rows it verifies on here.
-        return {"best": self.best, "last_eval": self.last_eval, "task": self.task_facts(),
+        return {"best": self.best, "last_eval": self.last_eval, "task": self.facts.to_dict(),
                 "log_positions": self.counted,  # the log window's positions so far, as the train line counts them
                 "precision": self.train_cfg.precision, "zero_stage": self.train_cfg.zero_stage,
                 "config": to_plain(self.config)}
@@ -276,7 +252,7 @@ class FineTuner(TrainLoop):
     def validate(self) -> bool:
         """Validation metrics; True (save now) when they are the best so far."""
         self.engine.eval()
-        metrics = validation_metrics(self.engine, self.task, self.config, self.dist)
+        metrics = self.task.kind.validate(self.engine, self.task, self.config, self.dist)
         self.engine.train()
         metrics["step"] = self.step
         self.last_eval = metrics
@@ -302,7 +278,7 @@ class FineTuner(TrainLoop):
         """<run>/finetune_summary.json; with `baselines` (their validation metrics), the comparison too."""
         if not self.dist.is_main:
             return
-        summary = {"task": self.task_facts(), "steps": self.step, "best": self.best, "final": self.last_eval,
+        summary = {"task": self.facts.to_dict(), "steps": self.step, "best": self.best, "final": self.last_eval,
                    "rows": {"train": len(self.task.train), "validation": len(self.task.validation)},
                    "data_problems": self.task.skipped.manifest_counts(), "config": to_plain(self.config)}
         if baselines and self.best:
@@ -330,98 +306,3 @@ def packing_leaks(model: Any, rows: list[Encoded], vocab: int, pad: int, device:
         batch = collate_packed([first, b], pad, len(a.input_ids) + len(b.input_ids), device)
         lps.append(target_logprobs(model, batch, seq2seq=False))
     return not torch.allclose(lps[0], lps[1], rtol=1e-5, atol=1e-5)  # kept apart, B computes the same ops
-
-
-# --- evaluation, shared with predict ------------------------------------------------------------------
-@torch.no_grad()
-def validation_metrics(model: Any, task: TaskData, config: FinetuneConfig, dist: Dist) -> dict[str, Any]:
-    """Validation metrics of `model` (a DeepSpeed engine or a bare model), on every rank.
-
-    Classification scores each label's log-likelihood after the prompt and picks the best (and with
-    task.generate_labels also generates, mapping the text onto the nearest label); generation decodes
-    greedily. val_loss is the mean token loss of the gold labels. Chat: chat_validation_metrics.
-    """
-    if config.task.kind == "chat":
-        return chat_validation_metrics(model, task, config, dist)
-    encoder, batch, pad = task.encoder, config.train.micro_batch_size or 8, pad_id(task.tokenizer)
-    synced = config.train.zero_stage == 3 and dist.world_size > 1
-    mine = shard(task.validation, dist)
-    results = []
-    for start in range(0, len(mine), batch):
-        chunk = mine[start:start + batch]
-        scratch = Reasons()  # candidates cut or dropped here are not data problems
-        # Each row's gold label, then (classification) every candidate label: one scoring pass for all.
-        candidates = task.labels or []
-        items = [encoder.encode(row, scratch, label=label)
-                 for _, row in chunk for label in [row.label, *candidates]]
-        empty = Encoded([encoder.eos], [encoder.eos])  # stands in for a dropped item: scores 0, no tokens
-        lps = score(model, [e or empty for e in items], pad, task.seq2seq, dist.device, batch)
-        out = []
-        width = 1 + len(candidates)
-        for k in range(len(chunk)):
-            gold, row_lps = items[k * width], lps[k * width:(k + 1) * width]
-            o = {"gold_lp": row_lps[0], "gold_tokens": gold.label_tokens if gold else 0}
-            if candidates:
-                scores = [lp if e is not None else -math.inf for lp, e in zip(row_lps[1:], items[k * width + 1:])]
-                o["pred"] = candidates[int(np.argmax(scores))]
-            out.append(o)
-        if not task.labels or config.task.generate_labels:
-            prompts = [encoder.fit_prompt(row.input, 0, row.where, scratch) or [encoder.eos] for _, row in chunk]
-            generated = generate(model, encoder, prompts, dist.device,
-                                 max_new_tokens=max_label_tokens(task, config), synced_gpus=synced)
-            for o, ids in zip(out, generated):
-                o["generated"] = decode(task.tokenizer, ids)
-        results += [(i, o) for (i, _), o in zip(chunk, out)]
-    scored = gather(results, dist)
-    gold_labels = [row.label for row in task.validation]
-    tokens = sum(o["gold_tokens"] for o in scored)
-    metrics: dict[str, Any] = {"val_loss": -sum(o["gold_lp"] for o in scored if o["gold_tokens"]) / max(tokens, 1)}
-    if task.labels:
-        metrics.update(classification_metrics(gold_labels, [o["pred"] for o in scored], task.labels,
-                                              task.majority))
-        if config.task.generate_labels:
-            mapped = [map_to_label(o["generated"], task.labels) for o in scored]
-            metrics["mapped"] = sum(needed for _, needed in mapped)
-            metrics["generated_accuracy"] = sum(m == g for (m, _), g in zip(mapped, gold_labels)) / len(gold_labels)
-    else:
-        metrics.update(generation_metrics(gold_labels, [o["generated"] for o in scored]))
-    return metrics
-
-
-@torch.no_grad()
-def chat_validation_metrics(model: Any, task: TaskData, config: FinetuneConfig, dist: Dist) -> dict[str, Any]:
-    """val_loss: the mean loss of the validation conversations' assistant tokens (the stop tokens included);
-    chrf: the last answer of the first task.chat_eval_rows conversations generated greedily after the turns
-    before it, against the gold answer. Each rank generates for the same number of its rows (ZeRO-3 keeps
-    the ranks in step)."""
-    encoder, batch, pad = task.encoder, config.train.micro_batch_size or 8, pad_id(task.tokenizer)
-    assert isinstance(encoder, ChatEncoder) and task.validation_items is not None
-    synced = config.train.zero_stage == 3 and dist.world_size > 1
-    mine = shard(list(range(len(task.validation))), dist)
-    asked = -(-min(config.task.chat_eval_rows, len(task.validation)) // dist.world_size)
-    longest = max(len(encoder.ids(row.label)) for row in task.validation) + 1  # and the stop token
-    results = []
-    for start in range(0, len(mine), batch):
-        chunk = mine[start:start + batch]
-        items = [task.validation_items[k] for _, k in chunk]
-        lps = score(model, items, pad, False, dist.device, batch)
-        out = [{"lp": lp, "tokens": e.label_tokens} for lp, e in zip(lps, items)]
-        wanted = chunk[:max(0, asked - start)]
-        if wanted:
-            prompts = [encoder.prompt_ids(task.validation[k].prompt) for _, k in wanted]
-            for o, ids in zip(out, generate(model, encoder, prompts, dist.device, max_new_tokens=longest,
-                                            synced_gpus=synced)):
-                o["generated"] = decode(task.tokenizer, ids)
-        results += [(i, o) for (i, _), o in zip(chunk, out)]
-    scored = gather(results, dist)
-    answered = [(row.label, o["generated"]) for row, o in zip(task.validation, scored) if "generated" in o]
-    return {"val_loss": -sum(o["lp"] for o in scored) / max(sum(o["tokens"] for o in scored), 1),
-            "chrf": generation_metrics([g for g, _ in answered], [p for _, p in answered])["chrf"],
-            "generated": len(answered)}
-
-
-def max_label_tokens(task: TaskData, config: FinetuneConfig) -> int:
-    """New tokens to generate at evaluation: the longest label (+ EOS) for classification."""
-    if task.labels:
-        return max(len(task.encoder.label_ids(label)) for label in task.labels)
-    return config.predict.max_new_tokens

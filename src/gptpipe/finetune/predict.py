@@ -23,24 +23,9 @@ import torch
 from gptpipe.data.jsonl import CUT_TO_FIT, TOO_LONG, Reasons
 from gptpipe.log import get_logger
 from gptpipe.artifacts import EXIT_BAD_INPUT
-from gptpipe.finetune.chat_data import (
-    ChatEncoder,
-    Conversation,
-    conversations_from_lines,
-    read_conversations,
-    task_chat_encoder,
-)
 from gptpipe.finetune.config import AUTO, FinetuneConfig
-from gptpipe.finetune.data import (
-    Encoder,
-    Row,
-    label_set,
-    map_to_label,
-    model_positions,
-    pad_id,
-    read_lines,
-    read_rows,
-)
+from gptpipe.finetune.data import map_to_label, model_positions, pad_id
+from gptpipe.finetune.kinds import task_kind
 from gptpipe.finetune.metrics import (
     classification_metrics,
     generation_metrics,
@@ -52,16 +37,16 @@ from gptpipe.finetune.model import (
     gather,
     generate,
     is_seq2seq,
-    model_class,
     score,
     shard,
 )
 from gptpipe.finetune.run_files import TASK_FILE, TOKENIZER_DIR
+from gptpipe.finetune.task_kind import TaskFacts, TaskKind
 from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.train import checkpoint
 from gptpipe.train.engine import Dist
 from gptpipe.train.loop import run_ranks
-from gptpipe.train.model import inference_config
+from gptpipe.train.model import inference_config, load_pretrained
 
 log = get_logger("predict")
 
@@ -72,19 +57,17 @@ class Predictor:
 
     model: Any
     tokenizer: Any
-    task: dict[str, Any]  # task.json's facts: kind, prompt, labels, seq2seq, seq_len, too_long
+    task: TaskFacts  # task.json
     source: str
 
     @property
-    def chat(self) -> bool:
-        return self.task["kind"] == "chat"
+    def kind(self) -> TaskKind:
+        return task_kind(self.task.kind)
 
     @property
-    def encoder(self) -> Encoder | ChatEncoder:
-        if self.chat:
-            return task_chat_encoder(self.tokenizer, self.task)
+    def encoder(self) -> Any:
         # Every input gets a prediction: a long one is cut (at its end), never dropped.
-        return Encoder(self.tokenizer, self.task["prompt"], self.task["seq_len"], self.task["seq2seq"], "truncate")
+        return self.kind.encoder(self.tokenizer, self.task, too_long="truncate")
 
 
 def resolve_checkpoint(path: Path) -> Path | None:
@@ -110,30 +93,28 @@ def load_predictor(config: FinetuneConfig, source: Path, device: torch.device) -
         if not (source / "config.json").is_file():
             raise StageInputError(f"{source} is neither a fine-tune run/checkpoint nor a HF model folder")
         task_file = source / TASK_FILE
-        task = json.loads(task_file.read_text(encoding="utf-8")) if task_file.is_file() else _task_from_config(
-            config, source)
-        model = model_class(task["seq2seq"]).from_pretrained(source, dtype=torch.float32)
+        task = TaskFacts.read(task_file) if task_file.is_file() else _task_from_config(config, source)
+        model = load_pretrained(source, task.seq2seq)
         inference_config(model.config)  # an export made before its config left the router switch off
         return Predictor(model.to(device).eval(), AutoTokenizer.from_pretrained(source), task, str(source))
 
     found = checkpoint.find_checkpoint(folder)
     model = checkpoint.model_from_checkpoint(found)
     tokenizer = AutoTokenizer.from_pretrained(found.run_dir / TOKENIZER_DIR)
-    return Predictor(model.to(device), tokenizer, found.state["task"], str(folder))
+    return Predictor(model.to(device), tokenizer, TaskFacts.from_dict(found.state["task"], str(found.path)),
+                     str(folder))
 
 
-def _task_from_config(config: FinetuneConfig, folder: Path) -> dict[str, Any]:
+def _task_from_config(config: FinetuneConfig, folder: Path) -> TaskFacts:
     """An exported folder without task.json: the task as finetune_config.yaml describes it."""
-    labels = None
-    if config.task.kind == "classification":
+    kind, labels = task_kind(config.task.kind), None
+    if kind.labelled:
         if not config.data.train.is_file():
             raise StageInputError(f"{folder} has no {TASK_FILE} and data.train {config.data.train} (the label set) "
                                   f"does not exist")
-        rows, _ = read_rows(config.data.train, config.data.format, config.data.input_key, config.data.label_key)
-        labels = label_set(rows)
-    return {"kind": config.task.kind, "prompt": config.task.prompt, "labels": labels,
-            "seq2seq": is_seq2seq(folder, config.model.kind), "seq_len": _seq_len_from_config(config, folder),
-            "too_long": config.data.too_long}
+        labels = kind.label_set(kind.read(config.data.train, config.data, Reasons()))
+    return TaskFacts(kind.name, is_seq2seq(folder, config.model.kind), _seq_len_from_config(config, folder),
+                     config.task.prompt, config.data.too_long, labels, labels[0] if labels else None)
 
 
 def _seq_len_from_config(config: FinetuneConfig, folder: Path) -> int:
@@ -150,23 +131,18 @@ def _seq_len_from_config(config: FinetuneConfig, folder: Path) -> int:
     return positions
 
 
-def read_input(config: FinetuneConfig, args: argparse.Namespace, chat: bool
-               ) -> tuple[list[Row] | list[Conversation], Reasons, str]:
-    """(rows, skipped rows, name for the output file) from --input, predict.input or data.test. A chat model
-    reads conversations (stdin: one user turn a line); a row ending in an assistant turn has it as its label."""
+def read_input(config: FinetuneConfig, args: argparse.Namespace, kind: TaskKind) -> tuple[list[Any], Reasons, str]:
+    """(rows, skipped rows, name for the output file) from --input, predict.input or data.test, read as the
+    model's task kind reads them, labels optional (a chat model reads conversations, stdin one user turn a line;
+    a row ending in an assistant turn has it as its label)."""
     chosen = getattr(args, "input", None)
     if chosen == "-":
-        lines = list(sys.stdin)
-        return conversations_from_lines(lines) if chat else read_lines(lines), Reasons(), "stdin"
+        return kind.read_lines(list(sys.stdin)), Reasons(), "stdin"
     path = Path(chosen) if chosen else (config.predict.input or config.data.test)
     if path is None or not path.is_file():
         raise StageInputError(f"no input to predict: {path} does not exist (give --input PATH, or - for stdin)")
     skipped = Reasons()
-    if chat:
-        return read_conversations(path, skipped, config.data.messages_key, need_answer=False), skipped, path.stem
-    rows, _ = read_rows(path, config.data.format, config.data.input_key, config.data.label_key, skipped,
-                        need_label=False)
-    return rows, skipped, path.stem
+    return kind.read(path, config.data, skipped, need_answer=False), skipped, path.stem
 
 
 def run(config: FinetuneConfig, args: argparse.Namespace) -> int:
@@ -177,7 +153,7 @@ def _predict(config: FinetuneConfig, args: argparse.Namespace, dist: Dist) -> in
     settings = config.predict
     try:
         predictor = load_predictor(config, settings.model or config.train.output_model_dir, dist.device)
-        rows, skipped, name = read_input(config, args, predictor.chat)
+        rows, skipped, name = read_input(config, args, predictor.kind)
         if not rows:
             raise StageInputError(f"no usable rows to predict in {name}:\n{skipped.lines()}")
     except StageInputError as exc:
@@ -203,7 +179,7 @@ def _predict(config: FinetuneConfig, args: argparse.Namespace, dist: Dist) -> in
     metrics = prediction_metrics(results, predictor.task)
     if metrics:
         write_text_atomic(output.with_suffix(".metrics.json"), json.dumps(metrics, ensure_ascii=False, indent=2))
-        log.info(headline(metrics, predictor.task["kind"]))
+        log.info(headline(metrics, predictor.task.kind))
     return 0
 
 
@@ -219,13 +195,13 @@ def _zero3(model: Any, config: FinetuneConfig, dist: Dist) -> Any:
 
 
 @torch.no_grad()
-def predict_rows(model: Any, predictor: Predictor, rows: list[Row] | list[Conversation], config: FinetuneConfig,
-                 dist: Dist, synced: bool) -> list[dict[str, Any]]:
-    """One result per row, in input order, on the main rank (every rank gets them). A chat row's result holds
-    the turns before the answer (`messages`) and the assistant's answer; when the conversation does not leave
-    max_new_tokens within seq_len its oldest exchanges are left out as `gptpipe chat` leaves them (`cut`: how
-    many turns), and one that does not fit even then gets no answer (prediction null, `too_long` says why)."""
-    settings, encoder, task = config.predict, predictor.encoder, predictor.task
+def predict_rows(model: Any, predictor: Predictor, rows: list[Any], config: FinetuneConfig, dist: Dist,
+                 synced: bool) -> list[dict[str, Any]]:
+    """One result per row, in input order, on the main rank (every rank gets them). Each row is answered from
+    the prompt its kind gives (kind.prompt) leaving max_new_tokens within seq_len: an input cut at its end, a
+    conversation's oldest exchanges left out as `gptpipe chat` leaves them (`cut`: how many turns); a row that
+    cannot leave them gets no answer (prediction null, `too_long` says why)."""
+    settings, encoder, task, kind = config.predict, predictor.encoder, predictor.task, predictor.kind
     pad = pad_id(predictor.tokenizer)
     scratch = Reasons()
     mine = shard(rows, dist)
@@ -235,10 +211,7 @@ def predict_rows(model: Any, predictor: Predictor, rows: list[Row] | list[Conver
         prompts, notes = [], []
         for i, row in chunk:
             counted = scratch if i >= 0 else Reasons()  # a rank's padding repeats a row: not counted twice
-            if isinstance(row, Conversation):
-                prompt, note = _chat_prompt(encoder, row, settings.max_new_tokens, counted)
-            else:
-                prompt, note = encoder.fit_prompt(row.input, settings.max_new_tokens, row.where, counted), {}
+            prompt, note = kind.prompt(encoder, row, settings.max_new_tokens, counted)
             # A row without a prompt still takes its place in the batch: ZeRO-3 ranks generate in lockstep.
             prompts.append(prompt or [encoder.eos])
             notes.append(note)
@@ -249,11 +222,9 @@ def predict_rows(model: Any, predictor: Predictor, rows: list[Row] | list[Conver
                        encoder.seq2seq, dist.device, settings.batch_size)
         for (i, row), ids, lp, note in zip(chunk, generated, scores, notes):
             text = decode(predictor.tokenizer, ids)
-            result: dict[str, Any] = {"messages": row.prompt} if isinstance(row, Conversation) else {
-                "input": row.input}
-            result["prediction"] = text
-            if task.get("labels"):
-                result["prediction"], result["mapped"] = map_to_label(text, task["labels"])
+            result: dict[str, Any] = {**kind.row_fields(row), "prediction": text}
+            if task.labels:
+                result["prediction"], result["mapped"] = map_to_label(text, task.labels)
                 result["generated"] = text
             if row.label is not None:
                 result["label"] = row.label
@@ -261,42 +232,24 @@ def predict_rows(model: Any, predictor: Predictor, rows: list[Row] | list[Conver
             if "too_long" in note:
                 result["prediction"], result["score"] = None, None
             results.append((i, {**result, **note}))
-    limit = f"to leave predict.max_new_tokens {settings.max_new_tokens} within seq_len {task['seq_len']}"
+    limit = f"to leave predict.max_new_tokens {settings.max_new_tokens} within seq_len {task.seq_len}"
     if scratch.counts[CUT_TO_FIT]:
-        what = "conversations cut (their oldest exchanges left out)" if predictor.chat else "inputs cut"
-        log.info(f"rank {dist.rank}: {scratch.counts[CUT_TO_FIT]} {what} {limit}")
-    if predictor.chat and scratch.counts[TOO_LONG]:
-        log.warning(f"rank {dist.rank}: {scratch.counts[TOO_LONG]} conversations too long {limit} even with only "
-                    f"their last user turn: no answer (prediction null), e.g. "
-                    f"{'; '.join(scratch.examples[TOO_LONG])}")
+        log.info(f"rank {dist.rank}: {scratch.counts[CUT_TO_FIT]} {kind.cut_note()} {limit}")
+    if scratch.counts[TOO_LONG]:
+        log.warning(f"rank {dist.rank}: {scratch.counts[TOO_LONG]} {kind.row_noun} too long {limit} even cut: no "
+                    f"answer (prediction null), e.g. {'; '.join(scratch.examples[TOO_LONG])}")
     return gather(results, dist)
 
 
-def _chat_prompt(encoder: ChatEncoder, row: Conversation, max_new_tokens: int, skipped: Reasons
-                 ) -> tuple[list[int] | None, dict[str, Any]]:
-    """(the generation prompt or None, what the result line says about its cut) of one conversation."""
-    kept, ids = encoder.fit_prompt(row.prompt, max_new_tokens)
-    if len(ids) + max_new_tokens > encoder.seq_len:
-        why = (f"{len(ids)} prompt tokens with only the last user turn; seq_len {encoder.seq_len} less "
-               f"max_new_tokens {max_new_tokens} leaves {encoder.seq_len - max_new_tokens}")
-        skipped.add(TOO_LONG, f"{row.where}: {why}")
-        return None, {"too_long": why}
-    if len(kept) < len(row.prompt):
-        skipped.add(CUT_TO_FIT, row.where)
-        return ids, {"cut": len(row.prompt) - len(kept)}
-    return ids, {}
-
-
-def prediction_metrics(results: list[dict[str, Any]], task: dict[str, Any]) -> dict[str, Any] | None:
+def prediction_metrics(results: list[dict[str, Any]], task: TaskFacts) -> dict[str, Any] | None:
     """Metrics over the rows that have a label (None when none has); a conversation too long to answer counts
     as an empty answer."""
     labelled = [r for r in results if "label" in r]
     if not labelled:
         return None
     gold, predicted = [r["label"] for r in labelled], [r["prediction"] or "" for r in labelled]
-    if task.get("labels"):
-        majority = task.get("majority_label") or task["labels"][0]
-        metrics = classification_metrics(gold, predicted, task["labels"], majority)
+    if task.labels:
+        metrics = classification_metrics(gold, predicted, task.labels, task.majority_label or task.labels[0])
         metrics["mapped"] = sum(r["mapped"] for r in labelled)
         metrics["generated_accuracy"] = sum(r["generated"] == r["label"] for r in labelled) / len(labelled)
         return metrics

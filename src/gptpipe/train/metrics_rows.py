@@ -145,7 +145,7 @@ _TASK_LOSS = "val_loss"
 
 @dataclass
 class TaskEvalRow(Row):
-    """Stage 7's validation: the loss and the task's figures (finetune's validation_metrics), each logged as
+    """Stage 7's validation: the loss and the task's figures (the task kind's validate), each logged as
     val_<key>."""
 
     KIND = "task_eval"

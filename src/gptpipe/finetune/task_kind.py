@@ -1,0 +1,197 @@
+"""What a fine-tune's task is: its facts (task.json, typed) and the interface each task kind implements.
+
+A kind (kinds.py lists them) says how its rows are read and encoded, what prompt a row is answered from, how a
+validation set is scored, and what the export's gate compares. Training, predict, chat, the gate and the card
+ask the kind instead of switching on its name, so a new kind is one module and one line in kinds.py.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gptpipe.stage import StageInputError, write_text_atomic
+
+if TYPE_CHECKING:
+    from gptpipe.data.jsonl import Reasons
+    from gptpipe.finetune.config import FinetuneConfig, FinetuneDataConfig, TaskConfig
+    from gptpipe.finetune.data import Encoded
+    from gptpipe.train.engine import Dist
+
+
+@dataclass(frozen=True)
+class TaskFacts:
+    """task.json: what predict, chat, the export's gate and the card rebuild a fine-tune's task from. Written
+    beside the run's checkpoints (and in their state), copied into every export with local paths cut."""
+
+    kind: str  # task.kind: a name kinds.py registers
+    seq2seq: bool  # an encoder-decoder: the prompt is the encoder's input, the answer the decoder's labels
+    seq_len: int  # train.seq_len as the run resolved it (auto included)
+    prompt: str = "{input}"  # task.prompt: the template around a row's input (not used by chat)
+    too_long: str = "truncate"  # data.too_long: how training fitted a long input
+    labels: list[str] | None = None  # classification: the label set, most frequent first
+    majority_label: str | None = None  # classification: the most frequent training label
+    stop_ids: list[int] | None = None  # chat: the tokens that end an assistant turn (generation stops there)
+    best_metric: str | None = None  # the figure that picked the best checkpoint
+    pretrained_model: str | None = None  # model.path (None for a from-scratch baseline)
+    train_file: str | None = None  # data.train
+    architecture_of: str | None = None  # a from-scratch baseline: the folder whose architecture it took
+
+    @classmethod
+    def from_dict(cls, facts: dict[str, Any], source: str) -> TaskFacts:
+        """Facts read from `source` (a task.json, a checkpoint's state); unknown or missing keys name the file."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(facts) - known)
+        missing = [name for name in ("kind", "seq2seq", "seq_len") if name not in facts]
+        if unknown or missing:
+            hints = [f"{k}" + (f" (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, known, 1))
+                               else "") for k in unknown]
+            raise StageInputError(f"{source}: " + "; ".join(
+                ([f"unknown key(s) {', '.join(hints)}"] if unknown else [])
+                + ([f"missing key(s) {', '.join(missing)}"] if missing else [])))
+        return cls(**facts)
+
+    @classmethod
+    def read(cls, path: Path) -> TaskFacts:
+        try:
+            facts = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise StageInputError(f"{path} is not a readable task.json: {exc}") from exc
+        if not isinstance(facts, dict):
+            raise StageInputError(f"{path}: a task.json holds one JSON object")
+        return cls.from_dict(facts, str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object: every field, None included, so a reader sees the whole schema."""
+        return asdict(self)
+
+    def write(self, path: Path) -> None:
+        write_text_atomic(path, json.dumps(self.to_dict(), ensure_ascii=False, indent=2) + "\n")
+
+    def shareable(self) -> TaskFacts:
+        """The facts an export carries: local paths cut to their names (the folder may go public)."""
+        def name(value: str | None) -> str | None:
+            return Path(value).name if value else value
+
+        return replace(self, pretrained_model=name(self.pretrained_model), train_file=name(self.train_file),
+                       architecture_of=name(self.architecture_of))
+
+
+@dataclass
+class TaskData:
+    """The rows of a run, encoded, and what was skipped reading them."""
+
+    kind: TaskKind
+    tokenizer: Any
+    encoder: Any  # the kind's encoder (finetune/data.py's Encoder, chat_data.py's ChatEncoder)
+    seq2seq: bool
+    train_rows: list[Any]  # the kind's rows: finetune/data.py's Row, chat_data.py's Conversation
+    train: list[Encoded]
+    validation: list[Any]
+    labels: list[str] | None  # classification: the label set, most frequent first
+    skipped: Reasons
+    length_warning: str | None = None  # train.seq_len cut or dropped training rows: how many, what keeps them
+    seq_len_note: str | None = None  # train.seq_len auto: what it chose and why
+    validation_items: list[Encoded] | None = None  # kinds that encode validation rows: them, encoded
+    notes: tuple[str, ...] = ()  # what the kind did to the tokenizer (a chat template, the pad token)
+
+    @property
+    def majority(self) -> str | None:
+        return self.labels[0] if self.labels else None
+
+    def facts(self, config: FinetuneConfig, from_scratch: bool = False) -> TaskFacts:
+        """The task.json of a run of `config` on these rows (`from_scratch`: a baseline's random start)."""
+        return TaskFacts(kind=self.kind.name, seq2seq=self.seq2seq, seq_len=self.encoder.seq_len,
+                         prompt=config.task.prompt, too_long=config.data.too_long, labels=self.labels,
+                         majority_label=self.majority, stop_ids=self.kind.stop_ids(self.encoder),
+                         best_metric=config.best_metric,
+                         pretrained_model=None if from_scratch else str(config.model.path),
+                         train_file=str(config.data.train),
+                         architecture_of=str(config.model.path) if from_scratch else None)
+
+
+
+class TaskKind:
+    """One task kind: rows, their encoding, prompts, validation and the gate's view of them. Subclasses
+    override what differs; the defaults are a labelled-row task's where one exists."""
+
+    name: str
+    converses: bool = False  # rows are conversations: `gptpipe chat` talks to the model, a chat template ships
+    encodes_validation: bool = False  # the validation rows are encoded when the task loads (and dropped if unfit)
+    labelled: bool = False  # a label set is read from the training rows and every label is scored
+    loss_scores: str = "the gold labels: {:.4f} nats per label token"  # the card's words for val_loss
+    row_noun: str = "rows"  # what the log calls its rows
+
+    # --- reading and encoding --------------------------------------------------------------------------
+    def check(self, config: FinetuneConfig, seq2seq: bool) -> None:
+        """Refuse (StageInputError) a run this kind cannot train: its model or its data files."""
+
+    def prepare_tokenizer(self, tokenizer: Any, task: TaskConfig) -> tuple[str, ...]:
+        """Make the run's tokenizer fit the kind (a chat template, a pad token); returns what was done."""
+        return ()
+
+    def read(self, path: Path, data: FinetuneDataConfig, skipped: Reasons, need_answer: bool = True) -> list[Any]:
+        """The good rows of `path` (bad ones counted in `skipped`); need_answer=False: prediction input."""
+        raise NotImplementedError
+
+    def read_lines(self, lines: list[str]) -> list[Any]:
+        """Prediction input from stdin, one row a line."""
+        raise NotImplementedError
+
+    def label_set(self, rows: list[Any]) -> list[str] | None:
+        """The labels every validation row is scored against (classification), else None."""
+        return None
+
+    def encoder(self, tokenizer: Any, facts: TaskFacts, too_long: str | None = None) -> Any:
+        """The encoder of a run with these facts; `too_long` overrides how a long input is fitted (predict
+        cuts every input so every row gets an answer)."""
+        raise NotImplementedError
+
+    def stop_ids(self, encoder: Any) -> list[int] | None:
+        """The end-of-answer tokens task.json records (None: the tokenizer's EOS, nothing to record)."""
+        return None
+
+    # --- answering a row --------------------------------------------------------------------------------
+    def prompt(self, encoder: Any, row: Any, max_new_tokens: int, skipped: Reasons
+               ) -> tuple[list[int] | None, dict[str, Any]]:
+        """(the ids `row` is answered from, leaving max_new_tokens within seq_len, or None when it cannot be;
+        what the prediction line says about a cut). Cuts and drops are counted in `skipped`."""
+        raise NotImplementedError
+
+    def row_fields(self, row: Any) -> dict[str, Any]:
+        """What a prediction or a greedy sample shows of the row it answered."""
+        raise NotImplementedError
+
+    def cut_note(self) -> str:
+        """How predict's log names the rows cut to fit."""
+        return "inputs cut"
+
+    # --- validation ---------------------------------------------------------------------------------------
+    def validate(self, model: Any, task: TaskData, config: FinetuneConfig, dist: Dist) -> dict[str, Any]:
+        """The validation figures of `model` (a DeepSpeed engine or a bare model), on every rank: val_loss and
+        the kind's metrics (metrics.TASK_METRICS)."""
+        raise NotImplementedError
+
+    # --- the export's gate ----------------------------------------------------------------------------------
+    def encodings(self, encoder: Any, row: Any) -> tuple[list[int], list[int]]:
+        """The two ways `row` becomes ids, for comparing two tokenizers."""
+        raise NotImplementedError
+
+    def texts(self, rows: list[Any]) -> list[str]:
+        """Every text of the rows, for comparing a tokenizer with SentencePiece."""
+        raise NotImplementedError
+
+    def answer_room(self, encoder: Any, rows: list[Any], labels: list[str] | None) -> int:
+        """New tokens the gate generates: room for the longest answer (+ its stop token)."""
+        raise NotImplementedError
+
+    def encode_all(self, encoder: Any, rows: list[Any], skipped: Reasons) -> list[Encoded]:
+        """The rows encoded as training encodes them; rows it would drop are left out."""
+        return [e for e in (encoder.encode(row, skipped) for row in rows) if e is not None]
+
+    def __repr__(self) -> str:
+        return f"task kind {self.name}"
+
