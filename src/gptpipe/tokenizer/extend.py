@@ -331,7 +331,9 @@ def _check_folder(base: PretrainedTokenizer, folder: Path, encoder: dict[str, An
     if moved:
         problems.append(f"{len(moved)} old ids have another string (first: {moved[:5]})")
     if old.special_tokens_map != new.special_tokens_map or old.all_special_ids != new.all_special_ids:
-        problems.append(f"special tokens {new.special_tokens_map}, the base's {old.special_tokens_map}")
+        problems.append(f"special tokens {new.special_tokens_map} with ids {new.all_special_ids}, the base's "
+                        f"{old.special_tokens_map} with {old.all_special_ids} (a class that adds a special token "
+                        f"the base's files lack gives it the next free id, now a new piece's)")
     if [new.convert_tokens_to_ids(p.piece) for p in pieces] != [p.id for p in pieces]:
         problems.append("the new pieces do not have the ids the extension gave them")
     if problems:
