@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -28,23 +27,26 @@ import yaml
 from test_corpus_neardup import MAN, MIN_CHARS, manpage_texts, near_copy
 
 
+# The child reports its own peak (VmHWM): getrusage counts the parent's pages a child holds before its exec, and
+# this parent holds the whole generated corpus.
+PEAK_RSS = ("import sys\nfrom gptpipe.cli import main\ncode = main(sys.argv[1:])\n"
+            "print(next(line for line in open('/proc/self/status') if line.startswith('VmHWM')).split()[1])\n"
+            "sys.exit(code)")
+
+
 def run_stage0(folder: Path, documents: Path, near: bool) -> tuple[float, float, list[str]]:
     """Wall seconds, the child's peak RSS in MiB, the kept documents."""
     config = {"corpus": {"sources": [{"type": "jsonl", "path": str(documents)}], "output_dir": str(folder / "out"),
                          "dropped_samples": 0, "near_dedup": {"threshold": 0.8 if near else None}}}
     (folder / "config.yaml").write_text(yaml.safe_dump(config, allow_unicode=True), encoding="utf-8")
     started = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-m", "gptpipe", "prepare", "--config", str(folder / "config.yaml"),
-                              "--force"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _, status, usage = os.wait4(child.pid, 0)  # this child's own peak RSS (RUSAGE_CHILDREN keeps the largest)
-    child.returncode = os.waitstatus_to_exitcode(status)
+    done = subprocess.run([sys.executable, "-c", PEAK_RSS, "prepare", "--config", str(folder / "config.yaml"),
+                           "--force"], check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     wall = time.perf_counter() - started
-    if child.returncode:
-        raise SystemExit(f"gptpipe prepare exited {child.returncode}")
-    rss = usage.ru_maxrss
+    rss = int(done.stdout.split()[-1]) / 1024
     with open(folder / "out" / "corpus.jsonl", encoding="utf-8") as fh:
         kept = [json.loads(line)["text"] for line in fh]
-    return wall, rss / 1024, kept
+    return wall, rss, kept
 
 
 def main() -> None:

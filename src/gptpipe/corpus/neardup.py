@@ -16,7 +16,8 @@ Over the signature file (`duplicate_of`), in bounded RAM whatever the corpus siz
 4. duplicates are joined with union-find over an on-disk array of document numbers, vectorised with numpy (the
    root of a cluster is always its lowest number, so the first document in input order is the one kept).
    datatrove's clustering step holds every pair in a Python dict and slows at terabyte scale (#298).
-RAM: one chunk of signatures (DOC_CHUNK documents), one partition (16 bytes a record) and the page cache;
+RAM: one chunk of band keys (DOC_CHUNK documents), one partition being sorted (at most ~200 MB up to 200 M
+documents), one chunk of candidate pairs' signatures (~16 MB), and the page cache of the memory-mapped files;
 disk: 4 x bands x rows bytes of signature and 16 x bands bytes of records per document.
 """
 
@@ -38,9 +39,10 @@ log = get_logger("prepare")
 
 SEED = 42  # rensa's permutations; any fixed value, the same in every worker
 DOC_CHUNK = 1 << 15  # documents whose band keys are computed at once (~30 MB at 20 x 6)
-RECORDS_PER_PARTITION = 1 << 23  # (key, document) records sorted at once: 128 MB, twice that while sorting
-MAX_PARTITIONS = 1 << 10  # open files while partitioning; past 1024 x 8 M records a partition grows
-PAIR_CHUNK = 1 << 16  # candidate pairs verified at once
+RECORDS_PER_PARTITION = 1 << 22  # (key, document) records sorted at once: 64 MB, ~3 times that while sorting
+MAX_PARTITIONS = 1 << 10  # open files while partitioning; past 1024 x 4 M records (200 M documents at 20 bands)
+# a partition grows with the corpus
+PAIR_CHUNK = 1 << 14  # candidate pairs verified at once: their two signatures, 2 x 16 k x 480 bytes at 20 x 6
 RECORD = np.dtype([("key", "<u8"), ("doc", "<u8")])
 # Scripts written without spaces between words: Thai, Lao, Tibetan, Myanmar, Khmer, CJK (radicals to ideographs,
 # kana), compatibility ideographs, half-width katakana, the supplementary ideograph planes.
