@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+from rensa import RMinHash
 
 from gptpipe.log import get_logger
 
@@ -82,8 +83,6 @@ class MinHasher:
 
     def signature(self, text: str) -> np.ndarray:
         """bands x rows MinHash values (uint32) of the text's shingles."""
-        from rensa import RMinHash
-
         minhash = RMinHash(num_perm=self.num_perm, seed=SEED)
         minhash.update(self.shingles(text))
         return np.asarray(minhash.digest(), dtype=np.uint32)

@@ -40,7 +40,8 @@ def near_dup_reason(config: NearDedupConfig) -> str:
 
 
 def build_corpus(config: CorpusConfig) -> StageResult:
-    """Read all sources in order, drop what is unusable, write corpus.jsonl atomically; count everything."""
+    """Read all sources in order, drop what is unusable and the later near duplicates, write corpus.jsonl and the
+    dropped samples atomically; count everything."""
     output = config.output_dir / PREPARE.output_file
     notes: Counter[str] = Counter()  # kept, but worth knowing
     seen: set[bytes] = set()  # 8-byte digests: ~80 bytes per document of host RAM

@@ -35,9 +35,6 @@ class Rule:
     measure: Callable[[str], float]
     past: Callable[[float], bool]
 
-    def rejects(self, text: str) -> bool:
-        return self.past(self.measure(text))
-
 
 def duplicate_line_share(text: str) -> float:
     """Characters in non-blank lines that repeat an earlier line, over all non-blank lines' characters (Gopher's
