@@ -55,16 +55,23 @@ def unseen_documents(split: str, documents: int, seed: int) -> np.ndarray:
     return document_order(documents, seed)[train[1] if train else 0:]
 
 
-def unseen_document_ids(prefix: Path | str, count: int, split: str, seed: int, drop: set[int]) -> list[list[int]]:
-    """The token ids of up to `count` documents of the dataset at `prefix` that training never reads
-    (`unseen_documents`), without the ids in `drop` (the separators stage 2 put around them); empty ones left
-    out. Stage 4's gate and `gptpipe gguf`'s llama.cpp check read held-out text through this."""
+def unseen_document_ids(prefix: Path | str, count: int, split: str, seed: int, drop: frozenset[int] = frozenset(),
+                        max_tokens: int | None = None) -> list[list[int]]:
+    """The token ids of the first `count` documents of the dataset at `prefix` that training never reads
+    (`unseen_documents`), without the ids in `drop` (the separators stage 2 put around them); empty ones and
+    ones over `max_tokens` passed over. Every held-out reader takes them from here: stage 4's gate, `gptpipe
+    gguf`'s llama.cpp check and continued pretraining's tokenizer round trip."""
     from gptpipe.data.indexed import IndexedDataset
 
     reader = IndexedDataset(prefix)
-    documents = [[t for t in reader[int(i)].tolist() if t not in drop]
-                 for i in unseen_documents(split, len(reader), seed)[:count]]
-    return [d for d in documents if d]
+    documents: list[list[int]] = []
+    for i in unseen_documents(split, len(reader), seed):
+        if len(documents) == count:
+            break
+        ids = [t for t in reader[int(i)].tolist() if t not in drop]
+        if ids and (max_tokens is None or len(ids) <= max_tokens):
+            documents.append(ids)
+    return documents
 
 
 def split_problems(name: str, split: str, documents: tuple[int, ...], tokens: tuple[int, ...],

@@ -489,7 +489,7 @@ def heldout_texts(model_dir: Path) -> tuple[list[str], str]:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         prefix = Path(training.data.prefixes[0])
         documents = unseen_document_ids(prefix, HELDOUT_DOCUMENTS, training.data.split, training.data.seed,
-                                        set(tokenizer.all_special_ids))
+                                        frozenset(tokenizer.all_special_ids))
     except (StageInputError, OSError) as exc:
         return [], f"its training data cannot be read here ({exc})"
     return ([tokenizer.decode(doc) for doc in documents],

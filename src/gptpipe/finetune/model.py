@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from gptpipe.finetune.data import IGNORE, Encoded, Encoder, collate, left_padded, pad_id
-from gptpipe.train.model import inference_config
+from gptpipe.train.model import inference_config, load_pretrained
 
 if TYPE_CHECKING:
     from gptpipe.finetune.chat_data import ChatEncoder
@@ -44,7 +44,7 @@ def pretrained_factory(folder: Path, seq2seq: bool, device: torch.device, scratc
 
             config = inference_config(AutoConfig.from_pretrained(folder))
             return model_class(seq2seq).from_config(config, dtype=torch.float32).to(device)
-        model = model_class(seq2seq).from_pretrained(folder, dtype=torch.float32).to(device)
+        model = load_pretrained(folder, seq2seq).to(device)
         inference_config(model.config)  # the fine-tune's loss has no router term; evaluation generates
         return model
 

@@ -163,27 +163,12 @@ def reference_loss(folder: Path, batch: dict[str, torch.Tensor]) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from gptpipe.train.model import lm_forward
+
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
-        out = model(input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["labels"],
-                    use_cache=False)
+        out = lm_forward(model, batch)
     return float(out.loss)
-
-
-def heldout_token_documents(prefix: Path, split: str, seed: int, count: int = ROUND_TRIP_DOCUMENTS) -> list[list[int]]:
-    """Up to `count` whole documents of the data's validation/test split (training never reads them), as ids."""
-    from gptpipe.data.indexed import IndexedDataset
-    from gptpipe.data.split import unseen_documents
-
-    reader = IndexedDataset(prefix)
-    docs = []
-    for i in unseen_documents(split, len(reader), seed):
-        doc = reader[int(i)].tolist()
-        if len(doc) <= ROUND_TRIP_MAX_TOKENS:
-            docs.append(doc)
-        if len(docs) == count:
-            break
-    return docs
 
 
 def source_texts(manifest: Any, count: int = ROUND_TRIP_DOCUMENTS) -> list[str] | None:
@@ -238,6 +223,7 @@ def tokenizer_problems(tokenizer: Any, base: BaseModel, prefix: Path, split: str
     source texts re-encoded (`source_texts`), else held-out documents decoded and re-encoded (a weaker check: a
     tokenizer with some pieces' ids swapped decodes and re-encodes consistently)."""
     from gptpipe.artifacts import read_dataset
+    from gptpipe.data.split import unseen_document_ids
 
     bos, eod = base.tokenizer.bos_id, base.tokenizer.eod_id
     dataset = read_dataset(prefix)  # a URL prefix: its verified local copy
@@ -246,7 +232,8 @@ def tokenizer_problems(tokenizer: Any, base: BaseModel, prefix: Path, split: str
         problems = reencode_problems(tokenizer, texts, first_documents(dataset.prefix, len(texts)), bos, eod)
         checked = f"re-encodes the source text of {len(texts)} documents to the data's ids"
     else:
-        documents = heldout_token_documents(dataset.prefix, split, seed)
+        documents = unseen_document_ids(dataset.prefix, ROUND_TRIP_DOCUMENTS, split, seed,
+                                        max_tokens=ROUND_TRIP_MAX_TOKENS)
         problems = round_trip_problems(tokenizer, documents, bos, eod)
         checked = (f"decodes and re-encodes {len(documents)} held-out documents to the data's ids (their source "
                    "jsonl is not readable as it was encoded)")

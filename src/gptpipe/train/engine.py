@@ -30,7 +30,7 @@ from gptpipe.ports import free_port
 from gptpipe.train.config import LoopConfig
 from gptpipe.train.devices import LIGER_ARCHS, host_threads_per_rank, loss_path, triton_missing
 from gptpipe.train.memory import gradient_bytes
-from gptpipe.train.model import RouterStats, build_model, parameter_groups, router_loss
+from gptpipe.train.model import RouterStats, build_model, lm_forward, parameter_groups, router_loss
 from gptpipe.train.schedule import Schedule
 
 # Package data, so a plain `pip install .` has it too; original_codes/ds_config_gpt_TEMPLATE.json links here.
@@ -279,16 +279,14 @@ def uncompiled_because(train: LoopConfig, on_gpu: bool, liger: bool) -> str | No
 
 def forward_loss(engine: Any, batch: dict[str, torch.Tensor],
                  **loss_kwargs: Any) -> tuple[torch.Tensor, RouterStats | None]:
-    """(loss to backpropagate, the router's statistics or None). Labels are already shifted by the dataset,
-    so they go in as `shift_labels` (no token is lost to the model's own shift); `loss_kwargs` are
+    """(loss to backpropagate, the router's statistics or None) of model.lm_forward; `loss_kwargs` are
     build_engine's. `engine` may also be the plain model (bench/bench_liger.py, bench_train.py's plain loop).
 
     A mixture of experts asks for its router logits here (its saved config leaves them off) and adds each
     layer's load-balancing loss (model.router_loss) with the config's router_aux_loss_coef."""
     config = getattr(engine, "module", engine).config
     moe = hasattr(config, "output_router_logits")
-    out = engine(input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["labels"],
-                 use_cache=False, **loss_kwargs, **({"output_router_logits": True} if moe else {}))
+    out = lm_forward(engine, batch, **loss_kwargs, **({"output_router_logits": True} if moe else {}))
     if not moe:
         return out.loss, None
     stats = router_loss(out.router_logits, config.num_experts_per_tok)

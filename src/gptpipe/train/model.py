@@ -230,6 +230,26 @@ def attention_implementation(hf_config: PretrainedConfig) -> str:
     return "eager" if getattr(hf_config, "attn_logit_softcapping", None) else "sdpa"
 
 
+def lm_forward(model: Any, batch: dict[str, torch.Tensor], **kwargs: Any) -> Any:
+    """A causal LM's forward on a stage-3 batch, loss included: the labels are already shifted by the dataset,
+    so they go in as `shift_labels` (no token is lost to the model's own shift); no KV cache. `model` is a
+    DeepSpeed engine or a bare model; `kwargs` are build_engine's loss arguments, output_router_logits, ...
+    Training, validation, continued pretraining's step-0 gate and its reference loss all call it."""
+    return model(input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["labels"],
+                 use_cache=False, **kwargs)
+
+
+def load_pretrained(folder: Path, seq2seq: bool = False) -> PreTrainedModel:
+    """The model of a HuggingFace folder in fp32 on the host, with the attention training runs
+    (attention_implementation): the one loader of a pretrained folder for training, fine-tuning and predict."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    model_class = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+    attention = attention_implementation(AutoConfig.from_pretrained(folder))
+    return model_class.from_pretrained(folder, dtype=torch.float32, attn_implementation=attention)
+
+
 def build_model(hf_config: PretrainedConfig, device: torch.device | str = "cpu",
                 init_from: Path | None = None) -> PreTrainedModel:
     """A freshly initialized model (weights drawn with initializer_range), or a base model's weights
@@ -243,8 +263,7 @@ def build_model(hf_config: PretrainedConfig, device: torch.device | str = "cpu",
 
     attention = attention_implementation(hf_config)
     if init_from is not None:
-        model = AutoModelForCausalLM.from_pretrained(init_from, dtype=torch.float32,
-                                                     attn_implementation=attention).to(device)
+        model = load_pretrained(init_from).to(device)
     else:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention, dtype=torch.float32)

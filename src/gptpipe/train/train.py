@@ -36,7 +36,7 @@ from gptpipe.train.engine import Dist, EngineConfigError, build_engine, deepspee
 from gptpipe.train.loop import LogWindow, TrainLoop, run_ranks
 from gptpipe.train.metrics_rows import MixtureRow, TrainRow, ValidationRow
 from gptpipe.tolerance import loss_tolerance
-from gptpipe.train.model import build_model, expert_shares, router_loss
+from gptpipe.train.model import build_model, expert_shares, lm_forward, router_loss
 from gptpipe.train.plan import Plan, PlanError, check_parameter_count, make_plan
 from gptpipe.train.plan_report import format_plan
 
@@ -141,8 +141,7 @@ class Pretrainer(TrainLoop):
         base, precision = self.base, self.train_cfg.precision
         batch = to_device(self.gate_sample, self.dist.device)
         self.engine.eval()
-        out = self.engine(input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["labels"],
-                          use_cache=False, **self.loss_kwargs)
+        out = lm_forward(self.engine, batch, **self.loss_kwargs)
         self.engine.train()
         problems = []
         if self.dist.is_main:
@@ -276,8 +275,7 @@ class Pretrainer(TrainLoop):
         counts = None
         for source, batch in eval_batches(self.valid_data, plan.eval_samples, plan.settings.micro_batch,
                                           self.dist.rank, self.dist.world_size, self.dist.device):
-            out = engine(input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["labels"],
-                         use_cache=False, **extra)
+            out = lm_forward(engine, batch, **extra)
             count = (batch["labels"] != -100).sum()
             totals[source] += torch.stack([out.loss.double() * count, count.double()])
             if moe:
