@@ -32,6 +32,8 @@ NOT_A_MESSAGE_LIST = "not a message list"  # stage 7's chat rows: `messages` is 
 UNKNOWN_ROLE = "unknown role"  # a turn whose role is not system, user or assistant
 NO_ASSISTANT_TURN = "no assistant turn"  # nothing for the model to learn to answer
 TEMPLATE_ERROR = "template error"  # the chat template raised on the row (e.g. roles that do not alternate)
+NO_CHOSEN = "no chosen answer"  # stage 7's preference rows: `chosen` missing, null or no turn: nothing preferred
+IDENTICAL_ANSWERS = "identical answers"  # a preference row whose chosen and rejected answers are the same
 # Repairs, counted for records that are kept: NULs (binary junk, broken extraction) are removed, and stage 7
 # cuts an input that does not fit train.seq_len.
 NUL_STRIPPED = "nul stripped"

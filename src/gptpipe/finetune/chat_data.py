@@ -126,24 +126,15 @@ def conversation(raw: bytes, messages_key: str, need_answer: bool
     if not isinstance(obj, dict):
         return Problem(NOT_AN_OBJECT, "")
     if messages_key in obj:
-        turns = obj[messages_key]
-        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
-            return Problem(NOT_A_MESSAGE_LIST, f"{messages_key} must be a list of objects")
-        messages = []
-        for k, turn in enumerate(turns):
-            role, content = turn.get("role"), turn.get("content")
-            if role not in ROLES:
-                return Problem(UNKNOWN_ROLE, f"turn {k}: {role!r}")
-            problem = _text_problem(content, f"turn {k} content")
-            if problem:
-                return problem
-            messages.append({"role": role, "content": content.strip()})
+        messages = message_list(obj[messages_key], messages_key)
+        if isinstance(messages, Problem):
+            return messages
     elif "instruction" in obj:
         if need_answer and obj.get("output") is None:
             return Problem(NO_ASSISTANT_TURN, "no 'output'")
         optional = ("system", "input") if need_answer else ("system", "input", "output")
         for key in ("system", "instruction", "input", "output"):
-            problem = None if key in optional and obj.get(key) in (None, "") else _text_problem(obj.get(key), key)
+            problem = None if key in optional and obj.get(key) in (None, "") else text_problem(obj.get(key), key)
             if problem:
                 return problem
         extra = (obj.get("input") or "").strip()
@@ -158,7 +149,25 @@ def conversation(raw: bytes, messages_key: str, need_answer: bool
     return tuple(messages)
 
 
-def _text_problem(value: Any, name: str) -> Problem | None:
+def message_list(turns: Any, key: str) -> list[dict[str, str]] | Problem:
+    """The turns of a jsonl row's message list (`key` names it in a problem): each an object with a role of
+    ROLES and non-empty text content (stripped), or why the list is none."""
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        return Problem(NOT_A_MESSAGE_LIST, f"{key} must be a list of objects")
+    messages = []
+    for k, turn in enumerate(turns):
+        role, content = turn.get("role"), turn.get("content")
+        if role not in ROLES:
+            return Problem(UNKNOWN_ROLE, f"turn {k}: {role!r}")
+        problem = text_problem(content, f"turn {k} content")
+        if problem:
+            return problem
+        messages.append({"role": role, "content": content.strip()})
+    return messages
+
+
+def text_problem(value: Any, name: str) -> Problem | None:
+    """Why `value` (a row's field called `name`) is no usable text, or None when it is."""
     if not isinstance(value, str):
         return Problem(NOT_A_STRING, name)
     if not value.strip():
@@ -284,11 +293,16 @@ class ChatEncoder:
             return None
 
     def _encode(self, row: Conversation, skipped: Reasons) -> Encoded | None:
-        messages = list(row.messages)
-        full = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        full = self.tokenizer.apply_chat_template(list(row.messages), tokenize=True, return_dict=False)
         if len(full) > self.seq_len:  # cutting a conversation would cut an answer or its context: dropped
             skipped.add(TOO_LONG, f"{row.where}: {len(full)} tokens, train.seq_len {self.seq_len}")
             return None
+        return self.masked(row, full)
+
+    def masked(self, row: Conversation, full: list[int]) -> Encoded:
+        """The conversation's ids (`full`: apply_chat_template's) with IGNORE outside the assistant turns,
+        whatever their length; TemplateError when the spans cannot be exact."""
+        messages = list(row.messages)
         text = self.render(messages)
         labels = [IGNORE] * len(full)
         for i, turn in enumerate(messages):

@@ -28,17 +28,19 @@ class ChatKind(TaskKind):
     encodes_validation = True  # a conversation the template cannot mask, or too long, is no validation row
     loss_scores = "the assistant turns: {:.4f} nats per assistant token"
     row_noun = "conversations"
+    tuning = "chat tuning"  # what the refusals call the training
+    row_keys = "messages, or instruction/input/output"  # the keys of a row, for the refusals
 
     def check(self, config: FinetuneConfig, seq2seq: bool) -> None:
         data = config.data
         if seq2seq:
-            raise StageInputError(f"task.kind {self.name}: {config.model.path} is an encoder-decoder; chat tuning "
+            raise StageInputError(f"task.kind {self.name}: {config.model.path} is an encoder-decoder; {self.tuning} "
                                   f"needs a causal LM, which reads the whole conversation as one sequence")
         for name in ("train", "validation"):
             path = getattr(data, name)
             if path is not None and file_format(path, data.format) != "jsonl":
-                raise StageInputError(f"task.kind {self.name} reads jsonl rows (messages, or instruction/input/"
-                                      f"output); data.{name} {path} is not .jsonl (set data.format=jsonl if it is)")
+                raise StageInputError(f"task.kind {self.name} reads jsonl rows ({self.row_keys}); data.{name} "
+                                      f"{path} is not .jsonl (set data.format=jsonl if it is)")
 
     def prepare_tokenizer(self, tokenizer: Any, task: TaskConfig) -> tuple[str, ...]:
         """The template installed, special tokens read as tokens, a pad distinct from EOS."""

@@ -58,20 +58,35 @@ class FinetuneDataConfig:
 class TaskConfig:
     """What the model learns to produce after the prompt."""
 
-    kind: Literal["classification", "generation", "chat"] = option(
+    kind: Literal["classification", "generation", "chat", "preference"] = option(
         "classification", "classification: the label set comes from the training rows and evaluation scores "
                           "every label; generation: free-form output scored by exact match and chrF; chat: "
                           "jsonl conversations (causal LMs), the loss on the assistant's turns, scored by "
-                          "the assistant-token loss and chrF of generated answers")
+                          "the assistant-token loss and chrF of generated answers; preference: jsonl rows of a "
+                          "prompt and a chosen and a rejected answer (causal LMs, through the chat template), "
+                          "DPO against the starting model, scored by the held-out pairs' reward accuracy")
     prompt: str = option("{input}\n答え:", "prompt template; {input} is the row's input, the label follows it")
     chat_template: str = option(
         "auto", "chat: auto (the model tokenizer's own template, else gptpipe's), gptpipe (ユーザー:/アシスタント: "
                 "turns), alpaca_ja (### 指示: / ### 応答:) or a .jinja file; installed into the run's tokenizer")
     chat_eval_rows: int = option(32, "chat: validation conversations whose last answer is generated for chrF "
-                                     "at each evaluation (the first ones; the loss uses every row)")
+                                     "at each evaluation (the first ones; the loss uses every row); preference: "
+                                     "validation prompts answered greedily for greedy_chosen")
+    beta: float = option(0.1, "preference: DPO's beta, how far the tuned model may move from the reference (the "
+                              "starting model): the loss is -log sigmoid(beta x the chosen answer's log-ratio "
+                              "margin over the rejected one's); larger keeps it closer")
+    label_smoothing: float = option(
+        0.0, "preference: the share of pairs assumed mislabelled (conservative DPO): the loss is (1 - e) x DPO's "
+             "plus e x the loss of the swapped pair; in [0, 0.5)")
     generate_labels: bool = option(
         False, "classification: also generate the label at evaluation and map it onto the nearest label by "
                "edit distance (reported with how many needed mapping)")
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = [("beta", f"must be > 0, got {self.beta}")] if not self.beta > 0 else []
+        if not 0 <= self.label_smoothing < 0.5:
+            problems.append(("label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}"))
+        return problems
 
 
 @dataclass
@@ -109,7 +124,9 @@ class FinetuneTrainConfig(LoopConfig):
                "(an encoder-decoder is refused)")
     best_metric: str = option("auto", "validation metric that picks the best checkpoint: classification "
                                       "accuracy | macro_f1 | val_loss; generation exact_match | chrf | val_loss; "
-                                      "chat chrf | val_loss; auto: macro_f1, chrf, val_loss by task.kind")
+                                      "chat chrf | val_loss; preference reward_accuracy | reward_margin | "
+                                      "greedy_chosen | val_loss; auto: macro_f1, chrf, val_loss, val_loss by "
+                                      "task.kind")
 
     def check(self) -> list[tuple[str, str]]:
         # The loop's checks, but seq_len's own here: it may be auto, resolved once the rows are read.
@@ -196,7 +213,7 @@ class FinetuneConfig:
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
-        if "{input}" not in self.task.prompt and self.task.kind != "chat":
+        if "{input}" not in self.task.prompt and self.task.kind not in ("chat", "preference"):  # templated rows
             problems.append(("task.prompt", "must contain {input}"))
         allowed = best_metric_choices(self.task.kind)
         if self.best_metric not in allowed:

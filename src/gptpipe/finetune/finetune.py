@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,6 @@ from gptpipe.finetune.config import FinetuneConfig
 from gptpipe.finetune.data import (
     IGNORE,
     Encoded,
-    collate,
     collate_packed,
     computed_positions,
     epoch_order,
@@ -146,7 +145,7 @@ class FineTuner(TrainLoop):
         train = config.train
         self.micro, self.accumulation = micro, accumulation
         self.pad = pad_id(task.tokenizer)
-        self.lengths = [row_positions(e, task.seq2seq) for e in task.train]
+        self.lengths = [sum(row_positions(s, task.seq2seq) for s in task.kind.sequences(e)) for e in task.train]
         self.pack_capacity = train.seq_len if train.packing else None
         self.counted = [0, 0]  # real and computed positions of the steps since the last train line
         by_epochs = math.ceil(train.train_epochs * len(task.train) / train.global_batch_size)
@@ -165,12 +164,22 @@ class FineTuner(TrainLoop):
                                                        scratch=from_scratch))
         if train.packing:
             self.engine.eval()
-            leaks = packing_leaks(self.engine, task.train, len(task.tokenizer), self.pad, dist.device)
+            leaks = packing_leaks(self.engine, [s for e in task.train[:8] for s in task.kind.sequences(e)],
+                                  len(task.tokenizer), self.pad, dist.device)
             self.engine.train()
             if leaks:
                 raise StageInputError(f"train.packing: {config.model.path} ({self.hf_config.model_type}) lets a "
                                       f"packed row attend to the row before it (its attention mask is not built "
                                       f"from restarting position ids); set train.packing=false")
+        self.engine.eval()
+        # With the starting weights, before a resumed run loads its checkpoint (a preference run's reference).
+        self.task = task.kind.prepare_training(self.engine, task, config, self.run_dir, dist,
+                                               resuming=checkpoint.newest_checkpoint(self.ckpt_root) is not None)
+        self.engine.train()
+        # The kind's step figures (task_kind.step_figures), summed: this step's, and the log window's so far.
+        figures = len(task.kind.step_figures)
+        self.step_figures = torch.zeros(figures, device=dist.device)
+        self.window_figures = torch.zeros(figures, device=dist.device)
         self.best: dict[str, Any] | None = None  # {"step", "value", "metrics"} of the best evaluation
         self.last_eval: dict[str, Any] | None = None
 
@@ -191,54 +200,76 @@ class FineTuner(TrainLoop):
 
     def batches(self):
         """This rank's micro-batches of the current step, each carrying the loss scale of the window."""
-        train, dist = self.train_cfg, self.dist
+        train, dist, kind, seq2seq = self.train_cfg, self.dist, self.task.kind, self.task.seq2seq
         start = self.step * train.global_batch_size
         window = [self.task.train[self._row(p)] for p in range(start, start + train.global_batch_size)]
-        tokens = sum(e.label_tokens for e in window)  # label tokens of the whole global batch, every rank
+        weight = sum(kind.loss_weight(e) for e in window)  # label tokens (pairs) of the whole global batch
         # DeepSpeed divides each micro-batch's loss by the accumulation steps and averages gradients over
         # ranks; this scale undoes both, so the step's gradient is that of sum(token losses) / tokens.
-        scale = self.accumulation * dist.world_size / tokens
+        scale = self.accumulation * dist.world_size / weight
         # Every rank's micro-batches are consecutive slices of the window: the step's figures for the train line.
-        self.step_positions = (sum(row_positions(e, self.task.seq2seq) for e in window),
-                               sum(computed_positions(window[k:k + self.micro], self.task.seq2seq, self.pack_capacity)
-                                   for k in range(0, len(window), self.micro)))
+        sequences = [[s for e in window[k:k + self.micro] for s in kind.sequences(e)]
+                     for k in range(0, len(window), self.micro)]
+        self.step_positions = (sum(row_positions(s, seq2seq) for seqs in sequences for s in seqs),
+                               sum(computed_positions(seqs, seq2seq, self.pack_capacity) for seqs in sequences))
+        self.step_figures.zero_()  # a step cut short by a signal is not counted
         for micro_step in range(self.accumulation):
             positions = sample_positions(start, micro_step, self.micro, dist.rank, dist.world_size)
-            items = [window[p - start] for p in positions]
-            batch = collate_packed(items, self.pad, self.pack_capacity, dist.device) if self.pack_capacity else \
-                collate(items, self.pad, self.task.seq2seq, dist.device)
+            batch = kind.collate([window[p - start] for p in positions], self.pad, seq2seq, self.pack_capacity,
+                                 dist.device)
             batch["scale"] = scale
             yield batch
 
     def forward(self, engine: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, None]:
-        return -target_logprobs(engine, batch, self.task.seq2seq).sum() * batch["scale"], None
+        loss, figures = self.task.kind.loss(engine, batch, self.task.seq2seq, self.config.task)
+        if figures is not None:
+            self.step_figures += figures.detach()
+        return loss * batch["scale"], None
 
     def after_step(self) -> None:
         self.counted = [c + n for c, n in zip(self.counted, self.step_positions)]
+        self.window_figures += self.step_figures
 
     def log_train(self, window: LogWindow) -> None:
         seconds = max(window.seconds, 1e-9)
         rows_per_s = window.steps * self.train_cfg.global_batch_size / seconds
         (real, computed), self.counted = self.counted, [0, 0]
-        row = TrainRow(self.step, **window.row(), tokens_per_s=real / seconds,
-                       epoch=self.step * self.train_cfg.global_batch_size / len(self.task.train),
-                       rows_per_s=rows_per_s, padding=1 - real / max(computed, 1))
+        # The kind's figures: the mean over the window's items, every rank's (a sync, on log steps only).
+        means = self._window_figures() / (window.steps * self.train_cfg.global_batch_size)
+        self.window_figures.zero_()
+        figures = dict(zip(self.task.kind.step_figures, means.tolist()))
+        row = TaskTrainRow(self.step, **window.row(), tokens_per_s=real / seconds,
+                           epoch=self.step * self.train_cfg.global_batch_size / len(self.task.train),
+                           rows_per_s=rows_per_s, padding=1 - real / max(computed, 1), figures=figures or None)
         skipped = f"  skipped {self.skipped}" if self.skipped else ""
-        self.log.record(row, console=f"step {self.step}/{self.steps}  epoch {row.epoch:.2f}  {window.line()}  "
+        shown = "".join(f"  {name} {value:.4f}" for name, value in figures.items())
+        self.log.record(row, console=f"step {self.step}/{self.steps}  epoch {row.epoch:.2f}  {window.line()}{shown}  "
                                      f"{rows_per_s:,.1f} rows/s  {row.tokens_per_s:,.0f} tokens/s  "
                                      f"padding {row.padding:.0%}{skipped}")
+
+    def _window_figures(self) -> torch.Tensor:
+        """The log window's figure sums over every rank (collective)."""
+        sums = self.window_figures.clone()
+        if len(sums):
+            torch.distributed.all_reduce(sums)
+        return sums
 
     # --- checkpoints ---------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
         # The run record (the resolved finetune_config.yaml): stage 4 finds the validation rows it verifies on here.
         return {"best": self.best, "last_eval": self.last_eval, "task": self.facts.to_dict(),
                 "log_positions": self.counted,  # the log window's positions so far, as the train line counts them
+                "log_figures": self._window_figures().tolist(),  # and its figure sums (every rank's)
                 "precision": self.train_cfg.precision, "zero_stage": self.train_cfg.zero_stage,
                 "config": to_plain(self.config)}
 
     def restore(self, state: dict[str, Any]) -> None:
         self.best, self.last_eval = state.get("best"), state.get("last_eval")
         self.counted = state.get("log_positions", [0, 0])
+        # Rank 0 holds the ranks' sums, the others none: the log step's all-reduce gives the sums back.
+        saved = state.get("log_figures") or [0.0] * len(self.window_figures)
+        self.window_figures = torch.tensor(saved if self.dist.is_main else [0.0] * len(saved),
+                                           dtype=torch.float32, device=self.dist.device)
         best_folder = self.ckpt_root / checkpoint.tag_of(self.best["step"]) if self.best else None
         if self.dist.is_main and best_folder and best_folder.is_dir() and \
                 checkpoint.best_tag(self.ckpt_root) != best_folder.name:  # killed between its save and its mark
@@ -292,6 +323,18 @@ class FineTuner(TrainLoop):
         self.say(f"finished {self.step} steps; best checkpoint: step {best.get('step')} "
                  f"({self.config.best_metric} {best.get('value', float('nan')):.4f}) in "
                  f"{self.ckpt_root / checkpoint.tag_of(best.get('step', 0))}")
+
+
+@dataclass
+class TaskTrainRow(TrainRow):
+    """A fine-tune's train row: stage 3's figures and the task kind's step figures (task_kind.step_figures),
+    logged under their own names beside the loss."""
+
+    figures: dict[str, float] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        plain = super().to_json()
+        return {**{k: v for k, v in plain.items() if k != "figures"}, **(self.figures or {})}
 
 
 @torch.no_grad()

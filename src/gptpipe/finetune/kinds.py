@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from gptpipe.finetune.chat_task import ChatKind
 from gptpipe.finetune.labelled import ClassificationKind, GenerationKind
+from gptpipe.finetune.preference import PreferenceKind
 from gptpipe.finetune.task_kind import TaskKind
 from gptpipe.stage import StageInputError
 
-KINDS: dict[str, TaskKind] = {kind.name: kind for kind in (ClassificationKind(), GenerationKind(), ChatKind())}
+KINDS: dict[str, TaskKind] = {kind.name: kind for kind in (ClassificationKind(), GenerationKind(), ChatKind(),
+                                                            PreferenceKind())}
 
 
 def task_kind(name: str) -> TaskKind:

@@ -1,7 +1,7 @@
 """Task metrics: classification by scikit-learn (with the majority-class baseline beside them, since
 imbalanced label sets are the norm), generation by exact match and chrF (sacrebleu, computed locally), chat
-by chrF of generated answers; and the catalogue every reader of them shares (training's best checkpoint, the
-console, predict, the card)."""
+by chrF of generated answers, preference by the DPO rewards of held-out pairs (finetune/preference.py); and the
+catalogue every reader of them shares (training's best checkpoint, the console, predict, the card)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ class Metric:
 VAL_LOSS = Metric("val_loss", "loss", higher_is_better=False)
 TASK_METRICS = {"classification": (Metric("accuracy", "accuracy"), Metric("macro_f1", "macro-F1")),
                 "generation": (Metric("exact_match", "exact match"), Metric("chrf", "chrF", digits=2)),
-                "chat": (Metric("chrf", "chrF", digits=2),)}
+                "chat": (Metric("chrf", "chrF", digits=2),),
+                "preference": (Metric("reward_accuracy", "reward accuracy"), Metric("reward_margin", "reward margin"),
+                               Metric("greedy_chosen", "greedy answers nearer the chosen"))}
 
 
 def metric(key: str) -> Metric:
@@ -35,7 +37,9 @@ def metric(key: str) -> Metric:
 
 
 # train.best_metric: auto, by task kind: chat answers are few and short, so the loss is steadier than their chrF.
-DEFAULT_BEST = {"classification": "macro_f1", "generation": "chrf", "chat": VAL_LOSS.key}
+# Preference: the DPO loss of the held-out pairs is continuous and weighs the margins, where reward accuracy is a
+# count that reaches 1 early and then ties (the first evaluation to reach it would stay the best).
+DEFAULT_BEST = {"classification": "macro_f1", "generation": "chrf", "chat": VAL_LOSS.key, "preference": VAL_LOSS.key}
 
 
 def best_metric_choices(kind: str) -> tuple[str, ...]:

@@ -13,9 +13,13 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gptpipe.finetune.data import collate, collate_packed
+from gptpipe.finetune.model import target_logprobs
 from gptpipe.stage import StageInputError, write_text_atomic
 
 if TYPE_CHECKING:
+    import torch
+
     from gptpipe.data.jsonl import Reasons
     from gptpipe.finetune.config import FinetuneConfig, FinetuneDataConfig, TaskConfig
     from gptpipe.finetune.data import Encoded
@@ -89,13 +93,13 @@ class TaskData:
     encoder: Any  # the kind's encoder (finetune/data.py's Encoder, chat_data.py's ChatEncoder)
     seq2seq: bool
     train_rows: list[Any]  # the kind's rows: finetune/data.py's Row, chat_data.py's Conversation
-    train: list[Encoded]
+    train: list[Any]  # the training items, encoded: Encoded rows (a preference pair: two of them)
     validation: list[Any]
     labels: list[str] | None  # classification: the label set, most frequent first
     skipped: Reasons
     length_warning: str | None = None  # train.seq_len cut or dropped training rows: how many, what keeps them
     seq_len_note: str | None = None  # train.seq_len auto: what it chose and why
-    validation_items: list[Encoded] | None = None  # kinds that encode validation rows: them, encoded
+    validation_items: list[Any] | None = None  # kinds that encode validation rows: them, encoded
     notes: tuple[str, ...] = ()  # what the kind did to the tokenizer (a chat template, the pad token)
 
     @property
@@ -124,6 +128,7 @@ class TaskKind:
     labelled: bool = False  # a label set is read from the training rows and every label is scored
     loss_scores: str = "the gold labels: {:.4f} nats per label token"  # the card's words for val_loss
     row_noun: str = "rows"  # what the log calls its rows
+    step_figures: tuple[str, ...] = ()  # training figures of each item that `loss` sums; the train line logs means
 
     # --- reading and encoding --------------------------------------------------------------------------
     def check(self, config: FinetuneConfig, seq2seq: bool) -> None:
@@ -153,6 +158,36 @@ class TaskKind:
     def stop_ids(self, encoder: Any) -> list[int] | None:
         """The end-of-answer tokens task.json records (None: the tokenizer's EOS, nothing to record)."""
         return None
+
+    # --- training -----------------------------------------------------------------------------------------
+    def prepare_training(self, model: Any, task: TaskData, config: FinetuneConfig, run_dir: Path, dist: Dist,
+                         resuming: bool) -> TaskData:
+        """The task as training `model` needs it, called with the model's starting weights before its first
+        step (`resuming`: a checkpoint will be loaded next); the default needs nothing more than the rows."""
+        return task
+
+    def sequences(self, item: Any) -> list[Encoded]:
+        """The sequences one training item puts into a micro-batch, in order."""
+        return [item]
+
+    def loss_weight(self, item: Any) -> int:
+        """What one item adds to the global batch's loss normaliser: its label tokens, so every label token of
+        the global batch weighs the same wherever it lands."""
+        return item.label_tokens
+
+    def collate(self, items: list[Any], pad: int, seq2seq: bool, pack_capacity: int | None, device: Any
+                ) -> dict[str, Any]:
+        """A micro-batch of training items: their sequences padded, or packed into pack_capacity tokens."""
+        sequences = [s for item in items for s in self.sequences(item)]
+        if pack_capacity:
+            return collate_packed(sequences, pad, pack_capacity, device)
+        return collate(sequences, pad, seq2seq, device)
+
+    def loss(self, model: Any, batch: dict[str, Any], seq2seq: bool, task: TaskConfig
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the micro-batch's loss summed over its items, before the batch's scale; its items' step_figures
+        summed, or None): the label tokens' negative log-likelihood."""
+        return -target_logprobs(model, batch, seq2seq).sum(), None
 
     # --- answering a row --------------------------------------------------------------------------------
     def prompt(self, encoder: Any, row: Any, max_new_tokens: int, skipped: Reasons
