@@ -48,10 +48,12 @@ def best_metric_choices(kind: str) -> tuple[str, ...]:
 
 
 def headline(m: dict[str, Any], kind: str) -> str:
-    """The task's figures on one console line (classification: the per-class table below it)."""
+    """The task's figures on one console line (classification: the per-class table below it). Predict scores a
+    preference model's answers as generated text against the chosen ones: generation's figures then."""
     if kind == "classification":
         return format_classification(m)
-    return "  ".join(f"{x.label} {x.show(m[x.key])}" for x in TASK_METRICS[kind])
+    figures = [x for x in TASK_METRICS[kind] if x.key in m] or TASK_METRICS["generation"]
+    return "  ".join(f"{x.label} {x.show(m[x.key])}" for x in figures)
 
 
 def classification_metrics(gold: list[str], predicted: list[str], labels: list[str],
