@@ -11,6 +11,10 @@ the backend of transformers' fast tokenizer. Documents are separated the way the
 read them: its BOS before each document when its tokenizer adds one, its EOS after each. The convention is read
 off the tokenizer itself (what ``tokenizer(text)`` adds around ``tokenizer(text, add_special_tokens=False)``)
 and recorded in the dataset's manifest with the class and what it changed.
+
+A base's tokenizer extended by stage 1 (tokenizer/extend.py) is such a folder too (its output_dir's hf/); its
+`Extension` record names the base it extends and the base ids each new piece stands for, which stage 3 reads to
+grow the base's embedding matrices.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gptpipe.stage import StageInputError, tree_fingerprint
+from gptpipe.artifacts import EXTEND_TOKENIZER, TOKENIZER_HF_DIR
+from gptpipe.stage import Manifest, StageInputError, tree_fingerprint
 
 TOKENIZER_JSON = "tokenizer.json"
 SENTENCEPIECE_MODEL = "tokenizer.model"
@@ -29,6 +34,7 @@ SENTENCEPIECE_MODEL = "tokenizer.model"
 FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json")
 # The parts of a tokenizer.json that decide the ids of a text without special tokens.
 ID_PARTS = ("normalizer", "pre_tokenizer", "model", "added_tokens")
+NEW_PIECES_FILE = "new_pieces.jsonl"  # an extension's new pieces: id, string, merge, base ids
 
 
 def _sha256(text: str | bytes) -> str:
@@ -116,3 +122,64 @@ def read_pretrained_tokenizer(folder: Path, key: str = "tokenize.tokenizer_dir")
     vocab_size = max(tokenizer.get_vocab().values()) + 1
     return PretrainedTokenizer(Path(folder), vocab_size, bos if adds_bos else None, tokenizer.eos_token_id, name,
                                encoder, _rebuilt(folder, name, encoder))
+
+
+def expand(ids: list[int], new: dict[int, tuple[int, ...]]) -> list[int]:
+    """``ids`` with every new id replaced by the base ids it stands for."""
+    return [i for token in ids for i in new.get(token, (token,))]
+
+
+@dataclass(frozen=True)
+class Extension:
+    """A base model's tokenizer extended by stage 1: its output_dir, the base's tokenizer it was built from (as
+    transformers builds it: class and pipeline hash) and, for each new id, the base ids of its text."""
+
+    folder: Path  # stage 1's output_dir (manifest.json, new_pieces.jsonl, hf/)
+    base_vocab_size: int  # the base tokenizer's ids; the new ones follow
+    base_encoder: dict[str, str]  # {"class", "sha256"} of the base's tokenizer as the extension read it
+    new_rows: dict[int, tuple[int, ...]] = field(repr=False)
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.folder / TOKENIZER_HF_DIR
+
+    def check_base(self, base: PretrainedTokenizer) -> None:
+        """Refuse a base whose tokenizer is not the one this extension extends, naming both."""
+        encoder = base.fingerprint()["encoder"]
+        if encoder != self.base_encoder or base.vocab_size != self.base_vocab_size:
+            raise StageInputError(
+                f"tokenize.tokenizer_dir {self.tokenizer_dir} extends another tokenizer than model.init_from "
+                f"{base.folder}'s: stage 1 extended {self.base_encoder['class']} (pipeline sha256 "
+                f"{self.base_encoder['sha256'][:12]}, {self.base_vocab_size:,} ids), the base has {encoder['class']} "
+                f"({encoder['sha256'][:12]}, {base.vocab_size:,} ids); rerun stage 1 with base_tokenizer={base.folder}")
+
+
+def read_extension(folder: Path) -> Extension | None:
+    """The extension whose tokenizer `folder` is (stage 1's output_dir, or its hf/), None for any other folder."""
+    folder = Path(folder)
+    for root in (folder, folder.parent) if folder.name == TOKENIZER_HF_DIR else (folder,):
+        path = EXTEND_TOKENIZER.manifest_path(root)
+        if path.is_file() and Manifest.read(path).stage == EXTEND_TOKENIZER.name:
+            break
+    else:
+        return None
+    manifest = EXTEND_TOKENIZER.require(root)
+    pieces = root / NEW_PIECES_FILE
+    try:
+        rows = [json.loads(line) for line in pieces.read_text(encoding="utf-8").splitlines()]
+        new_rows = {int(row["id"]): tuple(int(i) for i in row["base_ids"]) for row in rows}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise StageInputError(f"{pieces}: not stage 1's list of new pieces ({exc}); rerun stage 1 with --force") \
+            from None
+    base_size = int(manifest.counts["base_vocab_size"])
+    if sorted(new_rows) != list(range(base_size, base_size + len(new_rows))) or \
+            any(not ids or max(ids) >= base_size for ids in new_rows.values()):
+        raise StageInputError(f"{pieces}: the new ids are not {base_size:,}.. in order, each for base ids below "
+                              f"{base_size:,}; rerun stage 1 with --force")
+    return Extension(root, base_size, manifest.inputs["base_tokenizer"]["encoder"], new_rows)
+
+
+def tokenizer_folder(folder: Path) -> Path:
+    """The HF tokenizer folder that `folder` names: itself, or the hf/ of an extension's output_dir."""
+    extension = read_extension(folder)
+    return extension.tokenizer_dir if extension is not None else Path(folder)

@@ -41,7 +41,7 @@ from gptpipe.remote import staging
 from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_path
 from gptpipe.artifacts import PREPARE, TOKENIZE, TRAIN_TOKENIZER, check_input_files, read_tokenizer
 from gptpipe.storage import is_url
-from gptpipe.data.base_tokenizer import is_pretrained_tokenizer, read_pretrained_tokenizer
+from gptpipe.data.base_tokenizer import is_pretrained_tokenizer, read_pretrained_tokenizer, tokenizer_folder
 
 
 STAGE = TOKENIZE.name
@@ -167,11 +167,12 @@ def run(config: TokenizeRun, args: argparse.Namespace) -> int:
     files, fingerprints = check_input_files(cfg.input, "tokenize.input", PREPARE)
     prefix = cfg.dataset_prefix if shard is None else shard_prefix(cfg.dataset_prefix, *shard)
     scratch = tempfile.TemporaryDirectory(prefix="gptpipe-tokenize-")  # the tokenizer.json transformers builds
-    if not is_url(cfg.tokenizer_dir) and not TRAIN_TOKENIZER.has_manifest(cfg.tokenizer_dir) \
-            and is_pretrained_tokenizer(cfg.tokenizer_dir):  # a base model's own tokenizer (continued pretraining)
-        base = read_pretrained_tokenizer(cfg.tokenizer_dir)
+    # a base model's own tokenizer (continued pretraining), or one stage 1 extended (its output_dir: its hf/)
+    hf_dir = cfg.tokenizer_dir if is_url(cfg.tokenizer_dir) else tokenizer_folder(cfg.tokenizer_dir)
+    if not is_url(hf_dir) and not TRAIN_TOKENIZER.has_manifest(hf_dir) and is_pretrained_tokenizer(hf_dir):
+        base = read_pretrained_tokenizer(hf_dir)
         if base.rebuilt:
-            log.warning(f"tokenize.tokenizer_dir {cfg.tokenizer_dir}: {base.rebuilt} when loading it; the data gets "
+            log.warning(f"tokenize.tokenizer_dir {hf_dir}: {base.rebuilt} when loading it; the data gets "
                         "the ids AutoTokenizer gives, not those of tokenizer.json as the file has it")
         model_path = str(base.tokenizer_json(Path(scratch.name)))
         eod_id, bos_id, vocab_size = base.eod_id, base.bos_id, base.vocab_size

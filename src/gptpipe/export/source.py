@@ -8,7 +8,6 @@ ids must equal, and the card's source-specific blocks. `convert.export` does eve
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -174,7 +173,8 @@ class PretrainSource:
 @dataclass
 class ContinuedSource(PretrainSource):
     """A stage-3 run continued from a base model (model.init_from): exported with the base's config,
-    generation_config.json and tokenizer files, byte for byte."""
+    generation_config.json and tokenizer files, byte for byte; with the base's tokenizer extended by stage 1,
+    that tokenizer's files instead of the base's, and config.json's vocab_size the rows it needs."""
 
     base: BaseModel
     record: dict[str, Any]  # what the run recorded of the base's files (its checkpoint state)
@@ -182,18 +182,21 @@ class ContinuedSource(PretrainSource):
 
     @property
     def vocab_size(self) -> int | None:
-        return None  # the base's vocabulary, as its config.json has it: nothing padded, nothing to drop
+        # The base's vocabulary, as its config.json has it: nothing padded, nothing to drop; or an extension's rows
+        # without the padding stage 3 added (BaseModel.export_rows).
+        return self.base.export_rows if self.base.extension else None
 
     def inputs(self) -> dict[str, Any]:
+        extension = self.record.get("extension")
         return {"checkpoint": _checkpoint_inputs(self.checkpoint),
                 "base_model": {"folder": str(self.base.folder), "files": self.record["files"]},
+                **({"extension": extension} if extension else {}),
                 "datasets": [TOKENIZE.fingerprint(d.prefix) for d in self.datasets]}
 
     def copied_files(self) -> dict[str, Path]:
-        from gptpipe.train.base_model import is_copied
+        from gptpipe.train.base_model import exported_files
 
-        folder = self.base.folder
-        return {n: folder / n for n in sorted(os.listdir(folder)) if is_copied(n) and (folder / n).is_file()}
+        return exported_files(self.base)
 
     def written_files(self) -> dict[str, str]:
         return {}
@@ -231,8 +234,8 @@ def pretrain_source(config: ConvertConfig, checkpoint: Checkpoint) -> PretrainSo
         if record is None:
             raise StageInputError(f"{state_file}: the run record names model.init_from {training.model.init_from} "
                                   "but holds no record of its files")
-        base = open_base(training.model.init_from)
-        check_unchanged(record, base.folder, str(state_file))
+        base = open_base(training.model.init_from, training.tokenize.tokenizer_dir)
+        check_unchanged(record, base, str(state_file))
         tokenizer = base.tokenizer
     else:
         tokenizer = read_tokenizer(training.tokenize.tokenizer_dir)

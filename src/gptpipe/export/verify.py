@@ -231,18 +231,23 @@ BASE_CONFIG_IGNORED = ("dtype", "torch_dtype", "transformers_version", "_name_or
 
 def _check_base_files(report: dict[str, Any], folder: Path, base: Any) -> list[str]:
     """A continued run's export against its base model: config.json the base's (vocabulary, tied embeddings,
-    rope scaling, special ids: nothing padded or renamed) and every file the export copies from the base
-    (tokenizer files, generation_config.json) byte-identical."""
+    rope scaling, special ids: nothing padded or renamed; with an extended tokenizer, vocab_size its rows) and
+    every file the export copies from the base (tokenizer files, generation_config.json) or from the tokenizer
+    extension (its tokenizer files) byte-identical."""
     from transformers import AutoConfig
 
-    from gptpipe.train.base_model import is_copied
+    from gptpipe.train.base_model import exported_files
 
-    names = sorted(p.name for p in base.folder.iterdir() if p.is_file() and is_copied(p.name))
-    differ = [n for n in names if not (folder / n).is_file()
-              or (folder / n).read_bytes() != (base.folder / n).read_bytes()]
+    files = exported_files(base)
+    names = sorted(files)
+    differ = [n for n in names if not (folder / n).is_file() or (folder / n).read_bytes() != files[n].read_bytes()]
     report.update(base_files=names, base_files_differing=differ)
-    failures = [f"not byte-identical to the base model {base.folder}'s: {', '.join(differ)}"] if differ else []
+    source = f"the base model {base.folder}'s" + (f" and its extension {base.extension.folder}'s" if base.extension
+                                                  else "")
+    failures = [f"not byte-identical to {source}: {', '.join(differ)}"] if differ else []
     mine, theirs = AutoConfig.from_pretrained(folder).to_dict(), AutoConfig.from_pretrained(base.folder).to_dict()
+    if base.extension is not None:
+        theirs["vocab_size"] = base.export_rows
     keys = sorted(k for k in set(mine) | set(theirs) if k not in BASE_CONFIG_IGNORED and mine.get(k) != theirs.get(k))
     if keys:
         failures.append(f"config.json differs from the base model's in {', '.join(keys)}")

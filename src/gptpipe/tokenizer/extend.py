@@ -43,7 +43,8 @@ from typing import Any
 from tqdm import tqdm
 
 from gptpipe.artifacts import EXTEND_TOKENIZER, PREPARE, TOKENIZER_HF_DIR, check_input_files
-from gptpipe.data.base_tokenizer import ID_PARTS, TOKENIZER_JSON, PretrainedTokenizer, read_pretrained_tokenizer
+from gptpipe.data.base_tokenizer import (ID_PARTS, NEW_PIECES_FILE, TOKENIZER_JSON, PretrainedTokenizer, expand,
+                                         read_pretrained_tokenizer)
 from gptpipe.log import get_logger
 from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_dir, atomic_path
 from gptpipe.tokenizer.config import TokenizerConfig
@@ -51,7 +52,6 @@ from gptpipe.tokenizer.sample import sample_corpus, scan_corpus
 
 STAGE = EXTEND_TOKENIZER.name
 log = get_logger(STAGE)
-NEW_PIECES_FILE = "new_pieces.jsonl"
 # A pair or character seen once in the sample is noise, not a piece worth a row of the embedding matrix.
 MIN_COUNT = 2
 # The stage-1 keys an extension reads; the others (SentencePiece's) do not change its output.
@@ -272,11 +272,6 @@ def extended_encoder(encoder: dict[str, Any], pieces: list[NewPiece]) -> dict[st
     model = encoder["model"]
     return {**encoder, "model": {**model, "vocab": {**model["vocab"], **{p.piece: p.id for p in pieces}},
                                  "merges": [*model["merges"], *([*p.parts] for p in pieces if p.parts)]}}
-
-
-def expand(ids: list[int], new: dict[int, tuple[int, ...]]) -> list[int]:
-    """``ids`` with every new id replaced by the base ids it stands for."""
-    return [i for token in ids for i in new.get(token, (token,))]
 
 
 def _changed_without_new_id(before: list[int], after: list[int], new: dict[int, tuple[int, ...]]) -> bool:

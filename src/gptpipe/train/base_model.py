@@ -7,6 +7,15 @@ the data's manifests name this tokenizer as transformers builds it (`check_data`
 equals transformers' own (`reference_loss`), the tokenizer re-encodes the data's documents (`tokenizer_problems`,
 naming the likely cause when it does not); the folder's files are recorded (`fingerprint`), and a resumed run
 or export refuses a folder that changed since (`folder_changes`).
+
+The tokenizer may be the base's extended by stage 1 (tokenize.tokenizer_dir: its output_dir or hf/; see
+data/base_tokenizer.py's Extension): the model then has the extended vocabulary's rows (padded to
+model.VOCAB_MULTIPLE where it outgrows the base's; model.extend_vocabulary fills them) and the step-0 gate
+compares what an extension leaves exact. On the first validation sample with each new id spelled in the base ids
+it stands for (text the base reads as it always did), the engine's log-softmax over the base's own rows (all of
+its rows but the spare ones new ids took) must give the loss the base's does over the same rows in transformers
+in fp32: the new rows only add terms to the softmax's sum over the whole vocabulary, which this leaves out. And
+each new row must be the mean of the base's rows for its ids (`new_row_problems`), as the engine computes them.
 """
 
 from __future__ import annotations
@@ -15,8 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gptpipe.data.base_tokenizer import PretrainedTokenizer, read_pretrained_tokenizer
+from gptpipe.data.base_tokenizer import (FILES, Extension, PretrainedTokenizer, expand, read_extension,
+                                         read_pretrained_tokenizer)
 from gptpipe.stage import StageInputError, file_sha256
+from gptpipe.storage import is_url
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +41,8 @@ SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen
 # (tokenizer files, generation_config.json, licence) is copied into the export byte for byte.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf")
 NOT_COPIED = ("config.json", "README.md")
+# A base folder's files that describe its tokenizer: an export with an extended tokenizer ships the extension's.
+TOKENIZER_FILES = (*FILES, "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 # The step-0 gate's sample: the first validation sample, cut to this many tokens (the fp32 reference runs on
 # the host, where a long sample of a large model would take minutes).
 GATE_TOKENS = 512
@@ -40,6 +53,13 @@ ROUND_TRIP_MAX_TOKENS = 4096
 BASE_STATE_KEY = "base_model"  # the key of gptpipe_state.json holding the base's record
 # The boundaries' keys that name the tokenizer transformers builds of the folder's files, not the files.
 BUILD_KEYS = ("tokenizer_class", "encoder_sha256", "rebuilt")
+# Random hidden states the gate's output-row check passes through the output matrix (any wrong row shows).
+PROBES = 8
+# A probe's logit in bf16 is a sum of rounded products over the hidden size, the parts' logits averaged after:
+# allowed four bf16 steps of the largest logit (measured: 1.5 on the tests' tiny models); a wrong row is off by
+# the order of the logit itself.
+PROBE_ROUNDINGS = 4
+PROBE_CHUNK = 1024  # new ids whose input rows the gate checks at once (their base ids' rows gathered)
 
 
 @dataclass(frozen=True)
@@ -47,17 +67,40 @@ class BaseModel:
     """A base model's folder, its transformers config and its tokenizer's conventions."""
 
     folder: Path
-    config: PretrainedConfig
-    tokenizer: PretrainedTokenizer
+    config: PretrainedConfig  # its vocab_size: the rows trained (an extension's, padded, where more than the base's)
+    tokenizer: PretrainedTokenizer  # the data's: the base's, or as stage 1 extended it
+    extension: Extension | None = None
+    base_rows: int = 0  # the embedding rows of the base's own config.json
 
     @property
     def model_type(self) -> str:
         return self.config.model_type
 
+    @property
+    def export_rows(self) -> int:
+        """The embedding rows an export keeps: the base's (its spare rows too), or the extended tokenizer's where
+        more; the padding rows stage 3 added are never in the data, so they are dropped, as a from-scratch run's
+        are (llama.cpp and vLLM then get one row per token, config.json the true vocabulary)."""
+        return max(self.base_rows, self.tokenizer.vocab_size)
 
-def open_base(folder: Path) -> BaseModel:
-    """The base model in `folder` (model.init_from); a clear error when it is no supported HF model folder."""
+    def old_rows(self) -> torch.Tensor:
+        """The base's rows that keep their meaning (a bool mask over them): all but the spare ones new ids took."""
+        import torch
+
+        mask = torch.ones(self.base_rows, dtype=torch.bool)
+        if self.extension is not None:
+            mask[[i for i in self.extension.new_rows if i < self.base_rows]] = False
+        return mask
+
+
+def open_base(folder: Path, tokenizer_dir: Path | None = None) -> BaseModel:
+    """The base model in `folder` (model.init_from); a clear error when it is no supported HF model folder.
+    `tokenizer_dir` (tokenize.tokenizer_dir): where it holds the base's tokenizer extended by stage 1, the model
+    has that vocabulary (its config's vocab_size grown, padded to VOCAB_MULTIPLE, where the base's rows are too
+    few); an extension of another tokenizer is refused."""
     from transformers import AutoConfig
+
+    from gptpipe.train.model import padded_vocab_size
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
@@ -69,7 +112,15 @@ def open_base(folder: Path) -> BaseModel:
     if config.model_type not in SUPPORTED:
         raise StageInputError(f"model.init_from {folder}: model_type {config.model_type!r} is not supported; "
                               f"supported: {', '.join(SUPPORTED)}")
-    return BaseModel(folder, config, read_pretrained_tokenizer(folder))
+    tokenizer, rows = read_pretrained_tokenizer(folder), config.vocab_size
+    extension = read_extension(tokenizer_dir) if tokenizer_dir is not None and not is_url(tokenizer_dir) else None
+    if extension is None:
+        return BaseModel(folder, config, tokenizer, None, rows)
+    extension.check_base(tokenizer)
+    tokenizer = read_pretrained_tokenizer(extension.tokenizer_dir)
+    if tokenizer.vocab_size > rows:
+        config.vocab_size = padded_vocab_size(tokenizer.vocab_size)
+    return BaseModel(folder, config, tokenizer, extension, rows)
 
 
 def check_data(base: BaseModel, manifests: dict[str, Any]) -> None:
@@ -89,8 +140,9 @@ def check_data(base: BaseModel, manifests: dict[str, Any]) -> None:
         if differ:
             problems.append(f"{prefix}: " + "; ".join(differ))
     if problems:
-        raise StageInputError(f"the data was not tokenized with model.init_from {base.folder}'s tokenizer (set "
-                              f"tokenize.tokenizer_dir to that folder and rerun stage 2):\n  - "
+        extended = f" as stage 1 extended it in {base.tokenizer.folder}" if base.extension else ""
+        raise StageInputError(f"the data was not tokenized with model.init_from {base.folder}'s tokenizer{extended} "
+                              f"(set tokenize.tokenizer_dir to that folder and rerun stage 2):\n  - "
                               + "\n  - ".join(problems))
     if base.tokenizer.vocab_size > base.config.vocab_size:
         raise StageInputError(f"model.init_from {base.folder}: its tokenizer has {base.tokenizer.vocab_size} ids, "
@@ -114,8 +166,12 @@ def fingerprint(folder: Path, previous: dict[str, Any] | None = None) -> dict[st
 
 
 def base_record(base: BaseModel) -> dict[str, Any]:
-    """What a run records of its base model (gptpipe_state.json's `base_model`): stage 4 reads it back."""
-    return {"folder": str(base.folder), "model_type": base.model_type, "files": fingerprint(base.folder)}
+    """What a run records of its base model (gptpipe_state.json's `base_model`), and of the tokenizer extension
+    its rows were grown for: stage 4 reads it back."""
+    extension = base.extension
+    return {"folder": str(base.folder), "model_type": base.model_type, "files": fingerprint(base.folder),
+            **({"extension": {"folder": str(extension.folder), "files": fingerprint(extension.folder)}}
+               if extension else {})}
 
 
 def folder_changes(record: dict[str, Any], folder: Path) -> list[str]:
@@ -132,11 +188,20 @@ def folder_changes(record: dict[str, Any], folder: Path) -> list[str]:
     return changes
 
 
-def check_unchanged(record: dict[str, Any], folder: Path, where: str) -> None:
-    """Refuse a base folder whose files differ from the run's record (`where`: the record's file)."""
-    changes = folder_changes(record, folder)
+def check_unchanged(record: dict[str, Any], base: BaseModel, where: str) -> None:
+    """Refuse a base folder (and tokenizer extension) whose files differ from the run's record (`where`: the
+    record's file)."""
+    changes = folder_changes(record, base.folder)
+    recorded, extension = record.get("extension"), base.extension
+    if recorded is not None or extension is not None:
+        if recorded is None or extension is None:
+            now = f"tokenize.tokenizer_dir {base.tokenizer.folder} is " + ("" if extension else "no ")
+            changes.append(now + "a tokenizer extension, " + ("none was" if recorded is None else
+                                                             f"{recorded['folder']} was"))
+        else:
+            changes += [f"extension {change}" for change in folder_changes(recorded, extension.folder)]
     if changes:
-        raise StageInputError(f"model.init_from {folder} is not the base model this run initialised from "
+        raise StageInputError(f"model.init_from {base.folder} is not the base model this run initialised from "
                               f"({record['folder']}, recorded in {where}): " + "; ".join(changes[:5])
                               + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
                               + ". Restore the folder, or start a new run (train.output_model_dir)")
@@ -148,18 +213,52 @@ def is_copied(name: str) -> bool:
                 or name.startswith("."))
 
 
+def exported_files(base: BaseModel) -> dict[str, Path]:
+    """The files an export of a run continued from `base` copies byte for byte, by their name there: the base
+    folder's (is_copied); with a tokenizer extension, its hf/ files instead of the base's tokenizer files (any
+    of data/base_tokenizer.py's FILES, or the slow vocab.json/merges.txt, which lack the new pieces)."""
+    folder = base.folder
+    files = {p.name: p for p in sorted(folder.iterdir()) if p.is_file() and is_copied(p.name)}
+    if base.extension is None:
+        return files
+    tokenizer = base.extension.tokenizer_dir
+    replaced = {*TOKENIZER_FILES, *(p.name for p in tokenizer.iterdir())}
+    return {**{name: path for name, path in files.items() if name not in replaced},
+            **{p.name: p for p in sorted(tokenizer.iterdir()) if p.is_file()}}
+
+
 # --- the model ------------------------------------------------------------------------------------------------
-def gate_batch(valid_data: Any) -> dict[str, torch.Tensor]:
-    """The step-0 gate's batch: the first validation sample (the first of every evaluation), cut to GATE_TOKENS."""
+def gate_batch(valid_data: Any, extension: Extension | None = None) -> dict[str, torch.Tensor]:
+    """The step-0 gate's batch: the first validation sample (the first of every evaluation), cut to GATE_TOKENS;
+    with a tokenizer extension, each new id spelled in the base ids it stands for (text the base reads)."""
+    import torch
+
     from gptpipe.train.data import collate
 
     batch = collate(valid_data, range(1), "cpu")
-    return {k: v[:, :GATE_TOKENS] for k, v in batch.items()}
+    length = min(GATE_TOKENS, batch["input_ids"].shape[1])  # the re-spelled sample too: within seq_len's positions
+    if extension is not None:
+        # the sample's tokens (inputs and the last label) re-spelled, then shifted again as the dataset does
+        stream = expand(batch["input_ids"][0].tolist() + batch["labels"][0, -1:].tolist(), extension.new_rows)
+        tokens = torch.tensor([stream[:length + 1]])
+        return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+    return {k: v[:, :length] for k, v in batch.items()}
 
 
-def reference_loss(folder: Path, batch: dict[str, torch.Tensor]) -> float:
+def old_rows_loss(logits: torch.Tensor, labels: torch.Tensor, old_rows: torch.Tensor) -> float:
+    """The mean next-token loss of `logits` over the base's rows that `old_rows` marks (a bool mask of the base's
+    rows), the softmax taken over those alone: an extended model's new and padding rows left out."""
+    import torch
+
+    rows = logits[..., :len(old_rows)].float().masked_fill(~old_rows.to(logits.device), float("-inf"))
+    return float(torch.nn.functional.cross_entropy(rows.reshape(-1, rows.shape[-1]), labels.reshape(-1),
+                                                   ignore_index=-100))
+
+
+def reference_loss(folder: Path, batch: dict[str, torch.Tensor], old_rows: torch.Tensor | None = None) -> float:
     """The folder's loss on `batch` through transformers alone: from_pretrained in fp32 on the host, eager
-    attention. Call before Liger patches the model classes (build_engine), so the reference stays unpatched."""
+    attention; `old_rows`: over those of its rows only (old_rows_loss). Call before Liger patches the model
+    classes (build_engine), so the reference stays unpatched."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -167,8 +266,55 @@ def reference_loss(folder: Path, batch: dict[str, torch.Tensor]) -> float:
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
+        if old_rows is not None:
+            return old_rows_loss(model(input_ids=batch["input_ids"], use_cache=False).logits, batch["labels"],
+                                 old_rows)
         out = lm_forward(model, batch)
     return float(out.loss)
+
+
+def new_row_problems(model: Any, extension: Extension, precision: str) -> tuple[list[str], str]:
+    """(the problems, what was checked) of a model's new rows against the means of the base's rows for the ids
+    each stands for, as the model's own modules compute them: its input embedding on the ids, its output matrix
+    on PROBES random hidden states (each new id's logit must be the mean of its base ids' logits). Collective
+    under ZeRO-3 (the modules gather their weights): every rank calls it."""
+    import torch
+
+    from gptpipe.tolerance import logits_tolerance
+
+    dtype = "fp32" if precision == "fp32" else "bf16"  # fp16 rounds finer than bf16: its tolerance covers it
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    weight = embedding.weight
+    device = weight.device
+    hidden = getattr(weight, "ds_shape", weight.shape)[-1]
+    probes = torch.randn(PROBES, hidden, generator=torch.Generator().manual_seed(0)).to(device, weight.dtype)
+    logits = head(probes).float()
+    new_ids = sorted(extension.new_rows)
+    worst = {"input": (0.0, 0.0), "output": (0.0, 0.0)}  # (max |Δ|, largest magnitude compared)
+    for start in range(0, len(new_ids), PROBE_CHUNK):
+        chunk = new_ids[start:start + PROBE_CHUNK]
+        parts = [extension.new_rows[i] for i in chunk]
+        flat = torch.tensor([i for ids in parts for i in ids], device=device)
+        owner = torch.repeat_interleave(torch.arange(len(chunk), device=device),
+                                        torch.tensor([len(ids) for ids in parts], device=device))
+        counts = torch.bincount(owner, minlength=len(chunk)).unsqueeze(-1).float()
+        rows = embedding(torch.tensor(chunk, device=device)).float()
+        means = torch.zeros_like(rows).index_add_(0, owner, embedding(flat).float()) / counts
+        columns = logits[:, chunk]
+        mean_columns = torch.zeros_like(columns).index_add_(1, owner, logits[:, flat]) / counts.T
+        for name, got, want in (("input", rows, means), ("output", columns, mean_columns)):
+            diff, scale = (got - want).abs().max().item(), want.abs().max().item()
+            worst[name] = (max(worst[name][0], diff), max(worst[name][1], scale))
+    problems, checked = [], []
+    for name, (diff, scale) in worst.items():
+        tolerance = logits_tolerance(scale if name == "input" else PROBE_ROUNDINGS * scale, dtype)
+        where = ("input embedding rows" if name == "input" else f"output rows (logits of {PROBES} random hidden "
+                 "states)")
+        line = f"max |Δ| {diff:.2g} from the means of their base ids' {where} (tolerance {tolerance:.2g})"
+        checked.append(line)
+        if not diff <= tolerance:
+            problems.append(f"the {len(new_ids):,} new rows are not the means of the base's: {line}")
+    return problems, f"its {len(new_ids):,} new rows: " + "; ".join(checked)
 
 
 def source_texts(manifest: Any, count: int = ROUND_TRIP_DOCUMENTS) -> list[str] | None:
@@ -280,7 +426,7 @@ def stage3_model(config: Any) -> tuple[Any, Any, BaseModel | None]:
     from gptpipe.train.model import build_model_config
 
     if config.model.init_from is not None:
-        base = open_base(config.model.init_from)
+        base = open_base(config.model.init_from, config.tokenize.tokenizer_dir)
         check_data(base, {str(p): read_dataset(p).manifest for p in config.data.prefixes})
         return base.tokenizer, base.config, base
     tokenizer = read_tokenizer(config.tokenize.tokenizer_dir)

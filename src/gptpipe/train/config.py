@@ -212,6 +212,11 @@ class TrainConfig(LoopConfig):
     lr_schedule: Literal["cosine", "wsd", "constant"] = option(
         "cosine", "decay after warmup; wsd: warmup-stable-decay, decaying over the last lr_decay_fraction")
     lr_decay_fraction: float = option(0.2, "wsd only: share of the run spent decaying at the end")
+    embedding_warmup_steps: int = option(
+        0, "a first phase of this many optimizer steps that trains only the token embedding and output matrices "
+           "(one when tied), the rest of the model at a learning rate of 0 (unchanged, exactly), e.g. for the new "
+           "rows of a tokenizer stage 1 extended; they follow the schedule throughout, the rest joins it where it "
+           "then is (0: off). The steps cost full ones: backward still runs through every layer")
     gpu_memory_gib: float | None = option(
         None, "memory per device the planner fits the run into (None: detected; on CPU the available host RAM)")
     peak_tflops: float | None = option(
@@ -230,6 +235,8 @@ class TrainConfig(LoopConfig):
             problems.append(("train_tokens", "must be >= 1 (or null to use train_epochs)"))
         if self.warmup_steps is not None and self.warmup_steps < 0:
             problems.append(("warmup_steps", "must be >= 0 (or null)"))
+        if self.embedding_warmup_steps < 0:
+            problems.append(("embedding_warmup_steps", "must be >= 0"))
         if self.warmup_steps is not None and self.warmup_fraction is not None:
             problems.append(("warmup_steps", "set warmup_steps or warmup_fraction, not both"))
         if self.lr_schedule == "wsd" and not 0 < self.lr_decay_fraction <= 1 - (self.warmup_fraction or 0.0):

@@ -252,8 +252,11 @@ def build_engine(train: LoopConfig, arch: str, hf_config: Any, ds_config: dict[s
         deepspeed.zero.register_external_parameter(model, model.lm_head.weight)
     if train.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=parameter_groups(model, train.weight_decay),
-                                      config=ds_config, lr_scheduler=schedule.scheduler_factory())
+    # An embedding warm-up's frozen groups are the schedule's (schedule.py): the embedding and output matrices in
+    # groups of their own.
+    groups = parameter_groups(model, train.weight_decay, vocab_apart=schedule.frozen_steps > 0)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config,
+                                      lr_scheduler=schedule.scheduler_factory())
     if train.compile:
         why_not = uncompiled_because(train, on_gpu, loss.fused)
         if why_not is None:

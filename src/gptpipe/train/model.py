@@ -250,10 +250,38 @@ def load_pretrained(folder: Path, seq2seq: bool = False) -> PreTrainedModel:
     return model_class.from_pretrained(folder, dtype=torch.float32, attn_implementation=attention)
 
 
-def build_model(hf_config: PretrainedConfig, device: torch.device | str = "cpu",
-                init_from: Path | None = None) -> PreTrainedModel:
+def extend_vocabulary(model: PreTrainedModel, vocab_size: int, new_rows: dict[int, tuple[int, ...]]) -> None:
+    """A base model's embedding (and untied output) matrix grown to `vocab_size` rows for a tokenizer stage 1
+    extended: each new id's row the mean of the base's rows of the ids it stands for (`new_rows`), in the input
+    matrix and in the output matrix alike, so a new token's input starts as its parts' average and its logit as
+    the average of theirs; a tied model has the one matrix. New ids start at the base tokenizer's size, which may
+    lie below the base's rows (Qwen's spare rows): those rows are overwritten. Rows past the new ids (padding to
+    VOCAB_MULTIPLE; never in the data) are the mean of all the base's rows, whose logit sits at the average one.
+    Every other row keeps the base's values."""
+    import torch
+
+    def matrices() -> list[torch.Tensor]:
+        tied = model.config.get_text_config().tie_word_embeddings
+        return [model.get_input_embeddings().weight] + ([] if tied else [model.get_output_embeddings().weight])
+
+    base_rows = model.get_input_embeddings().weight.shape[0]
+    old = [matrix.detach().clone() for matrix in matrices()]
+    if vocab_size > base_rows:
+        # Its new rows are drawn from the RNG (mean_resizing=False: no covariance of a large matrix) and all
+        # overwritten below.
+        model.resize_token_embeddings(vocab_size, mean_resizing=False)
+    ids = torch.tensor(sorted(new_rows))
+    with torch.no_grad():
+        for matrix, base in zip(matrices(), old):
+            matrix[base_rows:] = base.mean(dim=0)
+            matrix[ids] = torch.stack([base[list(new_rows[i])].mean(dim=0) for i in ids.tolist()])
+
+
+def build_model(hf_config: PretrainedConfig, device: torch.device | str = "cpu", init_from: Path | None = None,
+                new_rows: dict[int, tuple[int, ...]] | None = None) -> PreTrainedModel:
     """A freshly initialized model (weights drawn with initializer_range), or a base model's weights
-    (`init_from`, whose config `hf_config` is), in fp32 on `device`.
+    (`init_from`, whose config `hf_config` is), in fp32 on `device`; `new_rows`: a tokenizer extension's new ids
+    and the base ids each stands for, the base's matrices grown to hf_config.vocab_size (extend_vocabulary).
 
     Every rank builds the whole model from the same seed; under ZeRO-3 `deepspeed.initialize` then
     partitions it (the presets fit one GPU whole in fp32, so `deepspeed.zero.Init` is not needed).
@@ -263,7 +291,10 @@ def build_model(hf_config: PretrainedConfig, device: torch.device | str = "cpu",
 
     attention = attention_implementation(hf_config)
     if init_from is not None:
-        model = load_pretrained(init_from).to(device)
+        model = load_pretrained(init_from)
+        if new_rows:
+            extend_vocabulary(model, hf_config.vocab_size, new_rows)
+        model = model.to(device)
     else:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention, dtype=torch.float32)
@@ -342,16 +373,27 @@ def expert_shares(counts: torch.Tensor) -> tuple[list[float], int]:
     return values[:-1], int(values[-1])
 
 
-def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: decay on weight matrices only, never on norms, biases or embedding tables."""
+VOCAB_GROUP = "vocab"  # the key marking the optimizer groups of the token embedding and output matrices
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float, vocab_apart: bool = False) -> list[dict[str, Any]]:
+    """AdamW groups: decay on weight matrices only, never on norms, biases or embedding tables. `vocab_apart`: the
+    token embedding and the output matrix (one when tied) in groups of their own, first and marked VOCAB_GROUP,
+    so that the schedule can train them alone (train.embedding_warmup_steps)."""
     import torch
 
-    decay, no_decay = [], []
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    vocab = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)} if vocab_apart \
+        else set()
+    groups: dict[tuple[bool, bool], list[Any]] = {(v, d): [] for v in (True, False) for d in (True, False)}
     for param in model.parameters():
         if not param.requires_grad:
             continue
         # ds_shape: under ZeRO-3 the local tensor is a flat shard; the logical shape decides.
         ndim = len(getattr(param, "ds_shape", param.shape))
-        (no_decay if ndim < 2 or id(param) in embeddings else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups[id(param) in vocab, not (ndim < 2 or id(param) in embeddings)].append(param)
+    # A group without parameters is left out (DeepSpeed's ZeRO cannot flatten an empty one); the unsplit two
+    # (decay, then no decay) are always there.
+    return [{"params": params, "weight_decay": weight_decay if decay else 0.0,
+             **({VOCAB_GROUP: True} if in_vocab else {})}
+            for (in_vocab, decay), params in groups.items() if params or not in_vocab]

@@ -3,6 +3,12 @@
 Optimizer step s (0-based) of a run of T steps uses `lr_at(s)`: a linear warmup over the first W steps,
 then cosine, linear (fine-tuning) or warmup-stable-decay down to exactly min_lr at s = T-1, the last step. The
 schedule is a `LambdaLR` handed to `deepspeed.initialize`, so DeepSpeed saves and restores its position.
+
+An embedding warm-up (stage 3's train.embedding_warmup_steps) trains only the token embedding and output
+matrices for its first steps: their optimizer groups (model.VOCAB_GROUP) follow `lr_at`, every other group's
+rate is 0 until then and `lr_at` after. AdamW with a rate of 0 leaves a weight exactly as it is (its decay is
+scaled by the rate too), so the engine's own optimizer and checkpoints do it: the frozen groups' moments still
+accumulate their gradients, and a resume lands on the same rates, since each is a function of the step alone.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ class Schedule:
     min_lr: float
     kind: str = "cosine"  # cosine | linear | wsd | constant
     decay_steps: int = 0  # wsd: steps of the final decay
+    frozen_steps: int = 0  # the first steps, in which only the VOCAB_GROUP groups train (embedding warm-up)
 
     @classmethod
     def for_run(cls, train_cfg, total_steps: int) -> Schedule:
@@ -38,7 +45,8 @@ class Schedule:
         # Fine-tuning's config has no wsd schedule, hence no lr_decay_fraction.
         decay = max(1, round(getattr(train_cfg, "lr_decay_fraction", 0.0) * total_steps))
         return cls(total_steps=total_steps, warmup_steps=warmup, peak_lr=train_cfg.lr, min_lr=train_cfg.min_lr,
-                   kind=train_cfg.lr_schedule, decay_steps=min(decay, total_steps - warmup))
+                   kind=train_cfg.lr_schedule, decay_steps=min(decay, total_steps - warmup),
+                   frozen_steps=getattr(train_cfg, "embedding_warmup_steps", 0))  # stage 3's key only
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step `step` (0-based)."""
@@ -65,8 +73,19 @@ class Schedule:
         when DeepSpeed builds the optimizer itself."""
         from torch.optim.lr_scheduler import LambdaLR
 
+        from gptpipe.train.model import VOCAB_GROUP
+
+        def multiplier(step: int) -> float:
+            return self.lr_at(step) / self.peak_lr
+
+        def frozen_multiplier(step: int) -> float:
+            return 0.0 if step < self.frozen_steps else multiplier(step)
+
         def make(optimizer: torch.optim.Optimizer) -> LambdaLR:
             # The optimizer's lr is the peak (DeepSpeed config), so the lambda is a multiplier of it.
-            return LambdaLR(optimizer, lambda step: self.lr_at(step) / self.peak_lr)
+            if not self.frozen_steps:
+                return LambdaLR(optimizer, multiplier)
+            return LambdaLR(optimizer, [multiplier if group.get(VOCAB_GROUP) else frozen_multiplier
+                                        for group in optimizer.param_groups])
 
         return make

@@ -29,7 +29,8 @@ from gptpipe.stage import StageInputError
 from gptpipe.artifacts import EXIT_BAD_INPUT
 from gptpipe.train import checkpoint
 from gptpipe.train.base_model import (BASE_STATE_KEY, BaseModel, base_record, check_unchanged, gate_batch,
-                                      reference_loss, stage3_model, tokenizer_problems)
+                                      new_row_problems, old_rows_loss, reference_loss, stage3_model,
+                                      tokenizer_problems)
 from gptpipe.train.data import (DataError, build_datasets, collate, eval_batches, mixture, sample_positions,
                                 source_counts, source_names, to_device)
 from gptpipe.train.engine import Dist, EngineConfigError, build_engine, deepspeed_config
@@ -98,7 +99,9 @@ class Pretrainer(TrainLoop):
             self.base_record = self._check_resumed_base(base)
         elif self.initialising:
             self._prepare_gate(base)
-        make_model = (lambda: build_model(hf_config, dist.device, base.folder)) if self.initialising else None
+        new_rows = base.extension.new_rows if base is not None and base.extension else None
+        make_model = (lambda: build_model(hf_config, dist.device, base.folder, new_rows)) if self.initialising \
+            else None
         self.engine, self.loss_kwargs = build_engine(train, plan.shape.arch, hf_config, ds_config, plan.schedule,
                                                      dist.device, make_model)
         self.consumed = 0
@@ -113,14 +116,15 @@ class Pretrainer(TrainLoop):
         if record is None:
             raise StageInputError(f"{folder} was trained from scratch, not from a base model: model.init_from "
                                   f"{base.folder} cannot continue it; set train.output_model_dir to a new folder")
-        check_unchanged(record, base.folder, str(state_file))
+        check_unchanged(record, base, str(state_file))
         return record
 
     def _prepare_gate(self, base: BaseModel) -> None:
         """What the step-0 gate compares the engine with, computed before Liger may patch the model classes (rank
-        0): transformers' fp32 loss of the base on the gate's sample, and the tokenizer's re-encoding of held-out
-        documents. Also records the base's files (their hashes) for the checkpoints."""
-        self.gate_sample = gate_batch(self.valid_data)
+        0): transformers' fp32 loss of the base on the gate's sample (over the base's own rows, with a tokenizer
+        extension: base_model.py's doc), and the tokenizer's re-encoding of held-out documents. Also records the
+        base's files (their hashes) for the checkpoints."""
+        self.gate_sample = gate_batch(self.valid_data, base.extension)
         self.gate_reference: float | None = None
         self.gate_problems: list[str] = []
         self.tokenizer_checked = ""
@@ -129,10 +133,12 @@ class Pretrainer(TrainLoop):
         from transformers import AutoTokenizer
 
         self.base_record = base_record(base)
-        self.gate_reference = reference_loss(base.folder, self.gate_sample)
+        self.gate_reference = reference_loss(base.folder, self.gate_sample,
+                                             base.old_rows() if base.extension else None)
         data = self.config.data
         self.gate_problems, self.tokenizer_checked = tokenizer_problems(
-            AutoTokenizer.from_pretrained(base.folder), base, self.plan.stats[0].prefix, data.split, data.seed)
+            AutoTokenizer.from_pretrained(base.tokenizer.folder), base, self.plan.stats[0].prefix, data.split,
+            data.seed)
 
     @torch.no_grad()
     def _step0_gate(self) -> bool:
@@ -141,18 +147,28 @@ class Pretrainer(TrainLoop):
         base, precision = self.base, self.train_cfg.precision
         batch = to_device(self.gate_sample, self.dist.device)
         self.engine.eval()
-        out = lm_forward(self.engine, batch, **self.loss_kwargs)
+        sample, rows = "the first validation sample", ""
+        if base.extension:
+            # logits (no labels: Liger's fused loss would skip them) over the base's own rows, and the new rows
+            logits = self.engine(input_ids=batch["input_ids"], use_cache=False).logits
+            got = old_rows_loss(logits, batch["labels"], base.old_rows())
+            extension_problems, rows = new_row_problems(self.engine.module, base.extension, precision)
+            sample = (f"{sample} with its new pieces spelled in base ids, over the base's {base.base_rows:,} rows "
+                      f"(the {self.plan.shape.vocab_size - base.base_rows:,} added left out of the softmax)")
+        else:
+            got, extension_problems = float(lm_forward(self.engine, batch, **self.loss_kwargs).loss), []
         self.engine.train()
         problems = []
         if self.dist.is_main:
-            got, want = float(out.loss), self.gate_reference
+            want = self.gate_reference
             tolerance = loss_tolerance(want, precision)
-            line = (f"the engine's loss on the first validation sample ({batch['input_ids'].shape[1]} tokens) is "
+            line = (f"the engine's loss on {sample} ({batch['input_ids'].shape[1]} tokens) is "
                     f"{got:.6f} in {precision}, transformers' from_pretrained of {base.folder} gives {want:.6f} in "
                     f"fp32 (|Δ| {abs(got - want):.2g}, tolerance {tolerance:.2g})")
             if not abs(got - want) <= tolerance:
                 problems.append(line)
-            problems += self.gate_problems
+            problems += extension_problems + self.gate_problems
+            line += f"; {rows}" if rows else ""
             if not problems:
                 self.say(f"step-0 gate passed: {line}; the tokenizer {self.tokenizer_checked}")
         refused = torch.tensor([len(problems)], dtype=torch.int32, device=self.dist.device)
@@ -166,8 +182,12 @@ class Pretrainer(TrainLoop):
         if self.initialising:
             if not self._step0_gate():
                 return EXIT_BAD_INPUT
+            extension = self.base.extension
             self.say(f"initialised from {self.base.folder} ({self.base.model_type}, "
-                     f"{self.plan.parameters:,} parameters)")
+                     f"{self.plan.parameters:,} parameters)" + (
+                         f"; vocabulary extended by {len(extension.new_rows):,} pieces ({extension.folder}): "
+                         f"{self.base.base_rows:,} → {self.plan.shape.vocab_size:,} embedding rows" if extension
+                         else ""))
         return super().fit()
 
     # --- data and position --------------------------------------------------------------------------
@@ -180,6 +200,8 @@ class Pretrainer(TrainLoop):
 
     def after_step(self) -> None:
         self.consumed += self.train_cfg.global_batch_size
+        if self.step == self.plan.schedule.frozen_steps:
+            self.say(f"embedding warm-up over after step {self.step}: the whole model trains from here")
 
     def position(self) -> str:
         return f"step {self.step}, {self.consumed:,} samples consumed"
@@ -220,6 +242,10 @@ class Pretrainer(TrainLoop):
             if not all(counts):
                 console += " (a source without any has no val_loss/<name>: raise train.eval_iters)"
         self.log.record(row, console=console)
+        warmup = self.plan.schedule.frozen_steps
+        if self.step < warmup:
+            self.say(f"embedding warm-up: steps {self.step + 1}–{warmup} train only the token embedding and output "
+                     "matrices (train.embedding_warmup_steps); the rest of the model is at a learning rate of 0")
         if self.step == 0 and len(self.sources) > 1:
             self.validate()
 
@@ -327,7 +353,7 @@ class Pretrainer(TrainLoop):
         if self.base:
             from transformers import AutoTokenizer
 
-            hf = AutoTokenizer.from_pretrained(self.base.folder)
+            hf = AutoTokenizer.from_pretrained(self.base.tokenizer.folder)
             return (lambda text: hf(text, add_special_tokens=False)["input_ids"],
                     lambda ids: hf.decode(ids, skip_special_tokens=True))
         import sentencepiece as spm
