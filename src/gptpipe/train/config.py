@@ -41,7 +41,9 @@ class ModelConfig:
               "the size keys below must then stay unset (refused when set), and num_experts, experts_top_k, "
               "router_aux_loss_coef, rope_theta, dropout are the folder's config.json's. Supported model types: "
               "llama, mistral, qwen2, qwen3, gemma2, gemma3_text (Gemma3ForCausalLM), gpt2, mixtral. The data must "
-              "be tokenized with the folder's tokenizer (tokenize.tokenizer_dir: the same folder)")
+              "be tokenized with the folder's tokenizer (tokenize.tokenizer_dir: the same folder), or with it as "
+              "stage 1 extended it (tokenize.tokenizer_dir: that output_dir; the embedding and output matrices "
+              "grow, each new row the mean of its base ids' rows)")
     arch: Literal["llama", "gpt2", "mixtral"] | None = option(
         None, "llama (RoPE, RMSNorm, SwiGLU), gpt2 (the original's architecture) or mixtral (mixture of experts) "
               "(None: llama; with init_from: the folder's)")
