@@ -1,8 +1,10 @@
-"""Stage 7: `gptpipe finetune` (7_finetune.sh): a pretrained HF model fine-tuned on labelled or chat rows in
-stage 3's loop (train/loop.py), validated every eval_interval steps; the best checkpoint by train.best_metric is
-marked (`checkpoints/best`) and never pruned. The loss is on the label (assistant) tokens and the EOS after them,
-normalised by the label tokens of the whole global batch, so every label token weighs the same wherever it lands.
-train.group_by_length and train.packing only cut padding: a step's rows and loss stay the same.
+"""Stage 7: `gptpipe finetune` (7_finetune.sh): a pretrained HF model fine-tuned on labelled, chat or preference
+rows in stage 3's loop (train/loop.py), validated every eval_interval steps; the best checkpoint by
+train.best_metric is marked (`checkpoints/best`) and never pruned. The task kind gives the loss (task_kind.py's
+training hooks): on the label (assistant) tokens and the EOS after them, normalised by the label tokens of the
+whole global batch, so every label token weighs the same wherever it lands; for preference pairs DPO's, the mean
+over the global batch's pairs. train.group_by_length and train.packing only cut padding: a step's rows and loss
+stay the same.
 """
 
 from __future__ import annotations
