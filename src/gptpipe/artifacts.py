@@ -196,7 +196,8 @@ class CorpusInfo:
 
 def read_corpus(folder: Path) -> CorpusInfo:
     manifest = PREPARE.require(folder)
-    files = tuple(Path(folder) / name for name in manifest.outputs if name.endswith(".jsonl"))
+    # The outputs in subfolders (dropped/<reason>.jsonl) are samples of what stage 0 dropped, not corpus.
+    files = tuple(Path(folder) / name for name in manifest.outputs if name.endswith(".jsonl") and "/" not in name)
     return CorpusInfo(Path(folder), files, int(manifest.counts.get("documents", 0)), manifest)
 
 

@@ -148,6 +148,19 @@ class CorpusConfig:
     dropped_samples: int = option(
         20, "write at most this many dropped documents per drop reason to output_dir/dropped/<reason>.jsonl "
         "({origin, reason, text}), to read what a threshold removes; 0 writes none")
+    shard_mb: int = option(
+        64, "input megabytes per shard: a source's files are grouped, and a local plain .jsonl file larger than "
+        "this is cut into line ranges (man pages: 200 pages a shard); each shard is judged by one worker and "
+        "kept on disk when done, so a rerun after a kill continues from the shards finished")
+    workers: int = option(0, "shards judged at once, one process each (0: all cores of this machine; ray: all "
+                             "the cluster's CPUs); does not change the output")
+    executor: Literal["local", "ray"] = option(
+        "local", "local: worker processes on this machine; ray: Ray tasks on the cluster at ray_address (pip "
+        "install -e .[ray]; output_dir and the sources at the same paths on every node, e.g. a shared "
+        "filesystem); does not change the output")
+    ray_address: str | None = option(
+        None, "executor ray: the cluster to join (auto, or host:port of its head); null starts Ray on this "
+              "machine only")
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
@@ -156,6 +169,12 @@ class CorpusConfig:
         for key in ("min_chars", "dropped_samples"):
             if getattr(self, key) < 0:
                 problems.append((key, "must be >= 0"))
+        if self.shard_mb < 1:
+            problems.append(("shard_mb", "must be at least 1"))
+        if self.workers < 0:
+            problems.append(("workers", "must be >= 0 (0: all cores)"))
+        if self.ray_address is not None and self.executor != "ray":
+            problems.append(("ray_address", "is read only with executor: ray"))
         for key in ("language_min_share", "language_min_score"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 problems.append((key, "must be between 0 and 1"))

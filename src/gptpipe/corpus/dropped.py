@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 EXAMPLES_PER_REASON = 3
@@ -43,6 +44,28 @@ class Drops:
         with open(self.folder / name, "a", encoding="utf-8", errors="backslashreplace") as fh:
             fh.write(json.dumps({"reason": reason, "origin": origin, **about, "text": text}, ensure_ascii=False)
                      + "\n")
+
+    def merge(self, counts: dict[str, int], examples: dict[str, list[str]], folder: Path,
+              relocate: Callable[[str], str]) -> None:
+        """Add one shard's drops after the earlier shards' (corpus/firstpass.py): its counts, its examples and
+        the samples it wrote in `folder`, as far as the caps allow; `relocate` gives an origin its line number
+        in the file."""
+        for reason, n in counts.items():
+            self.counts[reason] += n
+            mine = self.examples.setdefault(reason, [])
+            mine.extend(map(relocate, examples[reason][:EXAMPLES_PER_REASON - len(mine)]))
+        for path in sorted(folder.glob("*.jsonl")):
+            if self.written[path.name] >= self.samples:
+                continue
+            with (open(path, encoding="utf-8", errors="backslashreplace") as src,
+                  open(self.folder / path.name, "a", encoding="utf-8", errors="backslashreplace") as dst):
+                for line in src:
+                    if self.written[path.name] >= self.samples:
+                        break
+                    sample = json.loads(line)
+                    sample["origin"] = relocate(sample["origin"])
+                    dst.write(json.dumps(sample, ensure_ascii=False) + "\n")
+                    self.written[path.name] += 1
 
     def wants(self, reason: str) -> bool:
         """Whether one more document of `reason` would be kept as an example or a sample (worth reading it)."""

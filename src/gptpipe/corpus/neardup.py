@@ -19,6 +19,8 @@ Over the signature file (`duplicate_of`), in bounded RAM whatever the corpus siz
 RAM: one chunk of band keys (DOC_CHUNK documents), one partition being sorted (at most ~200 MB up to 200 M
 documents), one chunk of candidate pairs' signatures (~16 MB), and the page cache of the memory-mapped files;
 disk: 4 x bands x rows bytes of signature and 16 x bands bytes of records per document.
+Exact duplicates across stage 0's shards (`exact_duplicate_of`) go through the same partitions and sort, one
+64-bit digest of the text per document instead of its band keys.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -106,20 +109,22 @@ def _band_keys(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
     return keys
 
 
-def _partition(signatures: np.ndarray, config: NearDedupConfig, work: Path) -> list[Path]:
-    """Write every (band key, document) record to the partition file its key's top bits pick."""
-    total = len(signatures) * config.bands
+def _partition(count: int, keys_of: Callable[[int, int], np.ndarray], work: Path, name: str) -> list[Path]:
+    """Write every (key, document) record to the partition file its key's top bits pick; `keys_of(a, b)` gives
+    the keys of documents a to b-1, (documents, keys per document) uint64."""
+    per_doc = keys_of(0, min(count, 1)).shape[1]
+    total = count * per_doc
     bits = 0
     while (1 << bits) < min(MAX_PARTITIONS, -(-total // RECORDS_PER_PARTITION)):
         bits += 1
-    paths = [work / f"bands-{p:04d}.bin" for p in range(1 << bits)]
+    paths = [work / f"{name}-{p:04d}.bin" for p in range(1 << bits)]
     files = [open(path, "wb") for path in paths]
     try:
-        for start in range(0, len(signatures), DOC_CHUNK):
-            chunk = np.asarray(signatures[start:start + DOC_CHUNK])
-            records = np.empty(len(chunk) * config.bands, dtype=RECORD)
-            records["key"] = _band_keys(chunk, config.bands, config.rows).ravel()
-            records["doc"] = np.repeat(np.arange(start, start + len(chunk), dtype=np.uint64), config.bands)
+        for start in range(0, count, DOC_CHUNK):
+            keys = keys_of(start, min(start + DOC_CHUNK, count))
+            records = np.empty(keys.size, dtype=RECORD)
+            records["key"] = keys.ravel()
+            records["doc"] = np.repeat(np.arange(start, start + len(keys), dtype=np.uint64), per_doc)
             if bits == 0:
                 records.tofile(files[0])
                 continue
@@ -178,15 +183,14 @@ def duplicate_of(signature_file: Path, config: NearDedupConfig, work: Path) -> n
     count = size // (4 * num_perm)
     if size != count * 4 * num_perm:
         raise ValueError(f"{signature_file}: {size} bytes is not a whole number of {num_perm}-hash signatures")
-    dtype = np.uint32 if count < 2**32 else np.uint64
-    parent = np.memmap(work / "parent.bin", dtype=dtype, mode="w+", shape=(max(count, 1),))
+    parent = _own_numbers(work / "parent.bin", count)
     if count == 0:
-        return parent[:0]
+        return parent
+    dtype = parent.dtype
     signatures = np.memmap(signature_file, dtype="<u4", mode="r", shape=(count, num_perm))
-    for start in range(0, count, DOC_CHUNK):
-        parent[start:start + DOC_CHUNK] = np.arange(start, min(start + DOC_CHUNK, count), dtype=dtype)
     candidates = duplicates = 0
-    for path in _partition(signatures, config, work):
+    for path in _partition(count, lambda a, b: _band_keys(np.asarray(signatures[a:b]), config.bands, config.rows),
+                           work, "bands"):
         first, other = _candidates(path)
         path.unlink()
         candidates += len(first)
@@ -201,3 +205,28 @@ def duplicate_of(signature_file: Path, config: NearDedupConfig, work: Path) -> n
              f"a pair counts once per band it shares), {duplicates:,} of them at estimated Jaccard >= "
              f"{config.threshold:g}")
     return parent
+
+
+def _own_numbers(path: Path, count: int) -> np.ndarray:
+    """A memory-mapped array at `path` holding 0 .. count-1 (every document its own first)."""
+    dtype = np.uint32 if count < 2**32 else np.uint64
+    numbers = np.memmap(path, dtype=dtype, mode="w+", shape=(max(count, 1),))
+    for start in range(0, count, DOC_CHUNK):
+        numbers[start:start + DOC_CHUNK] = np.arange(start, min(start + DOC_CHUNK, count), dtype=dtype)
+    return numbers[:count]
+
+
+def exact_duplicate_of(digest_file: Path, work: Path) -> np.ndarray:
+    """For each document of `digest_file` (one little-endian 64-bit digest of its text each, in order), the
+    number of the first document with the same digest, or its own number: stage 0's exact duplicates across
+    shards, bucketed on disk as the bands are. A memory-mapped array in `work`."""
+    count = digest_file.stat().st_size // 8
+    first = _own_numbers(work / "first-equal.bin", count)
+    if count == 0:
+        return first
+    digests = np.memmap(digest_file, dtype="<u8", mode="r", shape=(count,))
+    for path in _partition(count, lambda a, b: np.asarray(digests[a:b], dtype=np.uint64)[:, None], work, "digests"):
+        earliest, later = _candidates(path)
+        path.unlink()
+        first[later] = earliest
+    return first

