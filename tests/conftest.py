@@ -27,6 +27,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -215,11 +216,30 @@ HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 SMALLER = ("input_sentence_size=5000",)  # a unigram model in seconds
 
 
-def tiny_llama(tokenizer_hf: Path, folder: Path, head_dim: int = HEAD_DIM) -> Path:
-    """A random Llama (grouped KV heads, untied head) saved with the stage-1 tokenizer files, byte for byte.
-    Its large init std makes the next-token logits far apart, so greedy decoding does not hinge on rounding."""
+def random_model(config: Any, folder: Path, tokenizer_hf: Path | None = None, tokenizer: Any = None) -> Path:
+    """The one builder of a random model folder, for what no stage makes: a user's own base (a foreign
+    vocabulary, an encoder-decoder) or a tokenizer no stage-2 data exists for. Seed 0, the config's model class
+    (causal or seq2seq), the tokenizer folder's files copied byte for byte (`tokenizer_hf`) or `tokenizer`
+    saved. Every export a stage can make is made by that stage instead (tiny_export)."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    torch.manual_seed(0)
+    model_class = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    model_class.from_config(config).save_pretrained(folder)
+    if tokenizer_hf is not None:
+        for path in tokenizer_hf.iterdir():
+            shutil.copy(path, folder / path.name)
+    else:
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+def tiny_llama(tokenizer_hf: Path, folder: Path, head_dim: int = HEAD_DIM) -> Path:
+    """A random Llama (grouped KV heads, untied head) with a tokenizer folder's files, for the tokenizers no
+    stage-2 data exists for (stage 1's BPE, a byte-level BPE, the shipped 32k). Its large init std makes the
+    next-token logits far apart, so greedy decoding does not hinge on rounding."""
+    from transformers import AutoTokenizer, LlamaConfig
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_hf)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=HEADS * head_dim, intermediate_size=128,
@@ -227,44 +247,25 @@ def tiny_llama(tokenizer_hf: Path, folder: Path, head_dim: int = HEAD_DIM) -> Pa
                          max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=False,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return _with_tokenizer(folder, tokenizer_hf)
+    return random_model(config, folder, tokenizer_hf)
 
 
 def tiny_gpt2(tokenizer_hf: Path, folder: Path) -> Path:
-    """A random GPT-2 (tied head) saved with a tokenizer folder's files, byte for byte; far-apart logits as
-    tiny_llama's."""
-    import torch
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+    """A random GPT-2 (tied head) with a tokenizer folder's files; far-apart logits as tiny_llama's."""
+    from transformers import AutoTokenizer, GPT2Config
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_hf)
     config = GPT2Config(vocab_size=len(tokenizer), n_embd=HEADS * HEAD_DIM, n_layer=2, n_head=HEADS, n_positions=256,
                         initializer_range=0.3, bos_token_id=tokenizer.bos_token_id,
                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    GPT2LMHeadModel(config).save_pretrained(folder)
-    return _with_tokenizer(folder, tokenizer_hf)
-
-
-def _with_tokenizer(folder: Path, tokenizer_hf: Path) -> Path:
-    for path in tokenizer_hf.iterdir():
-        shutil.copy(path, folder / path.name)
-    return folder
+    return random_model(config, folder, tokenizer_hf)
 
 
 @pytest.fixture(scope="session")
-def unigram_tokenizer(corpus_dir: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Stage 1's output folder: a 2,000-piece unigram tokenizer trained on the man pages."""
-    tokenizer = tmp_path_factory.mktemp("tok") / "unigram"
-    assert train_small_tokenizer(workspace, tokenizer, *SMALLER, "model_type=unigram") == 0
-    return tokenizer
-
-
-@pytest.fixture(scope="session")
-def unigram_llama(unigram_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tiny_llama with unigram_tokenizer (read-only: copy it to change it)."""
-    return tiny_llama(unigram_tokenizer / "hf", tmp_path_factory.mktemp("models") / "unigram")
+def unigram_llama(tiny_export) -> Path:
+    """A real fp32 export (stage 4) of a one-step Llama run on the workspace's unigram tokenizer, tiny_llama's
+    shape and far-apart logits (read-only: copy it to change it)."""
+    return tiny_export("llama")
 
 
 @pytest.fixture(scope="session")
@@ -419,37 +420,56 @@ def exported_model(trained_run: Path, workspace: Path, tmp_path_factory: pytest.
     return workspace / "models" / "hf" / "demo"
 
 
-@pytest.fixture(scope="session")
-def tiny_lm(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A HF folder: the stage-1 tokenizer (SentencePiece, Japanese) and a small random Llama."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+# tiny_export's runs: one step of a small Llama on the man pages, whose export every reader of an export tests on.
+# init_std 0.3 (tiny_llama's) keeps the next-token logits far apart, so greedy decoding in another runtime does not
+# hinge on rounding; lr 1e-5 leaves them so after the step.
+TINY_EXPORT_RUN = (*QUIET_RUN, "train.seq_len=256", "train.global_batch_size=2", "train.train_iters=1",
+                   "train.lr=1e-5", "train.min_lr=1e-5", "train.precision=fp32", "model.arch=llama",
+                   "model.preset=custom", "model.num_layers=2", f"model.num_attn_heads={HEADS}",
+                   f"model.num_kv_heads={KV_HEADS}", "model.ffn_hidden_size=128", "model.init_std=0.3",
+                   "model.tie_word_embeddings=false")
 
-    folder = tmp_path_factory.mktemp("tiny-lm")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir / "hf")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=64, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+
+@pytest.fixture(scope="session")
+def tiny_export(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Factory: ``tiny_export(name, *train_overrides, dtype="fp32", head_dim=HEAD_DIM)`` → the folder `gptpipe
+    convert` (stage 4, the workspace's convert_config.yaml, its gate passed) writes from a real `gptpipe train` of
+    TINY_EXPORT_RUN on the workspace's data and 4k unigram tokenizer. Each run is made once per name, each export
+    once per (name, dtype); read-only: copy one to change it."""
+    def make(name: str, *overrides: str, dtype: str = "fp32", head_dim: int = HEAD_DIM) -> Path:
+        shared = shared_folder(tmp_path_factory)
+        run, out = shared / f"export-run-{name}", shared / f"export-{name}-{dtype}"
+
+        def train() -> None:
+            done = run_train("--config", workspace / "config.yaml", *TINY_EXPORT_RUN,
+                             f"model.hidden_size={HEADS * head_dim}", *overrides, f"train.output_model_dir={run}")
+            assert done.returncode == 0, done.stderr[-3000:]
+
+        once(tmp_path_factory, run.name, train)
+        once(tmp_path_factory, out.name, lambda: run_cli(
+            "convert", "--config", workspace / "convert_config.yaml", f"input_model_dir={run}",
+            f"output_tokenizer_and_model_dir={out}", f"dtype={dtype}"))
+        return out
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tiny_export) -> Path:
+    """The model a fine-tune starts from, as stage 7's default model.path is: a real stage-4 export (the 4k
+    stage-1 tokenizer, SentencePiece, Japanese) of a small Llama, 64 positions."""
+    return tiny_export("lm", "train.seq_len=64", "model.init_std=0.02", "model.num_kv_heads=4", head_dim=8)
 
 
 @pytest.fixture(scope="session")
 def tiny_t5(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small random T5 with the ByT5 tokenizer: both built offline."""
-    import torch
-    from transformers import ByT5Tokenizer, T5Config, T5ForConditionalGeneration
+    from transformers import ByT5Tokenizer, T5Config
 
-    folder = tmp_path_factory.mktemp("tiny-t5")
     tokenizer = ByT5Tokenizer()
     config = T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
                       pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-    torch.manual_seed(0)
-    T5ForConditionalGeneration(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return random_model(config, tmp_path_factory.mktemp("tiny-t5"), tokenizer=tokenizer)
 
 
 # --- object stores on 127.0.0.1 -------------------------------------------------------------------------

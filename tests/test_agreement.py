@@ -90,7 +90,8 @@ def test_a_runtime_is_judged_by_the_fp32_models_logits(unigram_llama: Path) -> N
     got = [second, *agreement.greedy(reference, [*prompt, second], agreement.GREEDY_TOKENS - 1)]
     [swapped] = agreement.check(reference, [prompt], [got], "fp32")
     gap = float(first.max() - first[second])
-    assert swapped.gaps[0] == pytest.approx(gap, rel=1e-5) and max(swapped.gaps[1:]) == 0.0
+    # the same logit difference from the prompt batched with the continuation: fp32 rounding apart
+    assert swapped.gaps[0] == pytest.approx(gap, abs=agreement.FP32_TOLERANCE) and max(swapped.gaps[1:]) == 0.0
     assert swapped.kind == DEPARTS and replace(swapped, tolerance=1.01 * gap).kind == NEAR_TIE
 
 

@@ -391,11 +391,12 @@ def test_stage0_output_needs_its_complete_manifest(corpus_dir: Path, tokenizer_d
     assert Manifest.read(tokenizer_dir / "manifest.json").inputs == {"files": {str(corpus): {
         **file_fingerprint(corpus), **manifest_fingerprint(corpus_dir / "manifest.json")}}}
 
-    # A stage-0 run that wrote its corpus.jsonl and then failed (as a killed one) leaves a manifest marked
-    # incomplete: the file beside it is refused.
+    # A stage-0 rerun that failed (or was killed) leaves the folder's manifest marked incomplete: the file beside
+    # it, an earlier run's output, is refused.
     copy = tmp_path / "corpus"
     copy.mkdir()
     shutil.copy2(corpus, copy / "corpus.jsonl")
+    shutil.copy2(corpus_dir / "manifest.json", copy / "manifest.json")
     mine = write_jsonl(tmp_path / "mine.jsonl", documents(corpus_dir)[:20])
     assert main(["prepare", "--config", str(workspace / "config.yaml"), "corpus.sources.0.type=jsonl",
                  f"corpus.sources.0.path={mine}", "corpus.min_chars=1000000000", f"corpus.output_dir={copy}"]) == 1
@@ -404,9 +405,8 @@ def test_stage0_output_needs_its_complete_manifest(corpus_dir: Path, tokenizer_d
     err = capfd.readouterr().err
     assert "the manifest is not marked complete" in err and "0_prepare_corpus.py" in err
     # An own file put into a stage-0 folder is not mistaken for its output.
-    manifest = json.loads((corpus_dir / "manifest.json").read_text(encoding="utf-8"))
-    shutil.copy2(corpus, copy / "corpus.jsonl")
-    (copy / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    shutil.rmtree(copy)
+    shutil.copytree(corpus_dir, copy)  # a complete stage-0 folder: its corpus and dropped samples, its manifest
     shutil.copy2(mine, copy / "mine.jsonl")
     assert train(workspace, tmp_path / "tok", f"input={copy / 'mine.jsonl'}") == 2
     assert "is not an output of the prepare (stage 0) run" in capfd.readouterr().err

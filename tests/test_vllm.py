@@ -1,9 +1,10 @@
 """vLLM serves an exported folder as transformers runs it: prompt ids and greedy tokens (gptpipe.export.vllm_check).
 
 The ``vllm`` tier runs vLLM's CPU build in its own venv (scripts/setup_vllm.sh) and is skipped, with the reason,
-where that venv is absent. Folders: a tiny Llama with the small unigram tokenizer in fp32 and bf16, and a copy
+where that venv is absent. Folders: a tiny Llama with the workspace's unigram tokenizer in fp32 and bf16, and a copy
 with a chat template ("### 指示:" / "### 応答:"), whose conversations go through vLLM's chat path, and the
-stage-4 export of a short chat fine-tune of that Llama, served through the template the run installed.
+stage-4 export of a short chat fine-tune of that Llama, served through the template the run installed. The
+Llama is a real stage-4 export (conftest's tiny_export) in fp32 and in bf16.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import chat_args, gptpipe_command, tiny_llama
+from conftest import chat_args, gptpipe_command
 from gptpipe.export import vllm_check
 
 pytestmark = [
@@ -37,8 +38,8 @@ INSTRUCTION_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def llama(unigram_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama(unigram_tokenizer / "hf", tmp_path_factory.mktemp("vllm") / "llama", head_dim=VLLM_HEAD_DIM)
+def llama(tiny_export) -> Path:
+    return tiny_export("vllm", head_dim=VLLM_HEAD_DIM)
 
 
 def chat_llama(model: Path, folder: Path) -> Path:
@@ -49,16 +50,6 @@ def chat_llama(model: Path, folder: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.chat_template = INSTRUCTION_TEMPLATE
     tokenizer.save_pretrained(folder)
-    return folder
-
-
-def bf16_llama(model: Path, folder: Path) -> Path:
-    """``model`` saved in bf16, as stage 4 exports with `dtype: bf16`."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    shutil.copytree(model, folder)
-    AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).save_pretrained(folder)
     return folder
 
 
@@ -73,13 +64,13 @@ def check(folder: Path) -> dict:
     return report
 
 
-def test_vllm_reproduces_prompt_ids_and_greedy_tokens(llama: Path, tmp_path: Path) -> None:
+def test_vllm_reproduces_prompt_ids_and_greedy_tokens(llama: Path, tiny_export) -> None:
     fp32 = check(llama)
     assert fp32["dtype"] == "float32" and len(fp32["prompts"]) == len(vllm_check.PROMPTS)
     assert not fp32["conversations"]  # no chat template: no chat requests
-    # This model's logits are far apart (tiny_llama): any real difference in weights or decoding shows here.
+    # This model's logits are far apart (init_std 0.3): any real difference in weights or decoding shows here.
     assert all(entry["tokens_equal"] for entry in fp32["prompts"]), fp32["summary"]
-    assert check(bf16_llama(llama, tmp_path / "bf16"))["dtype"] == "bfloat16"
+    assert check(tiny_export("vllm", dtype="bf16", head_dim=VLLM_HEAD_DIM))["dtype"] == "bfloat16"
 
 
 def test_vllm_chat_goes_through_the_folders_template(llama: Path, tmp_path: Path) -> None:
