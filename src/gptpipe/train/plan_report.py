@@ -43,7 +43,8 @@ def format_plan(plan: Plan, config: TrainingRun) -> str:
                                             else "")
                   + (", tied embeddings" if s.tie_word_embeddings else "")),
         ("parameters", f"{plan.parameters:,} (vocab {s.vocab_size:,} "
-                       + ("as the base model has it, not padded; counted on the meta device)" if base else
+                       + ("as the base model has it, or as its extended tokenizer needs, padded to a multiple of "
+                          "128; counted on the meta device)" if base else
                           "padded to a multiple of 128)")),
         ("FLOPs per token", f"{plan.flops_per_token:.3g} (6·N + 12·L·h·s, training)"),
         ("data", ", ".join(f"{st.prefix.name}: {st.documents:,} docs, {st.tokens:,} tokens" for st in plan.stats)),
