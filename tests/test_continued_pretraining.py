@@ -250,7 +250,8 @@ def test_llama_with_a_large_bpe_vocabulary_end_to_end(datasets, tokenizers, work
     assert "step-0 gate passed" in done.stderr and f"initialised from {base}" in done.stderr
     assert "resumed from" not in done.stderr
     # The plan prints the base's shape and the re-warm defaults: 2.5e-5, warmup capped at the run, a tenth.
-    assert f"llama from {base}" in done.stderr and "as the base model has it, or as its extended tokenizer needs" in done.stderr
+    assert f"llama from {base}" in done.stderr
+    assert "as the base model has it, or as its extended tokenizer needs" in done.stderr
     rows = metrics(run, TrainRow)
     assert rows[-1].lr == pytest.approx(CONTINUED_LR / 10)
     config = load_config(PipelineConfig, workspace / "config.yaml", [str(a) for a in CONTINUED_RUN[:]] +
