@@ -43,6 +43,7 @@ from gptpipe.finetune.task_kind import TaskData, TaskFacts
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.train.base_model import fingerprint
+from gptpipe.train.mirror import REFERENCE_LOGPROBS_FILE
 
 if TYPE_CHECKING:
     from gptpipe.finetune.config import FinetuneConfig, FinetuneDataConfig, TaskConfig
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 
 log = get_logger("finetune")
 
-REFERENCE_FILE = "reference_logprobs.json"  # in the run folder: the starting model's log-prob sums of every pair
+REFERENCE_FILE = REFERENCE_LOGPROBS_FILE  # in the run folder: the starting model's log-prob sums of every pair
 # A pair's figures, in this order: logged per step (means over the log window's pairs) and at validation.
 FIGURES = ("reward_chosen", "reward_rejected", "reward_accuracy", "reward_margin", "logp_chosen", "logp_rejected")
 

@@ -30,7 +30,10 @@ from gptpipe.train.uploader import RECORD, UPLOADS, file_stamp
 
 log = get_logger("train")
 
-RESUMED_FILES = ("metrics.jsonl", "wandb_run_id")  # what a resumed run appends to or continues
+# What a resumed run appends to, continues or reuses: stage 7's DPO reference log-probs (finetune/preference.py),
+# computed once from the starting model, are reused rather than recomputed on a fresh machine.
+REFERENCE_LOGPROBS_FILE = "reference_logprobs.json"
+RESUMED_FILES = ("metrics.jsonl", "wandb_run_id", REFERENCE_LOGPROBS_FILE)
 FINAL_WAIT_SECONDS = 900.0  # how long a finished run keeps retrying an unreachable store before giving up
 
 
