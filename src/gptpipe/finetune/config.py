@@ -90,6 +90,32 @@ class TaskConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA (peft): the pretrained weights stay frozen and low-rank adapters on `target_modules` are trained, so
+    the optimizer holds (and checkpoints save) only the adapters; the export merges them into the weights."""
+
+    rank: int = option(0, "adapter rank r (0: off, every weight is fine-tuned)")
+    alpha: float = option(16.0, "scaling: an adapter's update is multiplied by alpha / rank")
+    dropout: float = option(0.05, "dropout on an adapter's input while training")
+    target_modules: list[str] = option(
+        factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        doc="names (last part) of the linear layers that get adapters: Llama's attention and MLP projections "
+            "by default; T5: q, k, v, o, wi, wo; GPT-2: c_attn, c_proj, c_fc")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = [("rank", f"must be >= 0, got {self.rank}")] if self.rank < 0 else []
+        if not 0 <= self.dropout < 1:
+            problems.append(("dropout", f"must be in [0, 1), got {self.dropout}"))
+        if self.rank > 0 and not self.target_modules:
+            problems.append(("target_modules", "must name at least one module when rank > 0"))
+        return problems
+
+
+@dataclass
 class FinetuneTrainConfig(LoopConfig):
     """How long and how fast to fine-tune: stage 3's loop and engine keys (defaults for fine-tuning below),
     then the schedule and the best-checkpoint metric."""
@@ -127,6 +153,7 @@ class FinetuneTrainConfig(LoopConfig):
                                       "chat chrf | val_loss; preference reward_accuracy | reward_margin | "
                                       "greedy_chosen | val_loss; auto: macro_f1, chrf, val_loss, val_loss by "
                                       "task.kind")
+    lora: LoraConfig = option(factory=LoraConfig, doc="LoRA adapters instead of fine-tuning every weight")
 
     def check(self) -> list[tuple[str, str]]:
         # The loop's checks, but seq_len's own here: it may be auto, resolved once the rows are read.
@@ -219,6 +246,9 @@ class FinetuneConfig:
         if self.best_metric not in allowed:
             problems.append(("train.best_metric", f"must be one of {', '.join(allowed)} (or auto) for a "
                                                   f"{self.task.kind} task, got {self.train.best_metric!r}"))
+        if self.train.lora.enabled and self.baseline.model == "scratch":
+            problems.append(("baseline.model", "scratch cannot be LoRA-tuned: its random frozen weights are "
+                                               "saved nowhere, so its checkpoints could not be rebuilt"))
         if self.data.validation is None and not 0 < self.data.validation_proportion < 1:
             problems.append(("data.validation_proportion", "must be in (0, 1) when data.validation is null"))
         return problems

@@ -48,6 +48,7 @@ from gptpipe.artifacts import EXIT_BAD_INPUT, EXIT_OK
 from gptpipe.train import checkpoint
 from gptpipe.train.data import sample_positions
 from gptpipe.train.engine import Dist, EngineConfigError, build_engine, deepspeed_config
+from gptpipe.train.lora import trainable_summary
 from gptpipe.train.loop import LogWindow, TrainLoop, run_ranks
 from gptpipe.train.metrics_rows import TaskEvalRow, TrainRow
 from gptpipe.train.model import inference_config
@@ -163,7 +164,9 @@ class FineTuner(TrainLoop):
         self.engine, self.loss_kwargs = build_engine(
             train, self.hf_config.model_type, self.hf_config, ds_config, Schedule.for_run(train, self.steps),
             dist.device, make_model=pretrained_factory(config.model.path, task.seq2seq, dist.device,
-                                                       scratch=from_scratch))
+                                                       scratch=from_scratch, lora=self.facts.lora))
+        if self.facts.lora:
+            self.say(trainable_summary(self.engine.module, train.precision, train.zero_stage, train.fp32_gradients))
         if train.packing:
             self.engine.eval()
             leaks = packing_leaks(self.engine, [s for e in task.train[:8] for s in task.kind.sequences(e)],

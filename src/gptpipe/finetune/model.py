@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from gptpipe.finetune.data import IGNORE, Encoded, Encoder, collate, left_padded, pad_id
+from gptpipe.train.lora import apply_lora
 from gptpipe.train.model import inference_config, load_pretrained
 
 if TYPE_CHECKING:
@@ -33,10 +34,11 @@ def model_class(seq2seq: bool) -> Any:
     return AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
 
 
-def pretrained_factory(folder: Path, seq2seq: bool, device: torch.device, scratch: bool = False
-                       ) -> Callable[[], Any]:
+def pretrained_factory(folder: Path, seq2seq: bool, device: torch.device, scratch: bool = False,
+                       lora: dict[str, Any] | None = None) -> Callable[[], Any]:
     """A callable loading the pretrained weights in fp32 (DeepSpeed casts for bf16/fp16 itself); with `scratch`,
-    the folder's architecture with freshly initialised weights instead (the loop seeds it)."""
+    the folder's architecture with freshly initialised weights instead (the loop seeds it); with `lora`
+    (task.json's), those weights frozen under trainable adapters (train/lora.py)."""
 
     def make() -> Any:
         if scratch:
@@ -46,7 +48,7 @@ def pretrained_factory(folder: Path, seq2seq: bool, device: torch.device, scratc
             return model_class(seq2seq).from_config(config, dtype=torch.float32).to(device)
         model = load_pretrained(folder, seq2seq).to(device)
         inference_config(model.config)  # the fine-tune's loss has no router term; evaluation generates
-        return model
+        return apply_lora(model, lora, seq2seq) if lora else model
 
     return make
 

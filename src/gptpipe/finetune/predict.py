@@ -99,7 +99,7 @@ def load_predictor(config: FinetuneConfig, source: Path, device: torch.device) -
         return Predictor(model.to(device).eval(), AutoTokenizer.from_pretrained(source), task, str(source))
 
     found = checkpoint.find_checkpoint(folder)
-    model = checkpoint.model_from_checkpoint(found)
+    model = checkpoint.model_from_checkpoint(found, merge=False)  # LoRA: as trained, the export's merge apart
     tokenizer = AutoTokenizer.from_pretrained(found.run_dir / TOKENIZER_DIR)
     return Predictor(model.to(device), tokenizer, TaskFacts.from_dict(found.state["task"], str(found.path)),
                      str(folder))

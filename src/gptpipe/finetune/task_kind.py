@@ -43,6 +43,8 @@ class TaskFacts:
     pretrained_model: str | None = None  # model.path (None for a from-scratch baseline)
     train_file: str | None = None  # data.train
     architecture_of: str | None = None  # a from-scratch baseline: the folder whose architecture it took
+    # train.lora when on (rank, alpha, dropout, target_modules): checkpoints hold adapters on pretrained_model
+    lora: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, facts: dict[str, Any], source: str) -> TaskFacts:
@@ -114,7 +116,8 @@ class TaskData:
                          best_metric=config.best_metric,
                          pretrained_model=None if from_scratch else str(config.model.path),
                          train_file=str(config.data.train),
-                         architecture_of=str(config.model.path) if from_scratch else None)
+                         architecture_of=str(config.model.path) if from_scratch else None,
+                         lora=asdict(config.train.lora) if config.train.lora.enabled else None)
 
 
 

@@ -122,7 +122,10 @@ def save(engine: Any, root: Path, step: int, state: dict[str, Any], hf_config_js
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     _barrier()
-    engine.save_checkpoint(str(staging), tag=tag, client_state={"gptpipe": state}, save_latest=False)
+    # Frozen weights (a LoRA run's base) are the starting model's, which the run records: saved again they would
+    # make every checkpoint as large as a full fine-tune's.
+    engine.save_checkpoint(str(staging), tag=tag, client_state={"gptpipe": state}, save_latest=False,
+                           exclude_frozen_parameters=has_frozen(engine))
     torch.save(rng_state(), staging / tag / f"rng_state_rank{dist.rank}.pt")
     _barrier()
     if dist.is_main:
@@ -139,6 +142,11 @@ def save(engine: Any, root: Path, step: int, state: dict[str, Any], hf_config_js
     return final
 
 
+def has_frozen(engine: Any) -> bool:
+    """Whether some of the engine's weights are not trained (LoRA's base): `save` leaves them out."""
+    return any(not p.requires_grad for p in engine.module.parameters())
+
+
 def remove_stale(root: Path) -> None:
     """Staging folders and unmarked checkpoints left by a killed save (main rank, before training)."""
     if not root.is_dir():
@@ -153,7 +161,8 @@ def load(engine: Any, folder: Path, dist: Dist) -> dict[str, Any]:
     import torch
 
     load_path, _ = engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+                                          load_lr_scheduler_states=True,
+                                          load_module_strict=not has_frozen(engine))  # frozen: not saved
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint {folder}")
     rng_file = folder / f"rng_state_rank{dist.rank}.pt"
@@ -181,6 +190,11 @@ class Checkpoint:
     @property
     def seq2seq(self) -> bool:
         return bool(self.is_finetune and self.state["task"].get("seq2seq"))
+
+    @property
+    def lora(self) -> dict[str, Any] | None:
+        """A LoRA fine-tune's adapter settings (train/lora.py): its checkpoints hold the adapters only."""
+        return self.state["task"].get("lora") if self.is_finetune else None
 
     @property
     def run_dir(self) -> Path:
@@ -305,13 +319,16 @@ def hf_config_object(hf_config: dict[str, Any]) -> Any:
     return inference_config(AutoConfig.for_model(values.pop("model_type"), **values))
 
 
-def model_from_checkpoint(checkpoint: Checkpoint, state_dict: dict[str, Any] | None = None) -> Any:
+def model_from_checkpoint(checkpoint: Checkpoint, state_dict: dict[str, Any] | None = None,
+                          merge: bool = True) -> Any:
     """The trained model in fp32, exactly as the checkpoint holds it (vocab still padded): a causal LM, or
     an encoder-decoder for a seq2seq fine-tune.
 
     The parameters are the state dict's own tensors (``assign``), so several models built from one
     consolidated checkpoint (``state_dict``; None: consolidated here) cost no extra memory until one of them
-    is cast or resized. Stage 4 and `gptpipe predict` load checkpoints with it.
+    is cast or resized. Stage 4 and `gptpipe predict` load checkpoints with it. A LoRA fine-tune's checkpoint
+    holds its adapters only: the model is its base with them, merged into the weights unless `merge` is False
+    (predict keeps the model as trained, so the export's merge is checked against it).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
@@ -319,6 +336,11 @@ def model_from_checkpoint(checkpoint: Checkpoint, state_dict: dict[str, Any] | N
 
     if state_dict is None:
         state_dict = consolidate(checkpoint)
+    if checkpoint.lora:
+        from gptpipe.train.lora import rebuild
+
+        return rebuild(state_dict, checkpoint.lora, Path(checkpoint.state["task"]["pretrained_model"]),
+                       checkpoint.seq2seq, merge, checkpoint.path)
     model_class = AutoModelForSeq2SeqLM if checkpoint.seq2seq else AutoModelForCausalLM
     with no_init_weights():  # every weight is replaced below: skip the random init (minutes at 3B)
         model = model_class.from_config(hf_config_object(checkpoint.hf_config), dtype=torch.float32)
