@@ -3,7 +3,8 @@
 # (copies of the shipped YAMLs live there, so your own config.yaml is never touched). Stage 7 fine-tunes the
 # exported model on a task built from the same man pages (description -> manual section), predicts the test
 # split with beam search, evaluates the pretrained model zero-shot with lm-eval, exports the fine-tune, then
-# instruction-tunes the model on man-page conversations and chats with it.
+# instruction-tunes the model on man-page conversations and chats with it, then preference-tunes (DPO) the chat
+# export on man-page answer pairs and chats with that.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 bash scripts/setup_env.sh
@@ -70,3 +71,17 @@ step "stage 4 for the chat run: export (the gate checks its chat template) and G
 bash 4_convert_to_HF.sh --config demo/convert_config.yaml input_model_dir=demo/runs/chat-demo \
   output_tokenizer_and_model_dir=demo/models/hf/chat-demo huggingface_name=gptpipe-demo-ja-chat
 python -m gptpipe gguf --config demo/convert_config.yaml --model demo/models/hf/chat-demo --outtype f16
+
+# Preference tuning (DPO) from the chat run's export: make-demo-task's pairs (for "`ls` は何をしますか?" the NAME line
+# over the section line; after "マニュアルの何章ですか?" the right section over a wrong one), a few steps against the
+# export as the frozen reference (its log-probs computed once, stored in the run folder).
+PREF_DATA=demo/data/finetune/manpage_section/preference
+PREF=(task.kind=preference model.path=demo/models/hf/chat-demo data.train=$PREF_DATA/train.jsonl
+      data.validation=$PREF_DATA/validation.jsonl data.test=$PREF_DATA/test.jsonl
+      train.output_model_dir=demo/runs/preference-demo train.seq_len=128 train.global_batch_size=8 train.lr=1e-4
+      train.train_epochs=1 train.train_iters=20 train.eval_interval=10 train.save_interval=10 task.chat_eval_rows=16)
+step "stage 7: preference tuning (task.kind=preference: DPO from the chat export, reward accuracy on held-out pairs)"
+bash 7_finetune.sh --config demo/finetune_config.yaml "${PREF[@]}"
+step "stage 7: chat with the preference-tuned model"
+printf '%s\n' '`ls` は何をしますか?' 'マニュアルの何章ですか?' '/reset' '`cp` は何をしますか?' |
+  python -m gptpipe chat --config demo/finetune_config.yaml "${PREF[@]}" chat.max_new_tokens=32

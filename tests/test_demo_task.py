@@ -71,6 +71,34 @@ def test_the_chat_set_holds_every_row_as_a_two_turn_conversation(demo_task: Path
             assert section == f"{page['page'][3]}章 ({page['label']}) です。"
 
 
+def test_the_preference_set_pairs_every_conversation_in_trls_shape(demo_task: Path) -> None:
+    import json
+
+    from gptpipe.data.jsonl import Reasons
+    from gptpipe.finetune.preference import read_pairs
+
+    by_input = {r["input"]: r for r in pages(demo_task)}
+    for split in ("train", "validation", "test"):
+        skipped = Reasons()
+        path = demo_task / "preference" / f"{split}.jsonl"
+        pairs = read_pairs(path, skipped)
+        raw = [json.loads(line) for line in path.read_text("utf-8").splitlines()]
+        assert not skipped.counts and len(pairs) == len(raw) == len(read_tsv(demo_task / f"{split}.tsv"))
+        for k, row in enumerate(raw):
+            assert set(row) == {"prompt", "chosen", "rejected"}
+            if k % 2:  # the conversation up to the section question: the right section over a wrong one
+                page = by_input[row["prompt"][1]["content"]]
+                assert row["prompt"][-1]["content"] == "マニュアルの何章ですか?"
+                section_line = f"{page['page'][3]}章 ({page['label']}) です。"
+                assert row["chosen"] == [{"role": "assistant", "content": section_line}]
+                assert row["rejected"][0]["content"] != row["chosen"][0]["content"]
+                assert row["rejected"][0]["content"].endswith(") です。")
+            else:  # the question about the command: its description over the section line
+                page = by_input[row["chosen"]]
+                assert page["split"] == split and row["prompt"].endswith("は何をしますか?")
+                assert row["rejected"] == f"{page['page'][3]}章 ({page['label']}) です。"
+
+
 def test_no_page_and_no_description_in_two_splits(demo_task: Path) -> None:
     rows = pages(demo_task)
     split_of: dict[str, str] = {}

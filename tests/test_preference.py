@@ -19,31 +19,10 @@ from gptpipe.data.jsonl import (EMPTY, IDENTICAL_ANSWERS, INVALID_JSON, MISSING_
                                 TEMPLATE_ERROR, TOO_LONG, UNKNOWN_ROLE, Reasons)
 from gptpipe.finetune.chat_data import GPTPIPE_TEMPLATE, ChatEncoder, Conversation, install_template
 from gptpipe.finetune.data import IGNORE
-from gptpipe.finetune.demo_task import SECTION_LABELS
+from gptpipe.finetune.demo_task import manpage_pairs
 from gptpipe.finetune.preference import (FIGURES, REFERENCE_FILE, PreferenceEncoder, PreferenceKind, dpo,
                                          read_pairs)
 from gptpipe.train.metrics_rows import TaskEvalRow, TrainRow
-
-
-def manpage_pairs(chats: list[dict]) -> list[dict]:
-    """Preference rows from make-demo-task's man-page conversations, alternating two shapes: a string prompt
-    (the question about the command) preferring the page's NAME description over its section line, and the
-    conversation up to the section question (a message list) preferring the right section's line over a wrong
-    section's (the next sections in turn)."""
-    sections = sorted(SECTION_LABELS)
-    rows = []
-    for k, chat in enumerate(c for c in chats if "messages" in c):
-        messages = chat["messages"]
-        section_line = messages[-1]["content"]
-        right = section_line.split("章")[0]
-        if k % 2:
-            wrong = sections[(sections.index(right) + 1 + k // 2 % (len(sections) - 1)) % len(sections)]
-            rows.append({"prompt": messages[:-1], "chosen": [messages[-1]],
-                         "rejected": [{"role": "assistant", "content": f"{wrong}章 ({SECTION_LABELS[wrong]}) です。"}]})
-        else:
-            question = next(m["content"] for m in messages if m["role"] == "user")
-            rows.append({"prompt": question, "chosen": messages[-3]["content"], "rejected": section_line})
-    return rows
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,9 @@ Built offline from the installed Japanese man pages: the NAME section's descript
 seeded, into train/validation/test TSV files (``input<TAB>label``, no header), beside an lm-evaluation-harness
 task YAML over the same files (``gptpipe evaluate``) and pages.tsv saying which page each row came from. The
 same splits as a chat set (``chat/<split>.jsonl``, task.kind chat): "What does `ls` do?" answered by the
-description, then "Which section of the manual?" answered by the section.
+description, then "Which section of the manual?" answered by the section. And as a preference set
+(``preference/<split>.jsonl``, task.kind preference, TRL's prompt/chosen/rejected rows, see `manpage_pairs`): the
+description preferred over the section line, the right section over a wrong one.
 
 Only the NAME line is read, so a few lines of roff are parsed here instead of rendering whole pages.
 """
@@ -36,6 +38,9 @@ SECTION_LABELS = {
     "5": "ファイル形式", "6": "ゲーム", "7": "概要と規約", "8": "管理コマンド",
 }
 SPLITS = ("train", "validation", "test")
+# What build writes beside the TSV files; in the manifest's inputs, so a folder built before a set was added is
+# rebuilt rather than reported current.
+SETS = ["chat", "preference"]
 # The prompt the lm-eval task scores each label after; the fine-tune's default template is its own business.
 EVAL_PROMPT = "説明: {{input}}\nマニュアルの種類:"
 
@@ -227,6 +232,27 @@ def chat_conversation(row: Row) -> dict:
         {"role": "assistant", "content": f"{row.section}章 ({SECTION_LABELS[row.section]}) です。"}]}
 
 
+def manpage_pairs(chats: list[dict]) -> list[dict]:
+    """Preference rows from make-demo-task's man-page conversations, alternating two shapes: a string prompt
+    (the question about the command) preferring the page's NAME description over its section line, and the
+    conversation up to the section question (a message list) preferring the right section's line over a wrong
+    section's (the next sections in turn)."""
+    sections = sorted(SECTION_LABELS)
+    rows = []
+    for k, chat in enumerate(c for c in chats if "messages" in c):
+        messages = chat["messages"]
+        section_line = messages[-1]["content"]
+        right = section_line.split("章")[0]
+        if k % 2:
+            wrong = sections[(sections.index(right) + 1 + k // 2 % (len(sections) - 1)) % len(sections)]
+            rows.append({"prompt": messages[:-1], "chosen": [messages[-1]],
+                         "rejected": [{"role": "assistant", "content": f"{wrong}章 ({SECTION_LABELS[wrong]}) です。"}]})
+        else:
+            question = next(m["content"] for m in messages if m["role"] == "user")
+            rows.append({"prompt": question, "chosen": messages[-3]["content"], "rejected": section_line})
+    return rows
+
+
 def lm_eval_task(labels: list[str]) -> dict:
     """The lm-evaluation-harness task over the TSV files: score every label by log-likelihood after the prompt.
     data_files are relative to the YAML's folder (`gptpipe evaluate` resolves them), so the folder can move."""
@@ -269,6 +295,9 @@ def build(config: DemoTaskConfig) -> StageResult:
     for name, part in splits.items():
         written.append(_write(out / "chat" / f"{name}.jsonl", "".join(
             json.dumps(chat_conversation(r), ensure_ascii=False) + "\n" for r in part)))
+    for name, part in splits.items():
+        written.append(_write(out / "preference" / f"{name}.jsonl", "".join(
+            json.dumps(row, ensure_ascii=False) + "\n" for row in manpage_pairs([chat_conversation(r) for r in part]))))
     written.append(_write(out / "pages.tsv", "page\tsplit\tlabel\tinput\n" + "".join(
         f"{r.page}\t{name}\t{SECTION_LABELS[r.section]}\t{r.input}\n" for name, part in splits.items() for r in part)))
     written.append(_write(out / f"{TASK_NAME}.yaml", yaml.safe_dump(
@@ -314,7 +343,7 @@ def make_demo_task(config: DemoTaskConfig, force: bool = False) -> Path:
                               "(apt-get install manpages-ja manpages-ja-dev) or set demo_task.man_dir")
     pages = [p for p in config.man_dir.glob("man*/*") if p.is_file()]
     manifest = DEMO_TASK.run(config.output_dir, config,
-                             {"man_pages": tree_fingerprint(pages)}, lambda: build(config), force=force)
+                             {"man_pages": tree_fingerprint(pages), "sets": SETS}, lambda: build(config), force=force)
     log.info(f"{config.output_dir}\n{report(manifest.counts)}")
     return config.output_dir
 
