@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from prewarmed import Forked
-from conftest import finetune_args, gptpipe_command, train_env, train_losses, wait_for_step
+from conftest import chat_args, finetune_args, gptpipe_command, train_env, train_losses, wait_for_step
 from conftest import manifest_counts as counts
+from test_preference import pair_args, pair_files, pair_lm, pair_rows  # noqa: F401 (its fixtures)
 
 from gptpipe.cli import main
 from gptpipe.config.core import ConfigError, load_config
@@ -97,6 +98,33 @@ def test_a_killed_lora_finetune_resumes_with_identical_losses(tiny_lm: Path, tas
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr
     assert train_losses(killed) == train_losses(tmp_path / "full")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["chat", "preference", "seq2seq-generation"])
+def test_every_kind_trains_adapters_and_exports_merged_through_the_gate(
+        kind: str, tiny_lm: Path, tiny_t5: Path, task_files: tuple[Path, Path], chat_files: tuple[Path, Path],
+        workspace: Path, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """A short run of each other kind: adapters only in the checkpoint, the merged export verified (a preference
+    run's reference is its starting model's log-probabilities, stored before the first step: the adapters start
+    as a no-op, so it is the base's)."""
+    run = tmp_path / "run"
+    short = (*LORA, "train.train_iters=4", "train.eval_interval=2", "train.save_interval=2")
+    if kind == "chat":
+        args = chat_args(tiny_lm, chat_files, run, *short)
+    elif kind == "preference":
+        args = pair_args(request.getfixturevalue("pair_lm"), request.getfixturevalue("pair_files"), run, *short)
+    else:
+        args = finetune_args(tiny_t5, task_files, run, *short, "train.lora.target_modules=[q,v]",
+                             "task.kind=generation", "train.seq_len=64", "train.global_batch_size=8",
+                             "baseline.classical=false")
+    done = gptpipe_command("finetune", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert all(ADAPTER_MARK in name for name in consolidate(find_checkpoint(run)))
+    out = tmp_path / "export"
+    assert main(["convert", "--config", str(workspace / "convert_config.yaml"), f"input_model_dir={run}",
+                 f"output_tokenizer_and_model_dir={out}", "dtype=fp32", "huggingface_name=lora-test"]) == 0
+    assert counts(out)["verified"] is True
 
 
 def test_lora_settings_are_checked(tmp_path: Path) -> None:
