@@ -224,14 +224,13 @@ def random_model(config: Any, folder: Path, tokenizer_hf: Path | None = None, to
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    torch.manual_seed(0)
-    model_class = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
-    model_class.from_config(config).save_pretrained(folder)
     if tokenizer_hf is not None:
-        for path in tokenizer_hf.iterdir():
-            shutil.copy(path, folder / path.name)
+        shutil.copytree(tokenizer_hf, folder, dirs_exist_ok=True)
     else:
         tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    model_class = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    model_class.from_config(config).save_pretrained(folder)  # after the tokenizer: its files are the model's
     return folder
 
 

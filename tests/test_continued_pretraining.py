@@ -17,7 +17,7 @@ from pathlib import Path
 import orjson
 import pytest
 from conftest import (QUIET_RUN, SHIFT, byte_level_bpe, corpus_texts, finetune_args, gptpipe_command, manifest_counts,
-                      metrics, run_cli, run_train)
+                      metrics, random_model, run_cli, run_train)
 from tokenizers import Tokenizer
 
 from gptpipe.cli import main
@@ -111,19 +111,14 @@ def make_base(model_type: str, tokenizer_folder: Path, folder: Path, extra_vocab
     """A random base model of `model_type` on the tokenizer in `tokenizer_folder`, with a generation_config.json
     of its own, saved as a HF folder; `extra_vocab` embedding rows past the tokenizer (as Qwen has); `sizes`
     override tiny_config's."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer, GenerationConfig
 
-    shutil.copytree(tokenizer_folder, folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
     config = tiny_config(model_type, len(tokenizer) + extra_vocab, tokenizer.bos_token_id, tokenizer.eos_token_id,
                          **sizes)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
-                                               eos_token_id=tokenizer.eos_token_id, do_sample=True, temperature=0.6,
-                                               top_p=0.9, repetition_penalty=1.1)
-    model.save_pretrained(folder)
+    random_model(config, folder, tokenizer_folder)
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, do_sample=True,
+                     temperature=0.6, top_p=0.9, repetition_penalty=1.1).save_pretrained(folder)
     return folder
 
 

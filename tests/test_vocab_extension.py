@@ -48,10 +48,12 @@ def corpus(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """An untied Llama with SPARE_ROWS spare rows and a tied GPT-2, on one English byte-level BPE."""
+    """An untied Llama with SPARE_ROWS spare rows (one 32-wide head: vLLM's CPU attention runs head sizes 32, 64,
+    ...) and a tied GPT-2, on one English byte-level BPE."""
     root = tmp_path_factory.mktemp("vocab-bases")
     tokenizer = byte_level_base_tokenizer(root / "tokenizer")
-    return {"llama": make_base("llama", tokenizer, root / "llama", extra_vocab=SPARE_ROWS),
+    return {"llama": make_base("llama", tokenizer, root / "llama", extra_vocab=SPARE_ROWS, num_attention_heads=1,
+                               num_key_value_heads=1),
             "gpt2": make_base("gpt2", tokenizer, root / "gpt2")}
 
 

@@ -53,6 +53,7 @@ class PretrainedTokenizer:
     tokenizer_class: str  # the class AutoTokenizer chose
     encoder: str = field(repr=False)  # the tokenizer.json of the pipeline that class built: stage 2 encodes with it
     rebuilt: str | None  # what that class changed of the folder's tokenizer.json, if anything
+    chars_per_token: float | None = None  # not measured for a base's tokenizer (stage 1 measures its own)
 
     def tokenizer_json(self, scratch: Path) -> Path:
         """The tokenizer.json to encode with (the pipeline transformers built), written into `scratch`."""

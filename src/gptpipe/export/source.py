@@ -22,12 +22,14 @@ from gptpipe.finetune.metrics import TASK_METRICS
 from gptpipe.finetune.run_files import SUMMARY_FILE, TASK_FILE, TOKENIZER_DIR
 from gptpipe.finetune.task_kind import TaskFacts
 from gptpipe.stage import StageInputError, file_fingerprint, tree_fingerprint
-from gptpipe.artifacts import TOKENIZE, TRAIN_TOKENIZER, DatasetInfo, read_dataset, read_tokenizer
+from gptpipe.artifacts import (TOKENIZE, TRAIN_TOKENIZER, DatasetInfo, TokenizerInfo, read_dataset,
+                               read_tokenizer)
 from gptpipe.tokenizer.hf import SENTENCEPIECE_FILE, exported_config
 from gptpipe.train.checkpoint import STATE, Checkpoint
 from gptpipe.train.metrics_rows import Row
 
 if TYPE_CHECKING:
+    from gptpipe.data.base_tokenizer import PretrainedTokenizer
     from gptpipe.pipeline import PipelineConfig
     from gptpipe.train.base_model import BaseModel
 
@@ -105,7 +107,7 @@ class PretrainSource:
 
     checkpoint: Checkpoint
     training: PipelineConfig  # the run record, never the config.yaml on disk (it may have changed)
-    tokenizer: Any  # artifacts.TokenizerInfo
+    tokenizer: TokenizerInfo  # stage 1's (a continued run: the base's, ContinuedSource)
     datasets: list[DatasetInfo]
     rows: DocumentRows
     versions: ClassVar[tuple[str, ...]] = (*VERSIONS, "sentencepiece")
@@ -160,7 +162,7 @@ class PretrainSource:
                     for s in sources],
             datasets=[d.card_facts() for d in self.datasets], tokens_seen=self.checkpoint.state.get("tokens"),
             tokenizer={"vocab_size": self.tokenizer.vocab_size,
-                       "chars_per_token": getattr(self.tokenizer, "chars_per_token", None)},
+                       "chars_per_token": self.tokenizer.chars_per_token},
             final_val_loss=final_val_loss(self.checkpoint.state, metrics))
 
     def card(self, folder: Path, metrics: list[Row]) -> tuple[CardBlocks, dict[str, Any]]:
@@ -176,6 +178,7 @@ class ContinuedSource(PretrainSource):
     generation_config.json and tokenizer files, byte for byte; with the base's tokenizer extended by stage 1,
     that tokenizer's files instead of the base's, and config.json's vocab_size the rows it needs."""
 
+    tokenizer: PretrainedTokenizer  # the base's, as stage 2 encoded with it (an extension's where stage 1 made one)
     base: BaseModel
     record: dict[str, Any]  # what the run recorded of the base's files (its checkpoint state)
     versions: ClassVar[tuple[str, ...]] = VERSIONS

@@ -18,6 +18,8 @@ if TYPE_CHECKING:  # torch/transformers load only when a model is actually built
     import torch
     from transformers import PretrainedConfig, PreTrainedModel
 
+    from gptpipe.artifacts import TokenizerInfo
+
 VOCAB_MULTIPLE = 128
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM"}
 
@@ -189,10 +191,10 @@ def flops_per_token(shape: Shape, seq_len: int, total: int | None = None) -> flo
             + 12 * shape.num_layers * shape.num_attn_heads * shape.head_dim * seq_len)
 
 
-def build_model_config(model_cfg: ModelConfig, tokenizer_info: Any, seq_len: int) -> PretrainedConfig:
+def build_model_config(model_cfg: ModelConfig, tokenizer_info: TokenizerInfo, seq_len: int) -> PretrainedConfig:
     """The transformers config of the model trained with `model_cfg` on `tokenizer_info`'s vocabulary.
 
-    `tokenizer_info` is a `gptpipe.artifacts.TokenizerInfo` (vocab_size, bos_id, eos_id, pad_id).
+    `tokenizer_info` is stage 1's: vocab_size, bos_id, eos_id, pad_id.
     """
     from transformers import GPT2Config, LlamaConfig, MixtralConfig
 
