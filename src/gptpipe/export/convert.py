@@ -32,10 +32,12 @@ EXPORT_KEYS = ("input_model_dir", "checkpoint_step", "output_tokenizer_and_model
 
 
 def reference_models(checkpoint: Checkpoint, state_dict: dict[str, Any], dtype: str) -> tuple[Any, Any]:
-    """(the checkpoint's model in the export dtype, the same in fp32): what the exported folder must match."""
+    """(the checkpoint's model in the export dtype, the same in fp32): what the exported folder must match. A
+    LoRA fine-tune's fp32 reference keeps its adapters apart, as it trained, so the gate checks the merge the
+    export writes too; its bf16 one is merged, then cast, as the export is (like with like)."""
     from gptpipe.export.verify import TORCH_DTYPES, cast_parameters
 
-    reference_fp32 = model_from_checkpoint(checkpoint, state_dict)
+    reference_fp32 = model_from_checkpoint(checkpoint, state_dict, merge=False)
     if dtype == "fp32":
         return reference_fp32, reference_fp32
     return cast_parameters(model_from_checkpoint(checkpoint, state_dict), TORCH_DTYPES[dtype]), reference_fp32
