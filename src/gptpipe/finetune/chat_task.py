@@ -98,6 +98,17 @@ class ChatKind(TaskKind):
     def answer_room(self, encoder: ChatEncoder, rows: list[Conversation], labels: list[str] | None) -> int:
         return max(len(encoder.ids(row.label)) + 1 for row in rows)
 
+    @staticmethod
+    def answer(model: Any, task: TaskData, wanted: list[tuple[int, int]], out: list[dict[str, Any]], longest: int,
+               synced: bool, dist: Dist) -> None:
+        """Validation: the greedy answers to the `wanted` (rank's index, row) conversations' prompts, into the
+        first of `out` as "generated" (none when none is wanted: the rows past task.chat_eval_rows)."""
+        if wanted:
+            prompts = [task.encoder.prompt_ids(task.validation[k].prompt) for _, k in wanted]
+            for o, ids in zip(out, generate(model, task.encoder, prompts, dist.device, max_new_tokens=longest,
+                                            synced_gpus=synced)):
+                o["generated"] = decode(task.tokenizer, ids)
+
     @torch.no_grad()
     def validate(self, model: Any, task: TaskData, config: FinetuneConfig, dist: Dist) -> dict[str, Any]:
         """val_loss: the mean loss of the validation conversations' assistant tokens (the stop tokens included);
@@ -116,12 +127,7 @@ class ChatKind(TaskKind):
             items = [task.validation_items[k] for _, k in chunk]
             lps = score(model, items, pad, False, dist.device, batch)
             out = [{"lp": lp, "tokens": e.label_tokens} for lp, e in zip(lps, items)]
-            wanted = chunk[:max(0, asked - start)]
-            if wanted:
-                prompts = [encoder.prompt_ids(task.validation[k].prompt) for _, k in wanted]
-                for o, ids in zip(out, generate(model, encoder, prompts, dist.device, max_new_tokens=longest,
-                                                synced_gpus=synced)):
-                    o["generated"] = decode(task.tokenizer, ids)
+            self.answer(model, task, chunk[:max(0, asked - start)], out, longest, synced, dist)
             results += [(i, o) for (i, _), o in zip(chunk, out)]
         scored = gather(results, dist)
         answered = [(row.label, o["generated"]) for row, o in zip(task.validation, scored) if "generated" in o]

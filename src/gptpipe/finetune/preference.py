@@ -38,7 +38,7 @@ from gptpipe.data.jsonl import (EMPTY, IDENTICAL_ANSWERS, INVALID_JSON, MISSING_
 from gptpipe.finetune.chat_data import ChatEncoder, Conversation, message_list, text_problem
 from gptpipe.finetune.chat_task import ChatKind
 from gptpipe.finetune.data import IGNORE, Encoded, Problem, edit_distance, pad_id
-from gptpipe.finetune.model import decode, gather, generate, score, shard, target_logprobs
+from gptpipe.finetune.model import gather, score, shard, target_logprobs
 from gptpipe.finetune.task_kind import TaskData, TaskFacts
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
@@ -366,12 +366,7 @@ class PreferenceKind(ChatKind):
             pairs = [task.validation_items[k] for _, k in chunk]
             sums = score(model, [e for p in pairs for e in self.sequences(p)], pad, False, dist.device, 2 * batch)
             out: list[dict[str, Any]] = [{"policy": sums[2 * j:2 * j + 2]} for j in range(len(pairs))]
-            wanted = chunk[:max(0, asked - start)]
-            if wanted:
-                prompts = [encoder.prompt_ids(task.validation[k].prompt) for _, k in wanted]
-                for o, ids in zip(out, generate(model, encoder, prompts, dist.device, max_new_tokens=longest,
-                                                synced_gpus=synced)):
-                    o["generated"] = decode(task.tokenizer, ids)
+            self.answer(model, task, chunk[:max(0, asked - start)], out, longest, synced, dist)
             results += [(i, o) for (i, _), o in zip(chunk, out)]
         scored = gather(results, dist)
         policy = torch.tensor([o["policy"] for o in scored])
