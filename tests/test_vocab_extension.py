@@ -58,8 +58,9 @@ def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def extension(bases, workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Stage 1: the bases' tokenizer extended on the Japanese man pages (its output_dir)."""
+def extension(bases, corpus_dir: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Stage 1: the bases' tokenizer extended on the Japanese man pages (the workspace's stage-0 corpus, which
+    corpus_dir makes; its output_dir)."""
     out = tmp_path_factory.mktemp("vocab-extension") / "ext"
     assert extend(workspace, bases["llama"], out, f"new_pieces={NEW_PIECES}") == 0
     return out
