@@ -234,6 +234,32 @@ def random_model(config: Any, folder: Path, tokenizer_hf: Path | None = None, to
     return folder
 
 
+def sentencepiece_chat_lm(rows: list[dict], folder: Path) -> Path:
+    """An HF folder: a small Llama and a 1,200-piece SentencePiece unigram tokenizer trained as stage 1 trains
+    (newline piece, byte fallback, pad distinct from EOS) on `rows` as JSON text and the shipped template's turn
+    headers; no chat template. 1,200 pieces at the coverage the chat tests' answer lengths were set with (stage
+    1's default, 0.9999, gives more of them to rare characters: the answers come out a token or two longer)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from gptpipe.tokenizer.build import train_sentencepiece
+    from gptpipe.tokenizer.config import TokenizerConfig
+    from gptpipe.tokenizer.hf import load_proto, save_hf_folder
+
+    texts = [json.dumps(row, ensure_ascii=False) for row in rows]
+    (folder / "text.txt").write_text("\n".join(texts) + "\nシステム:\nユーザー:\nアシスタント:\n", encoding="utf-8")
+    train_sentencepiece(TokenizerConfig(vocab_size=1200, num_threads=1, character_coverage=0.9995),
+                        folder / "text.txt", folder / "sp")
+    save_hf_folder(load_proto(folder / "sp.model"), folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
 def tiny_llama(tokenizer_hf: Path, folder: Path, head_dim: int = HEAD_DIM) -> Path:
     """A random Llama (grouped KV heads, untied head) with a tokenizer folder's files, for the tokenizers no
     stage-2 data exists for (stage 1's BPE, a byte-level BPE, the shipped 32k). Its large init std makes the

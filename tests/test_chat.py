@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from prewarmed import Forked
-from conftest import (chat_args, gptpipe_command, manifest_counts, manpages_installed, metrics, train_env,
+from conftest import (chat_args, gptpipe_command, manifest_counts, manpages_installed, metrics,
+                      sentencepiece_chat_lm, train_env,
                       write_jsonl)
 from gptpipe.data.jsonl import (EMPTY, INVALID_JSON, MISSING_KEY, NO_ASSISTANT_TURN, NOT_A_MESSAGE_LIST,
                                 NOT_A_STRING, TEMPLATE_ERROR, TOO_LONG, UNKNOWN_ROLE, Reasons)
@@ -24,32 +25,12 @@ from gptpipe.finetune.chat_data import (ALPACA_JA_TEMPLATE, GPTPIPE_TEMPLATE, Ch
 from gptpipe.finetune.data import IGNORE
 from gptpipe.train.metrics_rows import TaskEvalRow, TrainRow
 
+
 @pytest.fixture(scope="module")
 def chat_lm(manpage_chat_rows: list[dict], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An HF folder: a small Llama and a 1,200-piece SentencePiece unigram tokenizer trained as stage 1 trains
     (newline piece, byte fallback, pad distinct from EOS) on 700 chats' texts; no chat template."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from gptpipe.tokenizer.build import train_sentencepiece
-    from gptpipe.tokenizer.config import TokenizerConfig
-    from gptpipe.tokenizer.hf import load_proto, save_hf_folder
-
-    folder = tmp_path_factory.mktemp("chat-lm")
-    texts = [json.dumps(row, ensure_ascii=False) for row in manpage_chat_rows]
-    (folder / "text.txt").write_text("\n".join(texts) + "\nシステム:\nユーザー:\nアシスタント:\n", encoding="utf-8")
-    # 1,200 pieces at the coverage the answer lengths below were set with (stage 1's default, 0.9999, gives more
-    # of them to rare characters: the answers come out a token or two longer)
-    train_sentencepiece(TokenizerConfig(vocab_size=1200, num_threads=1, character_coverage=0.9995),
-                        folder / "text.txt", folder / "sp")
-    save_hf_folder(load_proto(folder / "sp.model"), folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
+    return sentencepiece_chat_lm(manpage_chat_rows, tmp_path_factory.mktemp("chat-lm"))
 
 
 def chat_tokenizer(folder: Path, template: str = "auto"):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FINETUNE_QUICK, gptpipe_command, manpage_chats, metrics, write_jsonl
+from conftest import FINETUNE_QUICK, gptpipe_command, manpage_chats, metrics, sentencepiece_chat_lm, write_jsonl
 from gptpipe.data.jsonl import (EMPTY, IDENTICAL_ANSWERS, INVALID_JSON, MISSING_KEY, NO_CHOSEN, NOT_A_MESSAGE_LIST,
                                 TEMPLATE_ERROR, TOO_LONG, UNKNOWN_ROLE, Reasons)
 from gptpipe.finetune.chat_data import GPTPIPE_TEMPLATE, ChatEncoder, Conversation, install_template
@@ -41,27 +41,9 @@ def pair_files(pair_rows: list[dict], tmp_path_factory: pytest.TempPathFactory) 
 @pytest.fixture(scope="module")
 def pair_lm(pair_rows: list[dict], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An HF folder: a small Llama and a 1,200-piece SentencePiece unigram tokenizer trained as stage 1 trains
-    on the pairs' texts (as tests/test_chat.py's chat_lm); no chat template (the run installs gptpipe's)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from gptpipe.tokenizer.build import train_sentencepiece
-    from gptpipe.tokenizer.config import TokenizerConfig
-    from gptpipe.tokenizer.hf import load_proto, save_hf_folder
-
-    folder = tmp_path_factory.mktemp("pair-lm")
-    texts = [json.dumps(row, ensure_ascii=False) for row in pair_rows]
-    (folder / "text.txt").write_text("\n".join(texts) + "\nシステム:\nユーザー:\nアシスタント:\n", encoding="utf-8")
-    train_sentencepiece(TokenizerConfig(vocab_size=1200, num_threads=1, character_coverage=0.9995),
-                        folder / "text.txt", folder / "sp")
-    save_hf_folder(load_proto(folder / "sp.model"), folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
+    on the pairs' texts (conftest's sentencepiece_chat_lm, as chat_lm); no chat template (the run installs
+    gptpipe's)."""
+    return sentencepiece_chat_lm(pair_rows, tmp_path_factory.mktemp("pair-lm"))
 
 
 PREFERENCE_RUN = ("task.kind=preference", "train.seq_len=160", "train.global_batch_size=8", "train.train_iters=24",
