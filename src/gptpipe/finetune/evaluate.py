@@ -9,7 +9,6 @@ them) go to ``<model folder>/evaluation/``: results.json, results.md, manifest.j
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any, Literal
 
 from gptpipe.config.core import option
 from gptpipe.finetune.demo_task import TASK_NAME, DemoTaskConfig
+from gptpipe.lm_tasks import flatten, load_tasks, local_task, summarize
 from gptpipe.log import get_logger
 from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_path, tree_fingerprint
 from gptpipe.artifacts import CONVERT, DEMO_TASK, EVALUATE
@@ -68,29 +68,6 @@ def model_folder(config: EvaluateConfig) -> Path:
     return folder
 
 
-def local_task(path: Path) -> dict[str, Any]:
-    """A task YAML as lm-eval reads it, with relative data_files/data_dir resolved against the YAML's folder
-    (as our configs resolve paths), so a task folder works from any current directory."""
-    from lm_eval.tasks._yaml_loader import load_yaml
-
-    if not path.is_file():
-        raise StageInputError(f"task YAML {path} not found")
-    task = load_yaml(path, resolve_func=True)
-    kwargs = task.get("dataset_kwargs") or {}
-
-    def resolve(files: Any) -> Any:
-        if isinstance(files, dict):
-            return {k: resolve(v) for k, v in files.items()}
-        if isinstance(files, list):
-            return [resolve(v) for v in files]
-        return str((path.parent / files).resolve()) if "://" not in str(files) else files
-
-    for key in ("data_files", "data_dir"):
-        if key in kwargs:
-            kwargs[key] = resolve(kwargs[key])
-    return task
-
-
 def task_specs(config: EvaluateConfig) -> tuple[list[str | dict], dict[str, Any]]:
     """(what lm-eval is given, the inputs' fingerprints for the manifest)."""
     specs: list[str | dict] = []
@@ -107,47 +84,10 @@ def task_specs(config: EvaluateConfig) -> tuple[list[str | dict], dict[str, Any]
     for path in yamls:
         task = local_task(path)
         files = task.get("dataset_kwargs", {}).get("data_files")
-        local = [Path(f) for f in _flatten(files) if Path(f).is_file()]
+        local = [Path(f) for f in flatten(files) if Path(f).is_file()]
         inputs.setdefault(str(path), tree_fingerprint([path, *local]))
         specs.append(task)
     return specs, inputs
-
-
-def _flatten(files: Any) -> list[str]:
-    if isinstance(files, dict):
-        return [f for v in files.values() for f in _flatten(v)]
-    if isinstance(files, list):
-        return [f for v in files for f in _flatten(v)]
-    return [files] if files else []
-
-
-def _spec_name(spec: str | dict) -> str:
-    return spec if isinstance(spec, str) else str(spec.get("task") or spec.get("group"))
-
-
-def load_tasks(specs: list[str | dict]) -> Any:
-    """Build the tasks one by one (lm-eval fetches their datasets here), so a task whose hub dataset cannot
-    be fetched is named; the full registry is indexed only when a registry name is asked for (slow)."""
-    from lm_eval.tasks import TaskManager
-
-    manager = TaskManager(include_defaults=any(isinstance(s, str) for s in specs))
-    unknown = [s for s in specs if isinstance(s, str) and not manager.match_tasks([s])]
-    if unknown:
-        raise StageInputError(f"unknown lm-eval task(s): {', '.join(unknown)} (`lm-eval ls tasks` lists them; "
-                              "a local task goes in task_yamls)")
-    offline = any(os.environ.get(v, "0").lower() in ("1", "true", "yes")
-                  for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    for spec in specs:
-        try:
-            manager.load([spec])
-        except ConnectionError as exc:
-            why = ("HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set" if offline
-                   else "the HuggingFace hub cannot be reached from here")
-            raise StageInputError(
-                f"task {_spec_name(spec)}: its dataset is hosted on the HuggingFace hub and {why} ({exc}). "
-                "Run where the network allows (the dataset is then cached under ~/.cache/huggingface), or "
-                f"evaluate local tasks: tasks=[{TASK_NAME}] or task_yamls=[your_task.yaml]") from None
-    return manager
 
 
 def majority_baselines(raw: dict[str, Any]) -> dict[str, float]:
@@ -158,23 +98,6 @@ def majority_baselines(raw: dict[str, Any]) -> dict[str, float]:
         if targets and raw["configs"].get(task, {}).get("output_type") == "multiple_choice":
             baselines[task] = Counter(targets).most_common(1)[0][1] / len(targets)
     return baselines
-
-
-def summarize(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """lm-eval's ``results`` ("acc,none": 0.5, "acc_stderr,none": 0.1) → {task: {metric: {value, stderr}}}."""
-    summary: dict[str, dict[str, Any]] = {}
-    for task, metrics in raw["results"].items():
-        row: dict[str, Any] = {"n_shot": raw.get("n-shot", {}).get(task),
-                               "samples": raw.get("n-samples", {}).get(task, {}).get("effective"), "metrics": {}}
-        for key, value in metrics.items():
-            name, _, filt = key.partition(",")
-            if not filt or "_stderr" in name or not isinstance(value, (int, float)):
-                continue
-            stderr = metrics.get(f"{name}_stderr,{filt}")
-            label = name if filt == "none" else f"{name} ({filt})"
-            row["metrics"][label] = {"value": value, "stderr": stderr if isinstance(stderr, (int, float)) else None}
-        summary[task] = row
-    return summary
 
 
 def results_markdown(results: dict[str, Any]) -> str:
@@ -214,7 +137,7 @@ def run_lm_eval(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
 
         import lm_eval
 
-        manager = load_tasks(specs)
+        manager = load_tasks(specs, f"tasks=[{TASK_NAME}] or task_yamls=[your_task.yaml]")
         device, dtype = _device_and_dtype(config)
         started = time.time()
         raw = lm_eval.simple_evaluate(

@@ -1,0 +1,93 @@
+"""lm-evaluation-harness tasks as the pipeline names them: registry names and local task YAMLs, turned into what
+lm-eval is given, loaded with a clear error for an unknown or unreachable task, and lm-eval's results summarised.
+`gptpipe evaluate` (stage 7) scores an exported folder with them, stage 3 (train.eval_tasks) the live model; both
+import this module, so neither stage imports the other.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from gptpipe.stage import StageInputError
+
+
+def local_task(path: Path) -> dict[str, Any]:
+    """A task YAML as lm-eval reads it, with relative data_files/data_dir resolved against the YAML's folder
+    (as our configs resolve paths), so a task folder works from any current directory."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    if not path.is_file():
+        raise StageInputError(f"task YAML {path} not found")
+    task = load_yaml(path, resolve_func=True)
+    kwargs = task.get("dataset_kwargs") or {}
+
+    def resolve(files: Any) -> Any:
+        if isinstance(files, dict):
+            return {k: resolve(v) for k, v in files.items()}
+        if isinstance(files, list):
+            return [resolve(v) for v in files]
+        return str((path.parent / files).resolve()) if "://" not in str(files) else files
+
+    for key in ("data_files", "data_dir"):
+        if key in kwargs:
+            kwargs[key] = resolve(kwargs[key])
+    return task
+
+
+def flatten(files: Any) -> list[str]:
+    """The file names of a task's data_files (a name, a list, or a split → names mapping)."""
+    if isinstance(files, dict):
+        return [f for v in files.values() for f in flatten(v)]
+    if isinstance(files, list):
+        return [f for v in files for f in flatten(v)]
+    return [files] if files else []
+
+
+def spec_name(spec: str | dict) -> str:
+    """The task's name: a registry name as it is, a local task by its `task` (or `group`) key."""
+    return spec if isinstance(spec, str) else str(spec.get("task") or spec.get("group"))
+
+
+def load_tasks(specs: list[str | dict], local_hint: str) -> Any:
+    """Build the tasks one by one (lm-eval fetches their datasets here), so a task whose hub dataset cannot
+    be fetched is named; the full registry is indexed only when a registry name is asked for (slow).
+    `local_hint` says how the calling command takes local tasks instead."""
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_defaults=any(isinstance(s, str) for s in specs))
+    unknown = [s for s in specs if isinstance(s, str) and not manager.match_tasks([s])]
+    if unknown:
+        raise StageInputError(f"unknown lm-eval task(s): {', '.join(unknown)} (`lm-eval ls tasks` lists them; "
+                              f"a local task: {local_hint})")
+    offline = any(os.environ.get(v, "0").lower() in ("1", "true", "yes")
+                  for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    for spec in specs:
+        try:
+            manager.load([spec])
+        except ConnectionError as exc:
+            why = ("HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set" if offline
+                   else "the HuggingFace hub cannot be reached from here")
+            raise StageInputError(
+                f"task {spec_name(spec)}: its dataset is hosted on the HuggingFace hub and {why} ({exc}). "
+                "Run where the network allows (the dataset is then cached under ~/.cache/huggingface), or "
+                f"evaluate local tasks: {local_hint}") from None
+    return manager
+
+
+def summarize(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """lm-eval's ``results`` ("acc,none": 0.5, "acc_stderr,none": 0.1) → {task: {metric: {value, stderr}}}."""
+    summary: dict[str, dict[str, Any]] = {}
+    for task, metrics in raw["results"].items():
+        row: dict[str, Any] = {"n_shot": raw.get("n-shot", {}).get(task),
+                               "samples": raw.get("n-samples", {}).get(task, {}).get("effective"), "metrics": {}}
+        for key, value in metrics.items():
+            name, _, filt = key.partition(",")
+            if not filt or "_stderr" in name or not isinstance(value, (int, float)):
+                continue
+            stderr = metrics.get(f"{name}_stderr,{filt}")
+            label = name if filt == "none" else f"{name} ({filt})"
+            row["metrics"][label] = {"value": value, "stderr": stderr if isinstance(stderr, (int, float)) else None}
+        summary[task] = row
+    return summary
