@@ -3,6 +3,7 @@ the assistant turns; validated by the assistant-token loss and the chrF of gener
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -98,25 +99,14 @@ class ChatKind(TaskKind):
     def answer_room(self, encoder: ChatEncoder, rows: list[Conversation], labels: list[str] | None) -> int:
         return max(len(encoder.ids(row.label)) + 1 for row in rows)
 
-    @staticmethod
-    def answer(model: Any, task: TaskData, wanted: list[tuple[int, int]], out: list[dict[str, Any]], longest: int,
-               synced: bool, dist: Dist) -> None:
-        """Validation: the greedy answers to the `wanted` (rank's index, row) conversations' prompts, into the
-        first of `out` as "generated" (none when none is wanted: the rows past task.chat_eval_rows)."""
-        if wanted:
-            prompts = [task.encoder.prompt_ids(task.validation[k].prompt) for _, k in wanted]
-            for o, ids in zip(out, generate(model, task.encoder, prompts, dist.device, max_new_tokens=longest,
-                                            synced_gpus=synced)):
-                o["generated"] = decode(task.tokenizer, ids)
-
-    @torch.no_grad()
-    def validate(self, model: Any, task: TaskData, config: FinetuneConfig, dist: Dist) -> dict[str, Any]:
-        """val_loss: the mean loss of the validation conversations' assistant tokens (the stop tokens included);
-        chrf: the last answer of the first task.chat_eval_rows conversations generated greedily after the turns
-        before it, against the gold answer. Each rank generates for the same number of its rows (ZeRO-3 keeps
-        the ranks in step)."""
-        encoder, batch, pad = task.encoder, config.train.micro_batch_size or 8, pad_id(task.tokenizer)
-        assert isinstance(encoder, ChatEncoder) and task.validation_items is not None
+    def scored_rows(self, model: Any, task: TaskData, config: FinetuneConfig, dist: Dist,
+                    score_items: Callable[[list[Any]], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+        """Validation's pass over every validation row, in row order: `score_items` (a chunk of this rank's
+        encoded items → one dict of figures each), and "generated", the greedy answer to the prompt, for the
+        first task.chat_eval_rows rows. Each rank generates for the same number of its rows (ZeRO-3 keeps the
+        ranks in step). Shared by the kinds whose rows are conversations (chat, preference)."""
+        encoder, batch = task.encoder, config.train.micro_batch_size or 8
+        assert task.validation_items is not None
         synced = config.train.zero_stage == 3 and dist.world_size > 1
         mine = shard(list(range(len(task.validation))), dist)
         asked = -(-min(config.task.chat_eval_rows, len(task.validation)) // dist.world_size)
@@ -124,12 +114,28 @@ class ChatKind(TaskKind):
         results = []
         for start in range(0, len(mine), batch):
             chunk = mine[start:start + batch]
-            items = [task.validation_items[k] for _, k in chunk]
-            lps = score(model, items, pad, False, dist.device, batch)
-            out = [{"lp": lp, "tokens": e.label_tokens} for lp, e in zip(lps, items)]
-            self.answer(model, task, chunk[:max(0, asked - start)], out, longest, synced, dist)
+            out = score_items([task.validation_items[k] for _, k in chunk])
+            wanted = chunk[:max(0, asked - start)]
+            if wanted:
+                prompts = [encoder.prompt_ids(task.validation[k].prompt) for _, k in wanted]
+                for o, ids in zip(out, generate(model, encoder, prompts, dist.device, max_new_tokens=longest,
+                                                synced_gpus=synced)):
+                    o["generated"] = decode(task.tokenizer, ids)
             results += [(i, o) for (i, _), o in zip(chunk, out)]
-        scored = gather(results, dist)
+        return gather(results, dist)
+
+    @torch.no_grad()
+    def validate(self, model: Any, task: TaskData, config: FinetuneConfig, dist: Dist) -> dict[str, Any]:
+        """val_loss: the mean loss of the validation conversations' assistant tokens (the stop tokens included);
+        chrf: the last answer of the first task.chat_eval_rows conversations generated greedily after the turns
+        before it, against the gold answer."""
+        batch, pad = config.train.micro_batch_size or 8, pad_id(task.tokenizer)
+
+        def losses(items: list[Any]) -> list[dict[str, Any]]:
+            lps = score(model, items, pad, False, dist.device, batch)
+            return [{"lp": lp, "tokens": e.label_tokens} for lp, e in zip(lps, items)]
+
+        scored = self.scored_rows(model, task, config, dist, losses)
         answered = [(row.label, o["generated"]) for row, o in zip(task.validation, scored) if "generated" in o]
         return {"val_loss": -sum(o["lp"] for o in scored) / max(sum(o["tokens"] for o in scored), 1),
                 "chrf": generation_metrics([g for g, _ in answered], [p for _, p in answered])["chrf"],

@@ -354,21 +354,13 @@ class PreferenceKind(ChatKind):
         (reward_accuracy: the share of pairs whose chosen reward is the higher); greedy_chosen: the share of the
         first task.chat_eval_rows prompts whose greedy answer is nearer (by edit distance) the chosen answer
         than the rejected one (a tie counts half)."""
-        encoder, batch, pad = task.encoder, config.train.micro_batch_size or 8, pad_id(task.tokenizer)
-        assert task.validation_items is not None
-        synced = config.train.zero_stage == 3 and dist.world_size > 1
-        mine = shard(list(range(len(task.validation))), dist)
-        asked = -(-min(config.task.chat_eval_rows, len(task.validation)) // dist.world_size)
-        longest = self.answer_room(encoder, task.validation, None)
-        results = []
-        for start in range(0, len(mine), batch):
-            chunk = mine[start:start + batch]
-            pairs = [task.validation_items[k] for _, k in chunk]
+        batch, pad = config.train.micro_batch_size or 8, pad_id(task.tokenizer)
+
+        def policy_sums(pairs: list[Any]) -> list[dict[str, Any]]:
             sums = score(model, [e for p in pairs for e in self.sequences(p)], pad, False, dist.device, 2 * batch)
-            out: list[dict[str, Any]] = [{"policy": sums[2 * j:2 * j + 2]} for j in range(len(pairs))]
-            self.answer(model, task, chunk[:max(0, asked - start)], out, longest, synced, dist)
-            results += [(i, o) for (i, _), o in zip(chunk, out)]
-        scored = gather(results, dist)
+            return [{"policy": sums[2 * j:2 * j + 2]} for j in range(len(pairs))]
+
+        scored = self.scored_rows(model, task, config, dist, policy_sums)
         policy = torch.tensor([o["policy"] for o in scored])
         reference_sums = torch.tensor([p.reference for p in task.validation_items])
         losses, figures = dpo(policy, reference_sums, config.task.beta, config.task.label_smoothing)
