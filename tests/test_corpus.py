@@ -88,7 +88,8 @@ def test_unknown_language_is_a_config_error(tmp_path: Path, capfd: pytest.Captur
 
 def test_quality_rules_keep_the_man_pages_and_drop_junk_made_from_them(corpus_dir: Path, tmp_path: Path) -> None:
     """Every rule on by default keeps every Japanese man page; junk built from real pages (a page repeated, a menu
-    of its short line heads, a run of one character, truncated snippets) is dropped by the rule meant for it;
+    of its short line heads, a run of one character, truncated snippets, a table of its lines' numbers, a list
+    of its nouns) is dropped by the rule meant for it;
     an NG-word file and PII masking work when set."""
     counts = Manifest.read(corpus_dir / "manifest.json").counts
     assert not [reason for reason in counts["dropped"] if reason.startswith("quality:")], counts["dropped"]
@@ -96,10 +97,16 @@ def test_quality_rules_keep_the_man_pages_and_drop_junk_made_from_them(corpus_di
     dir_page = next(t for t in pages if t.startswith("名前\ndir - "))
     page = pages[100]
     lines = [line for line in page.split("\n") if len(line) > 20]
+    nouns = re.findall(r"[ァ-ヴー一-龥]{2,}", page)
     junk = {"duplicate lines > 0.3": "\n".join([page] * 4),
             "short lines > 0.9": "\n".join(line[:8] for line in lines),
             "a character repeated 200+ times": page + "ー" * 300,
             "lines ending in ellipsis > 0.7": "\n".join(line[:30] + "…" for line in lines) + "\n",
+            "letters < 0.4 of the characters": "\n".join(f"{line[:4]}\t{ord(line[0])}\t{len(line)}\t"
+                                                          f"{line.count(' ')}\t{sum(map(ord, line)) % 1000}"
+                                                          for line in lines),
+            "hiragana < 0.1 of the Japanese characters": "\n".join(" ".join(nouns[i:i + 5])
+                                                                    for i in range(0, len(nouns), 5)),
             "an NG word of ng.txt": dir_page}
     contact = pages[200] + "\n問い合わせ: taro@example.co.jp または 090-1234-5678 まで。"
     raw = tmp_path / "raw.jsonl"

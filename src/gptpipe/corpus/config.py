@@ -62,6 +62,13 @@ class QualityConfig:
     short_line_share_max: float | None = option(
         0.9, "drop a document of 5+ non-blank lines with more than this share of them 10 characters or fewer "
         "(menus, link lists; man pages: at most 0.83; HojiChar's rule, blank lines counted, drops 56% at 0.5)")
+    letter_share_min: float | None = option(
+        0.4, "drop a document whose letters (any script) are under this share of its non-space characters: "
+        "tables of numbers, dumps, logs (prose: about 0.9; man pages: at least 0.44, the character-set tables)")
+    hiragana_share_min: float | None = option(
+        0.1, "drop a document of 20+ kana whose hiragana are under this share of its Japanese characters (kana, "
+        "kanji): menus, tag clouds, keyword spam, tables of nouns (Japanese prose: 0.3-0.5; man pages: at least "
+        "0.21; Debian's Japanese manuals: 1% under 0.12, their package tables); text without kana is not judged")
     ellipsis_line_share_max: float | None = option(0.7, "drop a document with more than this share of lines "
                                                         "ending in ... or … (truncated snippets)")
     kuten_sentence_chars_max: int | None = option(
@@ -74,7 +81,7 @@ class QualityConfig:
     def check(self) -> list[tuple[str, str]]:
         problems = []
         for key in ("duplicate_line_share_max", "char_repetition_max", "short_line_share_max",
-                    "ellipsis_line_share_max"):
+                    "letter_share_min", "hiragana_share_min", "ellipsis_line_share_max"):
             value = getattr(self, key)
             if value is not None and not 0.0 < value <= 1.0:
                 problems.append((key, "must be in (0, 1], or null for off"))

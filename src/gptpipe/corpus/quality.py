@@ -1,7 +1,9 @@
 """Stage 0's quality rules: each named, each with its threshold in config.yaml `corpus.quality:`.
 
 The document rules are HojiChar's (written for Japanese web corpora), plus the duplicate-line share of Gopher's
-rules, which HojiChar lacks, and a short-line share that leaves short documents alone. Each rule measures one
+rules, which HojiChar lacks, a short-line share that leaves short documents alone, and two character-class
+shares: letters among all characters (tables, dumps) and hiragana among the Japanese characters (noun lists:
+menus, keyword spam; NWJC, the NINJAL web corpus, drops sentences under 5% hiragana). Each rule measures one
 value (HojiChar's formula, or its own function where it has one) so that `gptpipe prepare --explain` can print
 it beside the threshold. HojiChar's web defaults
 drop good technical text: on the 1,785 Japanese man pages its short-line rule (0.5) drops 56%, its sentence-length
@@ -24,6 +26,14 @@ if TYPE_CHECKING:  # a leaf: the config module imports nothing from here
 
 
 SHORT_LINE_CHARS, MIN_LINES = 10, 5
+# A document with fewer kana than this is not Japanese text to judge by its hiragana: an English page quoting a
+# Japanese name, or Chinese (Han without kana), which the hiragana rule would otherwise drop.
+MIN_KANA = 20
+_LETTER = re.compile(r"[^\W\d_]")  # a letter of any script (str.isalpha), one per character
+_SPACE = re.compile(r"\s")
+_HIRAGANA = re.compile(r"[\u3041-\u309f]")
+_KANA = re.compile(r"[\u3041-\u309f\u30a0-\u30ff\u31f0-\u31ff\uff66-\uff9f]")
+_KANJI = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,25 @@ def short_line_share(text: str) -> float:
     if len(lengths) < MIN_LINES:
         return 0.0
     return sum(n <= SHORT_LINE_CHARS for n in lengths) / len(lengths)
+
+
+def letter_share(text: str) -> float:
+    """Letters of any script (kana, kanji, Latin, Cyrillic, ...) over the non-whitespace characters: what is left
+    are digits, punctuation and symbols. Gopher's rule counts words with a letter, which needs words; this one
+    counts characters, so it judges Japanese as it judges English."""
+    chars = len(text) - len(_SPACE.findall(text))
+    return len(_LETTER.findall(text)) / chars if chars else 0.0
+
+
+def hiragana_share(text: str) -> float:
+    """Hiragana over the Japanese characters (kana and kanji) of a document with MIN_KANA kana or more; 1 for
+    any other document. Japanese prose writes its particles and inflections in hiragana; a list of nouns (a
+    menu, a tag cloud, keyword spam, a table) has almost none. Counted over the Japanese characters only, so
+    that a technical page's English and code do not lower it."""
+    kana = len(_KANA.findall(text))
+    if kana < MIN_KANA:
+        return 1.0
+    return len(_HIRAGANA.findall(text)) / (kana + len(_KANJI.findall(text)))
 
 
 def ng_word_pattern(path: Path) -> re.Pattern[str]:
@@ -109,6 +138,9 @@ RULES: list[tuple[str, str, Callable[[Any], Callable[[str], float]], Callable[[f
     ("duplicate_line_share_max", "duplicate lines > {:g}", _const(duplicate_line_share), lambda v, x: v > x),
     ("char_repetition_max", "character 5-gram repetition >= {:g}", _const(char_repetition), lambda v, x: v >= x),
     ("short_line_share_max", "short lines > {:g}", _const(short_line_share), lambda v, x: v > x),
+    ("letter_share_min", "letters < {:g} of the characters", _const(letter_share), lambda v, x: v < x),
+    ("hiragana_share_min", "hiragana < {:g} of the Japanese characters", _const(hiragana_share),
+     lambda v, x: v < x),
     ("ellipsis_line_share_max", "lines ending in ellipsis > {:g}", _const(ellipsis_line_share), lambda v, x: v > x),
     ("kuten_sentence_chars_max", "fewer than one 。 per {} characters", _const(chars_per_kuten),
      lambda v, n: v > n),
