@@ -77,17 +77,20 @@ def plain(model: Any) -> Any:
     from transformers import GenerationConfig
 
     own = model.generation_config
-    model.generation_config = GenerationConfig(bos_token_id=own.bos_token_id, eos_token_id=own.eos_token_id,
-                                               pad_token_id=own.pad_token_id,
-                                               decoder_start_token_id=own.decoder_start_token_id)
+    # A peft model (an adapter folder) generates through its base model, with the base's generation config.
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    target.generation_config = GenerationConfig(bos_token_id=own.bos_token_id, eos_token_id=own.eos_token_id,
+                                                pad_token_id=own.pad_token_id,
+                                                decoder_start_token_id=own.decoder_start_token_id)
     return model
 
 
 def reference_model(folder: Path) -> Any:
-    """The fp32 model of an exported causal-LM folder, plainly greedy: what other runtimes are judged against."""
-    from transformers import AutoModelForCausalLM
+    """The fp32 model of an exported causal-LM folder (merged, or an adapter folder on its base), plainly greedy:
+    what other runtimes are judged against."""
+    from gptpipe.export.adapter import load_export
 
-    return plain(AutoModelForCausalLM.from_pretrained(folder, dtype="float32").eval())
+    return plain(load_export(folder, seq2seq=False, dtype="float32"))
 
 
 def greedy(model: Any, prompt: list[int], max_new_tokens: int = GREEDY_TOKENS) -> list[int]:

@@ -53,6 +53,7 @@ class TaskBlock:
     comparison: dict[str, dict[str, float]] | None = None  # the run summary's: model and baselines side by side
     has_metric_curve: bool = False
     chat_template: str | None = None  # a chat model's template (the folder's tokenizer carries it)
+    lora_export: str | None = None  # a LoRA run's export: "merged" or "adapter" (None: every weight was tuned)
 
 
 @dataclass
@@ -235,6 +236,21 @@ def _task_rows(block: TaskBlock) -> list[str]:
     return [*lines, ""]
 
 
+def _lora_rows(block: TaskBlock) -> list[str]:
+    """How a LoRA fine-tune was made and what this folder holds of it."""
+    lora, base = block.task.lora or {}, block.task.pretrained_model
+    lines = ["## LoRA", "", f"- adapters of rank {lora['rank']} (alpha {lora['alpha']:g}, dropout {lora['dropout']:g})"
+             f" on {', '.join(f'`{m}`' for m in lora['target_modules'])} ({lora['targets_from']}); the base "
+             f"model `{base}` stayed frozen"]
+    if block.lora_export == "adapter":
+        lines.append(f"- this folder holds the adapters only (adapter_config.json, adapter_model.safetensors), to "
+                     f"load onto the base `{base}` (adapter_config.json's base_model_name_or_path; the sha256 of "
+                     "each of its files is in task.json and manifest.json): peft's PeftModel, or vLLM with LoRA")
+    else:
+        lines.append("- merged into the base's weights (peft's merge_and_unload): a plain model, loaded as any")
+    return [*lines, ""]
+
+
 def _metric_rows(block: TaskBlock, step: int) -> list[str]:
     """The metrics table: model beside the majority baseline (classification), then per-class figures."""
     m, task = block.metrics, block.task
@@ -283,6 +299,14 @@ def _comparison_rows(comparison: dict[str, dict[str, float]], best_metric: str |
 
 def _usage_rows(facts: CardFacts, name: str, pipeline_tag: str) -> list[str]:
     task = facts.blocks.task
+    if task is not None and task.lora_export == "adapter":
+        loader = "AutoPeftModelForSeq2SeqLM" if task.task.seq2seq else "AutoPeftModelForCausalLM"
+        return ["## Usage", "", "```python", f"from peft import {loader}", "from transformers import AutoTokenizer",
+                "", f'tokenizer = AutoTokenizer.from_pretrained("{name}")  # or a local copy\'s path',
+                f'model = {loader}.from_pretrained("{name}")  # the base named in adapter_config.json, '
+                "with these adapters", "```", "",
+                "or, from a clone of the repository: `gptpipe predict predict.model=PATH` and `gptpipe chat "
+                "chat.model=PATH` take the merged export (lora_export: merged) instead.", ""]
     lines = ["## Usage", "", "```python", "from transformers import pipeline", ""]
     if task is None:
         return [*lines, f'generator = pipeline("text-generation", model="{name}")  # or a local copy\'s path',
@@ -316,6 +340,13 @@ def _serving_rows(facts: CardFacts) -> list[str]:
     `gptpipe gguf` writes (for the architectures it maps)."""
     from gptpipe.export.gguf import ARCHITECTURES
 
+    task = facts.blocks.task
+    if task is not None and task.lora_export == "adapter":
+        return ["## Run it elsewhere", "", "- vLLM: `vllm serve BASE --enable-lora --lora-modules adapter=PATH "
+                "--tokenizer PATH --generation-config PATH` (BASE: adapter_config.json's base_model_name_or_path; "
+                f"--max-lora-rank at least {task.task.lora['rank']}) and request model `adapter`; `python -m "
+                "gptpipe.export.vllm_check PATH` compares its prompt ids and greedy tokens with transformers' and "
+                "peft's.", ""]
     lines = ["## Run it elsewhere", "", "- vLLM: `vllm serve PATH --dtype float32` (or the folder's dtype); "
              "`python -m gptpipe.export.vllm_check PATH` compares its prompt ids and greedy tokens with transformers'."]
     if set(facts.model_config.architectures or []) & set(ARCHITECTURES):
@@ -331,14 +362,19 @@ def render_card(facts: CardFacts, repo_id: str | None) -> str:
     pipeline_tag = "text2text-generation" if task and task.seq2seq else "text-generation"
     kind = (["fine-tuned", task.kind] if task else
             ["continued-pretraining" if b.base else "pretrained-from-scratch"])
-    front = {"language": ["ja"], "library_name": "transformers", "pipeline_tag": pipeline_tag,
-             "tags": ["gptpipe", cfg.model_type, *kind], **({"base_model": b.base.name} if b.base else {})}
+    adapter = b.task is not None and b.task.lora_export == "adapter"
+    base = b.base.name if b.base else task.pretrained_model if adapter and task else None
+    front = {"language": ["ja"], "library_name": "peft" if adapter else "transformers", "pipeline_tag": pipeline_tag,
+             "tags": ["gptpipe", cfg.model_type, *kind, *(["lora"] if task and task.lora else [])],
+             **({"base_model": base} if base else {})}
     lines = ["---", yaml.safe_dump(front, allow_unicode=True, sort_keys=False).strip(), "---", "",
              f"# {facts.title}", "", _intro(facts), ""]
     if b.corpus:
         lines += _corpus_rows(b.corpus, b.base)
     if b.task:
         lines += _task_rows(b.task)
+        if b.task.lora_export:
+            lines += _lora_rows(b.task)
     lines += ["## Results", ""]
     if b.corpus:
         loss = b.corpus.final_val_loss

@@ -25,6 +25,11 @@ class ConvertConfig:
                                 "locally, then uploaded with its manifest last (stage 6 uploads from there)")
     dtype: Literal["bf16", "fp32"] = option("bf16", "dtype of the exported weights")
     max_shard_size: str = option("2GB", "safetensors files are split above this size")
+    lora_export: Literal["merged", "adapter"] = option(
+        "merged", "a LoRA fine-tune's export: merged (the adapters merged into the base's weights: a plain model "
+                  "folder) or adapter (adapter_config.json + adapter_model.safetensors on the base the run tuned, "
+                  "named there and in the manifest: loaded by peft, served by vLLM with --enable-lora); other "
+                  "runs must leave it merged")
     test_prompt_text: str = option("こんにちは、", "prompt generated from after export and after upload")
     huggingface_name: str | None = option(None, "hub repository name (the original's key; None: no upload)")
     hugging_face_name: str | None = option(

@@ -18,51 +18,69 @@ from gptpipe.export.config import ConvertConfig
 from gptpipe.export.source import ExportSource, open_source
 from gptpipe.log import get_logger
 from gptpipe.remote import staging
-from gptpipe.stage import Manifest, StageFailed, StageResult, atomic_dir, write_text_atomic
+from gptpipe.stage import Manifest, StageFailed, StageInputError, StageResult, atomic_dir, write_text_atomic
 from gptpipe.artifacts import CONVERT, EXIT_OK
 from gptpipe.train.bucket import local_checkpoint_source
 from gptpipe.train.checkpoint import Checkpoint, consolidate, find_checkpoint, model_from_checkpoint
+from gptpipe.train.lora import ADAPTER_MARK
 from gptpipe.train.metrics_rows import read_metrics
 
 log = get_logger("convert")
 
 # What the export depends on (the card names the repository); privacy and branch can change without a re-export.
 EXPORT_KEYS = ("input_model_dir", "checkpoint_step", "output_tokenizer_and_model_dir", "dtype",
-               "max_shard_size", "test_prompt_text", "huggingface_name", "hugging_face_name", "organization")
+               "max_shard_size", "lora_export", "test_prompt_text", "huggingface_name", "hugging_face_name",
+               "organization")
 
 
-def reference_models(checkpoint: Checkpoint, state_dict: dict[str, Any], dtype: str) -> tuple[Any, Any]:
+def reference_models(checkpoint: Checkpoint, state_dict: dict[str, Any], dtype: str,
+                     adapter: bool) -> tuple[Any, Any]:
     """(the checkpoint's model in the export dtype, the same in fp32): what the exported folder must match. A
     LoRA fine-tune's fp32 reference keeps its adapters apart, as it trained, so the gate checks the merge the
-    export writes too; its bf16 one is merged, then cast, as the export is (like with like)."""
+    export writes too; its bf16 one is merged, then cast, as the export is (like with like), or, exported as an
+    adapter folder, kept apart and cast."""
     from gptpipe.export.verify import TORCH_DTYPES, cast_parameters
 
     reference_fp32 = model_from_checkpoint(checkpoint, state_dict, merge=False)
     if dtype == "fp32":
         return reference_fp32, reference_fp32
-    return cast_parameters(model_from_checkpoint(checkpoint, state_dict), TORCH_DTYPES[dtype]), reference_fp32
+    reference = cast_parameters(model_from_checkpoint(checkpoint, state_dict, merge=not adapter), TORCH_DTYPES[dtype])
+    if adapter:  # peft loads bf16 adapters upcast to fp32 (autocast_adapter_dtype): so does the reference
+        for name, param in reference.named_parameters():
+            if ADAPTER_MARK in name:
+                param.data = param.data.float()
+    return reference, reference_fp32
 
 
 def export(config: ConvertConfig, source: ExportSource) -> StageResult:
     """The stage-4 folder of `source`'s checkpoint, verified, with its card."""
+    from gptpipe.export.adapter import save_adapter
     from gptpipe.export.verify import TORCH_DTYPES, cast_parameters, verify_export
 
     out, checkpoint = staging(CONVERT, config.output_tokenizer_and_model_dir), source.checkpoint
+    adapter = config.lora_export == "adapter"
+    if adapter and not checkpoint.lora:
+        raise StageInputError(f"lora_export: adapter, but {checkpoint.path} is not a LoRA fine-tune's checkpoint "
+                              "(train.lora.rank 0): export it merged")
     log.info(f"consolidating {checkpoint.path} (step {checkpoint.step}) with DeepSpeed's zero_to_fp32")
     state_dict = consolidate(checkpoint)
-    reference, reference_fp32 = reference_models(checkpoint, state_dict, config.dtype)
-    exported = model_from_checkpoint(checkpoint, state_dict)
+    reference, reference_fp32 = reference_models(checkpoint, state_dict, config.dtype, adapter)
+    exported = model_from_checkpoint(checkpoint, state_dict, merge=not adapter)
     if source.vocab_size is not None:
         exported.resize_token_embeddings(source.vocab_size, mean_resizing=False)
     generation = source.generation_config(exported.config)
     if generation is not None:
-        exported.generation_config = generation
+        (exported.get_base_model() if adapter else exported).generation_config = generation
     cast_parameters(exported, TORCH_DTYPES[config.dtype])
     parameters = exported.num_parameters()
 
     with atomic_dir(out) as tmp:
-        log.info(f"writing {config.dtype} safetensors (shards above {config.max_shard_size}) to {out}")
-        exported.save_pretrained(tmp, max_shard_size=config.max_shard_size)
+        if adapter:
+            log.info(f"writing the {config.dtype} LoRA adapters to {out} (on the base {checkpoint.lora_base})")
+            save_adapter(exported, tmp, checkpoint.lora_base)
+        else:
+            log.info(f"writing {config.dtype} safetensors (shards above {config.max_shard_size}) to {out}")
+            exported.save_pretrained(tmp, max_shard_size=config.max_shard_size)
         for name, path in source.copied_files().items():  # a base's generation_config.json replaces the own
             shutil.copy2(path, tmp / name)
         for name, text in source.written_files().items():

@@ -300,6 +300,7 @@ class FinetuneSource:
     rows: TaskRows
     data_file: Path
     sentencepiece: Path | None  # the SentencePiece model of the export fine-tuned (`export_sentencepiece`)
+    lora_export: str = "merged"  # convert_config.yaml's: a LoRA run's adapters merged, or an adapter folder
     versions: ClassVar[tuple[str, ...]] = VERSIONS
     vocab_size: ClassVar[int | None] = None  # the pretrained model's shape: a hub model's padding rows stay
 
@@ -380,10 +381,21 @@ class FinetuneSource:
             rows={**summary.get("rows", {}), "skipped": summary.get("data_problems", {}).get("skipped", {})},
             comparison=summary.get("comparison"),
             has_metric_curve=plot_metric_curve(metrics, task.kind, folder / METRIC_CURVE),
-            chat_template=self.tokenizer.chat_template if self.rows.kind.converses else None)
+            chat_template=self.tokenizer.chat_template if self.rows.kind.converses else None,
+            lora_export=self.lora_export if task.lora else None)
         headline = {m.key: evaluated[m.key] for m in TASK_METRICS[task.kind]} if evaluated else {}
         counts = {"task": task.kind, "best_step": (state.get("best") or {}).get("step"), **headline}
+        if self.checkpoint.lora:
+            counts["lora"] = self.lora_counts()
         return CardBlocks(training_config={k: finetuning["train"][k] for k in FINETUNE_CARD_KEYS}, task=block), counts
+
+    def lora_counts(self) -> dict[str, Any]:
+        """The manifest's record of a LoRA run's export: merged or an adapter folder, the adapters' settings and
+        the base they were trained on (its path, and the sha256 of each of its files, as the run recorded)."""
+        lora = self.checkpoint.lora
+        return {"export": self.lora_export, **{k: lora[k] for k in ("rank", "alpha", "target_modules")},
+                "base": {"path": str(self.checkpoint.lora_base.resolve()),
+                         "files": {name: f["sha256"] for name, f in lora["base"]["files"].items()}}}
 
 
 def export_sentencepiece(folder: Path, tokenizer: Any) -> Path | None:
@@ -404,7 +416,7 @@ def export_sentencepiece(folder: Path, tokenizer: Any) -> Path | None:
     return model
 
 
-def finetune_source(checkpoint: Checkpoint) -> FinetuneSource:
+def finetune_source(checkpoint: Checkpoint, lora_export: str = "merged") -> FinetuneSource:
     from transformers import AutoTokenizer
 
     tokenizer_dir = checkpoint.run_dir / TOKENIZER_DIR
@@ -415,9 +427,11 @@ def finetune_source(checkpoint: Checkpoint) -> FinetuneSource:
     rows, data_file = validation_rows(checkpoint, tokenizer)
     pretrained = task_facts(checkpoint).pretrained_model
     return FinetuneSource(checkpoint, tokenizer, rows, data_file,
-                          export_sentencepiece(Path(pretrained), tokenizer) if pretrained else None)
+                          export_sentencepiece(Path(pretrained), tokenizer) if pretrained else None, lora_export)
 
 
 def open_source(config: ConvertConfig, checkpoint: Checkpoint) -> ExportSource:
     """The source of `checkpoint`: a fine-tune's or a pretraining run's (from scratch or continued)."""
-    return finetune_source(checkpoint) if checkpoint.is_finetune else pretrain_source(config, checkpoint)
+    if checkpoint.is_finetune:
+        return finetune_source(checkpoint, config.lora_export)
+    return pretrain_source(config, checkpoint)

@@ -1,8 +1,9 @@
 """The verification gate: does the exported folder behave exactly like the checkpoint it came from?
 
 The folder is reloaded with AutoModelForCausalLM (or AutoModelForSeq2SeqLM) and AutoTokenizer, as any user
-would, and checked on rows the model did not train on: held-out documents of a pretraining run's data
-(`DocumentRows`), or validation rows of a fine-tune's task, encoded as fine-tuning encodes them (`TaskRows`).
+would (an adapter folder: its base with peft's PeftModel on it, adapter.py), and checked on rows the model did
+not train on: held-out documents of a pretraining run's data (`DocumentRows`), or validation rows of a
+fine-tune's task, encoded as fine-tuning encodes them (`TaskRows`).
 1. ids: dtype, vocabulary and special ids are the ones the model was trained with;
 2. logits: against the model rebuilt from the checkpoint in the export dtype (bf16 compares like with like),
    max |Δ| within tolerance.py's tolerance; the difference to the fp32 model is recorded;
@@ -28,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from gptpipe.data.jsonl import Reasons
+from gptpipe.export.adapter import is_adapter_folder, load_export
 from gptpipe.export.agreement import DEPARTS, EXACT, compare, greedy, plain, prompt_ids, stop_ids
 from gptpipe.finetune.data import IGNORE, collate, map_to_label, pad_id
 from gptpipe.finetune.kinds import task_kind
@@ -340,14 +342,14 @@ def verify_export(folder: Path, reference: Any, reference_fp32: Any, spec: GateS
     """
     from transformers import AutoTokenizer
 
-    loader = model_class(spec.rows.seq2seq)
+    loader = model_class(spec.rows.seq2seq).__name__ + (" and peft on its base" if is_adapter_folder(folder) else "")
     report: dict[str, Any] = {"dtype": dtype}
-    log.info(f"verifying {folder}: reloading with {loader.__name__} / AutoTokenizer")
+    log.info(f"verifying {folder}: reloading with {loader} / AutoTokenizer")
     try:
-        model = loader.from_pretrained(folder, dtype="auto").eval()
+        model = load_export(folder, spec.rows.seq2seq)
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as exc:
-        failures = [f"the folder does not load with {loader.__name__}/AutoTokenizer: {type(exc).__name__}: {exc}"]
+        failures = [f"the folder does not load with {loader}/AutoTokenizer: {type(exc).__name__}: {exc}"]
         return {**report, "verified": False, "failures": failures}
     # A base's generation_config.json is its author's (sampling settings, a repetition penalty), copied unchanged
     # and checked byte for byte: the generation check tests the cached decoding with nothing else changing it.

@@ -6,7 +6,8 @@ transformers encodes the same prompts as agreement.py does (`tokenizer(prompt)`,
 give vLLM's prompt ids, and agreement.py judges vLLM's greedy tokens against the fp32 model on the folder's
 weights, as it judges stage 4's gate and llama.cpp: the same ids, or other ids at near-ties only (every token vLLM
 chose within the near-tie allowance of the best logit for the dtype vLLM ran, stopping where the model stops).
-Where the two continuations differ is reported.
+Where the two continuations differ is reported. An adapter folder (stage 4's lora_export: adapter) is served as
+`vllm serve BASE --enable-lora` serves it, and judged against peft's model of it (adapter.py's load_export).
 
     python -m gptpipe.export.vllm_check models/hf/demo          # exit 0: agrees, 1: differs, 2: no vLLM venv
 """
@@ -79,8 +80,8 @@ def vllm_report(folder: Path, prompts: Sequence[str] = PROMPTS,
     requests, outs = [*prompts, *conversations], served["prompts"] + served["conversations"]
     ids = [prompt_ids(tokenizer, request) for request in requests]
     verdicts = check(reference_model(folder), ids, [out["token_ids"] for out in outs], served["dtype"], max_tokens)
-    report: dict[str, Any] = {"vllm": served["vllm"], "dtype": served["dtype"], "max_tokens": max_tokens,
-                              "prompts": [], "conversations": []}
+    report: dict[str, Any] = {"vllm": served["vllm"], "dtype": served["dtype"], "lora": served["lora"],
+                              "max_tokens": max_tokens, "prompts": [], "conversations": []}
     for request, out, request_ids, verdict in zip(requests, outs, ids, verdicts):
         if isinstance(request, str):
             report["prompts"].append({"prompt": request, **_entry(request_ids, out, verdict)})
@@ -93,7 +94,8 @@ def vllm_report(folder: Path, prompts: Sequence[str] = PROMPTS,
                              if v.kind != EXACT]
     report["agrees"] = all(e["prompt_ids_equal"] and e.get("prompt_text_equal", True) and e["verdict"] != DEPARTS
                            for e in entries)
-    report["summary"] = (f"vLLM {served['vllm']} ({served['dtype']}): "
+    how = f"{served['dtype']}, a LoRARequest on its base" if served["lora"] else served["dtype"]
+    report["summary"] = (f"vLLM {served['vllm']} ({how}): "
                          f"{sum(e['prompt_ids_equal'] for e in entries)}/{len(entries)} prompts identical ids, "
                          f"{sum(e['tokens_equal'] for e in entries)}/{len(entries)} the fp32 model's greedy tokens, "
                          f"{sum(e['verdict'] == NEAR_TIE for e in entries)} other at near-ties ({max_tokens} max)")

@@ -92,15 +92,16 @@ class TaskConfig:
 @dataclass
 class LoraConfig:
     """LoRA (peft): the pretrained weights stay frozen and low-rank adapters on `target_modules` are trained, so
-    the optimizer holds (and checkpoints save) only the adapters; the export merges them into the weights."""
+    the optimizer holds (and checkpoints save) only the adapters; the export merges them into the weights, or
+    writes them as an adapter folder (convert_config.yaml's lora_export)."""
 
     rank: int = option(0, "adapter rank r (0: off, every weight is fine-tuned)")
     alpha: float = option(16.0, "scaling: an adapter's update is multiplied by alpha / rank")
     dropout: float = option(0.05, "dropout on an adapter's input while training")
-    target_modules: list[str] = option(
-        factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        doc="names (last part) of the linear layers that get adapters: Llama's attention and MLP projections "
-            "by default; T5: q, k, v, o, wi, wo; GPT-2: c_attn, c_proj, c_fc")
+    target_modules: list[str] | None = option(
+        None, "names (last part) of the linear layers that get adapters; null: chosen by the model's type "
+              "(Llama, Mistral, Qwen2/3, Gemma: q/k/v/o_proj and gate/up/down_proj; Mixtral: q/k/v/o_proj; GPT-2: "
+              "c_attn, c_proj, c_fc; T5: q, k, v, o), logged and written to task.json; another type must name them")
 
     @property
     def enabled(self) -> bool:
@@ -110,8 +111,9 @@ class LoraConfig:
         problems = [("rank", f"must be >= 0, got {self.rank}")] if self.rank < 0 else []
         if not 0 <= self.dropout < 1:
             problems.append(("dropout", f"must be in [0, 1), got {self.dropout}"))
-        if self.rank > 0 and not self.target_modules:
-            problems.append(("target_modules", "must name at least one module when rank > 0"))
+        if self.target_modules is not None and not self.target_modules:
+            problems.append(("target_modules", "must name at least one module (or be null: chosen by the model's "
+                                               "type)"))
         return problems
 
 

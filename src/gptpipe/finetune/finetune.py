@@ -41,14 +41,14 @@ from gptpipe.finetune.metrics import headline, metric
 from gptpipe.finetune.model import pretrained_factory, target_logprobs
 from gptpipe.finetune.run_files import SUMMARY_FILE, TASK_FILE, TOKENIZER_DIR
 from gptpipe.finetune.task import load_task
-from gptpipe.finetune.task_kind import TaskData
+from gptpipe.finetune.task_kind import TaskData, TaskFacts
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.artifacts import EXIT_BAD_INPUT, EXIT_OK
 from gptpipe.train import checkpoint
 from gptpipe.train.data import sample_positions
 from gptpipe.train.engine import Dist, EngineConfigError, build_engine, deepspeed_config
-from gptpipe.train.lora import trainable_summary
+from gptpipe.train.lora import check_base, trainable_summary
 from gptpipe.train.loop import LogWindow, TrainLoop, run_ranks
 from gptpipe.train.metrics_rows import TaskEvalRow, TrainRow
 from gptpipe.train.model import inference_config
@@ -154,6 +154,9 @@ class FineTuner(TrainLoop):
         by_epochs = math.ceil(train.train_epochs * len(task.train) / train.global_batch_size)
         self.steps = train.train_iters or max(1, by_epochs)
         self.higher_is_better = metric(config.best_metric).higher_is_better
+        resuming = checkpoint.newest_checkpoint(self.ckpt_root) is not None
+        if self.facts.lora and resuming:  # its checkpoints hold the adapters only: the base must be the same
+            check_base(TaskFacts.read(self.run_dir / TASK_FILE).lora, config.model.path, str(self.run_dir / TASK_FILE))
         if dist.is_main:
             save_tokenizer(task.tokenizer, self.run_dir / TOKENIZER_DIR)  # checkpoints are usable without model.path
             self.facts.write(self.run_dir / TASK_FILE)
@@ -166,7 +169,11 @@ class FineTuner(TrainLoop):
             dist.device, make_model=pretrained_factory(config.model.path, task.seq2seq, dist.device,
                                                        scratch=from_scratch, lora=self.facts.lora))
         if self.facts.lora:
-            self.say(trainable_summary(self.engine.module, train.precision, train.zero_stage, train.fp32_gradients))
+            lora = self.facts.lora
+            self.say(f"LoRA adapters on {', '.join(lora['target_modules'])} ({lora['targets_from']}), rank "
+                     f"{lora['rank']}, alpha {lora['alpha']:g}")
+            self.say(trainable_summary(self.engine.module, train.precision, train.zero_stage, train.fp32_gradients,
+                                       dist.world_size, train.offload_optimizer))
         if train.packing:
             self.engine.eval()
             leaks = packing_leaks(self.engine, [s for e in task.train[:8] for s in task.kind.sequences(e)],
@@ -179,7 +186,7 @@ class FineTuner(TrainLoop):
         self.engine.eval()
         # With the starting weights, before a resumed run loads its checkpoint (a preference run's reference).
         self.task = task.kind.prepare_training(self.engine, task, config, self.run_dir, dist,
-                                               resuming=checkpoint.newest_checkpoint(self.ckpt_root) is not None)
+                                               resuming=resuming)
         self.engine.train()
         # The kind's step figures (task_kind.step_figures), summed: this step's, and the log window's so far.
         figures = len(task.kind.step_figures)

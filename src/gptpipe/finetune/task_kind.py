@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from gptpipe.finetune.data import collate, collate_packed
 from gptpipe.finetune.model import target_logprobs
 from gptpipe.stage import StageInputError, write_text_atomic
+from gptpipe.train.lora import lora_record
 
 if TYPE_CHECKING:
     import torch
@@ -43,7 +44,8 @@ class TaskFacts:
     pretrained_model: str | None = None  # model.path (None for a from-scratch baseline)
     train_file: str | None = None  # data.train
     architecture_of: str | None = None  # a from-scratch baseline: the folder whose architecture it took
-    # train.lora when on (rank, alpha, dropout, target_modules): checkpoints hold adapters on pretrained_model
+    # train.lora when on (train/lora.py's lora_record: rank, alpha, dropout, target_modules and where they came
+    # from, the base's fingerprint): checkpoints hold adapters on pretrained_model
     lora: dict[str, Any] | None = None
 
     @classmethod
@@ -82,8 +84,9 @@ class TaskFacts:
         def name(value: str | None) -> str | None:
             return Path(value).name if value else value
 
+        lora = self.lora and {**self.lora, "base": {**self.lora["base"], "folder": name(self.lora["base"]["folder"])}}
         return replace(self, pretrained_model=name(self.pretrained_model), train_file=name(self.train_file),
-                       architecture_of=name(self.architecture_of))
+                       architecture_of=name(self.architecture_of), lora=lora)
 
 
 @dataclass
@@ -117,7 +120,8 @@ class TaskData:
                          pretrained_model=None if from_scratch else str(config.model.path),
                          train_file=str(config.data.train),
                          architecture_of=str(config.model.path) if from_scratch else None,
-                         lora=asdict(config.train.lora) if config.train.lora.enabled else None)
+                         lora=lora_record(asdict(config.train.lora), config.model.path) if config.train.lora.enabled
+                         else None)
 
 
 

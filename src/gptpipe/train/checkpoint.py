@@ -197,6 +197,11 @@ class Checkpoint:
         return self.state["task"].get("lora") if self.is_finetune else None
 
     @property
+    def lora_base(self) -> Path:
+        """The pretrained model a LoRA checkpoint's adapters sit on (the run's model.path)."""
+        return Path(self.state["task"]["pretrained_model"])
+
+    @property
     def run_dir(self) -> Path:
         """The run folder (metrics.jsonl, logs): ``<run>/checkpoints/global_stepN`` → ``<run>``."""
         return self.path.parent.parent
@@ -339,8 +344,7 @@ def model_from_checkpoint(checkpoint: Checkpoint, state_dict: dict[str, Any] | N
     if checkpoint.lora:
         from gptpipe.train.lora import rebuild
 
-        return rebuild(state_dict, checkpoint.lora, Path(checkpoint.state["task"]["pretrained_model"]),
-                       checkpoint.seq2seq, merge, checkpoint.path)
+        return rebuild(state_dict, checkpoint.lora, checkpoint.lora_base, checkpoint.seq2seq, merge, checkpoint.path)
     model_class = AutoModelForSeq2SeqLM if checkpoint.seq2seq else AutoModelForCausalLM
     with no_init_weights():  # every weight is replaced below: skip the random init (minutes at 3B)
         model = model_class.from_config(hf_config_object(checkpoint.hf_config), dtype=torch.float32)

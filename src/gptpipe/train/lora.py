@@ -1,21 +1,61 @@
 """LoRA adapters (peft) on a pretrained model: applied before DeepSpeed wraps it, so its optimizer and checkpoints
 hold only the adapters; and a LoRA checkpoint rebuilt as its pretrained base plus the trained adapters, merged
-into plain weights (the export, `merge_and_unload`) or kept apart as trained (`gptpipe predict`).
+into plain weights (the export, `merge_and_unload`) or kept apart as trained (`gptpipe predict`, an adapter export).
 
-The adapter settings travel as a plain dict (task.json's `lora`: rank, alpha, dropout, target_modules), so the
-checkpoint code that rebuilds a model needs no fine-tune config. Here rather than in finetune/: train/checkpoint.py
-rebuilds models for stage 4 and predict alike, and train/ imports nothing of finetune/.
+The adapter settings travel as a plain dict (task.json's `lora`, `lora_record`: rank, alpha, dropout, the
+target modules and where they came from, the base's file fingerprint), so the checkpoint code that rebuilds a
+model needs no fine-tune config. Here rather than in finetune/: train/checkpoint.py rebuilds models for stage 4
+and predict alike, and train/ imports nothing of finetune/.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from gptpipe.stage import StageInputError
-from gptpipe.train.memory import gradient_bytes, optimizer_bytes_per_parameter
+from gptpipe.train.base_model import fingerprint, folder_changes
+from gptpipe.train.memory import model_state_bytes
 
 ADAPTER_MARK = "lora_"  # peft's adapter weights are named ...lora_A.default.weight / ...lora_B.default.weight
+
+# train.lora.target_modules null: the linear layers that get adapters, by the base's model_type. Every attention
+# and MLP projection that is an nn.Linear (QLoRA found adapters on all of them needed to match a full fine-tune);
+# Mixtral's experts are fused 3-D parameters in transformers 5, with no nn.Linear for peft to wrap, so its
+# adapters sit on the attention; T5's attention only, as its MLP is named wi/wo in T5 and wi_0/wi_1/wo in v1.1.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"), PROJECTIONS),
+    "mixtral": PROJECTIONS[:4], "gpt2": ("c_attn", "c_proj", "c_fc"),
+    **dict.fromkeys(("t5", "mt5", "umt5"), ("q", "k", "v", "o"))}
+
+
+def lora_record(settings: dict[str, Any], base: Path) -> dict[str, Any]:
+    """task.json's `lora` of a run with train.lora `settings` on the pretrained `base` folder: the settings, the
+    target modules resolved (null: DEFAULT_TARGETS of the base's model_type; `targets_from` says which) and the
+    base's fingerprint (every file's size and sha256), which a LoRA checkpoint needs to be rebuilt on."""
+    targets, source = settings["target_modules"], "train.lora.target_modules"
+    if targets is None:
+        model_type = json.loads((base / "config.json").read_text(encoding="utf-8")).get("model_type")
+        if model_type not in DEFAULT_TARGETS:
+            raise StageInputError(f"train.lora.target_modules is null and {base} is a {model_type!r} model, which "
+                                  f"has no default (known: {', '.join(sorted(DEFAULT_TARGETS))}): name the linear "
+                                  "layers to adapt, e.g. train.lora.target_modules=[q_proj,v_proj]")
+        targets, source = list(DEFAULT_TARGETS[model_type]), f"the default for model_type {model_type}"
+    return {**settings, "target_modules": list(targets), "targets_from": source,
+            "base": {"folder": str(base), "files": fingerprint(base)}}
+
+
+def check_base(lora: dict[str, Any], base: Path, where: str) -> None:
+    """Refuse a `base` folder whose files are not those the adapters were trained on (`lora`'s record, read
+    from `where`): adapters on another base would load without complaint and compute something else."""
+    changes = folder_changes(lora["base"], base)
+    if changes:
+        raise StageInputError(f"{base} is not the base model the LoRA adapters of {where} were trained on "
+                              f"({lora['base']['folder']}): " + "; ".join(changes[:5])
+                              + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
+                              + ". Restore that folder (model.path), or fine-tune again")
 
 
 def apply_lora(model: Any, lora: dict[str, Any], seq2seq: bool) -> Any:
@@ -31,16 +71,19 @@ def apply_lora(model: Any, lora: dict[str, Any], seq2seq: bool) -> Any:
         raise StageInputError(f"train.lora.target_modules {lora['target_modules']}: {exc}") from None
 
 
-def trainable_summary(model: Any, precision: str, zero_stage: int, fp32_gradients: bool) -> str:
-    """The plan line of a LoRA run: parameters trained of all, and the optimizer state and gradients they need
-    against a full fine-tune's (whole model, before ZeRO divides it over the ranks)."""
+def trainable_summary(model: Any, precision: str, zero_stage: int, fp32_gradients: bool, dp: int,
+                      offload: bool) -> str:
+    """The memory line of a LoRA run: parameters trained of all, and the weights, gradients and optimizer state
+    per rank (memory.model_state_bytes, as the ZeRO stage divides them over `dp` ranks) against a full
+    fine-tune's."""
     total = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    per_parameter = optimizer_bytes_per_parameter(precision, zero_stage) + gradient_bytes(precision, zero_stage,
-                                                                                         fp32_gradients)
-    return (f"LoRA: {trained:,} of {total:,} parameters trained ({trained / total:.2%}, the adapters); optimizer "
-            f"state and gradients {_size(trained * per_parameter)} instead of {_size(total * per_parameter)} "
-            f"({_size((total - trained) * per_parameter)} saved)")
+    lora = model_state_bytes(total, trained, precision, dp, zero_stage, offload, fp32_gradients)
+    full = model_state_bytes(total, total, precision, dp, zero_stage, offload, fp32_gradients)
+    return (f"LoRA: {trained:,} of {total:,} parameters trained ({trained / total:.2%}, the adapters); per rank "
+            f"weights {_size(lora[0])}, gradients {_size(lora[1])} and optimizer state {_size(lora[2])}: "
+            f"{_size(sum(lora))} instead of a full fine-tune's {_size(sum(full))} ({_size(sum(full) - sum(lora))} "
+            f"saved)")
 
 
 def _size(count: float) -> str:
@@ -59,6 +102,7 @@ def rebuild(state_dict: dict[str, Any], lora: dict[str, Any], base: Path, seq2se
     if not (base / "config.json").is_file():
         raise StageInputError(f"checkpoint {source} holds LoRA adapters only: their base model, the run's "
                               f"model.path {base}, is needed to rebuild it and is not a model folder here")
+    check_base(lora, base, str(source))
     model = load_pretrained(base, seq2seq)
     inference_config(model.config)  # as the fine-tune built it (finetune/model.py)
     model = apply_lora(model, lora, seq2seq)
@@ -66,7 +110,8 @@ def rebuild(state_dict: dict[str, Any], lora: dict[str, Any], base: Path, seq2se
     unexpected = sorted(set(state_dict) - expected)
     missing = sorted(k for k in expected - set(state_dict) if ADAPTER_MARK in k)
     if unexpected or missing:
-        raise StageInputError(f"checkpoint {source} does not fit LoRA {lora} on {base}: missing adapters "
+        settings = {k: lora[k] for k in ("rank", "target_modules")}
+        raise StageInputError(f"checkpoint {source} does not fit LoRA {settings} on {base}: missing adapters "
                               f"{missing[:3]}, unexpected {unexpected[:3]}")
     model.load_state_dict(state_dict, strict=False)
     return (model.merge_and_unload() if merge else model).eval()

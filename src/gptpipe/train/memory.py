@@ -113,6 +113,21 @@ def gradient_bytes(precision: str, zero_stage: int, fp32_gradients: bool) -> int
     return 4 if fp32 else bytes_per_value(precision)
 
 
+def model_state_bytes(parameters: int, trained: int, precision: str, dp: int, zero_stage: int, offload: bool,
+                      fp32_gradients: bool) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) per device of a model of `parameters` weights of which `trained`
+    train (all of them, or a LoRA run's adapters: the frozen rest has neither gradients nor optimizer state),
+    under the ZeRO stage over `dp` ranks (ZeRO's buckets and ZeRO-3's gathered working set are not included)."""
+    p, g = bytes_per_value(precision), gradient_bytes(precision, zero_stage, fp32_gradients)
+    weights = parameters * p / (dp if zero_stage == 3 else 1)
+    gradients = trained * g / (dp if zero_stage >= 2 else 1)
+    if zero_stage == 1 and g != p:
+        gradients += trained * p  # the model's own bf16 gradients, accumulated into the fp32 ones
+    optimizer = (0.0 if offload else
+                 trained * optimizer_bytes_per_parameter(precision, zero_stage) / (dp if zero_stage >= 1 else 1))
+    return weights, gradients, optimizer
+
+
 # The unfused loss (transformers' cross-entropy over the full logits) per logit element: at the start of
 # backward the fp32 log-softmax kept by forward, the fp32 gradient arriving at it and the fp32 gradient it
 # produces are live together (the logits themselves, and their fp32 upcast, are freed by then).
@@ -219,13 +234,8 @@ def estimate_memory(shape: Shape, parameters: int, seq_len: int, precision: str,
     g = gradient_bytes(precision, settings.zero_stage, fp32_gradients)
     n = parameters
     h, V = shape.hidden_size, shape.vocab_size
-    weights = n * p / (dp if settings.zero_stage == 3 else 1)
-    gradients = n * g / (dp if settings.zero_stage >= 2 else 1)
-    if settings.zero_stage == 1 and g != p:
-        gradients += n * p  # the model's own bf16 gradients, accumulated into the fp32 ones
-    optimizer = (0.0 if settings.offload else
-                 n * optimizer_bytes_per_parameter(precision, settings.zero_stage)
-                 / (dp if settings.zero_stage >= 1 else 1))
+    weights, gradients, optimizer = model_state_bytes(n, n, precision, dp, settings.zero_stage, settings.offload,
+                                                      fp32_gradients)
     if settings.zero_stage >= 1:
         gradients += min(n, (1 if settings.zero_stage == 3 else 2) * ZERO_BUCKET) * g  # reduce buckets
     if settings.zero_stage == 3:
