@@ -11,8 +11,8 @@ from conftest import REPO, metrics
 from gptpipe.config.core import load_config
 from gptpipe.pipeline import PipelineConfig
 from gptpipe.train.logging import RunLogger
-from gptpipe.train.metrics_rows import (ROW_KINDS, MixtureRow, SamplesRow, SpeedSetup, TaskEvalRow, TrainRow,
-                                        ValidationRow, legacy_kind, parse_metrics, parse_row, read_metrics)
+from gptpipe.train.metrics_rows import (ROW_KINDS, EvalTasksRow, MixtureRow, SamplesRow, SpeedSetup, TaskEvalRow,
+                                        TrainRow, ValidationRow, legacy_kind, parse_metrics, parse_row, read_metrics)
 from gptpipe.train.model import Shape
 
 MOE_TRAIN = TrainRow(10, loss=7.88, lr=0.003, grad_norm=0.99, tokens_per_s=4038.4, tokens=10240, setup="a setup",
@@ -28,6 +28,8 @@ ROWS = [
     TaskEvalRow(60, {"val_loss": 0.85, "accuracy": 0.33, "majority_accuracy": 0.33, "labels": ["a", "b"],
                      "per_class": {"a": {"f1": 0.49, "support": 54}}, "confusion_matrix": [[1, 0], [0, 1]]}),
     SamplesRow(50, [{"prompt": "日本の首都は", "text": "東京"}]),
+    EvalTasksRow(50, {"manpage_section": {"acc": 0.31, "acc_norm": 0.19}, "group/sub": {"exact_match": 0.5}},
+                 {"manpage_section": 16, "group/sub": 8}, 1.25),
 ]
 
 
@@ -48,6 +50,10 @@ def test_every_kind_round_trips_through_its_json_line() -> None:
     assert set(ROWS[5].to_json()) == {"kind", "step", "val_loss", "val_accuracy", "val_majority_accuracy",
                                       "val_labels", "val_per_class", "val_confusion_matrix"}
     assert ROWS[5].val_loss == 0.85
+    assert ROWS[7].to_json() == {"kind": "eval_tasks", "step": 50, "eval_task/manpage_section/acc": 0.31,
+                                 "eval_task/manpage_section/acc_norm": 0.19, "eval_task/group/sub/exact_match": 0.5,
+                                 "eval_task_docs/manpage_section": 16, "eval_task_docs/group/sub": 8,
+                                 "eval_tasks_s": 1.25}
 
 
 def test_rows_written_before_kind_are_told_apart_by_their_keys() -> None:

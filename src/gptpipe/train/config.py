@@ -225,6 +225,20 @@ class TrainConfig(LoopConfig):
         None, "dense peak TFLOP/s per GPU for MFU (None: from the GPU's name, e.g. H100 989 bf16)")
     eval_iters: int = option(
         10, "validation global batches per evaluation (the same eval_iters x global_batch_size samples each time)")
+    eval_tasks: list[str] = option(
+        factory=list, doc="lm-eval task or group names (as `gptpipe evaluate` takes them; hub datasets need the "
+                          "network) scored zero-shot on the live model at each evaluation, the first (before step 1) "
+                          "the reference; rows kind eval_tasks in metrics.jsonl")
+    eval_task_yamls: list[Path] = option(
+        factory=list, doc="local lm-eval task YAMLs scored like eval_tasks (e.g. the demo task make-demo-task "
+                          "writes, data/finetune/manpage_section/manpage_section.yaml); relative data_files in them "
+                          "are relative to the YAML")
+    eval_tasks_limit: int | None = option(
+        200, "score at most the first N documents of each task at each evaluation, sharded over the ranks "
+             "(None: all)")
+    eval_tasks_tolerance: float = option(
+        0.02, "warn (a console line) when a task's main metric (its first, e.g. acc) falls more than this below "
+              "its reference, in the metric's own units (0.02: two points of accuracy)")
     sample_prompts: list[str] = option(factory=lambda: ["日本の首都は", "このコマンドは"],
                                        doc="prompts generated from at each evaluation")
     sample_tokens: int = option(32, "tokens generated per sample prompt")
@@ -237,6 +251,8 @@ class TrainConfig(LoopConfig):
             problems.append(("train_tokens", "must be >= 1 (or null to use train_epochs)"))
         if self.warmup_steps is not None and self.warmup_steps < 0:
             problems.append(("warmup_steps", "must be >= 0 (or null)"))
+        if self.eval_tasks_limit is not None and self.eval_tasks_limit < 1:
+            problems.append(("eval_tasks_limit", "must be >= 1 or null"))
         if self.embedding_warmup_steps < 0:
             problems.append(("embedding_warmup_steps", "must be >= 0"))
         if self.warmup_steps is not None and self.warmup_fraction is not None:

@@ -139,6 +139,36 @@ class ValidationRow(Row):
                                   "per_source": per_source, **_experts_of(raw, "val_")})
 
 
+# An eval_tasks row's keys: "eval_task/<task>/<metric>" per figure, "eval_task_docs/<task>", "eval_tasks_s".
+_TASK_SCORE, _TASK_DOCS, _TASKS_SECONDS = "eval_task/", "eval_task_docs/", "eval_tasks_s"
+
+
+@dataclass
+class EvalTasksRow(Row):
+    """Stage 3's lm-eval tasks (train.eval_tasks) on the live model at an evaluation, beside its validation row."""
+
+    KIND = "eval_tasks"
+    scores: dict[str, dict[str, float]]  # task → metric → value
+    documents: dict[str, int]  # task → documents scored
+    seconds: float  # the wall time the task evaluation took
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.KIND, "step": self.step,
+                **{f"{_TASK_SCORE}{task}/{metric}": value for task, metrics in self.scores.items()
+                   for metric, value in metrics.items()},
+                **{f"{_TASK_DOCS}{task}": n for task, n in self.documents.items()}, _TASKS_SECONDS: self.seconds}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Row | None:
+        scores: dict[str, dict[str, float]] = {}
+        for key, value in raw.items():
+            if key.startswith(_TASK_SCORE):
+                task, _, metric = key.removeprefix(_TASK_SCORE).rpartition("/")
+                scores.setdefault(task, {})[metric] = value
+        return cls(raw["step"], scores, {k.removeprefix(_TASK_DOCS): v for k, v in raw.items()
+                                         if k.startswith(_TASK_DOCS)}, raw.get(_TASKS_SECONDS, 0.0))
+
+
 # A fine-tune's figures are logged as val_<key>; its loss's own key already is.
 _TASK_LOSS = "val_loss"
 
@@ -173,8 +203,8 @@ class SamplesRow(Row):
     samples: list[dict[str, str]]  # {"prompt", "text"}
 
 
-ROW_KINDS: dict[str, type[Row]] = {cls.KIND: cls for cls in (MixtureRow, TrainRow, ValidationRow, TaskEvalRow,
-                                                             SamplesRow)}
+ROW_KINDS: dict[str, type[Row]] = {cls.KIND: cls for cls in (MixtureRow, TrainRow, ValidationRow, EvalTasksRow,
+                                                             TaskEvalRow, SamplesRow)}
 EVALUATIONS = (ValidationRow, TaskEvalRow)  # the rows with a validation loss (`val_loss`)
 
 

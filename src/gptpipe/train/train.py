@@ -34,6 +34,7 @@ from gptpipe.train.base_model import (BASE_STATE_KEY, BaseModel, base_record, ch
 from gptpipe.train.data import (DataError, build_datasets, collate, eval_batches, mixture, sample_positions,
                                 source_counts, source_names, to_device)
 from gptpipe.train.engine import Dist, EngineConfigError, build_engine, deepspeed_config
+from gptpipe.train.eval_tasks import STATE_KEY as TASKS_STATE_KEY, TaskScorer
 from gptpipe.train.loop import LogWindow, TrainLoop, run_ranks
 from gptpipe.train.metrics_rows import MixtureRow, TrainRow, ValidationRow
 from gptpipe.tolerance import loss_tolerance
@@ -106,6 +107,9 @@ class Pretrainer(TrainLoop):
                                                      dist.device, make_model)
         self.consumed = 0
         self.last_val_loss: float | None = None
+        # lm-eval tasks on the live model at each evaluation, with the tokenizer the data was encoded with
+        self.tasks = TaskScorer(train, base.tokenizer.folder if base else tokenizer.hf_dir, train.seq_len,
+                                plan.settings.micro_batch, dist) if train.eval_tasks or train.eval_task_yamls else None
 
     # --- continued pretraining: the base model ----------------------------------------------------------------
     def _check_resumed_base(self, base: BaseModel) -> dict[str, Any]:
@@ -212,6 +216,8 @@ class Pretrainer(TrainLoop):
             "tokens": self.consumed * self.train_cfg.seq_len,
             "final_val_loss": self.last_val_loss if self.step >= self.steps else None,
             "val_loss": self.last_val_loss,
+            # the task scores of the first evaluation, which later ones are compared with, across resumes
+            **({TASKS_STATE_KEY: self.tasks.reference} if self.tasks and self.tasks.reference else {}),
             # The run record: the whole resolved config.yaml this run trained with. Stage 4 reads the tokenizer,
             # the data and its split from here, never from a config.yaml that may have changed since.
             "config": to_plain(self.config),
@@ -222,11 +228,14 @@ class Pretrainer(TrainLoop):
     def restore(self, state: dict[str, Any]) -> None:
         self.consumed = state["consumed_samples"]
         self.last_val_loss = state.get("val_loss")
+        if self.tasks:
+            self.tasks.reference = state.get(TASKS_STATE_KEY) or {}
 
     # --- what the run shows -------------------------------------------------------------------------
     def begin(self) -> None:
-        """The data mixture as megatron built it; with several sources, an evaluation before the first step, so
-        each source's validation loss has its starting point (the base model's, when continuing pretraining)."""
+        """The data mixture as megatron built it; with several sources or train.eval_tasks, an evaluation before
+        the first step, so each source's validation loss and each task's score has its starting point (the base
+        model's, when continuing pretraining)."""
         console = "data mixture of the run (megatron's blend index):\n" + "\n".join(f"  {m.line()}"
                                                                                    for m in self.mixture)
         row = MixtureRow(self.step, {m.name: {"tokens": m.tokens, "share": m.share, "epochs": m.epochs}
@@ -246,7 +255,7 @@ class Pretrainer(TrainLoop):
         if self.step < warmup:
             self.say(f"embedding warm-up: steps {self.step + 1}–{warmup} train only the token embedding and output "
                      "matrices (train.embedding_warmup_steps); the rest of the model is at a learning rate of 0")
-        if self.step == 0 and len(self.sources) > 1:
+        if self.step == 0 and (len(self.sources) > 1 or self.tasks):
             self.validate()
 
     def log_train(self, window: LogWindow) -> None:
@@ -324,8 +333,23 @@ class Pretrainer(TrainLoop):
         self.log.record(row, console=f"validation  step {self.step}  loss {loss:.4f}{per_source}  "
                                      f"perplexity {ppl:.2f}{routing}")
         self.log.samples(self.step, self._generate())
+        if self.tasks:
+            self._score_tasks()
         engine.train()
         return False  # checkpoints follow save_interval
+
+    def _score_tasks(self) -> None:
+        """train.eval_tasks on the live model (every rank: the documents are sharded over them), a row beside the
+        validation's and a warning line per task that fell more than the tolerance below its reference."""
+        # A compiled model would recompile for every new batch shape: score eagerly.
+        with torch.compiler.set_stance("force_eager") if self.train_cfg.compile else contextlib.nullcontext():
+            scores = self.tasks.score(self.engine.module, self.step)
+        if scores is None:  # ranks other than 0
+            return
+        line, warnings = self.tasks.compare(scores)
+        self.log.record(scores.row, console=line)
+        for warning in warnings:
+            self.log.say(f"warning: {warning}")
 
     def _generate(self) -> list[tuple[str, str]]:
         """Greedy continuations of train.sample_prompts (every rank runs them: ZeRO-3 needs all in step)."""

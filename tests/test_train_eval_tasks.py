@@ -1,0 +1,82 @@
+"""train.eval_tasks: lm-eval's demo task scored on the live model at every evaluation of a real `gptpipe train`, the
+first before step 1 as the reference, a warning line when a task falls more than the tolerance below it, the
+reference kept across a resume, and the documents sharded over two CPU ranks under ZeRO-3."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import QUICK_TRAIN, REPO, run_cli, run_train, train_losses
+
+from gptpipe.train.metrics_rows import EvalTasksRow, TrainRow, read_metrics
+
+pytest.importorskip("lm_eval", reason="needs lm-eval (pip install 'lm-eval[hf]')")
+
+STEPS, LIMIT = 4, 12
+WARNING = "task manpage_section fell below its reference"
+
+
+@pytest.fixture(scope="module")
+def demo_task(workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo task (make-demo-task on the man pages) in a folder of this module's own: its task YAML."""
+    folder = tmp_path_factory.mktemp("demo-task")
+    shutil.copy(REPO / "evaluate_config.yaml", folder / "evaluate_config.yaml")
+    run_cli("make-demo-task", "--config", folder / "evaluate_config.yaml", f"demo_task.output_dir={folder / 'task'}")
+    return folder / "task" / "manpage_section.yaml"
+
+
+def task_run(workspace: Path, task: Path, run: Path, *overrides: str, ranks: int = 1) -> str:
+    done = run_train("--config", workspace / "config.yaml", *QUICK_TRAIN, f"train.train_iters={STEPS}",
+                     "train.eval_interval=2", "train.save_interval=2", f"train.eval_task_yamls=[{task}]",
+                     f"train.eval_tasks_limit={LIMIT}", f"train.output_model_dir={run}", *overrides, ranks=ranks)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stderr
+
+
+def task_rows(run: Path) -> list[EvalTasksRow]:
+    return [r for r in read_metrics(run / "metrics.jsonl") if isinstance(r, EvalTasksRow)]
+
+
+@pytest.mark.slow
+def test_task_rows_at_every_evaluation_with_the_first_as_reference(
+        dataset_prefix: Path, workspace: Path, demo_task: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    # A negative tolerance: every evaluation after the reference falls "below" it, whatever the scores.
+    stderr = task_run(workspace, demo_task, run, "train.eval_tasks_tolerance=-1")
+    rows = task_rows(run)
+    assert [r.step for r in rows] == [0, 2, 4]
+    first = read_metrics(run / "metrics.jsonl")
+    assert first.index(rows[0]) < min(i for i, r in enumerate(first) if isinstance(r, TrainRow))  # before step 1
+    for row in rows:
+        assert row.documents == {"manpage_section": LIMIT}
+        assert set(row.scores["manpage_section"]) == {"acc", "acc_norm"}
+        assert 0 <= row.scores["manpage_section"]["acc"] <= 1 and row.seconds > 0
+    assert "tasks  step 0  manpage_section acc " in stderr and "(reference)" in stderr
+    warnings = [line for line in stderr.splitlines() if WARNING in line]
+    assert len(warnings) == 2 and "at step 2," in warnings[0] and "at step 4," in warnings[1]
+    assert all("at step 0 (worse by" in w for w in warnings)
+
+    # Resume from step 2 (the step-4 checkpoint gone) with a tolerance no score can exceed: the reference comes
+    # from the checkpoint (compared "vs step 0", not scored anew), no warning, and the same model gives the same
+    # losses and scores at step 4.
+    shutil.rmtree(run / "checkpoints" / f"global_step{STEPS}")
+    losses = train_losses(run)
+    stderr = task_run(workspace, demo_task, run, "train.eval_tasks_tolerance=1")
+    assert "resumed from" in stderr and "(reference)" not in stderr and WARNING not in stderr
+    assert "tasks  step 4  manpage_section acc " in stderr and "vs step 0)" in stderr
+    again = task_rows(run)
+    assert [r.step for r in again] == [0, 2, 4, 4] and again[-1].scores == rows[-1].scores
+    assert train_losses(run) == losses
+
+
+@pytest.mark.slow
+def test_two_ranks_shard_the_documents_under_zero3(dataset_prefix: Path, workspace: Path, demo_task: Path,
+                                                    tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    stderr = task_run(workspace, demo_task, run, "train.zero_stage=3", "train.eval_tasks_tolerance=1", ranks=2)
+    rows = task_rows(run)
+    assert [r.step for r in rows] == [0, 2, 4]
+    assert all(r.documents == {"manpage_section": LIMIT} for r in rows)  # each rank's share gathered on rank 0
+    assert "on 2 ranks)" in stderr
