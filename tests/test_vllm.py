@@ -3,8 +3,9 @@
 The ``vllm`` tier runs vLLM's CPU build in its own venv (scripts/setup_vllm.sh) and is skipped, with the reason,
 where that venv is absent. Folders: a tiny Llama with the workspace's unigram tokenizer in fp32 and bf16, and a copy
 with a chat template ("### 指示:" / "### 応答:"), whose conversations go through vLLM's chat path, and the
-stage-4 export of a short chat fine-tune of that Llama, served through the template the run installed. The
-Llama is a real stage-4 export (conftest's tiny_export) in fp32 and in bf16.
+stage-4 export of a short chat fine-tune of that Llama, served through the template the run installed, and of a
+LoRA chat fine-tune, merged and as an adapter folder vLLM serves with enable_lora. The Llama is a real stage-4
+export (conftest's tiny_export) in fp32 and in bf16.
 """
 
 from __future__ import annotations
@@ -102,3 +103,29 @@ def test_vllm_serves_a_chat_export_through_its_template(llama: Path, chat_files:
     assert report["dtype"] == "float32"
     for entry in report["conversations"]:
         assert entry["prompt_ids_equal"] and entry["prompt_text_equal"] and entry["tokens_equal"], entry
+
+
+def test_vllm_serves_a_lora_chat_fine_tune_merged_and_as_an_adapter(llama: Path, chat_files: tuple[Path, Path],
+                                                                     tmp_path: Path) -> None:
+    """A LoRA chat fine-tune exported both ways: the merged folder as any model, the adapter folder as `vllm serve
+    BASE --enable-lora` serves it (a LoRARequest on the base, the folder's tokenizer and generation config), each
+    giving the greedy tokens of transformers (peft's model of the adapter folder)."""
+    from gptpipe.data.jsonl import Reasons
+    from gptpipe.finetune.chat_data import read_conversations
+
+    run = tmp_path / "run"
+    done = gptpipe_command("finetune", *chat_args(llama, chat_files, run, "train.train_iters=4", "train.lora.rank=4",
+                                                  "train.lora.alpha=8", "train.lr=1e-2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    conversations = [row.prompt for row in read_conversations(chat_files[1], Reasons())[:4]]
+    for export in ("merged", "adapter"):
+        out = tmp_path / export
+        done = gptpipe_command("convert", f"input_model_dir={run}", f"output_tokenizer_and_model_dir={out}",
+                               "dtype=fp32", f"lora_export={export}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert (out / "adapter_config.json").is_file() == (export == "adapter")
+        report = vllm_check.vllm_report(out, prompts=vllm_check.PROMPTS[:1], conversations=conversations)
+        print(json.dumps(report, ensure_ascii=False))
+        assert report["lora"] == (export == "adapter") and report["dtype"] == "float32"
+        for entry in report["prompts"] + report["conversations"]:
+            assert entry["prompt_ids_equal"] and entry.get("prompt_text_equal", True) and entry["tokens_equal"], entry

@@ -366,7 +366,8 @@ class FinetuneSource:
         reference = "the fine-tune's tokenizer" + (" and SentencePiece" if self.sentencepiece else "")
         return GateSpec(self.rows, TokenizerReference(reference, self.compare_tokenizer),
                         special_ids={"eos": t.eos_token_id, "pad": t.pad_token_id}, sentencepiece=self.sentencepiece,
-                        chat_template=t.chat_template if self.rows.kind.converses else None)
+                        chat_template=t.chat_template if self.rows.kind.converses else None,
+                        merged_adapters=bool(self.checkpoint.lora) and self.lora_export == "merged")
 
     def card(self, folder: Path, metrics: list[Row]) -> tuple[CardBlocks, dict[str, Any]]:
         state, step = self.checkpoint.state, self.checkpoint.step

@@ -44,6 +44,11 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BATCH_ROWS = 4
 BATCH_TOKENS = 256
 GENERATED_ROWS = 4  # validation prompts answered greedily by both models
+# A merged LoRA export (W + s·BA, each weight rounded once) against the checkpoint's unmerged model (Wx + s·B(Ax)):
+# the same function in another order of rounding, which a model with large activations amplifies (measured: 1.6e-5
+# of the largest logit, 137 fp32 steps, on the vLLM tests' init_std 0.3 Llama); a wrong merge (scaling, a module
+# missed) is off by the adapters' whole effect.
+MERGE_RELATIVE = 2.0 ** -12
 
 
 class GateRows(Protocol):
@@ -190,6 +195,7 @@ class GateSpec:
     base: Any = None  # a continued run's train.base_model.BaseModel: its files copied byte for byte
     sentencepiece: Path | None = None  # the SentencePiece model the folder's tokenizer.model must be, byte for byte
     chat_template: str | None = None  # a chat model's template, as the run trained with it
+    merged_adapters: bool = False  # a LoRA fine-tune merged into its weights: MERGE_RELATIVE more logits tolerance
 
 
 def cast_parameters(model: Any, dtype: torch.dtype) -> Any:
@@ -291,14 +297,15 @@ def _check_chat_template(report: dict[str, Any], folder: Path, tokenizer: Any, t
 
 @torch.no_grad()
 def _check_logits(report: dict[str, Any], model: Any, reference: Any, reference_fp32: Any, rows: GateRows,
-                  dtype: str) -> list[str]:
+                  dtype: str, merged_adapters: bool) -> list[str]:
     batch, real = rows.logits_batch(model)
     log.info(f"comparing logits on a batch {tuple(batch['input_ids'].shape)} ({rows.source})")
     exported = logits(model, batch, rows.seq2seq)[real].float()
     vocab = exported.shape[-1]  # a pretraining run's export drops the reference's padding rows
     expected = logits(reference, batch, rows.seq2seq)[real][..., :vocab].float()
     diff = (exported - expected).abs().max().item()
-    tolerance = logits_tolerance(expected.abs().max().item(), dtype)
+    largest = expected.abs().max().item()
+    tolerance = logits_tolerance(largest, dtype) + (MERGE_RELATIVE * largest if merged_adapters else 0.0)
     report.update(logits_max_abs_diff=diff, logits_tolerance=tolerance, heldout_batch=list(batch["input_ids"].shape),
                   heldout_source=rows.source)
     if reference_fp32 is not reference:  # how far rounding to bf16 moved the logits, for the record
@@ -357,7 +364,8 @@ def verify_export(folder: Path, reference: Any, reference_fp32: Any, spec: GateS
     checks: dict[str, Callable[[], list[str]]] = {
         "ids": lambda: _check_ids(model, tokenizer, spec, dtype),
         **({"base files": lambda: _check_base_files(report, folder, spec.base)} if spec.base is not None else {}),
-        "logits": lambda: _check_logits(report, model, reference, reference_fp32, spec.rows, dtype),
+        "logits": lambda: _check_logits(report, model, reference, reference_fp32, spec.rows, dtype,
+                                        spec.merged_adapters),
         "tokenizer": lambda: _check_tokenizer(report, tokenizer, spec.tokenizer),
         **({"tokenizer.model": lambda: _check_sentencepiece(report, folder, spec.sentencepiece)}
            if spec.sentencepiece is not None else {}),
