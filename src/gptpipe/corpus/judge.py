@@ -25,10 +25,12 @@ class Check:
 
 
 class Judge:
-    """The per-document rules of `config`, built once (the NG-word pattern, HojiChar's masker)."""
+    """The per-document rules of `config`, built once (the NG-word pattern, HojiChar's masker). `exact`: measure
+    the language share over every line (`--explain`) rather than stop the vote once the verdict is certain."""
 
-    def __init__(self, config: CorpusConfig) -> None:
+    def __init__(self, config: CorpusConfig, exact: bool = False) -> None:
         self.config = config
+        self.exact = exact
         self.wanted = frozenset(config.languages)
         self.rules = quality.rules(config.quality)
         self.mask: Callable[[str], str] | None = quality.pii_masker(config.quality)
@@ -39,7 +41,8 @@ class Judge:
         yield Check(f"shorter than min_chars ({config.min_chars})", f"{len(text):,} characters",
                     len(text) < config.min_chars)
         if self.wanted:
-            verdict = language.judge(text, self.wanted, config.language_min_score)
+            verdict = language.judge(text, self.wanted, config.language_min_score,
+                                     None if self.exact else config.language_min_share)
             self.languages[verdict.main] += 1
             yield Check(f"language: under {config.language_min_share:g} {'/'.join(config.languages)} "
                         f"(mainly {verdict.main})", f"{verdict.share:.3f} of the identified characters",

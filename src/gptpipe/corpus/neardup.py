@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from rensa import RMinHash
 
+from gptpipe.corpus.charclass import SPACE, SPACELESS, class_counts
 from gptpipe.log import get_logger
 
 if TYPE_CHECKING:  # a leaf: the config module imports nothing from here
@@ -48,18 +49,15 @@ MAX_PARTITIONS = 1 << 10  # open files while partitioning; past 1024 x 4 M recor
 # a partition grows with the corpus
 PAIR_CHUNK = 1 << 14  # candidate pairs verified at once: their two signatures, 2 x 16 k x 480 bytes at 20 x 6
 RECORD = np.dtype([("key", "<u8"), ("doc", "<u8")])
-# Scripts written without spaces between words: Thai, Lao, Tibetan, Myanmar, Khmer, CJK (radicals to ideographs,
-# kana), compatibility ideographs, half-width katakana, the supplementary ideograph planes.
-SPACELESS = re.compile("[\u0e00-\u0fff\u1000-\u109f\u1780-\u17ff\u2e80-\u9fff\uf900-\ufaff\uff66-\uff9f"
-                       "\U00020000-\U0003ffff]")
 WORD = re.compile(r"\w+")
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # the 64-bit golden-ratio constant: multiply-xor mixing of band hashes
 
 
 def spaceless_share(text: str) -> float:
     """Share of the non-space characters that belong to a script written without spaces."""
-    visible = len("".join(text.split()))
-    return SPACELESS.subn("", text)[1] / visible if visible else 0.0
+    counts = class_counts(text)
+    visible = len(text) - counts[SPACE]
+    return counts[SPACELESS] / visible if visible else 0.0
 
 
 @dataclass(frozen=True)

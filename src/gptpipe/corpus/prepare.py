@@ -202,7 +202,7 @@ def _concatenated(work: Path, shards: list[Shard], name: str) -> Path:
 def explain(config: CorpusConfig, path: Path) -> Iterator[str]:
     """For each document of `path` (jsonl: one per line; otherwise the whole file as one document): every
     check's measured value and whether it drops the document, the first that does named as the verdict."""
-    judge = Judge(config)
+    judge = Judge(config, exact=True)
     near = config.near_dedup if config.near_dedup.threshold is not None else None
     hasher = MinHasher(near) if near else None
     kind = "jsonl" if path.name.endswith(SUFFIXES["jsonl"]) else "text"

@@ -4,10 +4,11 @@ The document rules are HojiChar's (written for Japanese web corpora), plus the d
 rules, which HojiChar lacks, a short-line share that leaves short documents alone, and two character-class
 shares: letters among all characters (tables, dumps) and hiragana among the Japanese characters (noun lists:
 menus, keyword spam; NWJC, the NINJAL web corpus, drops sentences under 5% hiragana). Each rule measures one
-value (HojiChar's formula, or its own function where it has one) so that `gptpipe prepare --explain` can print
-it beside the threshold. HojiChar's web defaults
-drop good technical text: on the 1,785 Japanese man pages its short-line rule (0.5) drops 56%, its sentence-length
-rule (。 every 100 characters) 37%, its character repetition rule (0.33) 1.7%. The defaults here keep every
+value (HojiChar's formula, the same value HojiChar's function gives) so that `gptpipe prepare --explain` can
+print it beside the threshold; the counting ones run over numpy arrays of code points (corpus/charclass.py),
+not Python loops or a regex per class. HojiChar's web defaults drop good technical text: on the 1,785 Japanese
+man pages its short-line rule (0.5) drops 56%, its sentence-length rule (。 every 100 characters) 37%, its
+character repetition rule (0.33) 1.7%. The defaults here keep every
 Japanese man page (docs/benchmarks.md) and still drop what the rules are for: a page repeated, a menu of short
 lines, a run of one character, lines ending in "...".
 """
@@ -15,11 +16,16 @@ lines, a run of one character, lines ending in "...".
 from __future__ import annotations
 
 import collections
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gptpipe.corpus.charclass import HIRAGANA, KANA, KANJI, LETTER, SPACE, class_counts, code_points
 
 if TYPE_CHECKING:  # a leaf: the config module imports nothing from here
     from gptpipe.corpus.config import QualityConfig
@@ -29,11 +35,7 @@ SHORT_LINE_CHARS, MIN_LINES = 10, 5
 # A document with fewer kana than this is not Japanese text to judge by its hiragana: an English page quoting a
 # Japanese name, or Chinese (Han without kana), which the hiragana rule would otherwise drop.
 MIN_KANA = 20
-_LETTER = re.compile(r"[^\W\d_]")  # a letter of any script (str.isalpha), one per character
-_SPACE = re.compile(r"\s")
-_HIRAGANA = re.compile(r"[\u3041-\u309f]")
-_KANA = re.compile(r"[\u3041-\u309f\u30a0-\u30ff\u31f0-\u31ff\uff66-\uff9f]")
-_KANJI = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+REPETITION_NGRAM = 5  # HojiChar's CharRepetitionRatioFilter default, BigScience's setting
 
 
 @dataclass(frozen=True)
@@ -66,11 +68,12 @@ def short_line_share(text: str) -> float:
 
 
 def letter_share(text: str) -> float:
-    """Letters of any script (kana, kanji, Latin, Cyrillic, ...) over the non-whitespace characters: what is left
-    are digits, punctuation and symbols. Gopher's rule counts words with a letter, which needs words; this one
-    counts characters, so it judges Japanese as it judges English."""
-    chars = len(text) - len(_SPACE.findall(text))
-    return len(_LETTER.findall(text)) / chars if chars else 0.0
+    """Letters of any script (kana, kanji, Latin, Cyrillic, ...; str.isalpha) over the non-whitespace
+    characters: what is left are digits, punctuation and symbols. Gopher's rule counts words with a letter,
+    which needs words; this one counts characters, so it judges Japanese as it judges English."""
+    counts = class_counts(text)
+    chars = len(text) - counts[SPACE]
+    return counts[LETTER] / chars if chars else 0.0
 
 
 def hiragana_share(text: str) -> float:
@@ -78,10 +81,10 @@ def hiragana_share(text: str) -> float:
     any other document. Japanese prose writes its particles and inflections in hiragana; a list of nouns (a
     menu, a tag cloud, keyword spam, a table) has almost none. Counted over the Japanese characters only, so
     that a technical page's English and code do not lower it."""
-    kana = len(_KANA.findall(text))
-    if kana < MIN_KANA:
+    counts = class_counts(text)
+    if counts[KANA] < MIN_KANA:
         return 1.0
-    return len(_HIRAGANA.findall(text)) / (kana + len(_KANJI.findall(text)))
+    return counts[HIRAGANA] / (counts[KANA] + counts[KANJI])
 
 
 def ng_word_pattern(path: Path) -> re.Pattern[str]:
@@ -98,15 +101,41 @@ def ng_word_pattern(path: Path) -> re.Pattern[str]:
 
 def longest_run(text: str) -> int:
     """The longest run of one character (HojiChar's SingleCharacterRepetitionFilter tests it)."""
-    return max((len(m.group()) for m in re.finditer(r"(.)\1+", text, re.DOTALL)), default=min(len(text), 1))
+    points = code_points(text)
+    if len(points) < 2:
+        return len(points)
+    ends = np.flatnonzero(points[1:] != points[:-1])  # the last index of every run but the last
+    return int(np.diff(np.concatenate(([-1], ends, [len(points) - 1]))).max())
 
 
 def char_repetition(text: str) -> float:
-    """HojiChar's (BigScience's) character 5-gram repetition ratio: the top sqrt of the distinct 5-grams' share
-    of all."""
-    from hojichar.filters.document_filters import CharRepetitionRatioFilter
+    """HojiChar's (BigScience's) character 5-gram repetition ratio: the share of all 5-grams held by the most
+    frequent ones (the top sqrt of the distinct count, only among those seen twice or more). The same value as
+    HojiChar's `compute_character_repetition_ratio`, which counts in a Python dict (a quarter of stage 0's
+    time): here each 5-gram is one uint64 (the ranks of its characters among the document's distinct ones,
+    packed), sorted and counted with numpy; HojiChar's function for a text of more distinct characters than
+    fit (4,096 at 5-grams)."""
+    n = REPETITION_NGRAM
+    grams = len(text) - n + 1
+    if grams <= 0:
+        return 0.0
+    distinct_chars, ranks = np.unique(code_points(text), return_inverse=True)
+    bits = max(len(distinct_chars) - 1, 1).bit_length()
+    if bits * n > 64:
+        from hojichar.filters.document_filters import CharRepetitionRatioFilter
 
-    return CharRepetitionRatioFilter.compute_character_repetition_ratio(text, 5)
+        return CharRepetitionRatioFilter.compute_character_repetition_ratio(text, n)
+    ranks = ranks.astype(np.uint64)
+    keys = np.zeros(grams, dtype=np.uint64)
+    for offset in range(n):
+        keys = (keys << np.uint64(bits)) | ranks[offset:offset + grams]
+    keys.sort()
+    starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
+    freqs = np.diff(np.append(starts, grams))
+    top = min(math.isqrt(len(freqs)), int((freqs > 1).sum()))
+    if top <= 0:
+        return 0.0
+    return int(np.partition(freqs, len(freqs) - top)[len(freqs) - top:].sum()) / grams
 
 
 def ellipsis_line_share(text: str) -> float:
