@@ -20,7 +20,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
-def is_adapter_folder(folder: Path) -> bool:
+def is_adapter_folder(folder: str | Path) -> bool:
     return (Path(folder) / ADAPTER_CONFIG).is_file()
 
 
@@ -45,10 +45,10 @@ def save_adapter(model: Any, folder: Path, base: Path) -> None:
     model.get_base_model().generation_config.save_pretrained(folder)
 
 
-def load_export(folder: Path, seq2seq: bool, dtype: str = "auto") -> Any:
-    """The model of an exported folder, as a user loads it: transformers' Auto class on a merged folder; on an
-    adapter folder, its base in the adapters' dtype (or `dtype`) with peft's PeftModel.from_pretrained, and the
-    folder's generation_config.json in place of the base's."""
+def load_export(folder: str | Path, seq2seq: bool, dtype: str = "auto") -> Any:
+    """The model of an exported folder (or a hub id), as a user loads it: transformers' Auto class on a merged
+    folder; on an adapter folder, its base in the adapters' dtype (or `dtype`) with peft's
+    PeftModel.from_pretrained, and the folder's generation_config.json in place of the base's."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, GenerationConfig
 
     loader = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM

@@ -42,12 +42,14 @@ def verification_note(folder: Path) -> str | None:
 
 def load(model_dir: str | Path) -> tuple[Any, Any]:
     """(model, tokenizer) from an exported folder or a hub id, in the dtype it was saved in."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from gptpipe.export.adapter import load_export
 
     note = verification_note(Path(model_dir))
     if note:
         log.warning(note)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
+    model = load_export(model_dir, seq2seq=False)  # an adapter folder: with peft on its base
     inference_config(model.config)  # an export made before its config left the router switch off
     return model, AutoTokenizer.from_pretrained(model_dir)
 

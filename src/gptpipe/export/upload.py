@@ -37,8 +37,9 @@ def check_hub_copy(local: Path, downloaded: Path, files: list[str], prompt: str)
     smoke test. Its sample is not compared with the gate's: another machine's kernels may break a near-tie."""
     import json
 
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from gptpipe.export.adapter import load_export
     from gptpipe.export.verify import greedy_continuation
 
     problems = [f"{f} differs from the local file" for f in files
@@ -47,8 +48,7 @@ def check_hub_copy(local: Path, downloaded: Path, files: list[str], prompt: str)
         return problems, ""
     task = downloaded / "task.json"  # a fine-tune export says whether it is an encoder-decoder
     seq2seq = task.is_file() and json.loads(task.read_text(encoding="utf-8")).get("seq2seq", False)
-    loader = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
-    model = loader.from_pretrained(downloaded, dtype="auto").eval()
+    model = load_export(downloaded, seq2seq)  # an adapter folder: on the base its adapter_config.json names
     return [], greedy_continuation(model, AutoTokenizer.from_pretrained(downloaded), prompt)[1]
 
 
