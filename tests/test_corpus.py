@@ -13,7 +13,7 @@ import yaml
 from conftest import corpus_texts as read_corpus
 from conftest import run_cli
 from gptpipe.cli import main
-from gptpipe.corpus.manpages import roff_to_text
+from gptpipe.corpus.manpages import find_manpages, read_manpage, roff_to_text
 from gptpipe.stage import Manifest, StageInputError
 
 
@@ -121,6 +121,33 @@ def test_quality_rules_keep_the_man_pages_and_drop_junk_made_from_them(corpus_di
     kept = read_corpus(tmp_path / "out")
     assert kept[0] == pages[300] and "taro@" not in kept[1] and "xxxx@yyy.jp" in kept[1]
     assert "090-1234-XXXX" in kept[1] and counts["notes"] == {"personal information masked": 1}
+
+
+def test_fast_measures_give_the_reference_values(corpus_dir: Path) -> None:
+    """The numpy measures give HojiChar's character repetition ratio and the regex counts exactly, and the
+    language vote that stops once decided gives the full vote's verdict, on the man pages and junk made of them
+    (other languages: German and Chinese pages, the hard case against Japanese)."""
+    from hojichar.filters.document_filters import CharRepetitionRatioFilter
+
+    from gptpipe.corpus import language, quality
+
+    pages = read_corpus(corpus_dir)[::10]
+    others = [roff_to_text(read_manpage(page), str(page)) for lang in ("de", "zh_CN")
+              for page in find_manpages(Path(f"/usr/share/man/{lang}"))[:15]]
+    texts = pages + others + ["", "a", "ab" * 3, "ー" * 300 + "あ", "\n".join(p[:40] for p in pages)]
+    for text in texts:
+        assert quality.char_repetition(text) == CharRepetitionRatioFilter.compute_character_repetition_ratio(text, 5)
+        assert quality.longest_run(text) == max((len(m.group()) for m in re.finditer(r"(.)\1+", text, re.DOTALL)),
+                                                default=min(len(text), 1))
+        kana = len(re.findall(r"[\u3041-\u30ff\u31f0-\u31ff\uff66-\uff9f]", text))
+        assert quality.hiragana_share(text) == (1.0 if kana < quality.MIN_KANA else len(re.findall(
+            r"[\u3041-\u309f]", text)) / (kana + len(re.findall(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]", text))))
+    wanted = frozenset({"ja"})
+    verdicts = [(language.judge(t, wanted, 0.5).share >= 0.3, language.judge(t, wanted, 0.5, 0.3).share >= 0.3)
+                for t in pages + others]
+    assert all(full == early for full, early in verdicts)
+    assert sum(full for full, _ in verdicts) == len(pages) and not any(full for full, _ in verdicts[len(pages):])
+    assert quality.letter_share("😀😀 abc") == 0.6 and quality.hiragana_share("中文文本" * 50) == 1.0
 
 
 def test_quality_config_errors_name_the_key(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
