@@ -21,6 +21,7 @@ from gptpipe.finetune.config import FinetuneConfig
 from gptpipe.stage import StageInputError
 from gptpipe.train.checkpoint import complete_checkpoints, consolidate, find_checkpoint, model_from_checkpoint
 from gptpipe.train.lora import ADAPTER_MARK, lora_record
+from gptpipe.train.memory import model_state_bytes
 
 LORA = ("train.lora.rank=4", "train.lora.alpha=8", "train.lora.dropout=0")
 RUN = ("train.global_batch_size=8", "train.train_iters=6", "train.eval_interval=3", "train.save_interval=3",
@@ -57,9 +58,9 @@ def test_lora_finetune_trains_adapters_only_and_exports_merged_through_the_gate(
         tiny_lm: Path, task_files: tuple[Path, Path], workspace: Path, tmp_path: Path) -> None:
     import shutil
 
-    base = shutil.copytree(tiny_lm, tmp_path / "base")  # changed at the end
+    base_dir = shutil.copytree(tiny_lm, tmp_path / "base")  # changed at the end
     run = tmp_path / "lora"
-    args = finetune_args(base, task_files, run, *RUN, *LORA)
+    args = finetune_args(base_dir, task_files, run, *RUN, *LORA)
     done = gptpipe_command("finetune", *args)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "LoRA: " in done.stderr and "parameters trained" in done.stderr and "per rank" in done.stderr
@@ -71,7 +72,7 @@ def test_lora_finetune_trains_adapters_only_and_exports_merged_through_the_gate(
     recorded = task["lora"].pop("base")
     assert task["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": projections,
                             "targets_from": "the default for model_type llama"}
-    assert recorded["folder"] == str(base) and set(recorded["files"]) >= {"config.json", "model.safetensors"}
+    assert recorded["folder"] == str(base_dir) and set(recorded["files"]) >= {"config.json", "model.safetensors"}
 
     # The checkpoint holds the adapters only, each moved from peft's start (lora_B starts at zero).
     checkpoint = find_checkpoint(run)
@@ -111,10 +112,10 @@ def test_lora_finetune_trains_adapters_only_and_exports_merged_through_the_gate(
     # loads is the checkpoint's, adapters apart.
     adapter_out = tmp_path / "adapter"
     assert convert(workspace, run, adapter_out, "lora_export=adapter", "dtype=bf16") == 0
-    assert check_adapter_folder(adapter_out, base)["dtype"] == "bf16"
+    assert check_adapter_folder(adapter_out, base_dir)["dtype"] == "bf16"
 
     # A changed base is refused by name: the adapters were trained on the files the run recorded.
-    with (base / "config.json").open("a") as changed:
+    with (base_dir / "config.json").open("a") as changed:
         changed.write("\n")
     with pytest.raises(StageInputError, match=r"config\.json changed"):
         model_from_checkpoint(checkpoint, state, merge=False)
@@ -181,6 +182,13 @@ def test_lora_targets_default_by_model_type(tmp_path: Path) -> None:
         lora_record({"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": None}, tmp_path)
 
 
+def test_lora_memory_counts_gradients_and_optimizer_state_of_the_adapters_only() -> None:
+    # bf16 at ZeRO-1 over 2 ranks: 2-byte weights everywhere, bf16 gradients and 12 bytes of AdamW state (m, v and
+    # the fp32 master copy) per trained weight, the state divided over the ranks.
+    assert model_state_bytes(1000, 10, "bf16", 2, 1, False, False) == (2000, 20, 60)
+    assert model_state_bytes(1000, 1000, "bf16", 2, 1, False, False) == (2000, 2000, 6000)
+
+
 def test_lora_settings_are_checked(tmp_path: Path) -> None:
     for override, key in (("train.lora.rank=-1", "train.lora.rank"), ("train.lora.dropout=1", "train.lora.dropout"),
                           ("train.lora.ranks=4", "train.lora.ranks"),
@@ -189,3 +197,19 @@ def test_lora_settings_are_checked(tmp_path: Path) -> None:
             load_config(FinetuneConfig, None, [override])
     with pytest.raises(ConfigError, match="baseline.model"):
         load_config(FinetuneConfig, None, ["train.lora.rank=4", "baseline.model=scratch"])
+
+
+@pytest.mark.ranks
+def test_a_two_rank_zero3_lora_finetune_exports_through_the_gate(tiny_lm: Path, task_files: tuple[Path, Path],
+                                                                 workspace: Path, tmp_path: Path) -> None:
+    """ZeRO-3 partitions the frozen base over the ranks too: the checkpoint still holds the adapters only, and
+    zero_to_fp32 gathers them into the export, which the gate verifies."""
+    run = tmp_path / "run"
+    done = gptpipe_command("finetune", *finetune_args(tiny_lm, task_files, run, *LORA, "train.global_batch_size=8",
+                                                      "train.train_iters=2", "train.eval_interval=1000",
+                                                      "train.zero_stage=3", "baseline.classical=false"), ranks=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    state = consolidate(find_checkpoint(run))
+    assert state and all(ADAPTER_MARK in name for name in state)
+    assert convert(workspace, run, tmp_path / "export") == 0
+    assert counts(tmp_path / "export")["verified"] is True

@@ -76,8 +76,9 @@ def trainable_summary(model: Any, precision: str, zero_stage: int, fp32_gradient
     """The memory line of a LoRA run: parameters trained of all, and the weights, gradients and optimizer state
     per rank (memory.model_state_bytes, as the ZeRO stage divides them over `dp` ranks) against a full
     fine-tune's."""
-    total = sum(p.numel() for p in model.parameters())
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # ZeRO-3 leaves each rank an empty tensor of every weight: ds_numel is the whole weight's size.
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    trained = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
     lora = model_state_bytes(total, trained, precision, dp, zero_stage, offload, fp32_gradients)
     full = model_state_bytes(total, total, precision, dp, zero_stage, offload, fp32_gradients)
     return (f"LoRA: {trained:,} of {total:,} parameters trained ({trained / total:.2%}, the adapters); per rank "
