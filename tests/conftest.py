@@ -211,14 +211,14 @@ def train_small_tokenizer(workspace: Path, out: Path, *overrides: str, force: bo
     return main(argv + (["--force"] if force else []))
 
 
-# A tiny Llama (grouped KV heads, untied head) with a small tokenizer: gguf and vLLM exports in seconds.
+# tiny_export's Llama shape (grouped KV heads): gguf and vLLM exports in seconds.
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 SMALLER = ("input_sentence_size=5000",)  # a unigram model in seconds
 
 
 def random_model(config: Any, folder: Path, tokenizer_hf: Path | None = None, tokenizer: Any = None) -> Path:
     """The one builder of a random model folder, for what no stage makes: a user's own base (a foreign
-    vocabulary, an encoder-decoder) or a tokenizer no stage-2 data exists for. Seed 0, the config's model class
+    vocabulary, an encoder-decoder). Seed 0, the config's model class
     (causal or seq2seq), the tokenizer folder's files copied byte for byte (`tokenizer_hf`) or `tokenizer`
     saved. Every export a stage can make is made by that stage instead (tiny_export)."""
     import torch
@@ -260,36 +260,10 @@ def sentencepiece_chat_lm(rows: list[dict], folder: Path) -> Path:
     return folder
 
 
-def tiny_llama(tokenizer_hf: Path, folder: Path, head_dim: int = HEAD_DIM) -> Path:
-    """A random Llama (grouped KV heads, untied head) with a tokenizer folder's files, for the tokenizers no
-    stage-2 data exists for (stage 1's BPE, a byte-level BPE, the shipped 32k). Its large init std makes the
-    next-token logits far apart, so greedy decoding does not hinge on rounding."""
-    from transformers import AutoTokenizer, LlamaConfig
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_hf)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=HEADS * head_dim, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                         max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=False,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    return random_model(config, folder, tokenizer_hf)
-
-
-def tiny_gpt2(tokenizer_hf: Path, folder: Path) -> Path:
-    """A random GPT-2 (tied head) with a tokenizer folder's files; far-apart logits as tiny_llama's."""
-    from transformers import AutoTokenizer, GPT2Config
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_hf)
-    config = GPT2Config(vocab_size=len(tokenizer), n_embd=HEADS * HEAD_DIM, n_layer=2, n_head=HEADS, n_positions=256,
-                        initializer_range=0.3, bos_token_id=tokenizer.bos_token_id,
-                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return random_model(config, folder, tokenizer_hf)
-
-
 @pytest.fixture(scope="session")
 def unigram_llama(tiny_export) -> Path:
-    """A real fp32 export (stage 4) of a one-step Llama run on the workspace's unigram tokenizer, tiny_llama's
-    shape and far-apart logits (read-only: copy it to change it)."""
+    """A real fp32 export (stage 4) of a one-step Llama run on the workspace's unigram tokenizer: grouped KV heads,
+    an untied head, far-apart logits (read-only: copy it to change it)."""
     return tiny_export("llama")
 
 
@@ -446,7 +420,7 @@ def exported_model(trained_run: Path, workspace: Path, tmp_path_factory: pytest.
 
 
 # tiny_export's runs: one step of a small Llama on the man pages, whose export every reader of an export tests on.
-# init_std 0.3 (tiny_llama's) keeps the next-token logits far apart, so greedy decoding in another runtime does not
+# init_std 0.3 keeps the next-token logits far apart, so greedy decoding in another runtime does not
 # hinge on rounding; lr 1e-5 leaves them so after the step.
 TINY_EXPORT_RUN = (*QUIET_RUN, "train.seq_len=256", "train.global_batch_size=2", "train.train_iters=1",
                    "train.lr=1e-5", "train.min_lr=1e-5", "train.precision=fp32", "model.arch=llama",
@@ -455,19 +429,27 @@ TINY_EXPORT_RUN = (*QUIET_RUN, "train.seq_len=256", "train.global_batch_size=2",
                    "model.tie_word_embeddings=false")
 
 
+# The same step continued from a base model's folder (model.init_from decides the shape).
+CONTINUED_EXPORT_RUN = (*(o for o in TINY_EXPORT_RUN if not o.startswith("model.")), "model.arch=null",
+                        "model.preset=null")
+
+
 @pytest.fixture(scope="session")
 def tiny_export(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory):
-    """Factory: ``tiny_export(name, *train_overrides, dtype="fp32", head_dim=HEAD_DIM)`` → the folder `gptpipe
-    convert` (stage 4, the workspace's convert_config.yaml, its gate passed) writes from a real `gptpipe train` of
-    TINY_EXPORT_RUN on the workspace's data and 4k unigram tokenizer. Each run is made once per name, each export
-    once per (name, dtype); read-only: copy one to change it."""
-    def make(name: str, *overrides: str, dtype: str = "fp32", head_dim: int = HEAD_DIM) -> Path:
+    """Factory: ``tiny_export(name, *train_overrides, dtype="fp32", head_dim=HEAD_DIM, base=None)`` → the folder
+    `gptpipe convert` (stage 4, the workspace's convert_config.yaml, its gate passed) writes from a real `gptpipe
+    train` of TINY_EXPORT_RUN on the workspace's data and 4k unigram tokenizer, or of CONTINUED_EXPORT_RUN from
+    `base`. Each run is made once per name, each export once per (name, dtype); read-only: copy one to change it."""
+    def make(name: str, *overrides: str, dtype: str = "fp32", head_dim: int = HEAD_DIM,
+             base: Path | None = None) -> Path:
         shared = shared_folder(tmp_path_factory)
         run, out = shared / f"export-run-{name}", shared / f"export-{name}-{dtype}"
+        settings = (*CONTINUED_EXPORT_RUN, f"model.init_from={base}") if base else (
+            *TINY_EXPORT_RUN, f"model.hidden_size={HEADS * head_dim}")
 
         def train() -> None:
-            done = run_train("--config", workspace / "config.yaml", *TINY_EXPORT_RUN,
-                             f"model.hidden_size={HEADS * head_dim}", *overrides, f"train.output_model_dir={run}")
+            done = run_train("--config", workspace / "config.yaml", *settings, *overrides,
+                             f"train.output_model_dir={run}")
             assert done.returncode == 0, done.stderr[-3000:]
 
         once(tmp_path_factory, run.name, train)
@@ -475,6 +457,24 @@ def tiny_export(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytest.
             "convert", "--config", workspace / "convert_config.yaml", f"input_model_dir={run}",
             f"output_tokenizer_and_model_dir={out}", f"dtype={dtype}"))
         return out
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tokenizer_export(tiny_export, corpus_dir: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Factory: ``tokenizer_export(name, tokenizer, *train_overrides, data=name, base=None)`` → tiny_export's real
+    export with another tokenizer: stage 1's output folder for a new model, or a base model's folder (`base`,
+    its own tokenizer: a continued run). Stage 2 encodes the workspace corpus with it once per `data` name
+    (several runs may share it), and the one-step run trains on that data."""
+    def make(name: str, tokenizer: Path, *overrides: str, dtype: str = "fp32", data: str | None = None,
+             base: Path | None = None) -> Path:
+        prefix = shared_folder(tmp_path_factory) / f"data-{data or name}" / "text"
+        once(tmp_path_factory, f"data-{data or name}", lambda: run_cli(
+            "tokenize", "--config", workspace / "config.yaml", f"tokenize.tokenizer_dir={tokenizer}",
+            f"tokenize.output_prefix={prefix}"))
+        return tiny_export(name, f"tokenize.tokenizer_dir={tokenizer}", f"data.prefixes=[{prefix}_text_document]",
+                           *overrides, dtype=dtype, base=base)
 
     return make
 

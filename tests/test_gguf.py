@@ -1,5 +1,6 @@
 """`gptpipe gguf` on tiny Llamas and a tiny GPT-2 with small tokenizers trained here on the man-page corpus
-(stage 1's SentencePiece unigram and BPE, a byte-level BPE).
+(stage 1's SentencePiece unigram and BPE, the shipped 32k unigram, a byte-level BPE): each model is a real stage-4
+export (conftest's tiny_export / tokenizer_export: stage 2 with that tokenizer, a one-step run, `gptpipe convert`).
 
 The quick tier reads the written file back with the `gguf` package's reader (vocabulary, special ids, tensors
 against the safetensors); the ``llamacpp`` tier runs llama.cpp itself (scripts/build_llamacpp.sh) and is
@@ -16,8 +17,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import (HEAD_DIM, HEADS, KV_HEADS, SHIPPED_STAGE1, SMALLER, byte_level_bpe, corpus_texts, tiny_gpt2,
-                      tiny_llama, train_small_tokenizer)
+from conftest import (HEAD_DIM, HEADS, KV_HEADS, SHIPPED_STAGE1, SMALLER, byte_level_bpe, corpus_texts, random_model,
+                      train_small_tokenizer)
 from gptpipe.artifacts import EXIT_FAILED
 from gptpipe.cli import main
 from gptpipe.export import agreement
@@ -31,27 +32,39 @@ PROMPTS = ("ディレクトリの内容を", "ls -la を実行すると", "NAME\
 
 @pytest.fixture(scope="module")
 def bpe_tokenizer(corpus_dir: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Stage 1's HF folder of a 2,000-piece SentencePiece BPE tokenizer."""
+    """Stage 1's output folder of a 2,000-piece SentencePiece BPE tokenizer."""
     tokenizer = tmp_path_factory.mktemp("tok") / "bpe"
     assert train_small_tokenizer(workspace, tokenizer, *SMALLER, "model_type=bpe") == 0
-    return tokenizer / "hf"
+    return tokenizer
 
 
 @pytest.fixture(scope="module")
-def bpe_llama(bpe_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama(bpe_tokenizer, tmp_path_factory.mktemp("models") / "bpe")
+def bpe_llama(bpe_tokenizer: Path, tokenizer_export) -> Path:
+    return tokenizer_export("gguf-bpe", bpe_tokenizer)
 
 
 @pytest.fixture(scope="module")
-def bpe_gpt2(bpe_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_gpt2(bpe_tokenizer, tmp_path_factory.mktemp("models") / "bpe-gpt2")
+def bpe_gpt2(bpe_tokenizer: Path, tokenizer_export) -> Path:
+    """A GPT-2 (tied head) on the same stage-2 data."""
+    return tokenizer_export("gguf-bpe-gpt2", bpe_tokenizer, "model.arch=gpt2", "model.tie_word_embeddings=true",
+                            data="gguf-bpe")
 
 
 @pytest.fixture(scope="module")
-def byte_level_llama(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Llama 3-shaped tokenizer: byte-level BPE (llama.cpp's "gpt2" vocabulary) that adds BOS."""
-    tokenizer = byte_level_bpe(corpus_texts(corpus_dir), tmp_path_factory.mktemp("tok") / "byte-level", adds_bos=True)
-    return tiny_llama(tokenizer, tmp_path_factory.mktemp("models") / "byte-level")
+def byte_level_llama(corpus_dir: Path, tokenizer_export, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama 3-shaped base (a user's own: byte-level BPE, llama.cpp's "gpt2" vocabulary, that adds BOS),
+    continued for one step on the corpus stage 2 encoded with its tokenizer, and exported."""
+    from transformers import AutoTokenizer, LlamaConfig
+
+    folder = byte_level_bpe(corpus_texts(corpus_dir), tmp_path_factory.mktemp("base") / "byte-level", adds_bos=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=HEADS * HEAD_DIM, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                         max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=False,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    random_model(config, folder, tokenizer=tokenizer)
+    return tokenizer_export("gguf-byte-level", folder, base=folder)
 
 
 def write(workspace: Path, model: Path, outtype: str) -> Path:
@@ -234,8 +247,8 @@ def test_llamacpp_reads_special_token_text_as_a_chat_tokenizer_does(bpe_llama: P
                                                                      tmp_path: Path) -> None:
     """A chat run's tokenizer does not split special tokens ("</s>" in text is EOS, as its template writes it);
     llama.cpp then parses them too, as its chat path does, and the ids agree on the tricky strings."""
-    chat_like = tmp_path / "chat-like"
-    shutil.copytree(bpe_llama, chat_like)
+    chat_like = tmp_path / "chat-like"  # an edited export: no longer the one stage 4 verified (no manifest)
+    shutil.copytree(bpe_llama, chat_like, ignore=shutil.ignore_patterns("manifest.json"))
     config_path = chat_like / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config_path.write_text(json.dumps({**config, "split_special_tokens": False}), encoding="utf-8")
@@ -327,7 +340,7 @@ def test_a_gguf_whose_greedy_tokens_depart_fails(unigram_llama: Path, workspace:
 @pytest.mark.llamacpp
 @needs_llamacpp
 def test_the_default_tokenizers_gguf_reads_held_out_man_pages_as_transformers(
-        shipped_tokenizer: Path, corpus_dir: Path, workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+        shipped_tokenizer: Path, corpus_dir: Path, workspace: Path, tokenizer_export) -> None:
     """Issue 29's target: with stage 1's defaults (32k unigram, character_coverage 0.9999, character_sets auto:
     ja) llama.cpp reads >= 99% of 300-character passages of stage 1's held-out documents as transformers does
     (800 of 800 in docs/benchmarks.md; 98.4% before the character sets)."""
@@ -342,7 +355,7 @@ def test_the_default_tokenizers_gguf_reads_held_out_man_pages_as_transformers(
     with tempfile.TemporaryDirectory() as tmp:  # the documents stage 1 held out (they depend on the seed only)
         held_out = sample_corpus([corpus], scan_corpus([corpus]), Path(tmp) / "sample.txt", 1000,
                                  config.max_sentence_length, config.heldout_documents, config.seed).heldout
-    folder = tiny_llama(shipped_tokenizer / "hf", tmp_path_factory.mktemp("models") / "shipped")
+    folder = tokenizer_export("gguf-shipped", shipped_tokenizer)
     texts = export_gguf.passages(held_out)
     report = export_gguf.llamacpp_report(write(workspace, folder, "f16"), folder, texts, [])
     print(f"{report['texts'] - report['texts_differing']} of {report['texts']} held-out passages exact")

@@ -140,6 +140,20 @@ def test_empty_split_is_refused_instead_of_hanging(dataset_prefix: Path, workspa
     assert done.returncode == 2 and "valid split gets 0 documents" in done.stderr, done.stderr[-2000:]
 
 
+def test_data_another_tokenizer_encoded_is_refused(dataset_prefix: Path, workspace: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    """A new model's vocabulary and its export's tokenizer come from tokenize.tokenizer_dir, its ids from
+    data.prefixes: data another stage-1 tokenizer encoded (here: the same corpus, the same vocabulary size) would
+    train the model on another vocabulary's ids, and nothing later would notice."""
+    from conftest import SMALLER, train_small_tokenizer
+
+    other = tmp_path / "other"
+    assert train_small_tokenizer(workspace, other, *SMALLER, "vocab_size=4000") == 0
+    code, err = _plan(workspace, capsys, f"tokenize.tokenizer_dir={other}")
+    assert code == 2 and f"not tokenized with tokenize.tokenizer_dir {other}" in err, err
+    assert f"{dataset_prefix}: encoded with {workspace / 'tokenizers' / 'ja_4k'}" in err, err
+
+
 def test_training_starts_without_library_notices(dataset_prefix: Path, workspace: Path, tmp_path: Path) -> None:
     """megatron-core's four "Transformer Engine and Apex are not installed" warnings and DeepSpeed's "Setting
     accelerator to CPU" said nothing about the run and were printed on every start."""

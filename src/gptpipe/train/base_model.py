@@ -430,4 +430,23 @@ def stage3_model(config: Any) -> tuple[Any, Any, BaseModel | None]:
         check_data(base, {str(p): read_dataset(p).manifest for p in config.data.prefixes})
         return base.tokenizer, base.config, base
     tokenizer = read_tokenizer(config.tokenize.tokenizer_dir)
+    check_new_model_data(config.tokenize.tokenizer_dir,
+                         {str(p): read_dataset(p).manifest for p in config.data.prefixes})
     return tokenizer, build_model_config(config.model, tokenizer, config.train.seq_len), None
+
+
+def check_new_model_data(tokenizer_dir: Path | str, manifests: dict[str, Any]) -> None:
+    """Refuse datasets (prefix → its stage-2 manifest) that the stage-1 tokenizer a new model is built for did not
+    encode, or encoded before stage 1 last ran: the model's vocabulary and the export's tokenizer come from
+    tokenize.tokenizer_dir, the ids from wherever data.prefixes points, and nothing else would notice."""
+    from gptpipe.artifacts import TRAIN_TOKENIZER
+
+    want = TRAIN_TOKENIZER.fingerprint(tokenizer_dir)
+    problems = [f"{prefix}: encoded with {manifest.config.get('tokenizer_dir')}"
+                + (" as it was before stage 1 last wrote it" if str(manifest.config.get("tokenizer_dir")) ==
+                   str(tokenizer_dir) else "")
+                for prefix, manifest in manifests.items() if manifest.inputs.get("tokenizer") != want]
+    if problems:
+        raise StageInputError(f"the data was not tokenized with tokenize.tokenizer_dir {tokenizer_dir}, the "
+                              f"tokenizer the new model is built for (point tokenize.tokenizer_dir at the data's "
+                              f"tokenizer, or rerun stage 2 with this one):\n  - " + "\n  - ".join(problems))
