@@ -51,7 +51,9 @@ class TaskScorer:
         self.specs: list[str | dict] = [*train.eval_tasks, *(local_task(p) for p in train.eval_task_yamls)]
         # Loaded once before training, so an unknown task or an unreachable dataset refuses the run at its start.
         with _quiet():
-            self.manager = load_tasks(self.specs, "train.eval_task_yamls=[your_task.yaml]")
+            self.manager = load_tasks(self.specs, "train.eval_task_yamls=[your_task.yaml] (the demo task: "
+                                                  "data/finetune/manpage_section/manpage_section.yaml, which "
+                                                  "gptpipe make-demo-task writes)")
         self.reference: dict[str, dict[str, Any]] = {}
         self.lm: Any = None  # lm-eval's wrapper of the live model, built at the first evaluation
 
