@@ -123,6 +123,10 @@ def is_japanese(text: str) -> bool:
     return letters > 0 and len(KANA.findall(text)) / letters >= 0.05
 
 
+# A section is a Japanese document when kana and kanji are at least half of its letters.
+MAINLY_JAPANESE = 0.5
+
+
 def japanese_share(text: str) -> float:
     """Japanese characters (kana, kanji) over the letters: a section the translators left mostly in English (a
     translated heading and a sentence or two) is low; so is a Japanese one full of commands."""
@@ -332,10 +336,18 @@ def main() -> None:
     print("\n| kind | documents | removed | share | target |\n| --- | --- | --- | --- | --- |")
     for kind, total, removed, target in rows:
         print(f"| {kind} | {total:,} | {removed:,} | {removed / max(total, 1):.1%} | >= {target:.0%} |")
+    # The target's "good Japanese documents": sections mainly in Japanese (at least half of the letters kana or
+    # kanji). The rest are the translations' English with a Japanese heading or sentence: `languages: [ja]`
+    # keeps them only when Japanese reaches corpus.language_min_share, so they are reported beside it.
     good = unique + [i for i, _ in pairs]
-    print(f"| good Japanese (unique sections + pairs) | {len(good):,} | {len(lost):,} lost | "
-          f"{len(lost) / max(len(good), 1):.2%} | <= 1% |")
-    for low, high in ((0.0, 0.2), (0.2, 0.4), (0.4, 1.01)):
+    for name, mainly, target in (("good Japanese: mainly Japanese (>= half the letters)", True, "<= 1%"),
+                                 ("mixed: Japanese under half the letters", False, "")):
+        group = [i for i in good if (japanese_share(docs[i]["text"]) >= MAINLY_JAPANESE) == mainly]
+        gone = [i for i in lost if (japanese_share(docs[i]["text"]) >= MAINLY_JAPANESE) == mainly]
+        print(f"| {name} | {len(group):,} | {len(gone):,} lost | {len(gone) / max(len(group), 1):.2%} | {target} |")
+    print(f"| all sections with kana (unique + pairs) | {len(good):,} | {len(lost):,} lost | "
+          f"{len(lost) / max(len(good), 1):.2%} | |")
+    for low, high in ((0.0, 0.2), (0.2, 0.4), (0.4, 0.5), (0.5, 1.01)):
         group = [i for i in good if low <= japanese_share(docs[i]["text"]) < high]
         gone = [i for i in lost if low <= japanese_share(docs[i]["text"]) < high]
         print(f"| ... Japanese {low:.1f}-{min(high, 1):.1f} of the letters | {len(group):,} | {len(gone):,} lost | "

@@ -1,17 +1,15 @@
 """vLLM serves an exported folder as transformers runs it: prompt ids and greedy tokens (gptpipe.export.vllm_check).
 
 The ``vllm`` tier runs vLLM's CPU build in its own venv (scripts/setup_vllm.sh) and is skipped, with the reason,
-where that venv is absent. Folders: a tiny Llama with the workspace's unigram tokenizer in fp32 and bf16, and a copy
-with a chat template ("### 指示:" / "### 応答:"), whose conversations go through vLLM's chat path, and the
-stage-4 export of a short chat fine-tune of that Llama, served through the template the run installed, and of a
-LoRA chat fine-tune, merged and as an adapter folder vLLM serves with enable_lora. The Llama is a real stage-4
-export (conftest's tiny_export) in fp32 and in bf16.
+where that venv is absent. Folders, each a real stage-4 export: a tiny Llama with the workspace's unigram tokenizer
+in fp32 and bf16 (conftest's tiny_export); a short chat fine-tune of it with the shipped alpaca_ja template ("###
+指示:" / "### 応答:"), whose conversations go through vLLM's chat path; a LoRA chat fine-tune, merged and as an
+adapter folder vLLM serves with enable_lora.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -28,30 +26,11 @@ pytestmark = [
 
 # vLLM's CPU attention runs head sizes 32, 64, 80, ... (gptpipe's presets: 32 for tiny, 64 for the others).
 VLLM_HEAD_DIM = 32
-INSTRUCTION_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
-    "{% elif message['role'] == 'user' %}### 指示:\n{{ message['content'] }}\n\n"
-    "{% else %}### 応答:\n{{ message['content'] }}{{ eos_token }}\n\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}### 応答:\n{% endif %}"
-)
 
 
 @pytest.fixture(scope="module")
 def llama(tiny_export) -> Path:
     return tiny_export("vllm", head_dim=VLLM_HEAD_DIM)
-
-
-def chat_llama(model: Path, folder: Path) -> Path:
-    """A copy of ``model`` whose tokenizer carries INSTRUCTION_TEMPLATE, saved as transformers saves one."""
-    from transformers import AutoTokenizer
-
-    shutil.copytree(model, folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.chat_template = INSTRUCTION_TEMPLATE
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def check(folder: Path) -> dict:
@@ -74,35 +53,32 @@ def test_vllm_reproduces_prompt_ids_and_greedy_tokens(llama: Path, tiny_export) 
     assert check(tiny_export("vllm", dtype="bf16", head_dim=VLLM_HEAD_DIM))["dtype"] == "bfloat16"
 
 
-def test_vllm_chat_goes_through_the_folders_template(llama: Path, tmp_path: Path) -> None:
-    report = check(chat_llama(llama, tmp_path / "chat"))
-    assert len(report["conversations"]) == len(vllm_check.CONVERSATIONS)
-    for entry in report["conversations"]:
-        assert entry["prompt_text_equal"] and entry["prompt"].endswith("### 応答:\n"), entry
-    assert "### 指示:\nディレクトリごとコピーするには?" in report["conversations"][1]["prompt"]
-    assert all(entry["tokens_equal"] for entry in report["conversations"]), report["summary"]
-
-
 def test_vllm_serves_a_chat_export_through_its_template(llama: Path, chat_files: tuple[Path, Path],
                                                          tmp_path: Path) -> None:
+    """A chat fine-tune with the shipped alpaca_ja template ("### 指示:" / "### 応答:"), exported: vLLM renders the
+    shipped conversations (a system turn, an earlier answer) and the run's validation ones through the template
+    the run installed, to the ids transformers gives, and answers with the same greedy tokens."""
     from gptpipe.data.jsonl import Reasons
-    from gptpipe.finetune.chat_data import GPTPIPE_TEMPLATE, read_conversations
+    from gptpipe.finetune.chat_data import ALPACA_JA_TEMPLATE, read_conversations
 
     run, out = tmp_path / "run", tmp_path / "export"
-    done = gptpipe_command("finetune", *chat_args(llama, chat_files, run, "train.train_iters=4"))
+    done = gptpipe_command("finetune", *chat_args(llama, chat_files, run, "train.train_iters=4",
+                                                  "task.chat_template=alpaca_ja"))
     assert done.returncode == 0, done.stderr[-3000:]
     # fp32 weights: four steps leave near-ties that bf16 rounding decides; the template's path is the subject.
     done = gptpipe_command("convert", f"input_model_dir={run}", f"output_tokenizer_and_model_dir={out}",
                            "dtype=fp32")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert (out / "chat_template.jinja").read_text(encoding="utf-8") == GPTPIPE_TEMPLATE
-    conversations = [row.prompt for row in read_conversations(chat_files[1], Reasons())[:4]]
+    assert (out / "chat_template.jinja").read_text(encoding="utf-8") == ALPACA_JA_TEMPLATE
+    validation = [row.prompt for row in read_conversations(chat_files[1], Reasons())[:4]]
+    conversations = [*vllm_check.CONVERSATIONS, *validation]
     report = vllm_check.vllm_report(out, prompts=(), conversations=conversations)
     print(json.dumps(report, ensure_ascii=False))
-    assert len(report["conversations"]) == len(conversations)
-    assert report["dtype"] == "float32"
+    assert len(report["conversations"]) == len(conversations) and report["dtype"] == "float32"
     for entry in report["conversations"]:
         assert entry["prompt_ids_equal"] and entry["prompt_text_equal"] and entry["tokens_equal"], entry
+        assert entry["prompt"].endswith("### 応答:\n"), entry
+    assert "### 指示:\nディレクトリごとコピーするには?" in report["conversations"][1]["prompt"]
 
 
 def test_vllm_serves_a_lora_chat_fine_tune_merged_and_as_an_adapter(llama: Path, chat_files: tuple[Path, Path],
