@@ -45,9 +45,12 @@ class Scores:
 class TaskScorer:
     """Scores train.eval_tasks and train.eval_task_yamls on the model each evaluation (every rank calls score())."""
 
-    def __init__(self, train: TrainConfig, tokenizer_dir: Path, max_length: int, batch_size: int, dist: Dist):
-        self.train, self.tokenizer_dir, self.max_length = train, tokenizer_dir, max_length
-        self.batch_size, self.dist = batch_size, dist
+    def __init__(self, train: TrainConfig, tokenizer_dir: Path, document_start: int | None, max_length: int,
+                 batch_size: int, dist: Dist):
+        """`document_start`: the token the run's documents follow, which lm-eval puts before a document scored
+        from its start (None: lm-eval's choice, BOS or else EOS, as a base model's data has it)."""
+        self.train, self.tokenizer_dir, self.document_start = train, tokenizer_dir, document_start
+        self.max_length, self.batch_size, self.dist = max_length, batch_size, dist
         self.specs: list[str | dict] = [*train.eval_tasks, *(local_task(p) for p in train.eval_task_yamls)]
         # Loaded once before training, so an unknown task or an unreachable dataset refuses the run at its start.
         with _quiet():
@@ -69,7 +72,8 @@ class TaskScorer:
         try:
             with _quiet():
                 if self.lm is None:
-                    self.lm = _ranked_lm(model, self.tokenizer_dir, self.max_length, self.batch_size, self.dist)
+                    self.lm = _ranked_lm(model, self.tokenizer_dir, self.document_start, self.max_length,
+                                         self.batch_size, self.dist)
                 # no seeds: lm-eval would reseed the global generators (zero-shot samples nothing)
                 raw = lm_eval.simple_evaluate(
                     model=self.lm, tasks=self.specs, num_fewshot=0, limit=self.train.eval_tasks_limit,
@@ -138,7 +142,8 @@ def _quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _ranked_lm(model: Any, tokenizer_dir: Path, max_length: int, batch_size: int, dist: Dist) -> Any:
+def _ranked_lm(model: Any, tokenizer_dir: Path, document_start: int | None, max_length: int, batch_size: int,
+               dist: Dist) -> Any:
     """lm-eval's HFLM around the live model, taking part in lm-eval's data-parallel path over this run's process
     group (HFLM only does so for a model it loaded itself, through accelerate)."""
     from lm_eval.models.huggingface import HFLM
@@ -155,6 +160,6 @@ def _ranked_lm(model: Any, tokenizer_dir: Path, max_length: int, batch_size: int
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     lm = RankedLM(pretrained=model, tokenizer=tokenizer, max_length=max_length, batch_size=batch_size,
-                  logits_cache=False)
+                  logits_cache=False, prefix_token_id=document_start)
     lm._rank, lm._world_size = dist.rank, dist.world_size
     return lm

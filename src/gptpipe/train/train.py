@@ -108,8 +108,10 @@ class Pretrainer(TrainLoop):
         self.consumed = 0
         self.last_val_loss: float | None = None
         # lm-eval tasks on the live model at each evaluation, with the tokenizer the data was encoded with
-        self.tasks = TaskScorer(train, base.tokenizer.folder if base else tokenizer.hf_dir, train.seq_len,
-                                plan.settings.micro_batch, dist) if train.eval_tasks or train.eval_task_yamls else None
+        # (a stage-1 tokenizer's documents follow the separator, EOD; a base's, its BOS or else EOS as lm-eval does)
+        self.tasks = TaskScorer(train, base.tokenizer.folder if base else tokenizer.hf_dir,
+                                None if base else tokenizer.eod_id, train.seq_len, plan.settings.micro_batch,
+                                dist) if train.eval_tasks or train.eval_task_yamls else None
 
     # --- continued pretraining: the base model ----------------------------------------------------------------
     def _check_resumed_base(self, base: BaseModel) -> dict[str, Any]:
