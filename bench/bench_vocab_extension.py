@@ -11,7 +11,10 @@ for the same steps and tokens per step on each, scoring the demo task (make-demo
 character of the held-out Japanese, the loss on held-out English man pages (pages the base never saw) against the
 base's, training characters per second, and the task rows.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_vocab_extension.py
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_vocab_extension.py --workdir /tmp/bench-vocab
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_vocab_extension.py --workdir /tmp/bench-vocab --replay 0.25
+
+(the second reuses the first's base, extension and datasets; figures in docs/benchmarks.md)
 """
 
 from __future__ import annotations
@@ -372,8 +375,8 @@ def main() -> None:
     base_ja_total, _, base_ja_chars = nats(base, heldout)
     print(f"\nthe base on the held-out Japanese: {base_ja_total / base_ja_chars / math.log(2):.4f} bits per character; "
           f"on the held-out English: {base_english:.4f} nats per token\n")
-    print("| tokenizer | held-out Japanese chars/token | Japanese chars/s trained (tokens/s) | held-out Japanese bits/char | "
-          "held-out English loss (change) | stage 3 wall |")
+    print("| tokenizer | held-out Japanese chars/token | Japanese chars/s trained (tokens/s) | "
+          "held-out Japanese bits/char | held-out English loss (change) | stage 3 wall |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in results:
         print(f"| {r['tokenizer']} | {r['heldout_chars_per_token']:.3f} | {r['chars_per_s']:,.0f} "
