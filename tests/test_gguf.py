@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import (HEAD_DIM, HEADS, KV_HEADS, SHIPPED_STAGE1, SMALLER, byte_level_bpe, corpus_texts, random_model,
-                      train_small_tokenizer)
+from conftest import (HEAD_DIM, HEADS, KV_HEADS, SHIPPED_STAGE1, SMALLER, byte_level_bpe, chat_args, corpus_texts,
+                      gptpipe_command, random_model, train_small_tokenizer)
 from gptpipe.artifacts import EXIT_FAILED
 from gptpipe.cli import main
 from gptpipe.export import agreement
@@ -27,6 +27,7 @@ from gptpipe.export.agreement import DEPARTS
 from gptpipe.stage import Manifest
 from gptpipe.tokenizer.hf import TRICKY_STRINGS
 
+ANSWER_TOKENS = 64  # room for a chat answer to end
 PROMPTS = ("ディレクトリの内容を", "ls -la を実行すると", "NAME\n    cp - ファイルをコピーする\n\n")
 
 
@@ -188,31 +189,49 @@ def test_sentencepiece_bpe_is_the_spm_vocabulary(bpe_llama: Path, workspace: Pat
     assert next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight").tensor_type.name == "BF16"
 
 
-def stopping_early(model: Path, folder: Path) -> tuple[Path, int]:
-    """A copy of ``model`` whose generation_config.json also stops at the token the model's greedy continuation
-    of PROMPTS[0] gives second (as a chat export's stops at its template's end-of-turn token). An edited export is
-    no longer the one stage 4 verified (gguf refuses it as changed): the copy leaves the manifest out, an HF
-    folder like any other."""
-    from transformers import AutoTokenizer
-
-    shutil.copytree(model, folder, ignore=shutil.ignore_patterns("manifest.json"))
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    generated = agreement.greedy(agreement.reference_model(folder), agreement.prompt_ids(tokenizer, PROMPTS[0]), 2)
-    path = folder / "generation_config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()),
-                                "eos_token_id": [tokenizer.eos_token_id, generated[1]]}))
-    return folder, generated[1]
+# A ChatML template as Qwen's: every turn ends in <|im_end|>, a special token that is not the tokenizer's EOS.
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def test_an_end_of_turn_stop_besides_eos_is_the_ggufs_eot_token(unigram_llama: Path, workspace: Path,
-                                                                tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def chatml_export(corpus_dir: Path, chat_files: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A user's base whose chat template ends turns in <|im_end|> (byte-level BPE, as Qwen's), chat-tuned by stage 7
+    and exported by stage 4: the run found <|im_end|> ending the answers, so the export's generation_config.json
+    stops at EOS and at it."""
+    from transformers import AutoTokenizer, LlamaConfig
+
+    base = tmp_path_factory.mktemp("chatml") / "base"
+    byte_level_bpe(corpus_texts(corpus_dir), base, adds_bos=False)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.add_special_tokens({"pad_token": "<|pad|>", "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHATML
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=HEADS * HEAD_DIM, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                         max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    random_model(config, base, tokenizer=tokenizer)
+    run, out = base.with_name("run"), base.with_name("export")
+    done = gptpipe_command("finetune", *chat_args(base, chat_files, run, "train.seq_len=384", "train.train_iters=24",
+                                                  "train.eval_interval=1000", "train.save_interval=1000"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = gptpipe_command("convert", f"input_model_dir={run}", f"output_tokenizer_and_model_dir={out}", "dtype=fp32")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow  # a chat fine-tune and its export
+def test_an_end_of_turn_stop_besides_eos_is_the_ggufs_eot_token(chatml_export: Path, workspace: Path) -> None:
     from gguf import GGUFReader
+    from transformers import AutoTokenizer, GenerationConfig
 
-    folder, end_of_turn = stopping_early(unigram_llama, tmp_path / "stops")
-    reader = GGUFReader(write(workspace, folder, "f16"))
+    tokenizer = AutoTokenizer.from_pretrained(chatml_export)
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert GenerationConfig.from_pretrained(chatml_export).eos_token_id == [tokenizer.eos_token_id, end_of_turn]
+    reader = GGUFReader(write(workspace, chatml_export, "f16"))
     assert field(reader, "tokenizer.ggml.eot_token_id") == end_of_turn
-    assert field(reader, "tokenizer.ggml.eos_token_id") == json.loads((folder / "config.json").read_text())[
-        "eos_token_id"]
+    assert field(reader, "tokenizer.ggml.eos_token_id") == tokenizer.eos_token_id
+    assert field(reader, "tokenizer.chat_template") == CHATML
 
 
 def test_unsupported_architecture_is_refused(tmp_path: Path, workspace: Path, capfd: pytest.CaptureFixture) -> None:
@@ -283,18 +302,30 @@ def test_llamacpp_tokenizes_and_generates_as_transformers(model: str, request: p
 
 @pytest.mark.llamacpp
 @needs_llamacpp
-def test_llamacpp_stops_at_the_end_of_turn_token(unigram_llama: Path, workspace: Path, tmp_path: Path) -> None:
-    """llama.cpp ends generation at the GGUF's end-of-turn token, as transformers does at the stop ids of
-    generation_config.json: after one token here, where the same weights without it go on; and the agreement
-    check says when a GGUF goes on where the model stops."""
+def test_llamacpp_stops_at_the_end_of_turn_token(chatml_export: Path, chat_files: tuple[Path, Path],
+                                                 workspace: Path) -> None:
+    """llama.cpp ends a chat answer at the GGUF's end-of-turn token, where transformers stops at the export's
+    generation_config.json; and the agreement check says when a GGUF goes on where the model stops."""
     from transformers import AutoTokenizer
 
-    folder, end_of_turn = stopping_early(unigram_llama, tmp_path / "stops")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    prompt = agreement.prompt_ids(tokenizer, PROMPTS[0])
-    stops, goes_on = (export_gguf.llamacpp_greedy(write(workspace, m, "f16"), prompt) for m in (folder, unigram_llama))
-    assert stops == goes_on[:2] and stops[-1] == end_of_turn and len(goes_on) > 2
-    [verdict] = agreement.check(agreement.reference_model(folder), [prompt], [goes_on], "f16")
+    from gptpipe.data.jsonl import Reasons
+    from gptpipe.finetune.chat_data import read_conversations
+
+    tokenizer = AutoTokenizer.from_pretrained(chatml_export)
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    gguf_path, reference = write(workspace, chatml_export, "f16"), agreement.reference_model(chatml_export)
+    ended = []
+    for row in read_conversations(chat_files[1], Reasons()):
+        prompt = agreement.prompt_ids(tokenizer, row.prompt)
+        answer = export_gguf.llamacpp_greedy(gguf_path, prompt, ANSWER_TOKENS)
+        [verdict] = agreement.check(reference, [prompt], [answer], "f16", ANSWER_TOKENS)
+        assert verdict.kind != DEPARTS, verdict.describe(tokenizer)
+        if answer[-1] == end_of_turn:
+            ended.append((prompt, answer))
+    print(f"{len(ended)} answers ended at <|im_end|>")
+    assert ended
+    prompt, answer = ended[0]
+    [verdict] = agreement.check(reference, [prompt], [[*answer, answer[0]]], "f16", ANSWER_TOKENS)
     assert verdict.kind == DEPARTS and "goes on after the stop token" in verdict.describe(tokenizer)
 
 
