@@ -3,14 +3,14 @@
     python scripts/vllm_greedy.py FOLDER REQUESTS.json OUT.json --max-tokens 20
 
 REQUESTS.json: {"prompts": ["...", ...], "conversations": [[{"role": "user", "content": "..."}, ...], ...]}.
-OUT.json: {"vllm": version, "dtype": ..., "prompts": [...], "conversations": [...]}, each entry with
-"prompt_token_ids" and greedy "token_ids"; a conversation also has "prompt", the text the folder's chat template
-made of it (with the generation prompt). Prompts are encoded as `vllm serve`'s completions endpoint does (the
-tokenizer's special tokens added as configured), conversations as its chat endpoint does. An adapter folder
-(stage 4's lora_export: adapter) is served as `vllm serve BASE --enable-lora` serves it: the base its
-adapter_config.json names, with the folder's tokenizer and generation config, every request through a LoRARequest
-of the folder. This script imports nothing from gptpipe: vLLM's venv has its own torch and transformers, and
-gptpipe is not installed there.
+OUT.json: {"vllm": version, "dtype": ..., "lora": served as an adapter folder, "prompts": [...],
+"conversations": [...]}, each entry with "prompt_token_ids" and greedy "token_ids"; a conversation also has
+"prompt", the text the folder's chat template made of it (with the generation prompt). Prompts are encoded as
+`vllm serve`'s completions endpoint does (the tokenizer's special tokens added as configured), conversations as
+its chat endpoint does. An adapter folder (stage 4's lora_export: adapter) is served as `vllm serve BASE
+--enable-lora` serves it: the base its adapter_config.json names, with the folder's tokenizer and generation
+config, every request through a LoRARequest of the folder. This script imports nothing from gptpipe: vLLM's venv
+has its own torch and transformers, and gptpipe is not installed there.
 """
 
 from __future__ import annotations
