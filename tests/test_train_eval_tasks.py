@@ -1,6 +1,7 @@
 """train.eval_tasks: lm-eval's demo task scored on the live model at every evaluation of a real `gptpipe train`, the
 first before step 1 as the reference, a warning line when a task falls more than the tolerance below it, the
-reference kept across a resume, and the documents sharded over two CPU ranks under ZeRO-3."""
+reference kept across a resume, and the documents sharded over two CPU ranks under ZeRO-3; and the tolerance in the
+direction lm-eval gives each metric (bits per byte: lower is better)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import QUICK_TRAIN, REPO, run_cli, run_train, train_losses
 
+from gptpipe.train.eval_tasks import Scores, compare
 from gptpipe.train.metrics_rows import EvalTasksRow, TrainRow, read_metrics
 
 pytest.importorskip("lm_eval", reason="needs lm-eval (pip install 'lm-eval[hf]')")
@@ -80,3 +82,22 @@ def test_two_ranks_shard_the_documents_under_zero3(dataset_prefix: Path, workspa
     assert [r.step for r in rows] == [0, 2, 4]
     assert all(r.documents == {"manpage_section": LIMIT} for r in rows)  # each rank's share gathered on rank 0
     assert "on 2 ranks)" in stderr
+
+
+def test_the_tolerance_follows_the_direction_lm_eval_says_is_better() -> None:
+    """Bits per byte (lower is better) warns when it rises past the tolerance; accuracy when it falls past it."""
+
+    def scores(step: int, bpb: float, acc: float) -> Scores:
+        return Scores(EvalTasksRow(step, {"text": {"bits_per_byte": bpb}, "mc": {"acc": acc, "acc_norm": 0.0}},
+                                   {"text": 4, "mc": 8}, 0.5), {"text": "bits_per_byte", "mc": "acc"},
+                      {"text": False, "mc": True})
+
+    reference: dict = {}
+    line, warnings = compare(scores(0, 1.0, 0.5), reference, 0.05, 2)
+    assert warnings == [] and line.count("(reference)") == 2 and "4/8 documents per task" in line
+    assert reference["text"] == {"metric": "bits_per_byte", "value": 1.0, "step": 0, "higher_is_better": False}
+    assert compare(scores(2, 1.04, 0.46), reference, 0.05, 2)[1] == []  # worse, within the tolerance
+    assert compare(scores(4, 0.2, 0.9), reference, 0.05, 2)[1] == []  # better
+    line, warnings = compare(scores(6, 1.06, 0.44), reference, 0.05, 2)
+    assert [w.split(":")[0] for w in warnings] == [f"task {t} fell below its reference" for t in ("text", "mc")]
+    assert "worse by +0.0600" in warnings[0] and "worse by +0.0600" in warnings[1] and "(+0.0600 vs step 0)" in line

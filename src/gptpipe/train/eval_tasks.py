@@ -100,33 +100,34 @@ class TaskScorer:
                            {task: s["samples"] for task, s in summary.items()}, seconds)
         return Scores(row, main, better)
 
-    def compare(self, scores: Scores) -> tuple[str, list[str]]:
-        """(the console line of `scores`, a warning per task whose main metric fell more than
-        train.eval_tasks_tolerance below its reference). The first scores of a task become its reference."""
-        parts, warnings = [], []
-        tolerance = self.train.eval_tasks_tolerance
-        for task, metric in scores.main.items():
-            value = scores.row.scores[task][metric]
-            ref = self.reference.get(task)
-            if ref is None or ref["metric"] != metric:
-                self.reference[task] = {"metric": metric, "value": value, "step": scores.row.step,
-                                        "higher_is_better": scores.higher_is_better[task]}
-                parts.append(f"{task} {metric} {value:.4f} (reference)")
-                continue
-            change = value - ref["value"]
-            parts.append(f"{task} {metric} {value:.4f} ({change:+.4f} vs step {ref['step']})")
-            drop = -change if ref["higher_is_better"] else change
-            if drop > tolerance:
-                warnings.append(
-                    f"task {task} fell below its reference: {metric} {value:.4f} at step {scores.row.step}, "
-                    f"{ref['value']:.4f} at step {ref['step']} (worse by {drop:+.4f}, more than "
-                    f"train.eval_tasks_tolerance {tolerance:g})")
-        documents = sorted(set(scores.row.documents.values()))
-        ranks = self.dist.world_size
-        line = (f"tasks  step {scores.row.step}  " + "  ".join(parts)
-                + f"  ({'/'.join(map(str, documents))} documents per task, zero-shot, "
-                  f"{scores.row.seconds:.1f} s on {ranks} rank{'s' if ranks > 1 else ''})")
-        return line, warnings
+
+def compare(scores: Scores, reference: dict[str, dict[str, Any]], tolerance: float,
+            ranks: int) -> tuple[str, list[str]]:
+    """(the console line of `scores`, a warning per task whose main metric is worse than its entry in `reference`
+    by more than `tolerance`, in the direction lm-eval says is better). A task's first scores become its
+    reference (`reference` is updated)."""
+    parts, warnings = [], []
+    for task, metric in scores.main.items():
+        value = scores.row.scores[task][metric]
+        ref = reference.get(task)
+        if ref is None or ref["metric"] != metric:
+            reference[task] = {"metric": metric, "value": value, "step": scores.row.step,
+                               "higher_is_better": scores.higher_is_better[task]}
+            parts.append(f"{task} {metric} {value:.4f} (reference)")
+            continue
+        change = value - ref["value"]
+        parts.append(f"{task} {metric} {value:.4f} ({change:+.4f} vs step {ref['step']})")
+        drop = -change if ref["higher_is_better"] else change
+        if drop > tolerance:
+            warnings.append(
+                f"task {task} fell below its reference: {metric} {value:.4f} at step {scores.row.step}, "
+                f"{ref['value']:.4f} at step {ref['step']} (worse by {drop:+.4f}, more than "
+                f"train.eval_tasks_tolerance {tolerance:g})")
+    documents = sorted(set(scores.row.documents.values()))
+    line = (f"tasks  step {scores.row.step}  " + "  ".join(parts)
+            + f"  ({'/'.join(map(str, documents))} documents per task, zero-shot, "
+              f"{scores.row.seconds:.1f} s on {ranks} rank{'s' if ranks > 1 else ''})")
+    return line, warnings
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ from gptpipe.train.base_model import (BASE_STATE_KEY, BaseModel, base_record, ch
 from gptpipe.train.data import (DataError, build_datasets, collate, eval_batches, mixture, sample_positions,
                                 source_counts, source_names, to_device)
 from gptpipe.train.engine import Dist, EngineConfigError, build_engine, deepspeed_config
-from gptpipe.train.eval_tasks import STATE_KEY as TASKS_STATE_KEY, TaskScorer
+from gptpipe.train.eval_tasks import STATE_KEY as TASKS_STATE_KEY, TaskScorer, compare
 from gptpipe.train.loop import LogWindow, TrainLoop, run_ranks
 from gptpipe.train.metrics_rows import MixtureRow, TrainRow, ValidationRow
 from gptpipe.tolerance import loss_tolerance
@@ -348,7 +348,8 @@ class Pretrainer(TrainLoop):
             scores = self.tasks.score(self.engine.module, self.step)
         if scores is None:  # ranks other than 0
             return
-        line, warnings = self.tasks.compare(scores)
+        line, warnings = compare(scores, self.tasks.reference, self.train_cfg.eval_tasks_tolerance,
+                                 self.dist.world_size)
         self.log.record(scores.row, console=line)
         for warning in warnings:
             self.log.say(f"warning: {warning}")
