@@ -5,6 +5,7 @@ direction lm-eval gives each metric (bits per byte: lower is better)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -73,15 +74,41 @@ def test_task_rows_at_every_evaluation_with_the_first_as_reference(
     assert train_losses(run) == losses
 
 
+ROLLING_TASK = """task: pages_ja
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: pages.jsonl
+output_type: loglikelihood_rolling
+test_split: test
+doc_to_text: ""
+doc_to_target: "{{text}}"
+metric_list:
+- metric: bits_per_byte
+  aggregation: bits_per_byte
+  higher_is_better: false
+"""
+
+
 @pytest.mark.slow
 def test_two_ranks_shard_the_documents_under_zero3(dataset_prefix: Path, workspace: Path, demo_task: Path,
                                                     tmp_path: Path) -> None:
+    """Multiple choice and whole documents (loglikelihood_rolling, 5 documents: the ranks' shares differ, so one is
+    padded to keep the forwards of ZeRO-3 in step)."""
+    rows = (demo_task.parent / "test.tsv").read_text(encoding="utf-8").splitlines()[:5]
+    (tmp_path / "pages.jsonl").write_text("".join(json.dumps({"text": r.split("\t")[0] * 8}, ensure_ascii=False)
+                                                  + "\n" for r in rows), encoding="utf-8")
+    rolling = tmp_path / "pages_ja.yaml"
+    rolling.write_text(ROLLING_TASK, encoding="utf-8")
     run = tmp_path / "run"
-    stderr = task_run(workspace, demo_task, run, "train.zero_stage=3", "train.eval_tasks_tolerance=1", ranks=2)
+    stderr = task_run(workspace, demo_task, run, "train.zero_stage=3", "train.eval_tasks_tolerance=1",
+                      f"train.eval_task_yamls=[{demo_task},{rolling}]", ranks=2)
     rows = task_rows(run)
     assert [r.step for r in rows] == [0, 2, 4]
-    assert all(r.documents == {"manpage_section": LIMIT} for r in rows)  # each rank's share gathered on rank 0
-    assert "on 2 ranks)" in stderr
+    # each rank's share gathered on rank 0
+    assert all(r.documents == {"manpage_section": LIMIT, "pages_ja": 5} for r in rows)
+    assert all(r.scores["pages_ja"]["bits_per_byte"] > 0 for r in rows)
+    assert "pages_ja bits_per_byte " in stderr and "on 2 ranks)" in stderr
 
 
 def test_the_tolerance_follows_the_direction_lm_eval_says_is_better() -> None:

@@ -159,6 +159,20 @@ def _ranked_lm(model: Any, tokenizer_dir: Path, document_start: int | None, max_
         def barrier(self) -> None:
             torch.distributed.barrier()
 
+        # without their progress bars, which would interleave with the training bar at every evaluation
+        def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list:
+            return super().loglikelihood(requests, disable_tqdm=True)
+
+        def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list:
+            return super().loglikelihood_rolling(requests, disable_tqdm=True)
+
+        def generate_until(self, requests: list, disable_tqdm: bool = False) -> list:
+            return super().generate_until(requests, disable_tqdm=True)
+
+        def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False,
+                                  override_bs: int | None = None) -> list:  # loglikelihood_rolling's windows
+            return super()._loglikelihood_tokens(requests, disable_tqdm=True, override_bs=override_bs)
+
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     lm = RankedLM(pretrained=model, tokenizer=tokenizer, max_length=max_length, batch_size=batch_size,
                   logits_cache=False, prefix_token_id=document_start)
