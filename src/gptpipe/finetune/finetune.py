@@ -144,7 +144,12 @@ class FineTuner(TrainLoop):
                  ds_config: dict[str, Any], wandb_block: dict[str, Any], dist: Dist, from_scratch: bool = False):
         super().__init__(config, config.train, dist, ds_config, wandb_block)
         self.task, self.from_scratch = task, from_scratch
-        self.facts = task.facts(config, from_scratch)  # task.json: what predict, chat and the export rebuild
+        resuming = checkpoint.newest_checkpoint(self.ckpt_root) is not None
+        recorded = TaskFacts.read(self.run_dir / TASK_FILE).lora if resuming else None
+        if recorded:  # its checkpoints hold the adapters only: the base must be the one they were trained on
+            check_base(recorded, config.model.path, str(self.run_dir / TASK_FILE))
+        # task.json: what predict, chat and the export rebuild
+        self.facts = task.facts(config, from_scratch, recorded_lora=recorded)
         train = config.train
         self.micro, self.accumulation = micro, accumulation
         self.pad = pad_id(task.tokenizer)
@@ -154,9 +159,6 @@ class FineTuner(TrainLoop):
         by_epochs = math.ceil(train.train_epochs * len(task.train) / train.global_batch_size)
         self.steps = train.train_iters or max(1, by_epochs)
         self.higher_is_better = metric(config.best_metric).higher_is_better
-        resuming = checkpoint.newest_checkpoint(self.ckpt_root) is not None
-        if self.facts.lora and resuming:  # its checkpoints hold the adapters only: the base must be the same
-            check_base(TaskFacts.read(self.run_dir / TASK_FILE).lora, config.model.path, str(self.run_dir / TASK_FILE))
         if dist.is_main:
             save_tokenizer(task.tokenizer, self.run_dir / TOKENIZER_DIR)  # checkpoints are usable without model.path
             self.facts.write(self.run_dir / TASK_FILE)

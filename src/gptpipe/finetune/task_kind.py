@@ -111,8 +111,10 @@ class TaskData:
     def majority(self) -> str | None:
         return self.labels[0] if self.labels else None
 
-    def facts(self, config: FinetuneConfig, from_scratch: bool = False) -> TaskFacts:
-        """The task.json of a run of `config` on these rows (`from_scratch`: a baseline's random start)."""
+    def facts(self, config: FinetuneConfig, from_scratch: bool = False,
+              recorded_lora: dict[str, Any] | None = None) -> TaskFacts:
+        """The task.json of a run of `config` on these rows (`from_scratch`: a baseline's random start;
+        `recorded_lora`: a resumed LoRA run's record, whose hashes of unchanged base files are kept)."""
         return TaskFacts(kind=self.kind.name, seq2seq=self.seq2seq, seq_len=self.encoder.seq_len,
                          prompt=config.task.prompt, too_long=config.data.too_long, labels=self.labels,
                          majority_label=self.majority, stop_ids=self.kind.stop_ids(self.encoder),
@@ -120,8 +122,8 @@ class TaskData:
                          pretrained_model=None if from_scratch else str(config.model.path),
                          train_file=str(config.data.train),
                          architecture_of=str(config.model.path) if from_scratch else None,
-                         lora=lora_record(asdict(config.train.lora), config.model.path) if config.train.lora.enabled
-                         else None)
+                         lora=lora_record(asdict(config.train.lora), config.model.path, recorded_lora)
+                         if config.train.lora.enabled else None)
 
 
 

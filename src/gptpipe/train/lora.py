@@ -31,10 +31,12 @@ DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("t5", "mt5", "umt5"), ("q", "k", "v", "o"))}
 
 
-def lora_record(settings: dict[str, Any], base: Path) -> dict[str, Any]:
+def lora_record(settings: dict[str, Any], base: Path, recorded: dict[str, Any] | None = None) -> dict[str, Any]:
     """task.json's `lora` of a run with train.lora `settings` on the pretrained `base` folder: the settings, the
     target modules resolved (null: DEFAULT_TARGETS of the base's model_type; `targets_from` says which) and the
-    base's fingerprint (every file's size and sha256), which a LoRA checkpoint needs to be rebuilt on."""
+    base's fingerprint (every file's size and sha256), which a LoRA checkpoint needs to be rebuilt on. A resumed
+    run passes its `recorded` lora: files of unchanged size and mtime keep their hash (a base of many GB is not
+    read again by every rank)."""
     targets, source = settings["target_modules"], "train.lora.target_modules"
     if targets is None:
         model_type = json.loads((base / "config.json").read_text(encoding="utf-8")).get("model_type")
@@ -44,7 +46,7 @@ def lora_record(settings: dict[str, Any], base: Path) -> dict[str, Any]:
                                   "layers to adapt, e.g. train.lora.target_modules=[q_proj,v_proj]")
         targets, source = list(DEFAULT_TARGETS[model_type]), f"the default for model_type {model_type}"
     return {**settings, "target_modules": list(targets), "targets_from": source,
-            "base": {"folder": str(base), "files": fingerprint(base)}}
+            "base": {"folder": str(base), "files": fingerprint(base, recorded and recorded["base"]["files"])}}
 
 
 def check_base(lora: dict[str, Any], base: Path, where: str) -> None:
