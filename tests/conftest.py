@@ -234,32 +234,6 @@ def random_model(config: Any, folder: Path, tokenizer_hf: Path | None = None, to
     return folder
 
 
-def sentencepiece_chat_lm(rows: list[dict], folder: Path) -> Path:
-    """An HF folder: a small Llama and a 1,200-piece SentencePiece unigram tokenizer trained as stage 1 trains
-    (newline piece, byte fallback, pad distinct from EOS) on `rows` as JSON text and the shipped template's turn
-    headers; no chat template. 1,200 pieces at the coverage the chat tests' answer lengths were set with (stage
-    1's default, 0.9999, gives more of them to rare characters: the answers come out a token or two longer)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from gptpipe.tokenizer.build import train_sentencepiece
-    from gptpipe.tokenizer.config import TokenizerConfig
-    from gptpipe.tokenizer.hf import load_proto, save_hf_folder
-
-    texts = [json.dumps(row, ensure_ascii=False) for row in rows]
-    (folder / "text.txt").write_text("\n".join(texts) + "\nシステム:\nユーザー:\nアシスタント:\n", encoding="utf-8")
-    train_sentencepiece(TokenizerConfig(vocab_size=1200, num_threads=1, character_coverage=0.9995),
-                        folder / "text.txt", folder / "sp")
-    save_hf_folder(load_proto(folder / "sp.model"), folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture(scope="session")
 def unigram_llama(tiny_export) -> Path:
     """A real fp32 export (stage 4) of a one-step Llama run on the workspace's unigram tokenizer: grouped KV heads,
@@ -468,13 +442,34 @@ def tokenizer_export(tiny_export, corpus_dir: Path, workspace: Path, tmp_path_fa
     its own tokenizer: a continued run). Stage 2 encodes the workspace corpus with it once per `data` name
     (several runs may share it), and the one-step run trains on that data."""
     def make(name: str, tokenizer: Path, *overrides: str, dtype: str = "fp32", data: str | None = None,
-             base: Path | None = None) -> Path:
+             head_dim: int = HEAD_DIM, base: Path | None = None) -> Path:
         prefix = shared_folder(tmp_path_factory) / f"data-{data or name}" / "text"
         once(tmp_path_factory, f"data-{data or name}", lambda: run_cli(
             "tokenize", "--config", workspace / "config.yaml", f"tokenize.tokenizer_dir={tokenizer}",
             f"tokenize.output_prefix={prefix}"))
         return tiny_export(name, f"tokenize.tokenizer_dir={tokenizer}", f"data.prefixes=[{prefix}_text_document]",
-                           *overrides, dtype=dtype, base=base)
+                           *overrides, dtype=dtype, head_dim=head_dim, base=base)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def chat_lm_export(tokenizer_export, workspace: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Factory: ``chat_lm_export(name, rows)`` → the export a chat or preference fine-tune starts from, made by
+    the stages: stage 1 trains a 1,200-piece SentencePiece unigram tokenizer on `rows` as JSON text and the
+    shipped template's turn headers (its own jsonl, as a user's corpus), tokenizer_export a small Llama (32 wide,
+    init_std 0.02) on it. 1,200 pieces at the coverage the chat tests' answer lengths were set with (stage 1's
+    default, 0.9999, gives more of them to rare characters: the answers come out a token or two longer)."""
+    def make(name: str, rows: list[dict]) -> Path:
+        shared = shared_folder(tmp_path_factory)
+        corpus, tokenizer = shared / f"{name}-corpus.jsonl", shared / f"{name}-tokenizer"
+        texts = [json.dumps(row, ensure_ascii=False) for row in rows] + ["システム:\nユーザー:\nアシスタント:"]
+        once(tmp_path_factory, tokenizer.name, lambda: (
+            write_jsonl(corpus, [{"text": text} for text in texts]),
+            run_cli("train-tokenizer", "--config", workspace / "sentence_piece_config.yaml", f"input={corpus}",
+                    f"output_dir={tokenizer}", "vocab_size=1200", "character_coverage=0.9995", "num_threads=1",
+                    "heldout_documents=20")))
+        return tokenizer_export(name, tokenizer, "model.init_std=0.02", "model.num_kv_heads=4", head_dim=8)
 
     return make
 

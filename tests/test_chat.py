@@ -15,29 +15,32 @@ import pytest
 
 from prewarmed import Forked
 from conftest import (chat_args, gptpipe_command, manifest_counts, manpages_installed, metrics,
-                      sentencepiece_chat_lm, train_env,
+                      train_env,
                       write_jsonl)
 from gptpipe.data.jsonl import (EMPTY, INVALID_JSON, MISSING_KEY, NO_ASSISTANT_TURN, NOT_A_MESSAGE_LIST,
                                 NOT_A_STRING, TEMPLATE_ERROR, TOO_LONG, UNKNOWN_ROLE, Reasons)
 from gptpipe.finetune.chat_data import (ALPACA_JA_TEMPLATE, GPTPIPE_TEMPLATE, ChatEncoder, Conversation,
                                         TemplateError, distinct_pad, install_template, read_conversations,
-                                        save_tokenizer)
+                                        save_tokenizer, special_tokens_as_tokens)
 from gptpipe.finetune.data import IGNORE
 from gptpipe.train.metrics_rows import TaskEvalRow, TrainRow
 
 
 @pytest.fixture(scope="module")
-def chat_lm(manpage_chat_rows: list[dict], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An HF folder: a small Llama and a 1,200-piece SentencePiece unigram tokenizer trained as stage 1 trains
-    (newline piece, byte fallback, pad distinct from EOS) on 700 chats' texts; no chat template."""
-    return sentencepiece_chat_lm(manpage_chat_rows, tmp_path_factory.mktemp("chat-lm"))
+def chat_lm(manpage_chat_rows: list[dict], chat_lm_export) -> Path:
+    """A stage-4 export: a small Llama and a 1,200-piece SentencePiece unigram tokenizer stage 1 trained (newline
+    piece, byte fallback, pad distinct from EOS) on 700 chats' texts; no chat template."""
+    return chat_lm_export("chat-lm", manpage_chat_rows)
 
 
 def chat_tokenizer(folder: Path, template: str = "auto"):
+    """The folder's tokenizer as a chat run prepares it: the template installed, and the special tokens it writes
+    read as tokens (a stage-1 tokenizer splits them, as pretraining text needs)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     install_template(tokenizer, template)
+    special_tokens_as_tokens(tokenizer)
     return tokenizer
 
 
@@ -316,8 +319,10 @@ def test_a_chat_run_exports_verified_with_its_template_stop_token_and_gguf(chat_
     assert counts["verified"] and counts["failures"] == [] and counts["task"] == "chat"
     assert counts["chat_template_identical"] is True
     validation = read_conversations(chat_files[1], Reasons())[:8]
-    # Each conversation's whole ids and its generation prompt, by the folder's tokenizer and the run's.
-    assert counts["tokenizer_texts"] == 2 * len(validation) and counts["tokenizer_mismatches"] == 0
+    # Each conversation's whole ids and its generation prompt, by the folder's tokenizer and the run's; and,
+    # the start being a stage-4 export that ships its SentencePiece model, that model's ids on their texts.
+    assert counts["tokenizer_reference"] == "the fine-tune's tokenizer and SentencePiece"
+    assert counts["tokenizer_texts"] > 2 * len(validation) and counts["tokenizer_mismatches"] == 0
     assert [s["messages"] for s in counts["greedy_samples"]] == [v.prompt for v in validation[:4]]
     assert counts["heldout_source"] == "first 8 rows of validation.jsonl"
 

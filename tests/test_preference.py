@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FINETUNE_QUICK, gptpipe_command, manpage_chats, metrics, sentencepiece_chat_lm, write_jsonl
+from conftest import FINETUNE_QUICK, gptpipe_command, manpage_chats, metrics, write_jsonl
 from gptpipe.data.jsonl import (EMPTY, IDENTICAL_ANSWERS, INVALID_JSON, MISSING_KEY, NO_CHOSEN, NOT_A_MESSAGE_LIST,
                                 TEMPLATE_ERROR, TOO_LONG, UNKNOWN_ROLE, Reasons)
 from gptpipe.finetune.chat_data import GPTPIPE_TEMPLATE, ChatEncoder, Conversation, install_template
@@ -39,16 +39,15 @@ def pair_files(pair_rows: list[dict], tmp_path_factory: pytest.TempPathFactory) 
 
 
 @pytest.fixture(scope="module")
-def pair_lm(pair_rows: list[dict], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An HF folder: a small Llama and a 1,200-piece SentencePiece unigram tokenizer trained as stage 1 trains
-    on the pairs' texts (conftest's sentencepiece_chat_lm, as chat_lm); no chat template (the run installs
-    gptpipe's)."""
-    return sentencepiece_chat_lm(pair_rows, tmp_path_factory.mktemp("pair-lm"))
+def pair_lm(pair_rows: list[dict], chat_lm_export) -> Path:
+    """A stage-4 export whose tokenizer stage 1 trained on the pairs' texts (conftest's chat_lm_export, as
+    chat_lm); no chat template (the run installs gptpipe's)."""
+    return chat_lm_export("pair-lm", pair_rows)
 
 
 PREFERENCE_RUN = ("task.kind=preference", "train.seq_len=160", "train.global_batch_size=8", "train.train_iters=24",
                   "train.eval_interval=8", "train.save_interval=8", "task.chat_eval_rows=8",
-                  "chat.max_new_tokens=12", "predict.max_new_tokens=12")
+                  "chat.max_new_tokens=12", "predict.max_new_tokens=12", "train.lr=3e-3")
 
 
 def pair_args(model: Path, files: tuple[Path, Path], run: Path, *overrides: str) -> list[str]:
@@ -410,7 +409,9 @@ def test_a_preference_run_exports_verified_and_chats_as_the_run(pair_lm: Path, p
     assert counts["verified"] and counts["failures"] == [] and counts["task"] == "preference"
     assert counts["chat_template_identical"] is True
     validation = read_pairs(pair_files[1], Reasons())[:8]
-    assert counts["tokenizer_texts"] == 2 * len(validation) and counts["tokenizer_mismatches"] == 0
+    # each pair's two encodings by the folder's tokenizer and the run's, and the shipped SentencePiece model's
+    assert counts["tokenizer_reference"] == "the fine-tune's tokenizer and SentencePiece"
+    assert counts["tokenizer_texts"] > 2 * len(validation) and counts["tokenizer_mismatches"] == 0
     assert [s["messages"] for s in counts["greedy_samples"]] == [v.prompt for v in validation[:4]]
     assert (out / "chat_template.jinja").read_text(encoding="utf-8") == GPTPIPE_TEMPLATE
     assert json.loads((out / "task.json").read_text(encoding="utf-8"))["kind"] == "preference"
