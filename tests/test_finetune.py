@@ -681,7 +681,9 @@ def test_mixtral_finetunes_and_predicts_with_beams(tokenizer_dir: Path, task_fil
     """A mixture of experts whose config has output_router_logits on (the training switch older exports kept):
     evaluation generates from left-padded batches and predict searches with beams, from the run folder and
     from a HF folder with the switch on, where transformers' load-balancing loss would fail on the padding."""
-    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
+    from transformers import AutoTokenizer, MixtralConfig
+
+    from conftest import random_model
 
     model = tmp_path / "mixtral"
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir / "hf")
@@ -689,9 +691,7 @@ def test_mixtral_finetunes_and_predicts_with_beams(tokenizer_dir: Path, task_fil
                            num_attention_heads=4, num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2,
                            max_position_embeddings=64, output_router_logits=True, bos_token_id=tokenizer.bos_token_id,
                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    MixtralForCausalLM(config).save_pretrained(model)
-    tokenizer.save_pretrained(model)
+    random_model(config, model, tokenizer_dir / "hf")  # a user's folder: an older export kept the switch on
 
     run = tmp_path / "run"
     args = finetune_args(model, task_files, run, "train.global_batch_size=8", "train.train_iters=2",
