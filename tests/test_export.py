@@ -250,7 +250,7 @@ def run_gate(folder: Path, run: Path) -> dict:
     """The verification gate on ``folder`` against the checkpoint it was exported from."""
     checkpoint = find_checkpoint(run)
     dtype = counts(folder)["dtype"]
-    reference, reference_fp32 = reference_models(checkpoint, consolidate(checkpoint), dtype)
+    reference, reference_fp32 = reference_models(checkpoint, consolidate(checkpoint), dtype, adapter=False)
     source = pretrain_source(ConvertConfig(test_prompt_text="こんにちは。"), checkpoint)
     return verify_export(folder, reference, reference_fp32, source.gate(), dtype)
 
