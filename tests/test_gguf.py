@@ -212,7 +212,7 @@ def chatml_export(corpus_dir: Path, chat_files: tuple[Path, Path], tmp_path_fact
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     random_model(config, base, tokenizer=tokenizer)
     run, out = base.with_name("run"), base.with_name("export")
-    done = gptpipe_command("finetune", *chat_args(base, chat_files, run, "train.seq_len=384", "train.train_iters=24",
+    done = gptpipe_command("finetune", *chat_args(base, chat_files, run, "train.seq_len=384", "train.train_iters=12",
                                                   "train.eval_interval=1000", "train.save_interval=1000"))
     assert done.returncode == 0, done.stderr[-3000:]
     done = gptpipe_command("convert", f"input_model_dir={run}", f"output_tokenizer_and_model_dir={out}", "dtype=fp32")
