@@ -396,15 +396,15 @@ def test_the_default_tokenizers_gguf_reads_held_out_man_pages_as_transformers(
 
 @pytest.mark.llamacpp
 @needs_llamacpp
-def test_the_gguf_check_reads_held_out_text_of_the_run(exported_model: Path, workspace: Path,
+def test_the_gguf_check_reads_held_out_text_of_the_run(unigram_llama: Path, workspace: Path,
                                                       capfd: pytest.CaptureFixture) -> None:
     """`gptpipe gguf` checks llama.cpp on 300-character passages of the run's own validation/test documents, not
     only on fixed strings, and prints the share it reads as transformers does. With the default stage-1 tokenizer
     (a unigram model: llama.cpp's UGM tokenizer has no byte fallback) only passages holding a character written as
     UTF-8 bytes may differ, and they are few (the tests' 4k vocabulary is too small for the ja character set:
     1-2% on held-out man pages, 0% with the default 32k, above)."""
-    folder = workspace / "default-tokenizer-export"
-    shutil.copytree(exported_model, folder, dirs_exist_ok=True)
+    folder = workspace / "default-tokenizer-export"  # a stage-3 run's export on the workspace's data
+    shutil.copytree(unigram_llama, folder, dirs_exist_ok=True)
     gguf_path = write(workspace, folder, "f16")
     held_out = Manifest.read(gguf_path.parent / "manifest.json").counts["llamacpp_heldout"]
     assert "validation/test documents" in held_out["source"] and held_out["texts"] >= 100, held_out
