@@ -13,7 +13,9 @@ import yaml
 from conftest import corpus_texts as read_corpus
 from conftest import run_cli
 from gptpipe.cli import main
+from gptpipe.corpus.config import QualityConfig
 from gptpipe.corpus.manpages import find_manpages, read_manpage, roff_to_text
+from gptpipe.corpus.quality import pii_masker
 from gptpipe.stage import Manifest, StageInputError
 
 
@@ -53,7 +55,8 @@ def test_manpages_become_japanese_documents(corpus_dir: Path) -> None:
 
 def test_languages_keep_japanese_pages_and_judge_mixed_ones_by_share(corpus_dir: Path, tmp_path: Path) -> None:
     """The shipped config keeps documents mainly in Japanese (languages: [ja]); a page whose option lists are
-    English stays, an untranslated page goes, and the manifest tells the corpus's languages."""
+    English or whose examples are C stays, an untranslated page goes, and the manifest tells the corpus's
+    languages."""
     from gptpipe.corpus import language
 
     counts = Manifest.read(corpus_dir / "manifest.json").counts
@@ -64,6 +67,10 @@ def test_languages_keep_japanese_pages_and_judge_mixed_ones_by_share(corpus_dir:
     assert all(language.judge(t, frozenset({"ja"}), 0.5).share >= 0.3 for t in texts)
     ranlib = next(t for t in texts if t.startswith("名前\nranlib - "))  # Japanese prose, English options
     assert 0.3 <= language.judge(ranlib, frozenset({"ja"}), 0.5).share < 0.5
+    # Japanese prose around C declarations: 0.26 of the voting characters, 0.32 with kana and kanji counted as
+    # the English letters they stand for.
+    memcpy = next(t for t in texts if t.startswith("名前\nmemcpy - "))
+    assert 0.3 <= language.judge(memcpy, frozenset({"ja"}), 0.5).share
     assert not any(t.startswith("名前\nman-recode - convert manual pages") for t in texts)  # untranslated
 
     # Korean, German and Japanese man pages in one run, Korean kept.
@@ -108,10 +115,12 @@ def test_quality_rules_keep_the_man_pages_and_drop_junk_made_from_them(corpus_di
             "hiragana < 0.1 of the Japanese characters": "\n".join(" ".join(nouns[i:i + 5])
                                                                     for i in range(0, len(nouns), 5)),
             "an NG word of ng.txt": dir_page}
+    mask = pii_masker(QualityConfig(mask_pii=True))
+    plain = next(t for t in pages[300:] if mask(t) == t)  # a page with no address or number to mask
     contact = pages[200] + "\n問い合わせ: taro@example.co.jp または 090-1234-5678 まで。"
     raw = tmp_path / "raw.jsonl"
     raw.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n"
-                           for t in [*junk.values(), pages[300], contact]), encoding="utf-8")
+                           for t in [*junk.values(), plain, contact]), encoding="utf-8")
     (tmp_path / "ng.txt").write_text("ディレクトリの内容\n", encoding="utf-8")
     config = write_config(tmp_path, [{"type": "jsonl", "path": str(raw)}],
                           quality={"ng_words_file": "ng.txt", "mask_pii": True})
@@ -119,7 +128,7 @@ def test_quality_rules_keep_the_man_pages_and_drop_junk_made_from_them(corpus_di
     counts = Manifest.read(tmp_path / "out" / "manifest.json").counts
     assert counts["dropped"] == {f"quality: {name}": 1 for name in junk}
     kept = read_corpus(tmp_path / "out")
-    assert kept[0] == pages[300] and "taro@" not in kept[1] and "xxxx@yyy.jp" in kept[1]
+    assert kept[0] == plain and "taro@" not in kept[1] and "xxxx@yyy.jp" in kept[1]
     assert "090-1234-XXXX" in kept[1] and counts["notes"] == {"personal information masked": 1}
 
 

@@ -257,13 +257,18 @@ def test_the_dpo_loss_starts_at_log_2_and_label_smoothing_mixes_in_the_swapped_p
 
 def test_packed_pairs_score_as_padded_ones(pair_lm: Path, pair_files) -> None:
     """train.packing puts a micro-batch's sequences one after another: each one's log-prob sum is the padded
-    batch's, so the loss is too."""
+    batch's, so the loss and the figures are too."""
+    from dataclasses import replace
+
     import torch
 
     from gptpipe.finetune.config import TaskConfig
     from gptpipe.finetune.preference import sequence_logprobs
 
     _, pairs, tokenizer, model = pairs_and_model(pair_lm, pair_files)
+    # References one nat off the starting model's sums, either way: rewards of ±β, not 0 up to float noise, whose
+    # sign (the reward accuracy) the packed and the padded batch would decide at random.
+    pairs = [replace(p, reference=(p.reference[0] + (-1) ** i, p.reference[1])) for i, p in enumerate(pairs)]
     kind, pad = PreferenceKind(), tokenizer.pad_token_id
     padded, packed = (kind.collate(pairs, pad, False, capacity, "cpu") for capacity in (None, 320))
     assert packed["input_ids"].shape[0] < padded["input_ids"].shape[0]

@@ -56,3 +56,17 @@ def class_counts(text: str) -> dict[int, int]:
         counts[LETTER] += sum(chr(c).isalpha() for c in outside.tolist())
         counts[SPACELESS] += int(((outside >= ASTRAL_SPACELESS[0]) & (outside <= ASTRAL_SPACELESS[1])).sum())
     return counts
+
+
+def counts_per_piece(pieces: list[str], bits: int) -> list[int]:
+    """How many characters of each piece have any of the class `bits` (one lookup for all pieces; outside the
+    BMP only the supplementary ideographs count, as SPACELESS)."""
+    points = code_points("".join(pieces))
+    astral = points > 0xFFFF
+    hits = np.zeros(len(points), dtype=np.int64)
+    hits[~astral] = (_bmp_classes()[points[~astral]] & bits) != 0
+    if bits & SPACELESS and astral.any():
+        hits[astral] = (points[astral] >= ASTRAL_SPACELESS[0]) & (points[astral] <= ASTRAL_SPACELESS[1])
+    ends = np.cumsum([len(piece) for piece in pieces])
+    totals = np.concatenate(([0], np.cumsum(hits)))[ends] if len(pieces) else np.zeros(0, dtype=np.int64)
+    return np.diff(totals, prepend=0).tolist()
