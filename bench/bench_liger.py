@@ -7,7 +7,7 @@ the process, so each type's unpatched reference is computed first. One markdown 
 line per type for tests/test_gpu_path.py and bench/gpu_check.sh.
 
     .venv/bin/python bench/bench_liger.py                        # CUDA, bf16: what gpu_check.sh runs
-    TRITON_INTERPRET=1 .venv/bin/python bench/bench_liger.py --device cpu --precision fp32   # CPU, interpreted
+    TRITON_INTERPRET=1 .venv/bin/python bench/bench_liger.py --device cpu --precision fp32 --seq 32  # CPU, interpreted
 
 Tolerances: fp32 within 1e-4 relative (the same sums in another order); bf16 within 2e-2 for the loss (a bf16
 model's rounding, as the two paths round in different places) and the gradients compared by cosine similarity.
@@ -29,20 +29,22 @@ from gptpipe.train.devices import LIGER_ARCHS
 from gptpipe.train.engine import apply_liger, forward_loss, fused_loss_kwargs
 from gptpipe.train.model import build_model
 
-VOCAB, SEQ, BATCH = 1024, 64, 2
+VOCAB, BATCH = 1024, 2
+SEQ = 64  # tokens per row; the CPU check (tests/test_gpu_path.py) halves it: the interpreter's time is per row
 
 
-def tiny_config(arch: str) -> Any:
-    """A 2-layer model of `arch` with grouped-query attention, its own head_dim where the type has one."""
+def tiny_config(arch: str, seq: int) -> Any:
+    """A 2-layer model of `arch` with grouped-query attention, its own head_dim where the type has one, a sliding
+    window of half the sequence where the type has one."""
     from transformers import AutoConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, bos_token_id=1,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq, bos_token_id=1,
                   eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
     extra: dict[str, dict[str, Any]] = {
         "qwen3": dict(head_dim=48),
-        "gemma2": dict(head_dim=48, attn_logit_softcapping=50.0, final_logit_softcapping=None, sliding_window=32),
-        "gemma3_text": dict(head_dim=48, sliding_window=32, final_logit_softcapping=None),
+        "gemma2": dict(head_dim=48, attn_logit_softcapping=50.0, final_logit_softcapping=None, sliding_window=seq // 2),
+        "gemma3_text": dict(head_dim=48, sliding_window=seq // 2, final_logit_softcapping=None),
         "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=False,
                         router_aux_loss_coef=0.02),
     }
@@ -58,14 +60,14 @@ def loss_and_grads(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     return float(loss), grads
 
 
-def compare(arch: str, device: torch.device, precision: str) -> dict[str, Any]:
+def compare(arch: str, device: torch.device, precision: str, seq: int = SEQ) -> dict[str, Any]:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
-    config = tiny_config(arch)
+    config = tiny_config(arch, seq)
     torch.manual_seed(0)
     reference_model = build_model(config, device).to(dtype)
     weights = {k: v.clone() for k, v in reference_model.state_dict().items()}
     generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(3, VOCAB, (BATCH, SEQ + 1), generator=generator).to(device)
+    tokens = torch.randint(3, VOCAB, (BATCH, seq + 1), generator=generator).to(device)
     batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
     # dropout off in both (gemma's attention dropout is 0 anyway): the comparison is of the kernels alone
     loss_ref, grads_ref = loss_and_grads(reference_model, batch, {})
@@ -149,6 +151,7 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--arch", nargs="*", default=list(LIGER_ARCHS))
     parser.add_argument("--json", action="store_true", help="one JSON line per type instead of markdown")
+    parser.add_argument("--seq", type=int, default=SEQ, help="tokens per row (2 rows)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -156,7 +159,7 @@ def main() -> None:
     loss_tolerance = 1e-4 if args.precision == "fp32" else 2e-2
     failed = []
     for arch in args.arch:
-        row = compare(arch, device, args.precision)
+        row = compare(arch, device, args.precision, args.seq)
         ok = (row["fused_loss"] and row["loss_rel"] <= loss_tolerance and row["gradients"] == row["gradients_on"]
               and (row["grad_rel"] <= 1e-4 if args.precision == "fp32" else row["grad_cosine"] >= 0.99)
               and math.isfinite(row["loss_on"]))
