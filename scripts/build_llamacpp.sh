@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's llama-tokenize and llama-simple from the llama-cpp-python source distribution on PyPI
-# (it vendors llama.cpp), and gptpipe-llama-greedy (scripts/llamacpp_greedy.cpp: llama.cpp's greedy ids, which
-# `gptpipe gguf` compares with the model's), for the `llamacpp` test tier and for checking a GGUF file by hand.
+# (it vendors llama.cpp), gptpipe-llama-greedy (scripts/llamacpp_greedy.cpp: llama.cpp's greedy ids, which
+# `gptpipe gguf` compares with the model's) and gptpipe-llama-tokenize (scripts/llamacpp_tokenize.cpp: many texts'
+# ids in one process), for the `llamacpp` test tier and for checking a GGUF file by hand.
 #   scripts/build_llamacpp.sh            # into ~/.cache/gptpipe-llamacpp (GPTPIPE_LLAMACPP overrides)
 # Needs cmake and a C++ compiler; about 10 minutes with JOBS=2. Rerunning it reuses the finished build.
 set -euo pipefail
@@ -22,13 +23,15 @@ fi
 cmake -S "$SDIST/vendor/llama.cpp" -B "$CACHE/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
 cmake --build "$CACHE/build" -j "$JOBS" --target llama-tokenize llama-simple
-# gptpipe's own tool, linked as llama-simple is (its link line: the static libraries, OpenMP, pthread).
+# gptpipe's own tools, linked as llama-simple is (its link line: the static libraries, OpenMP, pthread).
 LLAMA="$SDIST/vendor/llama.cpp"
 LIBS="$CACHE/build/src/libllama.a $CACHE/build/ggml/src/libggml.a $CACHE/build/ggml/src/libggml-cpu.a"
 LIBS="$LIBS $CACHE/build/ggml/src/libggml-base.a"
-# shellcheck disable=SC2086  # LIBS is a list of paths
-"${CXX:-c++}" -O3 -DNDEBUG -std=c++17 -I"$LLAMA/include" -I"$LLAMA/ggml/include" \
-    "$(dirname "$0")/llamacpp_greedy.cpp" -o "$CACHE/build/bin/gptpipe-llama-greedy" $LIBS -ldl -lm -fopenmp -lpthread
+for tool in greedy tokenize; do
+    # shellcheck disable=SC2086  # LIBS is a list of paths
+    "${CXX:-c++}" -O3 -DNDEBUG -std=c++17 -I"$LLAMA/include" -I"$LLAMA/ggml/include" \
+        "$(dirname "$0")/llamacpp_$tool.cpp" -o "$CACHE/build/bin/gptpipe-llama-$tool" $LIBS -ldl -lm -fopenmp -lpthread
+done
 
 # The vendored llama.cpp commit, as the sdist's changelog names it for this version.
 COMMIT="$(sed -n "/^## \[$VERSION\]/,/^## /s/.*ggml-org\/llama.cpp@\([0-9a-f]*\).*/\1/p" "$SDIST/CHANGELOG.md" | head -n 1)"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -247,7 +248,7 @@ def test_unsupported_architecture_is_refused(tmp_path: Path, workspace: Path, ca
 
 # --- llama.cpp itself ------------------------------------------------------------------------------------------
 needs_llamacpp = pytest.mark.skipif(
-    export_gguf.llamacpp_tool(export_gguf.GREEDY_TOOL) is None,
+    not all(map(export_gguf.llamacpp_tool, (export_gguf.GREEDY_TOOL, export_gguf.TOKENIZE_TOOL))),
     reason=f"llama.cpp not built in {export_gguf.LLAMACPP_HOME}: run scripts/build_llamacpp.sh (~10 min)")
 
 
@@ -258,6 +259,24 @@ def heldout_texts(corpus_dir: Path) -> list[str]:
         lines = document.split("\n")
         texts += ["\n".join(lines[i:i + 6]) for i in range(0, min(len(lines), 60), 6)]
     return [*texts, *TRICKY_STRINGS]
+
+
+@pytest.mark.llamacpp
+@needs_llamacpp
+@pytest.mark.parametrize("parse_special", [False, True])
+def test_the_one_process_tokenizer_gives_llama_tokenizes_ids(bpe_llama: Path, corpus_dir: Path, workspace: Path,
+                                                             parse_special: bool) -> None:
+    """gptpipe-llama-tokenize (many texts in one process, what the checks call) gives the ids llama.cpp's own
+    llama-tokenize gives for each text alone: man-page text, the tricky strings, special-token text, an empty
+    text and one of newlines only."""
+    gguf = write(workspace, bpe_llama, "f16")
+    texts = [*heldout_texts(corpus_dir)[:20], *TRICKY_STRINGS, "</s>はEOS<s>", "", "\n\n"]
+    command = [str(export_gguf.llamacpp_tool("llama-tokenize")), "-m", str(gguf), "--stdin", "--ids", "--no-escape",
+               "--log-disable", *([] if parse_special else ["--no-parse-special"])]
+    alone = [json.loads(subprocess.run(command, input=text.encode(), capture_output=True, check=True)
+                        .stdout.decode().strip().splitlines()[-1]) for text in texts]
+    assert export_gguf.llamacpp_ids(gguf, texts, parse_special) == alone
+    assert alone[-3] != export_gguf.llamacpp_ids(gguf, texts[-3:-2], not parse_special)[0]  # the switch matters
 
 
 @pytest.mark.llamacpp

@@ -292,7 +292,7 @@ def exported(bases, extension, dataset, workspace: Path, tmp_path_factory: pytes
 
 
 @pytest.mark.llamacpp
-@pytest.mark.skipif(export_gguf.llamacpp_tool(export_gguf.GREEDY_TOOL) is None,
+@pytest.mark.skipif(not all(map(export_gguf.llamacpp_tool, (export_gguf.GREEDY_TOOL, export_gguf.TOKENIZE_TOOL))),
                     reason=f"llama.cpp not built in {export_gguf.LLAMACPP_HOME}: run scripts/build_llamacpp.sh")
 def test_llamacpp_gives_the_extended_tokenizers_ids(exported: Path, corpus, workspace: Path) -> None:
     """`gptpipe gguf` of the export: llama.cpp's ids equal transformers' on Japanese text (new pieces in it) and
@@ -308,9 +308,9 @@ def test_llamacpp_gives_the_extended_tokenizers_ids(exported: Path, corpus, work
     base_size = len(tokenizer) - NEW_PIECES
     texts = [t[:400] for t in corpus[1][-20:]] + ["The quick brown fox jumps over the lazy dog."]
     new_seen = 0
-    for text in texts:
+    for text, got in zip(texts, export_gguf.llamacpp_ids(gguf, texts)):
         ids = tokenizer(text)["input_ids"]
-        assert export_gguf.llamacpp_ids(gguf, text) == ids, text[:60]
+        assert got == ids, text[:60]
         new_seen += sum(i >= base_size for i in ids)
     assert new_seen > 0
     counts = manifest_counts(gguf.parent)

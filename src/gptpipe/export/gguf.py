@@ -55,6 +55,7 @@ LLAMACPP_HOME = Path(os.environ.get("GPTPIPE_LLAMACPP", Path.home() / ".cache" /
 # looks like) from documents the model never trained on, at most this many of them.
 PASSAGE_CHARS, HELDOUT_PASSAGES, HELDOUT_DOCUMENTS = 300, 200, 400
 GREEDY_TOOL = "gptpipe-llama-greedy"  # scripts/llamacpp_greedy.cpp, built beside llama.cpp's tools
+TOKENIZE_TOOL = "gptpipe-llama-tokenize"  # scripts/llamacpp_tokenize.cpp, likewise
 
 
 def gguf_arguments(parser: argparse.ArgumentParser) -> None:
@@ -384,18 +385,21 @@ def llamacpp_version() -> str:
     return path.read_text(encoding="utf-8").strip().replace("\n", ", ") if path.is_file() else "not built"
 
 
-def llamacpp_ids(gguf_path: Path, text: str, parse_special: bool = False) -> list[int]:
-    """llama.cpp's ids for ``text`` (BOS as the GGUF says). Literal special-token text stays text unless
-    ``parse_special``, as with an HF tokenizer that splits special tokens (a chat run's does not: its template
-    writes "</s>" as text)."""
-    tool = llamacpp_tool("llama-tokenize")
+def llamacpp_ids(gguf_path: Path, texts: list[str], parse_special: bool = False) -> list[list[int]]:
+    """llama.cpp's ids for each of ``texts`` (BOS as the GGUF says), from one process (scripts/llamacpp_tokenize.cpp:
+    llama-tokenize's ids, without loading the vocabulary once per text). Literal special-token text stays text
+    unless ``parse_special``, as with an HF tokenizer that splits special tokens (a chat run's does not: its
+    template writes "</s>" as text)."""
+    tool = llamacpp_tool(TOKENIZE_TOOL)
     if tool is None:
-        raise FileNotFoundError("llama-tokenize not built: run scripts/build_llamacpp.sh")
-    special = [] if parse_special else ["--no-parse-special"]
-    done = subprocess.run([str(tool), "-m", str(gguf_path), "--stdin", "--ids", "--no-escape", *special,
-                           "--log-disable"],
-                          input=text.encode(), capture_output=True, check=True)
-    return json.loads(done.stdout.decode().strip().splitlines()[-1])
+        raise FileNotFoundError(f"{TOKENIZE_TOOL} not built: run scripts/build_llamacpp.sh")
+    framed = b"".join(b"%d\n%s" % (len(data), data) for data in (text.encode() for text in texts))
+    done = subprocess.run([str(tool), str(gguf_path), *(["--parse-special"] if parse_special else [])],
+                          input=framed, capture_output=True, check=True)
+    ids = [json.loads(line) for line in done.stdout.decode().splitlines()]
+    if len(ids) != len(texts):
+        raise RuntimeError(f"{tool} gave ids for {len(ids)} of {len(texts)} texts: {done.stderr.decode()[-500:]}")
+    return ids
 
 
 def llamacpp_greedy(gguf_path: Path, prompt: list[int], max_new_tokens: int = GREEDY_TOKENS) -> list[int]:
@@ -431,8 +435,8 @@ def llamacpp_report(gguf_path: Path, folder: Path, texts: list[str], prompts: li
     byte_ids = {i for i, t in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
                 if t and BYTE_PIECE.fullmatch(t)}
     parse_special = not getattr(tokenizer, "split_special_tokens", True)
-    for text in texts:
-        want, got = tokenizer(text).input_ids, llamacpp_ids(gguf_path, text, parse_special)
+    for text, got in zip(texts, llamacpp_ids(gguf_path, texts, parse_special)):
+        want = tokenizer(text).input_ids
         if want != got:
             differing += 1
             byte_fallback += bool(byte_ids & set(want))
@@ -515,7 +519,7 @@ def run(config: ConvertConfig, args: argparse.Namespace) -> int:
     def work() -> StageResult:
         counts = write_gguf(model_dir, out / name, args.outtype, model_dir.name)
         write_text_atomic(out / "Modelfile", modelfile(name, counts["chat_template"]))
-        if llamacpp_tool("llama-tokenize") and llamacpp_tool(GREEDY_TOOL):
+        if llamacpp_tool(TOKENIZE_TOOL) and llamacpp_tool(GREEDY_TOOL):
             check = llamacpp_report(out / name, model_dir, list(TRICKY_STRINGS), [config.test_prompt_text])
             documents, source = heldout_texts(model_dir)
             held_out = llamacpp_report(out / name, model_dir, passages(documents), []) if documents else {}
