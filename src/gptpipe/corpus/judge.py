@@ -45,7 +45,7 @@ class Judge:
                                      None if self.exact else config.language_min_share)
             self.languages[verdict.main] += 1
             yield Check(f"language: under {config.language_min_share:g} {'/'.join(config.languages)} "
-                        f"(mainly {verdict.main})", f"{verdict.share:.3f} of the identified characters",
+                        f"(mainly {verdict.main})", f"{verdict.share:.3f} of the identified text",
                         verdict.share < config.language_min_share)
         for rule in self.rules:
             value = rule.measure(text)
