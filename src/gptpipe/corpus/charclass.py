@@ -9,7 +9,9 @@ are told apart, per character.
 
 from __future__ import annotations
 
-from functools import cache
+from collections.abc import Mapping
+from functools import cache, lru_cache
+from types import MappingProxyType
 
 import numpy as np
 
@@ -45,8 +47,10 @@ def code_points(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
 
 
-def class_counts(text: str) -> dict[int, int]:
-    """How many characters of the text have each class bit."""
+# Cached: stage 0 asks three times per document (the letter and hiragana rules, then the choice of shingles).
+@lru_cache(maxsize=4)
+def class_counts(text: str) -> Mapping[int, int]:
+    """How many characters of the text have each class bit (read-only: the mapping is shared by the callers)."""
     points = code_points(text)
     astral = points > 0xFFFF
     per_value = np.bincount(_bmp_classes()[points[~astral]], minlength=64)
@@ -55,7 +59,7 @@ def class_counts(text: str) -> dict[int, int]:
         outside = points[astral]
         counts[LETTER] += sum(chr(c).isalpha() for c in outside.tolist())
         counts[SPACELESS] += int(((outside >= ASTRAL_SPACELESS[0]) & (outside <= ASTRAL_SPACELESS[1])).sum())
-    return counts
+    return MappingProxyType(counts)
 
 
 def counts_per_piece(pieces: list[str], bits: int) -> list[int]:
