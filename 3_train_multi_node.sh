@@ -32,7 +32,7 @@ fi
 # runs in a session of its own, out of reach of signals to this script's process group, and a SIGTERM or
 # SIGINT here goes to this node's ranks alone (with pdsh: to the launcher, which signals every node), which
 # save and exit 75; the launcher then passes that code on.
-# The first local rank also writes it to GPTPIPE_EXIT_FILE (train/loop.py, run_ranks) for any launcher that
+# The first local rank also writes it to GPTPIPE_EXIT_FILE (runtime/loop.py, run_ranks) for any launcher that
 # would not.
 export GPTPIPE_EXIT_FILE
 GPTPIPE_EXIT_FILE=$(mktemp)

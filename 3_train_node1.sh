@@ -6,6 +6,6 @@
 # It prints the plan first and refuses a run that will not fit. Rerunning resumes from the newest
 # complete checkpoint. Exit codes: 0 done, 1 failed, 2 refused before starting, 75 stopped by
 # SIGTERM/SIGINT after saving a checkpoint (run the same command again to continue).
-# The work: src/gptpipe/train/train.py (loop: train/loop.py, engine: train/engine.py, data: train/data.py,
+# The work: src/gptpipe/train/train.py (loop: runtime/loop.py, engine: runtime/engine.py, data: train/data.py,
 # plan: train/plan.py).
 exec bash "$(dirname "${BASH_SOURCE[0]}")/scripts/launch_ranks.sh" train "$@"

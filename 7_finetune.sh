@@ -7,5 +7,5 @@
 # checkpoint (checkpoints/best). Rerunning resumes from the newest complete checkpoint. Exit codes: 0 done,
 # 1 failed, 2 refused before starting, 75 stopped by SIGTERM/SIGINT after saving a checkpoint (run the same
 # command again to continue).
-# The work: src/gptpipe/finetune/finetune.py (the loop: train/loop.py).
+# The work: src/gptpipe/finetune/finetune.py (the loop: runtime/loop.py).
 exec bash "$(dirname "${BASH_SOURCE[0]}")/scripts/launch_ranks.sh" finetune "$@"

@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gptpipe.train.metrics_rows import TrainRow, of_kind, read_metrics
+from gptpipe.runtime.metrics_rows import TrainRow, of_kind, read_metrics
 
 QUIET = ("logging.wandb=false", "logging.tensorboard=false", "train.precision=fp32", "train.eval_interval=1000000",
          "train.save_interval=1000000")
@@ -107,7 +107,7 @@ def bench_predict(args: argparse.Namespace, run: Path) -> list[str]:
     from gptpipe.finetune.config import FinetuneConfig
     from gptpipe.finetune.data import read_rows
     from gptpipe.finetune.predict import load_predictor, predict_rows
-    from gptpipe.train.engine import setup_distributed
+    from gptpipe.runtime.engine import setup_distributed
 
     torch.set_num_threads(args.threads)
     dist = setup_distributed()

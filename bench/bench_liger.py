@@ -1,5 +1,5 @@
 """Liger on and off: the same weights and batch through transformers' own model and through the model Liger patched,
-for every model type gptpipe patches (train/devices.py LIGER_ARCHS), compared by loss and gradients.
+for every model type gptpipe patches (runtime/devices.py LIGER_ARCHS), compared by loss and gradients.
 
 The patched model is built and run as training runs it (engine.apply_liger, engine.forward_loss with
 fused_loss_kwargs, mixtral's per-layer router loss included). Patching changes transformers' classes for the rest of
@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from gptpipe.train.config import TrainConfig
-from gptpipe.train.devices import LIGER_ARCHS
-from gptpipe.train.engine import apply_liger, forward_loss, fused_loss_kwargs
-from gptpipe.train.model import build_model
+from gptpipe.runtime.devices import LIGER_ARCHS
+from gptpipe.runtime.engine import apply_liger, forward_loss, fused_loss_kwargs
+from gptpipe.runtime.model import build_model
 
 VOCAB, BATCH = 1024, 2
 SEQ = 64  # tokens per row; the CPU check (tests/test_gpu_path.py) halves it: the interpreter's time is per row

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from gptpipe.ports import free_port
-from gptpipe.train.metrics_rows import TrainRow, of_kind, read_metrics
+from gptpipe.runtime.metrics_rows import TrainRow, of_kind, read_metrics
 
 QUICK = ("train.seq_len=128", "train.global_batch_size=8", "train.eval_iters=1", "train.eval_interval=100000",
          "train.log_interval=1", "train.sample_prompts=[]", "train.train_tokens=null", "train.train_epochs=1",
@@ -221,8 +221,8 @@ def stop_rows(args: argparse.Namespace, env: dict[str, str], work: Path, common:
 
 def direct(gib: float, work: Path) -> list[tuple[str, str]]:
     """The mirror alone on a checkpoint of `gib` GiB: upload (submit + finish within the grace) and download."""
-    from gptpipe.train import checkpoint
-    from gptpipe.train.mirror import RunMirror
+    from gptpipe.runtime import checkpoint
+    from gptpipe.runtime.mirror import RunMirror
 
     url = "s3://bench/runs/direct"
     load = os.getloadavg()[0]

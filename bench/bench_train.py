@@ -45,14 +45,14 @@ import torch
 
 from gptpipe.config.core import load_config
 from gptpipe.pipeline import PipelineConfig
-from gptpipe.train.devices import loss_path, peak_flops
-from gptpipe.train.engine import (apply_liger, build_engine, deepspeed_config, forward_loss, fused_loss_kwargs,
-                                  setup_distributed, train_step)
-from gptpipe.train.memory import EngineSettings, estimate_memory, memory_budget
-from gptpipe.train.model import (base_shape, build_model, build_model_config, count_parameters, flops_per_token,
-                                 meta_parameters, parameter_groups, resolve_shape)
+from gptpipe.runtime.devices import loss_path, peak_flops
+from gptpipe.runtime.engine import (apply_liger, build_engine, deepspeed_config, forward_loss, fused_loss_kwargs,
+                                    setup_distributed, train_step)
+from gptpipe.runtime.memory import EngineSettings, estimate_memory, memory_budget
+from gptpipe.runtime.model import (base_shape, build_model, build_model_config, count_parameters, flops_per_token,
+                                   meta_parameters, parameter_groups, resolve_shape)
 from gptpipe.train.plan import largest_micro_batch
-from gptpipe.train.schedule import Schedule
+from gptpipe.runtime.schedule import Schedule
 
 VOCAB = 32000  # the shipped tokenizer's size (padded to 32,000 already)
 # Base-model shapes (model.init_from), random weights: what continued pretraining trains.

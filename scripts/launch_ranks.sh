@@ -20,7 +20,7 @@ fi
 # torchrun forwards SIGTERM to every rank and waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT s for their save.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}
 # torchrun turns any rank's non-zero exit into 1: rank 0 writes its real code (2, 75) to this file
-# (train/loop.py, run_ranks).
+# (runtime/loop.py, run_ranks).
 export GPTPIPE_EXIT_FILE
 GPTPIPE_EXIT_FILE=$(mktemp)
 trap 'rm -f "$GPTPIPE_EXIT_FILE"' EXIT

@@ -40,7 +40,7 @@ from gptpipe.pipeline import PipelineConfig
 from gptpipe.ports import free_port
 from gptpipe.stage import Manifest
 from gptpipe.tokenizer.config import TokenizerConfig
-from gptpipe.train.metrics_rows import Row, TrainRow, of_kind, parse_metrics, read_metrics
+from gptpipe.runtime.metrics_rows import Row, TrainRow, of_kind, parse_metrics, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 MANPAGES = Path("/usr/share/man/ja")

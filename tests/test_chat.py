@@ -22,8 +22,8 @@ from gptpipe.data.jsonl import (EMPTY, INVALID_JSON, MISSING_KEY, NO_ASSISTANT_T
 from gptpipe.finetune.chat_data import (ALPACA_JA_TEMPLATE, GPTPIPE_TEMPLATE, ChatEncoder, Conversation,
                                         TemplateError, distinct_pad, install_template, read_conversations,
                                         save_tokenizer, special_tokens_as_tokens)
-from gptpipe.finetune.data import IGNORE
-from gptpipe.train.metrics_rows import TaskEvalRow, TrainRow
+from gptpipe.runtime.batching import IGNORE
+from gptpipe.runtime.metrics_rows import TaskEvalRow, TrainRow
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +233,7 @@ def test_chat_finetune_resumes_exactly_predicts_and_chats(chat_lm: Path, chat_fi
     from transformers import AutoTokenizer
 
     from gptpipe.finetune.predict import resolve_checkpoint
-    from gptpipe.train import checkpoint
+    from gptpipe.runtime import checkpoint
 
     whole, log = chat_run
     assert "the shipped 'gptpipe' chat template" in log

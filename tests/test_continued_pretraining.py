@@ -27,11 +27,12 @@ from gptpipe.pipeline import PipelineConfig
 from gptpipe.artifacts import EXIT_BAD_INPUT, TOKENIZE
 from gptpipe.tolerance import LOSS_HALF_RELATIVE
 from gptpipe.stage import StageInputError
-from gptpipe.train.base_model import BUILD_KEYS, SUPPORTED, check_data, first_documents, is_copied, open_base
-from gptpipe.train.checkpoint import STATE, newest_checkpoint
+from gptpipe.runtime.base_model import BUILD_KEYS, SUPPORTED, check_data, is_copied, open_base
+from gptpipe.data.tokenizer_check import first_documents
+from gptpipe.runtime.checkpoint import STATE, newest_checkpoint
 from gptpipe.train.config import CONTINUED_LR, CONTINUED_WARMUP_STEPS
-from gptpipe.train.devices import LIGER_ARCHS, loss_path
-from gptpipe.train.metrics_rows import TrainRow, ValidationRow
+from gptpipe.runtime.devices import LIGER_ARCHS, loss_path
+from gptpipe.runtime.metrics_rows import TrainRow, ValidationRow
 
 CORPUS_DOCS = 300
 STEPS = 2
@@ -474,8 +475,8 @@ def test_the_planner_reads_a_base_models_config() -> None:
     the logits is the largest activation: over ten times what one block saves for backward."""
     from transformers import LlamaConfig
 
-    from gptpipe.train.memory import EngineSettings, estimate_memory
-    from gptpipe.train.model import base_shape, meta_parameters
+    from gptpipe.runtime.memory import EngineSettings, estimate_memory
+    from gptpipe.runtime.model import base_shape, meta_parameters
 
     config = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True, head_dim=64)

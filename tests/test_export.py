@@ -13,7 +13,8 @@ from conftest import manifest_counts as counts
 from safetensors import safe_open
 
 from gptpipe.cli import main
-from gptpipe.train.checkpoint import consolidate, find_checkpoint
+from gptpipe.runtime.checkpoint import (consolidate, find_checkpoint, COMPLETE_MARKER, HF_CONFIG, STATE,
+                                        complete_checkpoints)
 from gptpipe.export.config import ConvertConfig
 from gptpipe.export.convert import reference_models
 from gptpipe.export.source import HELDOUT_DOCUMENTS, heldout_documents, pretrain_source
@@ -22,7 +23,6 @@ from gptpipe.tokenizer.hf import NO_SPACE_PREFIX
 from gptpipe.tolerance import FP32_TOLERANCE
 from gptpipe.stage import StageInputError, file_fingerprint
 from gptpipe.artifacts import read_tokenizer
-from gptpipe.train.checkpoint import COMPLETE_MARKER, HF_CONFIG, STATE, complete_checkpoints
 
 
 def convert(workspace: Path, run: Path, out: Path, *overrides: str) -> int:
@@ -373,9 +373,9 @@ def test_finetune_export_passes_the_gate_and_predicts_like_the_run(classifier_ru
                                                                    tmp_path):
     """The best checkpoint of a fine-tune exported: gate on its validation rows, task.json, a card with the
     metrics beside the majority baseline, the same predictions as the run, ready for stage 6."""
-    from gptpipe.train.checkpoint import model_from_checkpoint
+    from gptpipe.runtime.checkpoint import model_from_checkpoint
     from gptpipe.export.source import finetune_source
-    from gptpipe.train.checkpoint import BEST
+    from gptpipe.runtime.checkpoint import BEST
 
     run, args, _ = classifier_run  # conftest's CLASSIFIER_RUN: the best of 5 evaluated steps, by accuracy
     best = (run / "checkpoints" / BEST).read_text().split()[0]
@@ -435,7 +435,7 @@ def test_finetune_export_passes_the_gate_and_predicts_like_the_run(classifier_ru
     assert failed["verified"] is False and any("logits differ" in f for f in failed["failures"])
 
     # So is its generation check: right weights, a generation_config.json that bans the answers' first tokens.
-    from gptpipe.finetune.model import generate
+    from gptpipe.runtime.scoring import generate
 
     assert report["greedy_max_gap"] <= report["greedy_gap_tolerance"]
     tokenizer = AutoTokenizer.from_pretrained(out)

@@ -22,29 +22,16 @@ from conftest import (REPO, finetune_args, manpage_rows, metrics, train_env, tra
 from conftest import gptpipe_command as gptpipe
 
 from gptpipe.data.jsonl import CUT_TO_FIT, TOO_LONG, Reasons
-from gptpipe.finetune.data import (
-    IGNORE,
-    Encoder,
-    Row,
-    auto_seq_len,
-    collate,
-    collate_packed,
-    computed_positions,
-    edit_distance,
-    epoch_order,
-    map_to_label,
-    pack_plan,
-    read_rows,
-    split_validation,
-)
+from gptpipe.runtime.batching import IGNORE, collate, collate_packed, computed_positions, epoch_order, pack_plan
+from gptpipe.finetune.data import Encoder, Row, auto_seq_len, read_rows
+from gptpipe.finetune.metrics import edit_distance, map_to_label, DEFAULT_BEST, TASK_METRICS
+from gptpipe.finetune.task_kind import split_validation, TaskFacts
 from gptpipe.artifacts import EXIT_PREEMPTED
 from gptpipe.finetune.config import TaskConfig
 from gptpipe.finetune.kinds import KINDS
-from gptpipe.finetune.metrics import DEFAULT_BEST, TASK_METRICS
-from gptpipe.finetune.task_kind import TaskFacts
 from gptpipe.stage import StageInputError
-from gptpipe.train.checkpoint import BEST, complete_checkpoints
-from gptpipe.train.metrics_rows import TaskEvalRow, TrainRow
+from gptpipe.runtime.checkpoint import BEST, complete_checkpoints
+from gptpipe.runtime.metrics_rows import TaskEvalRow, TrainRow
 
 # --- readers ------------------------------------------------------------------------------------------
 def test_tsv_reader_counts_every_bad_row_and_keeps_the_rest(tmp_path: Path) -> None:
@@ -291,7 +278,7 @@ def test_task_json_is_typed_and_a_wrong_key_names_the_file(tmp_path: Path) -> No
 def test_prompt_masking_puts_the_loss_on_label_tokens_only(tiny_lm: Path, task_files: tuple[Path, Path]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gptpipe.finetune.model import target_logprobs
+    from gptpipe.runtime.scoring import target_logprobs
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_lm)
     encoder = Encoder(tokenizer, "{input}\n答え:", 64, seq2seq=False)
@@ -326,7 +313,7 @@ def test_loss_is_normalised_by_the_label_tokens_of_the_whole_global_batch(tiny_l
     and the logged loss is sum(token losses) / tokens, not the mean of per-micro-batch means."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gptpipe.finetune.model import target_logprobs
+    from gptpipe.runtime.scoring import target_logprobs
 
     rows = manpage_rows(("1",), per_section=8)
     pairs = [(a, b) for (a, _), (b, _) in zip(rows, rows[1:] + rows[:1])]  # "translate" to the next description
@@ -406,7 +393,7 @@ def test_batches_reach_the_gpu_from_pinned_memory_without_blocking() -> None:
     copy makes the host wait for the device."""
     from torch.profiler import ProfilerActivity, profile
 
-    from gptpipe.finetune.data import Encoded, left_padded
+    from gptpipe.runtime.batching import Encoded, left_padded
 
     items = [Encoded([5, 6, 7, 8], [IGNORE, IGNORE, 7, 8]), Encoded([9, 10], [IGNORE, 10])]
     torch.zeros(1, device="cuda")  # the CUDA context, outside the profile
@@ -443,7 +430,7 @@ def test_a_packed_batch_scores_every_row_as_the_padded_batch_does(tiny_lm: Path,
     no row attends to another, positions restart per row, no row predicts the next one's first token."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-    from gptpipe.finetune.model import target_logprobs
+    from gptpipe.runtime.scoring import target_logprobs
     from gptpipe.finetune.finetune import packing_leaks
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_lm)
@@ -661,7 +648,7 @@ def test_sigterm_saves_and_exits_75(tiny_lm: Path, task_files: tuple[Path, Path]
 def test_beam_search_scores_at_least_greedy(tiny_lm: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gptpipe.finetune.model import as_scored, generate, score
+    from gptpipe.runtime.scoring import as_scored, generate, score
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_lm)
     model = AutoModelForCausalLM.from_pretrained(tiny_lm).eval()

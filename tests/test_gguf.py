@@ -22,8 +22,7 @@ from conftest import (HEAD_DIM, HEADS, KV_HEADS, SHIPPED_STAGE1, SMALLER, byte_l
                       gptpipe_command, random_model, train_small_tokenizer)
 from gptpipe.artifacts import EXIT_FAILED
 from gptpipe.cli import main
-from gptpipe.export import agreement
-from gptpipe.export import gguf as export_gguf
+from gptpipe.export import agreement, gguf as export_gguf
 from gptpipe.export.agreement import DEPARTS
 from gptpipe.stage import Manifest
 from gptpipe.tokenizer.hf import TRICKY_STRINGS

@@ -16,8 +16,8 @@ import torch
 from conftest import REPO, train_env
 
 from gptpipe.train.config import TrainConfig
-from gptpipe.train.devices import LIGER_ARCHS, liger_missing, loss_path
-from gptpipe.train.engine import deepspeed_config, fused_loss_kwargs, uncompiled_because
+from gptpipe.runtime.devices import LIGER_ARCHS, liger_missing, loss_path
+from gptpipe.runtime.engine import deepspeed_config, fused_loss_kwargs, uncompiled_because
 
 COUNTED_STEPS = """
 import json
@@ -26,10 +26,11 @@ from types import SimpleNamespace
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from gptpipe.train.config import ModelConfig, TrainConfig
-from gptpipe.train.engine import build_engine, deepspeed_config, setup_distributed, train_step
-from gptpipe.train.model import build_model_config
-from gptpipe.train.schedule import Schedule
+from gptpipe.runtime.config import ModelConfig
+from gptpipe.runtime.engine import build_engine, deepspeed_config, setup_distributed, train_step
+from gptpipe.runtime.model import build_model_config
+from gptpipe.train.config import TrainConfig
+from gptpipe.runtime.schedule import Schedule
 
 
 class Go:

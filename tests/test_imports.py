@@ -1,4 +1,5 @@
-"""The package's import graph: no cycle between its packages or its modules, and no library module imports the CLI."""
+"""The package's import graph: no cycle between its packages or its modules, the stages above the runtime they share,
+and no library module imports the CLI."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _is_module(name: str) -> bool:
 
 def _imports(path: Path) -> set[str]:
     """gptpipe modules imported anywhere in the file (in functions and under `if TYPE_CHECKING:` too); for
-    ``from gptpipe.train import checkpoint``, the module ``gptpipe.train.checkpoint``."""
+    ``from gptpipe.train import checkpoint``, the module ``gptpipe.runtime.checkpoint``."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     found = set()
     for node in ast.walk(tree):
@@ -71,6 +72,29 @@ def test_modules_import_each_other_without_a_cycle() -> None:
     edges = {module: {t for t in _imports(path) if t in modules and t != module} for module, path in modules.items()}
     cycles = _cycles(edges)
     assert not cycles, f"module import cycles through: {cycles}"
+
+
+# The stages that run a model, above the machinery they share (gptpipe.runtime).
+STAGES = ("gptpipe.train", "gptpipe.finetune", "gptpipe.export")
+# The one seam between them: stage 4 exports and checks a fine-tune run, so it reads the task through stage 7's
+# registry of kinds, their facts, the run folder's file names, its config and its metrics' catalogue.
+SEAMS = {"gptpipe.export": {"gptpipe.finetune.kinds", "gptpipe.finetune.task_kind", "gptpipe.finetune.run_files",
+                            "gptpipe.finetune.config", "gptpipe.finetune.metrics"}}
+
+
+def test_the_runtime_imports_no_stage() -> None:
+    """gptpipe.runtime is the kernel under stages 3, 4 and 7: a stage's change never reaches below it."""
+    found = sorted(f"{m} → {t}" for m, path in _modules().items() if m.startswith("gptpipe.runtime")
+                   for t in _imports(path) if _package(t) in STAGES)
+    assert found == []
+
+
+def test_a_stage_imports_another_stage_only_through_a_named_seam() -> None:
+    found = sorted(f"{m} → {t}" for m, path in _modules().items() if _package(m) in STAGES
+                   for t in _imports(path)
+                   if _package(t) in STAGES and _package(t) != _package(m)
+                   and t not in SEAMS.get(_package(m), set()))
+    assert found == []
 
 
 def test_only_the_cli_entry_points_import_the_cli() -> None:

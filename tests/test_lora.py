@@ -19,9 +19,9 @@ from gptpipe.cli import main
 from gptpipe.config.core import ConfigError, load_config
 from gptpipe.finetune.config import FinetuneConfig
 from gptpipe.stage import StageInputError
-from gptpipe.train.checkpoint import complete_checkpoints, consolidate, find_checkpoint, model_from_checkpoint
-from gptpipe.train.lora import ADAPTER_MARK, lora_record
-from gptpipe.train.memory import model_state_bytes
+from gptpipe.runtime.checkpoint import complete_checkpoints, consolidate, find_checkpoint, model_from_checkpoint
+from gptpipe.runtime.lora import ADAPTER_MARK, lora_record
+from gptpipe.runtime.memory import model_state_bytes
 
 LORA = ("train.lora.rank=4", "train.lora.alpha=8", "train.lora.dropout=0")
 RUN = ("train.global_batch_size=8", "train.train_iters=6", "train.eval_interval=3", "train.save_interval=3",

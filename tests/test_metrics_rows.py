@@ -1,4 +1,4 @@
-"""metrics.jsonl's typed rows (train/metrics_rows.py): what the writers write, what every reader gets back."""
+"""metrics.jsonl's typed rows (runtime/metrics_rows.py): what the writers write, what every reader gets back."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from conftest import REPO, metrics
 
 from gptpipe.config.core import load_config
 from gptpipe.pipeline import PipelineConfig
-from gptpipe.train.logging import RunLogger
-from gptpipe.train.metrics_rows import (ROW_KINDS, EvalTasksRow, MixtureRow, SamplesRow, SpeedSetup, TaskEvalRow,
-                                        TrainRow, ValidationRow, legacy_kind, parse_metrics, parse_row, read_metrics)
-from gptpipe.train.model import Shape
+from gptpipe.runtime.logging import RunLogger
+from gptpipe.runtime.metrics_rows import (ROW_KINDS, EvalTasksRow, MixtureRow, SamplesRow, SpeedSetup, TaskEvalRow,
+                                          TrainRow, ValidationRow, legacy_kind, parse_metrics, parse_row, read_metrics)
+from gptpipe.runtime.model import Shape
 
 MOE_TRAIN = TrainRow(10, loss=7.88, lr=0.003, grad_norm=0.99, tokens_per_s=4038.4, tokens=10240, setup="a setup",
                      aux_loss=1.04, expert_share_min=[0.09, 0.03], experts_starved=9, mem_gib=0.57, skipped_steps=0)

@@ -12,14 +12,14 @@ from pathlib import Path
 
 from conftest import REPO
 
-TEMPLATE_IN_WHEEL = "gptpipe/train/ds_config_gpt_TEMPLATE.json"
+TEMPLATE_IN_WHEEL = "gptpipe/runtime/ds_config_gpt_TEMPLATE.json"
 
 # Run from the installed wheel only: fill the shipped template for a default config, as training does.
 FILL_TEMPLATE = """
 import json, gptpipe
 from gptpipe.config.core import load_config
 from gptpipe.pipeline import PipelineConfig
-from gptpipe.train.engine import TEMPLATE, deepspeed_config
+from gptpipe.runtime.engine import TEMPLATE, deepspeed_config
 config, _ = deepspeed_config(load_config(PipelineConfig, None, []).train, 2, 1, 1, False)
 print(json.dumps({"package": gptpipe.__file__, "template": str(TEMPLATE), "batch": config["train_batch_size"]}))
 """

@@ -18,11 +18,11 @@ from conftest import FINETUNE_QUICK, gptpipe_command, manpage_chats, metrics, wr
 from gptpipe.data.jsonl import (EMPTY, IDENTICAL_ANSWERS, INVALID_JSON, MISSING_KEY, NO_CHOSEN, NOT_A_MESSAGE_LIST,
                                 TEMPLATE_ERROR, TOO_LONG, UNKNOWN_ROLE, Reasons)
 from gptpipe.finetune.chat_data import GPTPIPE_TEMPLATE, ChatEncoder, Conversation, install_template
-from gptpipe.finetune.data import IGNORE
+from gptpipe.runtime.batching import IGNORE
 from gptpipe.finetune.demo_task import manpage_pairs
 from gptpipe.finetune.preference import (FIGURES, REFERENCE_FILE, PreferenceEncoder, PreferenceKind, dpo,
                                          read_pairs)
-from gptpipe.train.metrics_rows import TaskEvalRow, TrainRow
+from gptpipe.runtime.metrics_rows import TaskEvalRow, TrainRow
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,7 @@ def pairs_and_model(folder: Path, files: tuple[Path, Path], count: int = 6):
     from transformers import AutoModelForCausalLM
 
     from gptpipe.finetune.preference import pair_logprobs
-    from gptpipe.train.engine import Dist
+    from gptpipe.runtime.engine import Dist
 
     tokenizer = pair_tokenizer(folder)
     rows = read_pairs(files[0], Reasons())[:count]
@@ -328,7 +328,7 @@ def test_dpo_raises_held_out_reward_accuracy_resumes_exactly_predicts_and_chats(
     from conftest import train_env
     from prewarmed import Forked
     from gptpipe.finetune.predict import resolve_checkpoint
-    from gptpipe.train import checkpoint
+    from gptpipe.runtime import checkpoint
 
     whole, log = pair_run
     assert "the shipped 'gptpipe' chat template" in log

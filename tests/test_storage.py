@@ -59,8 +59,8 @@ def test_url_values_stay_urls_and_secrets_stay_out(tmp_path: Path) -> None:
 def test_a_run_redone_at_the_same_url_is_not_read_from_an_earlier_runs_cache(store, tmp_path: Path) -> None:
     """Stage 4's reader caches a bucket checkpoint locally by URL. A run redone at the same URL writes files of
     the same sizes (same model shape): the reader must download them again, not serve the first run's copy."""
-    from gptpipe.train import checkpoint
-    from gptpipe.train.bucket import Bucket, fetch_checkpoint
+    from gptpipe.runtime import checkpoint
+    from gptpipe.runtime.bucket import Bucket, fetch_checkpoint
 
     url = f"{store.scheme}://{store.bucket}/runs/redone"
     bucket = Bucket(url, None)

@@ -15,8 +15,8 @@ from gptpipe.data.indexed import IndexedDataset
 from gptpipe.data.split import document_order, split_bounds
 from gptpipe.pipeline import PipelineConfig
 from gptpipe.artifacts import read_tokenizer
-from gptpipe.train.checkpoint import COMPLETE_MARKER, HF_CONFIG, STATE, complete_checkpoints
-from gptpipe.train.metrics_rows import SamplesRow, TrainRow, ValidationRow
+from gptpipe.runtime.checkpoint import COMPLETE_MARKER, HF_CONFIG, STATE, complete_checkpoints
+from gptpipe.runtime.metrics_rows import SamplesRow, TrainRow, ValidationRow
 
 # What TRAINED_RUN (conftest) makes: an evaluation and a checkpoint every eval/save interval and at the end,
 # the newest keep_checkpoints kept.
@@ -115,7 +115,7 @@ def test_per_layer_router_loss_revives_the_expert_the_pooled_loss_leaves_dead() 
     import torch
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    from gptpipe.train.model import expert_shares, router_loss
+    from gptpipe.runtime.model import expert_shares, router_loss
 
     experts, top_k = 8, 2
 
@@ -145,10 +145,11 @@ def test_per_layer_router_loss_revives_the_expert_the_pooled_loss_leaves_dead() 
 BF16_ENGINE = """
 from types import SimpleNamespace
 import torch
-from gptpipe.train.config import ModelConfig, TrainConfig
-from gptpipe.train.engine import build_engine, deepspeed_config, setup_distributed
-from gptpipe.train.model import build_model, build_model_config
-from gptpipe.train.schedule import Schedule
+from gptpipe.runtime.config import ModelConfig
+from gptpipe.train.config import TrainConfig
+from gptpipe.runtime.engine import build_engine, deepspeed_config, setup_distributed
+from gptpipe.runtime.model import build_model, build_model_config
+from gptpipe.runtime.schedule import Schedule
 
 dist = setup_distributed()
 train = TrainConfig(precision="bf16", global_batch_size=2, micro_batch_size=2)

@@ -13,7 +13,7 @@ import pytest
 from conftest import QUICK_TRAIN, REPO, run_cli, run_train, train_losses
 
 from gptpipe.train.eval_tasks import Scores, compare
-from gptpipe.train.metrics_rows import EvalTasksRow, TrainRow, read_metrics
+from gptpipe.runtime.metrics_rows import EvalTasksRow, TrainRow, read_metrics
 
 pytest.importorskip("lm_eval", reason="needs lm-eval (pip install 'lm-eval[hf]')")
 

@@ -12,11 +12,12 @@ import pytest
 from conftest import QUICK_TRAIN, SHIPPED, TRAINED_RUN, metrics, run_train
 
 from gptpipe.cli import main
-from gptpipe.train.config import ModelConfig, TrainConfig
-from gptpipe.train.engine import TEMPLATE, EngineConfigError, deepspeed_config
-from gptpipe.train.metrics_rows import TrainRow
-from gptpipe.train.model import PRESETS, build_model_config, count_parameters, padded_vocab_size, resolve_shape
-from gptpipe.train.schedule import Schedule
+from gptpipe.runtime.config import ModelConfig
+from gptpipe.train.config import TrainConfig
+from gptpipe.runtime.engine import TEMPLATE, EngineConfigError, deepspeed_config
+from gptpipe.runtime.metrics_rows import TrainRow
+from gptpipe.runtime.model import PRESETS, build_model_config, count_parameters, padded_vocab_size, resolve_shape
+from gptpipe.runtime.schedule import Schedule
 
 TOKENIZER = SimpleNamespace(vocab_size=32000, bos_id=1, eos_id=2, pad_id=3)
 
@@ -254,7 +255,7 @@ def test_deepspeed_config_fills_the_template_consistently(tmp_path: Path) -> Non
 
 
 def test_no_weight_decay_on_norms_biases_and_embeddings() -> None:
-    from gptpipe.train.model import build_model, parameter_groups
+    from gptpipe.runtime.model import build_model, parameter_groups
 
     for arch in ("llama", "gpt2"):
         model = build_model(build_model_config(ModelConfig(arch=arch), TOKENIZER, 64))
@@ -273,7 +274,7 @@ def test_no_weight_decay_on_norms_biases_and_embeddings() -> None:
 def _tiny_bf16_model(arch: str, layers: int):
     import torch
 
-    from gptpipe.train.model import build_model
+    from gptpipe.runtime.model import build_model
 
     cfg = ModelConfig(arch=arch, preset="custom", num_layers=layers, hidden_size=256, num_attn_heads=4,
                       num_kv_heads=None if arch == "gpt2" else 2, num_experts=4)
@@ -346,8 +347,8 @@ def test_planned_activations_are_what_autograd_keeps(model_type: str, overrides:
     Gemma 3's q/k norms, Gemma's four norms, and fp32 GQA's math fallback)."""
     import torch
 
-    from gptpipe.train.memory import activation_bytes_per_token, windowed_layers
-    from gptpipe.train.model import base_shape, build_model
+    from gptpipe.runtime.memory import activation_bytes_per_token, windowed_layers
+    from gptpipe.runtime.model import base_shape, build_model
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     tokens = torch.randint(0, 1000, (2, 128))
@@ -407,7 +408,7 @@ def test_planned_loss_memory_is_the_unfused_loss_peak(precision: str) -> None:
     planner said 10: it missed the two fp32 gradients live at the start of backward)."""
     import torch
 
-    from gptpipe.train.memory import EngineSettings, estimate_memory
+    from gptpipe.runtime.memory import EngineSettings, estimate_memory
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     model, shape = _tiny_bf16_model("llama", 1)
@@ -432,7 +433,7 @@ def test_planned_loss_memory_is_the_unfused_loss_peak(precision: str) -> None:
     ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835), ("NVIDIA H200", 989),
     ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA L40S", 362), ("NVIDIA L40", 181), ("NVIDIA L4", 121)])
 def test_peak_flops_by_the_name_torch_reports(name: str, tflops: float) -> None:
-    from gptpipe.train.devices import peak_flops
+    from gptpipe.runtime.devices import peak_flops
 
     assert peak_flops(name, "bf16", None) == tflops * 1e12
     assert peak_flops(name, "fp32", None) == tflops * 1e12 / 2
@@ -444,7 +445,7 @@ def test_ranks_per_node_reads_both_launchers(monkeypatch: pytest.MonkeyPatch) ->
     all 64 ranks in its host-RAM check."""
     import os
 
-    from gptpipe.train.devices import host_threads_per_rank, ranks_per_node
+    from gptpipe.runtime.devices import host_threads_per_rank, ranks_per_node
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.delenv("LOCAL_SIZE", raising=False)
@@ -475,7 +476,7 @@ def test_plan_counts_the_ranks_of_one_node(dataset_prefix: Path, workspace: Path
 def test_one_decision_of_the_fused_loss_for_planner_and_engine() -> None:
     """The planner reserved Liger's small loss whenever liger-kernel imported, while the engine applies it to
     llama and mixtral only: gpt2 125m on one H100 was planned at micro-batch 64 and needs ~47 GiB."""
-    from gptpipe.train.devices import loss_path
+    from gptpipe.runtime.devices import loss_path
 
     assert not loss_path("gpt2", on_gpu=True, liger_kernels=True, other_machine=True).fused
     assert "no gpt2 patch" in loss_path("gpt2", on_gpu=True, liger_kernels=True).why
@@ -507,7 +508,7 @@ def test_gpt2_on_an_h100_is_planned_with_its_full_logits(dataset_prefix: Path, w
 
 
 def test_bf16_gradients_are_accumulated_and_reduced_in_fp32() -> None:
-    from gptpipe.train.memory import EngineSettings, estimate_memory
+    from gptpipe.runtime.memory import EngineSettings, estimate_memory
 
     for stage in (1, 2, 3):
         config, _ = deepspeed_config(TrainConfig(precision="bf16", zero_stage=stage), 4, 1, 2, on_gpu=False)
@@ -525,7 +526,7 @@ def test_bf16_gradients_are_accumulated_and_reduced_in_fp32() -> None:
 
 
 def test_fp32_runs_count_zero_s_own_master_copy() -> None:
-    from gptpipe.train.memory import EngineSettings, estimate_memory
+    from gptpipe.runtime.memory import EngineSettings, estimate_memory
 
     shape = resolve_shape(ModelConfig(preset="125m"), 32000)
     n = count_parameters(shape, 2048)
@@ -537,7 +538,7 @@ def test_fp32_runs_count_zero_s_own_master_copy() -> None:
 def test_triton_is_checked_before_liger_or_compile_use_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Triton compiles a C launcher at first use: without a C compiler the first step raised; the run now
     trains unfused/uncompiled and says why."""
-    from gptpipe.train.devices import triton_missing
+    from gptpipe.runtime.devices import triton_missing
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, no clang
     monkeypatch.delenv("CC", raising=False)

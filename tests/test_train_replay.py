@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import QUICK_TRAIN, metrics, run_cli, run_train, start_train, train_losses, wait_for_step
 
-from gptpipe.train.checkpoint import complete_checkpoints
-from gptpipe.train.metrics_rows import MixtureRow, ValidationRow
+from gptpipe.runtime.checkpoint import complete_checkpoints
+from gptpipe.runtime.metrics_rows import MixtureRow, ValidationRow
 
 STEPS, BATCH, EVAL_ITERS = 8, 8, 2  # QUICK_TRAIN's global batch
 WEIGHTS = (3, 1)

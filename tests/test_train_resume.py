@@ -12,8 +12,8 @@ from conftest import (QUICK, QUICK_TRAIN, REFERENCE_RUN, REFERENCE_STEPS, metric
                       train_losses, wait_for_step)
 
 from gptpipe.artifacts import EXIT_PREEMPTED
-from gptpipe.train.checkpoint import COMPLETE_MARKER, STATE, complete_checkpoints
-from gptpipe.train.metrics_rows import TrainRow
+from gptpipe.runtime.checkpoint import COMPLETE_MARKER, STATE, complete_checkpoints
+from gptpipe.runtime.metrics_rows import TrainRow
 
 STEPS = REFERENCE_STEPS
 

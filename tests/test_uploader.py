@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from gptpipe.train import checkpoint
-from gptpipe.train.bucket import Bucket
-from gptpipe.train.mirror import RunMirror
-from gptpipe.train.uploader import UPLOADS, Uploader
+from gptpipe.runtime import checkpoint
+from gptpipe.runtime.bucket import Bucket
+from gptpipe.runtime.mirror import RunMirror
+from gptpipe.runtime.uploader import UPLOADS, Uploader
 
 
 @pytest.fixture

@@ -20,12 +20,12 @@ from test_tokenizer_extend import english_pages, extend
 
 from gptpipe.artifacts import EXIT_BAD_INPUT, TOKENIZE, TOKENIZER_HF_DIR
 from gptpipe.data.base_tokenizer import expand
-from gptpipe.export import gguf as export_gguf
-from gptpipe.export import vllm_check
+from gptpipe.export import gguf as export_gguf, vllm_check
 from gptpipe.stage import StageInputError
 from gptpipe.tolerance import loss_tolerance
-from gptpipe.train.base_model import new_row_problems, old_rows_loss, open_base, reference_loss
-from gptpipe.train.model import VOCAB_MULTIPLE, build_model
+from gptpipe.train.continued import new_row_problems, old_rows_loss, reference_loss
+from gptpipe.runtime.base_model import open_base
+from gptpipe.runtime.model import VOCAB_MULTIPLE, build_model
 
 CORPUS_DOCS = 300
 NEW_PIECES = 300
@@ -92,7 +92,7 @@ def grown(bases, extension, name: str):
 def test_stage_2_encodes_with_the_extension_routed_from_its_output_dir(corpus, extension, dataset) -> None:
     from transformers import AutoTokenizer
 
-    from gptpipe.train.base_model import first_documents
+    from gptpipe.data.tokenizer_check import first_documents
 
     tokenizer = AutoTokenizer.from_pretrained(extension / TOKENIZER_HF_DIR)
     texts = corpus[1][:20]
@@ -217,7 +217,7 @@ def run_args(workspace: Path, bases, extension: Path, dataset: Path, run: Path, 
 
 
 def weights(run: Path, step: int) -> dict:
-    from gptpipe.train.checkpoint import consolidate, find_checkpoint
+    from gptpipe.runtime.checkpoint import consolidate, find_checkpoint
 
     return consolidate(find_checkpoint(run / "checkpoints", step))
 

@@ -12,7 +12,7 @@ the same URL has a new record (a stage manifest's timings, a checkpoint marker's
 files have the same sizes.
 
 Stage outputs (gptpipe.remote: the stage manifest is the record) and checkpoints of a run folder in a bucket
-(train/bucket.py: the ``complete`` marker is the record) both reach a bucket through this module.
+(runtime/bucket.py: the ``complete`` marker is the record) both reach a bucket through this module.
 """
 
 from __future__ import annotations

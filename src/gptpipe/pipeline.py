@@ -8,7 +8,8 @@ from gptpipe.config.core import option
 from gptpipe.corpus.config import CorpusConfig
 from gptpipe.data.config import DataConfig, TokenizeConfig
 from gptpipe.storage import StorageConfig
-from gptpipe.train.config import LoggingConfig, ModelConfig, TrainConfig
+from gptpipe.runtime.config import LoggingConfig, ModelConfig
+from gptpipe.train.config import TrainConfig
 
 
 @dataclass

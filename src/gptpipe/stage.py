@@ -64,6 +64,35 @@ def tree_fingerprint(paths: list[Path]) -> dict[str, Any]:
     return {"files": len(paths), "size": total, "sha256": digest.hexdigest()}
 
 
+def folder_fingerprint(folder: Path, previous: dict[str, Any] | None = None) -> dict[str, Any]:
+    """{relative path: {size, mtime_ns, sha256}} of every file under `folder`. A file whose size and mtime equal
+    `previous`'s record keeps its recorded hash (rewriting a file changes its mtime), so a resumed run rehashes
+    only what may have changed."""
+    previous = previous or {}
+    files = {}
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file() and ".cache" not in p.parts):
+        name, st = path.relative_to(folder).as_posix(), path.stat()
+        old = previous.get(name)
+        same = old and old["size"] == st.st_size and old["mtime_ns"] == st.st_mtime_ns
+        files[name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                       "sha256": old["sha256"] if same else file_sha256(path)}
+    return files
+
+
+def folder_changes(record: dict[str, Any], folder: Path) -> list[str]:
+    """How `folder` differs from the base `record`ed when the run initialised (empty: the same files)."""
+    if not Path(folder).is_dir():
+        return [f"{folder} does not exist"]
+    recorded = record["files"]
+    now = folder_fingerprint(folder, recorded)
+    changes = [f"{name} is new" for name in now if name not in recorded]
+    changes += [f"{name} is gone" for name in recorded if name not in now]
+    changes += [f"{name} changed (size {recorded[name]['size']:,} → {now[name]['size']:,}, sha256 "
+                f"{recorded[name]['sha256'][:12]} → {now[name]['sha256'][:12]})"
+                for name in now if name in recorded and now[name]["sha256"] != recorded[name]["sha256"]]
+    return changes
+
+
 def manifest_fingerprint(manifest_path: Path) -> dict[str, Any]:
     """An upstream stage's output, identified by its manifest's hash: it changes whenever that stage reruns."""
     return {"manifest_sha256": file_sha256(manifest_path)}

@@ -12,16 +12,8 @@ through its generation_config.json), the vLLM check (vllm_check.py) and the llam
   by how far its logit lies below the best at that step; reading the runtime's tokens keeps one near-tie from
   derailing the comparison of the rest.
 - Tolerance (`tolerance`): how far a forward pass with weights in a dtype may move a logit from the fp32
-  model's, in bf16 rounding steps (2^-8) of the largest logit: fp32 none (tolerance.py's FP32_TOLERANCE: summation
-  order only), f16 four (tolerance.py's allowance for a 16-bit forward), bf16 eight (a bf16 step is eight f16
-  ones; engines round activations in bf16 too, llama.cpp its KV cache in f16), q8_0 thirty-two (llama.cpp's q8_0
-  rounds each weight to 1/127 of its block's largest and, on the CPU, the activations that meet it too).
-  Measured with llama.cpp 0c1e57098 on tests/test_gguf.py's models (4 prompts, 20 tokens each): on the trained
-  stage-4 test export every logit stays within 0.06 (f16), 0.34 (bf16), 1.6 (q8_0) steps of fp32's (transformers'
-  bf16 forward: 1.6). The random tiny models (init std 0.3: large logits, rounding amplified through the layers)
-  move further, up to 2.6 / 22 / 86 steps (transformers' bf16: 43), yet the tokens llama.cpp chose lie at most
-  0.23 / 6.5 / 24 steps below the best: every q8_0 file's greedy ids agree with the fp32 model's up to near-ties,
-  most prompts parting from them at one. The allowance is at least twice each largest gap seen.
+  model's, in bf16 rounding steps of the largest logit (tolerance.py's LOGIT_STEPS: fp32 none, f16 four, bf16
+  eight, q8_0 thirty-two; measured in docs/benchmarks.md, "logits tolerance").
 - Verdict (`Verdict`): exact (the fp32 model's ids), near-tie (other ids, but every token within
   NEAR_TIE_FACTOR tolerances of the best: logits that each lie within t of fp32's can swap their argmax only
   where the best two are within 2t), or departs: a token further below, going on after a stop id, or stopping
@@ -35,15 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gptpipe.tolerance import BF16_RELATIVE, FP32_TOLERANCE
+from gptpipe.tolerance import logits_tolerance
 
 GREEDY_TOKENS = 20  # new tokens each check generates per prompt
 NEAR_TIE_FACTOR = 2.0
 EXACT, NEAR_TIE, DEPARTS = "exact", "near-tie", "departs"
-# Each dtype's names (the gate's, torch's, GGUF outtypes) → how many bf16 steps of the largest logit a forward
-# pass with weights in it may move a logit from the fp32 model's.
-BF16_STEPS = {"fp32": 0, "float32": 0, "f32": 0, "f16": 4, "fp16": 4, "float16": 4, "bf16": 8, "bfloat16": 8,
-              "q8_0": 32}
 
 Prompt = str | Sequence[dict[str, str]]  # text, or a conversation (role/content messages)
 
@@ -51,9 +39,7 @@ Prompt = str | Sequence[dict[str, str]]  # text, or a conversation (role/content
 def tolerance(dtype: str, largest_logit: float) -> float:
     """Largest |Δ| between a logit of a forward pass with weights in `dtype` and the fp32 model's, whose largest
     logit magnitude is given."""
-    if dtype not in BF16_STEPS:
-        raise ValueError(f"no logits tolerance for dtype {dtype!r} (known: {', '.join(BF16_STEPS)})")
-    return FP32_TOLERANCE + BF16_STEPS[dtype] * BF16_RELATIVE * largest_logit
+    return logits_tolerance(largest_logit, dtype, other_runtime=True)
 
 
 def prompt_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
@@ -178,8 +164,8 @@ def compare(reference: Any, prompts: Sequence[list[int]], got: Sequence[list[int
     ids the runtime chooses from: a checkpoint's padded embedding rows are not among them)."""
     import torch
 
-    from gptpipe.finetune.data import IGNORE, collate
-    from gptpipe.finetune.model import as_scored, logits
+    from gptpipe.runtime.batching import IGNORE, collate
+    from gptpipe.runtime.scoring import as_scored, logits
 
     batch = collate([as_scored(p, g, seq2seq) for p, g in zip(prompts, got)], 0, seq2seq)
     batch.pop("target_columns", None)  # logits at every position: the prompts are short

@@ -16,7 +16,7 @@ import yaml
 
 from gptpipe.finetune.metrics import TASK_METRICS, metric
 from gptpipe.finetune.task_kind import TaskFacts
-from gptpipe.train.metrics_rows import EVALUATIONS, Row, TaskEvalRow, TrainRow, of_kind
+from gptpipe.runtime.metrics_rows import EVALUATIONS, Row, TaskEvalRow, TrainRow, of_kind
 
 LOSS_CURVE = "loss_curve.png"
 METRIC_CURVE = "metric_curve.png"
@@ -214,14 +214,15 @@ def _corpus_rows(corpus: CorpusBlock, base: BaseBlock | None) -> list[str]:
 
 
 def _task_rows(block: TaskBlock) -> list[str]:
-    from gptpipe.finetune.chat_data import describe_template
+    from gptpipe.finetune.kinds import task_kind
 
     task, rows = block.task, block.rows
     lines = ["## Task", "", f"- kind: {task.kind}"]
     if block.chat_template is not None:
-        lines += [f"- chat template: {describe_template(block.chat_template)}, in chat_template.jinja and "
-                  "tokenizer_config.json (loss on the assistant turns only; each ends with EOS, where generation "
-                  "stops):", "", "```jinja", block.chat_template, "```", ""]
+        template = task_kind(task.kind).describe_template(block.chat_template)
+        lines += [f"- chat template: {template}, in chat_template.jinja and tokenizer_config.json (loss on the "
+                  "assistant turns only; each ends with EOS, where generation stops):", "", "```jinja",
+                  block.chat_template, "```", ""]
     else:
         lines.append(f"- prompt template (the answer follows it, then EOS): `{task.prompt!r}`")
     if task.labels:
@@ -285,13 +286,13 @@ def _metric_rows(block: TaskBlock, step: int) -> list[str]:
 
 def _comparison_rows(comparison: dict[str, dict[str, float]], best_metric: str | None) -> list[str]:
     """The run's best checkpoint beside its baselines (finetune_config.yaml `baseline:`), on the same rows."""
-    from gptpipe.finetune.baseline import DESCRIPTIONS
+    from gptpipe.finetune.run_files import BASELINE_DESCRIPTIONS
 
     keys = list(dict.fromkeys(k for figures in comparison.values() for k in figures))
     lines = ["", f"Compared with baselines on the same validation rows (the run's best checkpoint by {best_metric}):",
              "", "| | " + " | ".join(keys) + " |", "| --- |" + " --- |" * len(keys)]
     for name, figures in comparison.items():
-        label = "this model" if name == "model" else f"{name}: {DESCRIPTIONS.get(name, name)}"
+        label = "this model" if name == "model" else f"{name}: {BASELINE_DESCRIPTIONS.get(name, name)}"
         lines.append(f"| {label} | " + " | ".join(metric(k).show(figures[k]) if k in figures else "-" for k in keys)
                      + " |")
     return lines

@@ -1,5 +1,5 @@
 """Stage-3 and stage-7 checkpoints as stage 4 sees them: their run records (finding a checkpoint, and the
-model rebuilt from it, are gptpipe.train.checkpoint's, which owns the format).
+model rebuilt from it, are gptpipe.runtime.checkpoint's, which owns the format).
 
 A checkpoint folder ``<run>/checkpoints/global_step{N}/`` holds DeepSpeed's files, ``hf_config.json``
 (the transformers config the model was trained with) and ``gptpipe_state.json`` (step, tokens, and the run
@@ -18,7 +18,7 @@ from gptpipe.config.core import ConfigError, config_from_plain
 from gptpipe.pipeline import PipelineConfig
 from gptpipe.stage import StageInputError
 from gptpipe.finetune.run_files import SUMMARY_FILE
-from gptpipe.train.checkpoint import STATE, Checkpoint
+from gptpipe.runtime.checkpoint import STATE, Checkpoint
 
 
 def training_config(checkpoint: Checkpoint) -> PipelineConfig:

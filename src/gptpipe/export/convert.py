@@ -20,10 +20,10 @@ from gptpipe.log import get_logger
 from gptpipe.remote import staging
 from gptpipe.stage import Manifest, StageFailed, StageInputError, StageResult, atomic_dir, write_text_atomic
 from gptpipe.artifacts import CONVERT, EXIT_OK
-from gptpipe.train.bucket import local_checkpoint_source
-from gptpipe.train.checkpoint import Checkpoint, consolidate, find_checkpoint, model_from_checkpoint
-from gptpipe.train.lora import ADAPTER_MARK
-from gptpipe.train.metrics_rows import read_metrics
+from gptpipe.runtime.bucket import local_checkpoint_source
+from gptpipe.runtime.checkpoint import Checkpoint, consolidate, find_checkpoint, model_from_checkpoint
+from gptpipe.runtime.lora import ADAPTER_MARK
+from gptpipe.runtime.metrics_rows import read_metrics
 
 log = get_logger("convert")
 

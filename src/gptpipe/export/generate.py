@@ -13,7 +13,7 @@ from gptpipe.export.config import ConvertConfig
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError
 from gptpipe.artifacts import CONVERT, EXIT_OK, export_problems
-from gptpipe.train.model import inference_config
+from gptpipe.runtime.model import inference_config
 
 log = get_logger("generate")
 

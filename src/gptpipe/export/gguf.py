@@ -478,7 +478,7 @@ def heldout_texts(model_dir: Path) -> tuple[list[str], str]:
 
     from gptpipe.data.split import unseen_document_ids
     from gptpipe.export.checkpoint import training_config
-    from gptpipe.train.checkpoint import find_checkpoint
+    from gptpipe.runtime.checkpoint import find_checkpoint
 
     if not CONVERT.has_manifest(model_dir):
         return [], "not a gptpipe export (no manifest.json): no held-out text of its training data"

@@ -25,13 +25,13 @@ from gptpipe.stage import StageInputError, file_fingerprint, tree_fingerprint
 from gptpipe.artifacts import (TOKENIZE, TRAIN_TOKENIZER, DatasetInfo, TokenizerInfo, read_dataset,
                                read_tokenizer)
 from gptpipe.tokenizer.hf import SENTENCEPIECE_FILE, exported_config
-from gptpipe.train.checkpoint import STATE, Checkpoint
-from gptpipe.train.metrics_rows import Row
+from gptpipe.runtime.checkpoint import STATE, Checkpoint
+from gptpipe.runtime.metrics_rows import Row
 
 if TYPE_CHECKING:
     from gptpipe.data.base_tokenizer import PretrainedTokenizer
     from gptpipe.pipeline import PipelineConfig
-    from gptpipe.train.base_model import BaseModel
+    from gptpipe.runtime.base_model import BaseModel
 
 HELDOUT_DOCUMENTS = 32
 VERIFY_ROWS = 8  # a fine-tune's validation rows the gate compares logits and tokenizers on
@@ -197,7 +197,7 @@ class ContinuedSource(PretrainSource):
                 "datasets": [TOKENIZE.fingerprint(d.prefix) for d in self.datasets]}
 
     def copied_files(self) -> dict[str, Path]:
-        from gptpipe.train.base_model import exported_files
+        from gptpipe.runtime.base_model import exported_files
 
         return exported_files(self.base)
 
@@ -209,7 +209,7 @@ class ContinuedSource(PretrainSource):
 
     def compare_tokenizer(self, tokenizer: Any) -> tuple[int, int, list[str]]:
         """The held-out documents decoded and re-encoded by the folder's tokenizer give the data's ids."""
-        from gptpipe.train.base_model import round_trip_problems
+        from gptpipe.data.tokenizer_check import round_trip_problems
 
         problems = round_trip_problems(tokenizer, self.rows.documents, self.tokenizer.bos_id, self.tokenizer.eod_id)
         return len(self.rows.documents), len(problems), problems[:3]
@@ -227,7 +227,7 @@ class ContinuedSource(PretrainSource):
 def pretrain_source(config: ConvertConfig, checkpoint: Checkpoint) -> PretrainSource:
     """The source of a stage-3 checkpoint: from scratch, or continued from the base its run record names (the
     base folder must still hold the files the run recorded when it initialised from them)."""
-    from gptpipe.train.base_model import BASE_STATE_KEY, check_unchanged, open_base
+    from gptpipe.runtime.base_model import BASE_STATE_KEY, check_unchanged, open_base
 
     training = training_config(checkpoint)
     base = record = None
@@ -256,7 +256,7 @@ def validation_rows(checkpoint: Checkpoint, tokenizer: Any) -> tuple[TaskRows, P
     """(the first validation rows of the fine-tune's data, the file they come from), as its run record says:
     data.validation, or the seeded share of data.train it split off; `tokenizer`: the run's."""
     from gptpipe.data.jsonl import Reasons
-    from gptpipe.finetune.data import split_validation
+    from gptpipe.finetune.task_kind import split_validation
     from gptpipe.finetune.kinds import task_kind
 
     data = finetune_config(checkpoint).data
@@ -330,7 +330,7 @@ class FinetuneSource:
         model: at the end of an assistant turn, so HF generate and servers end the answer there)."""
         from transformers import GenerationConfig
 
-        from gptpipe.finetune.data import pad_id
+        from gptpipe.runtime.batching import pad_id
 
         t, task, finetuning = self.tokenizer, self.rows.task, finetune_config(self.checkpoint)
         if task.labels:

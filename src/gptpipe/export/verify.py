@@ -31,9 +31,10 @@ import torch
 from gptpipe.data.jsonl import Reasons
 from gptpipe.export.adapter import is_adapter_folder, load_export
 from gptpipe.export.agreement import DEPARTS, EXACT, compare, greedy, plain, prompt_ids, stop_ids
-from gptpipe.finetune.data import IGNORE, collate, map_to_label, pad_id
+from gptpipe.runtime.batching import IGNORE, collate, pad_id
+from gptpipe.finetune.metrics import map_to_label
 from gptpipe.finetune.kinds import task_kind
-from gptpipe.finetune.model import decode, generate, logits, model_class
+from gptpipe.runtime.scoring import decode, generate, logits, model_class
 from gptpipe.finetune.task_kind import TaskFacts, TaskKind
 from gptpipe.log import get_logger
 from gptpipe.tolerance import logits_tolerance
@@ -192,7 +193,7 @@ class GateSpec:
     tokenizer: TokenizerReference
     special_ids: dict[str, int | None] = field(default_factory=dict)  # "eos" → the id trained with, ...
     vocab_size: int | None = None  # config.json's exact vocabulary (None: at least the tokenizer's)
-    base: Any = None  # a continued run's train.base_model.BaseModel: its files copied byte for byte
+    base: Any = None  # a continued run's runtime.base_model.BaseModel: its files copied byte for byte
     sentencepiece: Path | None = None  # the SentencePiece model the folder's tokenizer.model must be, byte for byte
     chat_template: str | None = None  # a chat model's template, as the run trained with it
     merged_adapters: bool = False  # a LoRA fine-tune merged into its weights: MERGE_RELATIVE more logits tolerance
@@ -244,7 +245,7 @@ def _check_base_files(report: dict[str, Any], folder: Path, base: Any) -> list[s
     extension (its tokenizer files) byte-identical."""
     from transformers import AutoConfig
 
-    from gptpipe.train.base_model import exported_files
+    from gptpipe.runtime.base_model import exported_files
 
     files = exported_files(base)
     names = sorted(files)

@@ -16,16 +16,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 
+from gptpipe.finetune.run_files import BASELINE_DESCRIPTIONS
 from gptpipe.finetune.metrics import TASK_METRICS, VAL_LOSS, classification_metrics, metric
 
 if TYPE_CHECKING:
     from gptpipe.finetune.task_kind import TaskData
 
 BASELINES_DIR = Path("baselines")  # <run>/baselines/<scratch|base>: the baseline fine-tunes' run folders
-DESCRIPTIONS = {"scratch": "the same architecture from random initialisation, fine-tuned alike",
-                "base": "the base model before continued pretraining, fine-tuned alike",
-                "classical": "character 1-4-gram TF-IDF + logistic regression",
-                "majority": "always the most frequent training label"}
+
 
 
 def base_of(model_path: Path) -> Path:
@@ -33,7 +31,7 @@ def base_of(model_path: Path) -> Path:
     it; refused when model.path is no such export or the base's files changed since."""
     from gptpipe.stage import Manifest, StageInputError
     from gptpipe.artifacts import CONVERT
-    from gptpipe.train.base_model import folder_changes
+    from gptpipe.stage import folder_changes
 
     manifest = CONVERT.manifest_path(model_path)
     record = Manifest.read(manifest).inputs.get("base_model") if manifest.is_file() else None
@@ -80,7 +78,7 @@ def format_comparison(table: dict[str, dict[str, float]], model_origin: str, bes
     """The console lines: one per model, then whether the pretrained start beat each baseline."""
     lines = [f"did it help? validation figures of the best checkpoint (by {best_metric}) beside the baselines:"]
     for name, figures in table.items():
-        what = model_origin if name == "model" else DESCRIPTIONS[name]
+        what = model_origin if name == "model" else BASELINE_DESCRIPTIONS[name]
         lines.append(f"  {name:<9} " + "  ".join(f"{k} {metric(k).show(v)}" for k, v in figures.items())
                      + f"  ({what})")
     mine, chosen = table["model"].get(best_metric), metric(best_metric)

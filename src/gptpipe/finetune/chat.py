@@ -19,7 +19,7 @@ import torch
 
 from gptpipe.finetune.chat_data import ChatEncoder
 from gptpipe.finetune.config import FinetuneConfig
-from gptpipe.finetune.model import decode, generate
+from gptpipe.runtime.scoring import decode, generate
 from gptpipe.finetune.predict import load_predictor
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError

@@ -23,7 +23,8 @@ from typing import Any
 from gptpipe.data.jsonl import (EMPTY, INVALID_JSON, LONE_SURROGATE, MISSING_KEY, NO_ASSISTANT_TURN,
                                 NOT_A_MESSAGE_LIST, NOT_A_STRING, NOT_AN_OBJECT, TEMPLATE_ERROR, TOO_LONG, UNDECODABLE,
                                 UNKNOWN_ROLE, Reasons, parse_record)
-from gptpipe.finetune.data import IGNORE, Encoded, Problem
+from gptpipe.runtime.batching import IGNORE, Encoded
+from gptpipe.finetune.data import Problem
 from gptpipe.stage import StageInputError, write_text_atomic
 
 ROLES = ("system", "user", "assistant")
@@ -241,7 +242,7 @@ def save_tokenizer(tokenizer: Any, folder: Path) -> None:
 # --- ids and masks ---------------------------------------------------------------------------------------
 class ChatEncoder:
     """Chat template + tokenizer + length limit → Encoded conversations (loss on assistant turns) and
-    generation prompts. Has what finetune/model.py's `generate` reads of an Encoder."""
+    generation prompts. Has what runtime/scoring.py's `generate` reads of an Encoder."""
 
     seq2seq = False
 

@@ -10,17 +10,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gptpipe.data.jsonl import CUT_TO_FIT, TOO_LONG, Reasons
-from gptpipe.finetune.chat_data import (ChatEncoder, Conversation, conversations_from_lines, distinct_pad,
-                                        install_template, read_conversations, special_tokens_as_tokens)
-from gptpipe.finetune.data import file_format, pad_id
+from gptpipe.finetune.chat_data import (ChatEncoder, Conversation, conversations_from_lines, describe_template,
+                                        distinct_pad, install_template, read_conversations, special_tokens_as_tokens)
+from gptpipe.finetune.data import file_format
+from gptpipe.runtime.batching import pad_id
 from gptpipe.finetune.metrics import generation_metrics
-from gptpipe.finetune.model import decode, gather, generate, score, shard
+from gptpipe.runtime.scoring import decode, gather, generate, score, shard
 from gptpipe.finetune.task_kind import TaskData, TaskFacts, TaskKind
 from gptpipe.stage import StageInputError
 
 if TYPE_CHECKING:
     from gptpipe.finetune.config import FinetuneConfig, FinetuneDataConfig, TaskConfig
-    from gptpipe.train.engine import Dist
+    from gptpipe.runtime.engine import Dist
 
 
 class ChatKind(TaskKind):
@@ -42,6 +43,9 @@ class ChatKind(TaskKind):
             if path is not None and file_format(path, data.format) != "jsonl":
                 raise StageInputError(f"task.kind {self.name} reads jsonl rows ({self.row_keys}); data.{name} "
                                       f"{path} is not .jsonl (set data.format=jsonl if it is)")
+
+    def describe_template(self, template: str) -> str:
+        return describe_template(template)
 
     def prepare_tokenizer(self, tokenizer: Any, task: TaskConfig) -> tuple[str, ...]:
         """The template installed, special tokens read as tokens, a pad distinct from EOS."""

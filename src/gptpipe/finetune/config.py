@@ -14,7 +14,7 @@ from typing import Literal
 
 from gptpipe.config.core import option
 from gptpipe.finetune.metrics import DEFAULT_BEST, best_metric_choices
-from gptpipe.train.config import LoggingConfig, LoopConfig
+from gptpipe.runtime.config import LoggingConfig, LoopConfig
 
 AUTO = "auto"  # train.seq_len resolved from the training rows (finetune/task.py's load_task)
 

@@ -1,5 +1,5 @@
 """Stage 7: `gptpipe finetune` (7_finetune.sh): a pretrained HF model fine-tuned on labelled, chat or preference
-rows in stage 3's loop (train/loop.py), validated every eval_interval steps; the best checkpoint by
+rows in stage 3's loop (runtime/loop.py), validated every eval_interval steps; the best checkpoint by
 train.best_metric is marked (`checkpoints/best`) and never pruned. The task kind gives the loss (task_kind.py's
 training hooks): on the label (assistant) tokens and the EOS after them, normalised by the label tokens of the
 whole global batch, so every label token weighs the same wherever it lands; for preference pairs DPO's, the mean
@@ -28,31 +28,23 @@ from gptpipe.finetune.baseline import (
 )
 from gptpipe.finetune.chat_data import save_tokenizer
 from gptpipe.finetune.config import FinetuneConfig
-from gptpipe.finetune.data import (
-    IGNORE,
-    Encoded,
-    collate_packed,
-    computed_positions,
-    epoch_order,
-    pad_id,
-    row_positions,
-)
+from gptpipe.runtime.batching import (IGNORE, Encoded, collate_packed, computed_positions, epoch_order, pad_id,
+                                      row_positions, sample_positions)
 from gptpipe.finetune.metrics import headline, metric
-from gptpipe.finetune.model import pretrained_factory, target_logprobs
+from gptpipe.runtime.scoring import pretrained_factory, target_logprobs
 from gptpipe.finetune.run_files import SUMMARY_FILE, TASK_FILE, TOKENIZER_DIR
 from gptpipe.finetune.task import load_task
 from gptpipe.finetune.task_kind import TaskData, TaskFacts
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.artifacts import EXIT_BAD_INPUT, EXIT_OK
-from gptpipe.train import checkpoint
-from gptpipe.train.data import sample_positions
-from gptpipe.train.engine import Dist, EngineConfigError, build_engine, deepspeed_config
-from gptpipe.train.lora import check_base, trainable_summary
-from gptpipe.train.loop import LogWindow, TrainLoop, run_ranks
-from gptpipe.train.metrics_rows import TaskEvalRow, TrainRow
-from gptpipe.train.model import inference_config
-from gptpipe.train.schedule import Schedule
+from gptpipe.runtime import checkpoint
+from gptpipe.runtime.engine import Dist, EngineConfigError, build_engine, deepspeed_config
+from gptpipe.runtime.lora import check_base, trainable_summary
+from gptpipe.runtime.loop import LogWindow, TrainLoop, run_ranks
+from gptpipe.runtime.metrics_rows import TaskEvalRow, TrainRow
+from gptpipe.runtime.model import inference_config
+from gptpipe.runtime.schedule import Schedule
 
 log = get_logger("finetune")
 

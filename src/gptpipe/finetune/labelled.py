@@ -13,14 +13,15 @@ import numpy as np
 import torch
 
 from gptpipe.data.jsonl import Reasons
-from gptpipe.finetune.data import Encoded, Encoder, Row, label_set, map_to_label, pad_id, read_lines, read_rows
-from gptpipe.finetune.metrics import classification_metrics, generation_metrics
-from gptpipe.finetune.model import decode, gather, generate, score, shard
+from gptpipe.runtime.batching import Encoded, pad_id
+from gptpipe.finetune.data import Encoder, Row, label_set, read_lines, read_rows
+from gptpipe.finetune.metrics import map_to_label, classification_metrics, generation_metrics
+from gptpipe.runtime.scoring import decode, gather, generate, score, shard
 from gptpipe.finetune.task_kind import TaskData, TaskFacts, TaskKind
 
 if TYPE_CHECKING:
     from gptpipe.finetune.config import FinetuneConfig, FinetuneDataConfig
-    from gptpipe.train.engine import Dist
+    from gptpipe.runtime.engine import Dist
 
 
 class LabelledKind(TaskKind):

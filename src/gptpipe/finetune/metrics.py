@@ -1,7 +1,8 @@
 """Task metrics: classification by scikit-learn (with the majority-class baseline beside them, since
 imbalanced label sets are the norm), generation by exact match and chrF (sacrebleu, computed locally), chat
-by chrF of generated answers, preference by the DPO rewards of held-out pairs (finetune/preference.py); and the
-catalogue every reader of them shares (training's best checkpoint, the console, predict, the card)."""
+by chrF of generated answers, preference by the DPO rewards of held-out pairs (finetune/preference.py); the
+catalogue every reader of them shares (training's best checkpoint, the console, predict, the card); and the
+mapping of a generated answer to the nearest label."""
 
 from __future__ import annotations
 
@@ -102,3 +103,24 @@ def format_classification(m: dict[str, Any]) -> str:
         lines.append(f"    {label!s:>12}  P {c['precision']:.3f}  R {c['recall']:.3f}  F1 {c['f1']:.3f}  "
                      f"n {c['support']}")
     return "\n".join(lines)
+
+
+# --- answers as labels --------------------------------------------------------------------------------------
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions of characters)."""
+    previous = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        current = [i]
+        for j, cb in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
+        previous = current
+    return previous[-1]
+
+
+def map_to_label(text: str, labels: list[str]) -> tuple[str, bool]:
+    """(the label nearest to the generated `text` by edit distance, whether it needed mapping).
+    Ties go to the label listed first (label_set lists the most frequent first)."""
+    text = text.strip()
+    if text in labels:
+        return text, False
+    return min(labels, key=lambda label: edit_distance(text, label)), True

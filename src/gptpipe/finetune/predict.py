@@ -24,29 +24,18 @@ from gptpipe.data.jsonl import CUT_TO_FIT, TOO_LONG, Reasons
 from gptpipe.log import get_logger
 from gptpipe.artifacts import EXIT_BAD_INPUT
 from gptpipe.finetune.config import AUTO, FinetuneConfig
-from gptpipe.finetune.data import map_to_label, model_positions, pad_id
+from gptpipe.finetune.metrics import map_to_label, classification_metrics, generation_metrics, headline
+from gptpipe.finetune.data import model_positions
+from gptpipe.runtime.batching import pad_id
 from gptpipe.finetune.kinds import task_kind
-from gptpipe.finetune.metrics import (
-    classification_metrics,
-    generation_metrics,
-    headline,
-)
-from gptpipe.finetune.model import (
-    as_scored,
-    decode,
-    gather,
-    generate,
-    is_seq2seq,
-    score,
-    shard,
-)
+from gptpipe.runtime.scoring import as_scored, decode, gather, generate, is_seq2seq, score, shard
 from gptpipe.finetune.run_files import TASK_FILE, TOKENIZER_DIR
 from gptpipe.finetune.task_kind import TaskFacts, TaskKind
 from gptpipe.stage import StageInputError, write_text_atomic
-from gptpipe.train import checkpoint
-from gptpipe.train.engine import Dist
-from gptpipe.train.loop import run_ranks
-from gptpipe.train.model import inference_config, load_pretrained
+from gptpipe.runtime import checkpoint
+from gptpipe.runtime.engine import Dist
+from gptpipe.runtime.loop import run_ranks
+from gptpipe.runtime.model import inference_config, load_pretrained
 
 log = get_logger("predict")
 

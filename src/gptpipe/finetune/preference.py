@@ -37,17 +37,18 @@ from gptpipe.data.jsonl import (EMPTY, IDENTICAL_ANSWERS, INVALID_JSON, MISSING_
                                 NOT_AN_OBJECT, TEMPLATE_ERROR, TOO_LONG, UNDECODABLE, Reasons, parse_record)
 from gptpipe.finetune.chat_data import ChatEncoder, Conversation, message_list, text_problem
 from gptpipe.finetune.chat_task import ChatKind
-from gptpipe.finetune.data import IGNORE, Encoded, Problem, edit_distance, pad_id
-from gptpipe.finetune.model import gather, score, shard, target_logprobs
+from gptpipe.runtime.batching import IGNORE, Encoded, pad_id
+from gptpipe.finetune.data import Problem
+from gptpipe.finetune.metrics import edit_distance
+from gptpipe.runtime.scoring import gather, score, shard, target_logprobs
 from gptpipe.finetune.task_kind import TaskData, TaskFacts
 from gptpipe.log import get_logger
-from gptpipe.stage import StageInputError, write_text_atomic
-from gptpipe.train.base_model import fingerprint
-from gptpipe.train.mirror import REFERENCE_LOGPROBS_FILE
+from gptpipe.stage import StageInputError, write_text_atomic, folder_fingerprint
+from gptpipe.runtime.mirror import REFERENCE_LOGPROBS_FILE
 
 if TYPE_CHECKING:
     from gptpipe.finetune.config import FinetuneConfig, FinetuneDataConfig, TaskConfig
-    from gptpipe.train.engine import Dist
+    from gptpipe.runtime.engine import Dist
 
 log = get_logger("finetune")
 
@@ -253,7 +254,7 @@ def reference(model: Any, task: TaskData, config: FinetuneConfig, run_dir: Path,
     if dist.is_main:
         stored = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
         previous = stored["derived_from"]["files"] if stored else None
-        derived = {"model": str(config.model.path), "files": fingerprint(config.model.path, previous),
+        derived = {"model": str(config.model.path), "files": folder_fingerprint(config.model.path, previous),
                    "precision": config.train.precision, "train_pairs": _digest(task.train),
                    "validation_pairs": _digest(task.validation_items or [])}
         changes = _same_start(stored["derived_from"], derived) if stored else []

@@ -7,10 +7,10 @@ from typing import Any
 
 from gptpipe.data.jsonl import CUT_TO_FIT, TOO_LONG, Reasons
 from gptpipe.finetune.config import AUTO, FinetuneConfig
-from gptpipe.finetune.data import auto_seq_len, model_positions, split_validation
+from gptpipe.finetune.data import auto_seq_len, model_positions
+from gptpipe.finetune.task_kind import split_validation, TaskData, TaskFacts
 from gptpipe.finetune.kinds import task_kind
-from gptpipe.finetune.model import is_seq2seq
-from gptpipe.finetune.task_kind import TaskData, TaskFacts
+from gptpipe.runtime.scoring import is_seq2seq
 from gptpipe.stage import StageInputError
 
 

@@ -11,20 +11,24 @@ import difflib
 import json
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from gptpipe.finetune.data import collate, collate_packed
-from gptpipe.finetune.model import target_logprobs
+import numpy as np
+
+from gptpipe.runtime.batching import collate, collate_packed
+from gptpipe.runtime.scoring import target_logprobs
 from gptpipe.stage import StageInputError, write_text_atomic
-from gptpipe.train.lora import lora_record
+from gptpipe.runtime.lora import lora_record
 
 if TYPE_CHECKING:
     import torch
 
     from gptpipe.data.jsonl import Reasons
     from gptpipe.finetune.config import FinetuneConfig, FinetuneDataConfig, TaskConfig
-    from gptpipe.finetune.data import Encoded
-    from gptpipe.train.engine import Dist
+    from gptpipe.runtime.batching import Encoded
+    from gptpipe.runtime.engine import Dist
+
+RowT = TypeVar("RowT")
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class TaskFacts:
     pretrained_model: str | None = None  # model.path (None for a from-scratch baseline)
     train_file: str | None = None  # data.train
     architecture_of: str | None = None  # a from-scratch baseline: the folder whose architecture it took
-    # train.lora when on (train/lora.py's lora_record: rank, alpha, dropout, target_modules and where they came
+    # train.lora when on (runtime/lora.py's lora_record: rank, alpha, dropout, target_modules and where they came
     # from, the base's fingerprint): checkpoints hold adapters on pretrained_model
     lora: dict[str, Any] | None = None
 
@@ -127,6 +131,14 @@ class TaskData:
 
 
 
+def split_validation(rows: list[RowT], proportion: float, seed: int) -> tuple[list[RowT], list[RowT]]:
+    """(train, validation): a seeded random `proportion` of the rows (at least one) held out."""
+    order = np.random.default_rng(seed).permutation(len(rows))
+    count = max(1, round(proportion * len(rows)))
+    held = set(order[:count].tolist())
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
+
+
 class TaskKind:
     """One task kind: rows, their encoding, prompts, validation and the gate's view of them. Subclasses
     override what differs; the defaults are a labelled-row task's where one exists."""
@@ -167,6 +179,10 @@ class TaskKind:
     def stop_ids(self, encoder: Any) -> list[int] | None:
         """The end-of-answer tokens task.json records (None: the tokenizer's EOS, nothing to record)."""
         return None
+
+    def describe_template(self, template: str) -> str:
+        """The model card's words for the chat template a conversing kind ships (converses)."""
+        raise NotImplementedError
 
     # --- training -----------------------------------------------------------------------------------------
     def prepare_training(self, model: Any, task: TaskData, config: FinetuneConfig, run_dir: Path, dist: Dist,

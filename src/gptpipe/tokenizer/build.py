@@ -75,7 +75,7 @@ def expected_sample_share(scan: CorpusScan, size: int, heldout_documents: int) -
 
 
 def _log_ram_estimate(what: str, sample_bytes: float, sample_chars: float) -> float:
-    from gptpipe.train.data import available_host_ram
+    from gptpipe.runtime.devices import available_host_ram
 
     estimate = estimate_peak_mib(sample_bytes, sample_chars)
     available = available_host_ram() / MIB

@@ -23,6 +23,7 @@ from gptpipe.data.config import DataConfig
 from gptpipe.data.count import DatasetCounts
 from gptpipe.data.split import document_order, split_problems
 from gptpipe.artifacts import TOKENIZE
+from gptpipe.runtime.batching import to_device
 
 if TYPE_CHECKING:
     import torch
@@ -178,16 +179,6 @@ def build_datasets(data_cfg: DataConfig, stats: list[DatasetCounts], seq_len: in
     return BlendedMegatronDatasetBuilder(ShuffledSplitGPTDataset, sizes, lambda: True, config).build()
 
 
-def sample_positions(consumed: int, micro_step: int, micro_batch: int, dp_rank: int, dp_size: int) -> range:
-    """Dataset positions read by `dp_rank` in micro-step `micro_step` of the step starting at `consumed`.
-
-    A global batch is the next global_batch_size positions; micro-steps take consecutive slices of it,
-    interleaved across ranks. Only `consumed` carries over a resume.
-    """
-    start = consumed + (micro_step * dp_size + dp_rank) * micro_batch
-    return range(start, start + micro_batch)
-
-
 def collate(dataset: Any, positions: range | list[int], device: torch.device) -> dict[str, torch.Tensor]:
     """Input ids and next-token labels (-100 where megatron masks padding), on `device`."""
     import torch
@@ -197,16 +188,6 @@ def collate(dataset: Any, positions: range | list[int], device: torch.device) ->
     labels = torch.stack([s["labels"] for s in samples])
     labels[torch.stack([s["loss_mask"] for s in samples]) == 0] = -100
     return to_device({"input_ids": tokens, "labels": labels}, device)
-
-
-def to_device(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
-    """``batch`` with its tensors on ``device`` (other values as they are). A GPU gets them from pinned host
-    memory without blocking, so the copy overlaps the work already queued instead of stalling the host."""
-    import torch
-
-    cuda = torch.device(device).type == "cuda"
-    return {k: (v.pin_memory() if cuda else v).to(device, non_blocking=cuda) if isinstance(v, torch.Tensor) else v
-            for k, v in batch.items()}
 
 
 def eval_batches(dataset: Any, samples: int, micro_batch: int, dp_rank: int, dp_size: int,
@@ -228,10 +209,3 @@ def eval_batches(dataset: Any, samples: int, micro_batch: int, dp_rank: int, dp_
     for source, mine in groups:
         for i in range(0, len(mine), micro_batch):
             yield source, collate(dataset, mine[i:i + micro_batch], device)
-
-
-def available_host_ram() -> int:
-    """Bytes that can be allocated without swapping (the kernel's MemAvailable, through psutil)."""
-    import psutil
-
-    return int(psutil.virtual_memory().available)

@@ -27,8 +27,8 @@ import torch
 
 from gptpipe.lm_tasks import load_tasks, local_task, summarize
 from gptpipe.train.config import TrainConfig
-from gptpipe.train.engine import Dist
-from gptpipe.train.metrics_rows import EvalTasksRow
+from gptpipe.runtime.engine import Dist
+from gptpipe.runtime.metrics_rows import EvalTasksRow
 
 STATE_KEY = "eval_tasks_reference"  # gptpipe_state.json: {task: {"metric", "value", "higher_is_better", "step"}}
 

@@ -2,7 +2,7 @@
 
 From config.yaml, the tokenizer and the dataset's .idx alone it works out the run: parameters (checked
 against the real model's `num_parameters()`), FLOPs per token, steps and LR schedule from the token
-count, per-GPU memory (train/memory.py) against the device's budget, host RAM for the dataset index and
+count, per-GPU memory (runtime/memory.py) against the device's budget, host RAM for the dataset index and
 disk per checkpoint. A run that will not fit is refused before launch, with the change that makes it fit.
 The printed table and the `gptpipe plan` command are train/plan_report.py's.
 """
@@ -19,23 +19,13 @@ from collections.abc import Callable
 from gptpipe.train.config import TrainingRun
 from gptpipe.data.count import DatasetCounts, count_dataset, epoch_schedule, stale_train_tokens
 from gptpipe.storage import is_url
-from gptpipe.train.data import available_host_ram, blend_weights, check_splits, index_bytes
-from gptpipe.train.devices import LossPath, detect_device, loss_path, peak_flops, ranks_per_node
-from gptpipe.train.metrics_rows import SpeedSetup, TrainRow, of_kind, read_metrics
-from gptpipe.train.memory import (
-    GIB,
-    GPU_RANK_HOST_RAM,
-    Budget,
-    EngineSettings,
-    Memory,
-    bytes_per_value,
-    estimate_memory,
-    memory_budget,
-    optimizer_bytes_per_parameter,
-)
-from gptpipe.train.model import (Shape, base_shape, count_parameters, flops_per_token, meta_parameters,
-                                 resolve_shape)
-from gptpipe.train.schedule import Schedule
+from gptpipe.runtime.devices import available_host_ram, LossPath, detect_device, loss_path, peak_flops, ranks_per_node
+from gptpipe.train.data import blend_weights, check_splits, index_bytes
+from gptpipe.runtime.metrics_rows import SpeedSetup, TrainRow, of_kind, read_metrics
+from gptpipe.runtime.memory import (GIB, GPU_RANK_HOST_RAM, Budget, EngineSettings, Memory, bytes_per_value,
+                                    estimate_memory, memory_budget, optimizer_bytes_per_parameter)
+from gptpipe.runtime.model import Shape, base_shape, count_parameters, flops_per_token, meta_parameters, resolve_shape
+from gptpipe.runtime.schedule import Schedule
 
 
 ASSUMED_MFU = 0.40  # for the expected tokens/s before anything was measured on this setup

@@ -9,7 +9,7 @@ from gptpipe.log import get_logger
 from gptpipe.artifacts import EXIT_BAD_INPUT
 from gptpipe.storage import is_url
 from gptpipe.train.data import DataError, mixture
-from gptpipe.train.memory import GIB
+from gptpipe.runtime.memory import GIB
 from gptpipe.train.plan import ASSUMED_MFU, Plan, PlanError, check_parameter_count, make_plan
 
 
@@ -86,7 +86,7 @@ def format_plan(plan: Plan, config: TrainingRun) -> str:
     elif elsewhere:
         rows.append(("expected speed", f"unknown: no estimate on CPU, and {elsewhere}"))
     if is_url(train.output_model_dir):
-        from gptpipe.train.mirror import describe_run_folder
+        from gptpipe.runtime.mirror import describe_run_folder
 
         line, warning = describe_run_folder(str(train.output_model_dir), train.local_dir, plan.checkpoint_bytes,
                                             train.save_interval, plan.tokens_per_step / speed if speed else None)
@@ -99,7 +99,7 @@ def format_plan(plan: Plan, config: TrainingRun) -> str:
 
 def run(config: TrainingRun, args: argparse.Namespace) -> int:
     """`gptpipe plan`: print the plan; exit 2 when the run would not fit."""
-    from gptpipe.train.base_model import stage3_model
+    from gptpipe.train.continued import stage3_model
 
     tokenizer, hf_config, base = stage3_model(config)
     try:

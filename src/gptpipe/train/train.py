@@ -1,12 +1,12 @@
-"""Stage 3: `gptpipe train` (3_train_node1.sh) — plan, build, then train/loop.py's loop over train_step.
+"""Stage 3: `gptpipe train` (3_train_node1.sh) — plan, build, then runtime/loop.py's loop over train_step.
 
 Pretraining's part of the loop, from scratch or continued from a base model (model.init_from, see
-train/base_model.py: its weights when no checkpoint exists yet, after the step-0 gate): batches from the
+runtime/base_model.py: its weights when no checkpoint exists yet, after the step-0 gate): batches from the
 Megatron dataset by samples consumed (so a resumed run reads exactly what the killed one would have), the
 train line with tokens, throughput and MFU, the validation loss and sample generations at each evaluation,
 and the run record in every checkpoint.
 
-Exit codes (train/loop.py): 0 finished; 1 failed (e.g. too many non-finite steps in a row); 2 refused before
+Exit codes (runtime/loop.py): 0 finished; 1 failed (e.g. too many non-finite steps in a row); 2 refused before
 starting (config, inputs, or a plan that does not fit); 75 stopped by SIGTERM/SIGINT after saving a
 checkpoint — run the same command again to continue from it.
 """
@@ -27,18 +27,18 @@ from gptpipe.config.core import to_plain
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError
 from gptpipe.artifacts import EXIT_BAD_INPUT
-from gptpipe.train import checkpoint
-from gptpipe.train.base_model import (BASE_STATE_KEY, BaseModel, base_record, check_unchanged, gate_batch,
-                                      new_row_problems, old_rows_loss, reference_loss, stage3_model,
-                                      tokenizer_problems)
-from gptpipe.train.data import (DataError, build_datasets, collate, eval_batches, mixture, sample_positions,
-                                source_counts, source_names, to_device)
-from gptpipe.train.engine import Dist, EngineConfigError, build_engine, deepspeed_config
+from gptpipe.runtime import checkpoint
+from gptpipe.runtime.base_model import BASE_STATE_KEY, BaseModel, base_record, check_unchanged
+from gptpipe.train.continued import gate_batch, new_row_problems, old_rows_loss, reference_loss, stage3_model
+from gptpipe.data.tokenizer_check import tokenizer_problems
+from gptpipe.train.data import DataError, build_datasets, collate, eval_batches, mixture, source_counts, source_names
+from gptpipe.runtime.batching import sample_positions, to_device
+from gptpipe.runtime.engine import Dist, EngineConfigError, build_engine, deepspeed_config
 from gptpipe.train.eval_tasks import STATE_KEY as TASKS_STATE_KEY, TaskScorer, compare
-from gptpipe.train.loop import LogWindow, TrainLoop, run_ranks
-from gptpipe.train.metrics_rows import MixtureRow, TrainRow, ValidationRow
+from gptpipe.runtime.loop import LogWindow, TrainLoop, run_ranks
+from gptpipe.runtime.metrics_rows import MixtureRow, TrainRow, ValidationRow
 from gptpipe.tolerance import loss_tolerance
-from gptpipe.train.model import build_model, expert_shares, lm_forward, router_loss
+from gptpipe.runtime.model import build_model, expert_shares, lm_forward, router_loss
 from gptpipe.train.plan import Plan, PlanError, check_parameter_count, make_plan
 from gptpipe.train.plan_report import format_plan
 
@@ -128,8 +128,8 @@ class Pretrainer(TrainLoop):
     def _prepare_gate(self, base: BaseModel) -> None:
         """What the step-0 gate compares the engine with, computed before Liger may patch the model classes (rank
         0): transformers' fp32 loss of the base on the gate's sample (over the base's own rows, with a tokenizer
-        extension: base_model.py's doc), and the tokenizer's re-encoding of held-out documents. Also records the
-        base's files (their hashes) for the checkpoints."""
+        extension: train/continued.py's doc), and the tokenizer's re-encoding of held-out documents. Also records
+        the base's files (their hashes) for the checkpoints."""
         self.gate_sample = gate_batch(self.valid_data, base.extension)
         self.gate_reference: float | None = None
         self.gate_problems: list[str] = []
@@ -143,7 +143,7 @@ class Pretrainer(TrainLoop):
                                              base.old_rows() if base.extension else None)
         data = self.config.data
         self.gate_problems, self.tokenizer_checked = tokenizer_problems(
-            AutoTokenizer.from_pretrained(base.tokenizer.folder), base, self.plan.stats[0].prefix, data.split,
+            AutoTokenizer.from_pretrained(base.tokenizer.folder), base.tokenizer, self.plan.stats[0].prefix, data.split,
             data.seed)
 
     @torch.no_grad()

@@ -1,22 +1,32 @@
-"""The fine-tuned model's uses, shared by training, evaluation and `gptpipe predict`: loading a pretrained HF
-folder, teacher-forced log-likelihoods of label tokens, batched generation, and rows shared over the ranks."""
+"""A model's uses beside training, shared by fine-tuning, `gptpipe predict` and the export checks: loading a
+pretrained HF folder, logits and teacher-forced log-likelihoods of target tokens, batched generation, and rows
+shared over the ranks."""
 
 from __future__ import annotations
 
 import inspect
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from collections.abc import Callable
 
 import torch
 
-from gptpipe.finetune.data import IGNORE, Encoded, Encoder, collate, left_padded, pad_id
-from gptpipe.train.lora import apply_lora
-from gptpipe.train.model import inference_config, load_pretrained
+from gptpipe.runtime.batching import IGNORE, Encoded, collate, left_padded, pad_id
+from gptpipe.runtime.lora import apply_lora
+from gptpipe.runtime.model import inference_config, load_pretrained
 
 if TYPE_CHECKING:
-    from gptpipe.finetune.chat_data import ChatEncoder
-    from gptpipe.train.engine import Dist
+    from gptpipe.runtime.engine import Dist
+
+
+class PromptEncoder(Protocol):
+    """What generation needs of a task's encoder (finetune/data.py's Encoder, finetune/chat_data.py's ChatEncoder):
+    the tokenizer, whether the model is an encoder-decoder, and the ids that end an answer."""
+
+    tokenizer: Any
+    seq2seq: bool
+    eos: int
+    stop_ids: list[int]
 
 
 def is_seq2seq(folder: Path, kind: str) -> bool:
@@ -38,7 +48,7 @@ def pretrained_factory(folder: Path, seq2seq: bool, device: torch.device, scratc
                        lora: dict[str, Any] | None = None) -> Callable[[], Any]:
     """A callable loading the pretrained weights in fp32 (DeepSpeed casts for bf16/fp16 itself); with `scratch`,
     the folder's architecture with freshly initialised weights instead (the loop seeds it); with `lora`
-    (task.json's), those weights frozen under trainable adapters (train/lora.py)."""
+    (task.json's), those weights frozen under trainable adapters (runtime/lora.py)."""
 
     def make() -> Any:
         if scratch:
@@ -105,7 +115,7 @@ def score(model: Any, items: list[Encoded], pad: int, seq2seq: bool, device: tor
 
 
 @torch.no_grad()
-def generate(model: Any, encoder: Encoder | ChatEncoder, prompts: list[list[int]], device: torch.device, *,
+def generate(model: Any, encoder: PromptEncoder, prompts: list[list[int]], device: torch.device, *,
              num_beams: int = 1, max_new_tokens: int = 32, length_penalty: float = 1.0, synced_gpus: bool = False,
              sampling: dict[str, float] | None = None, streamer: Any = None) -> list[list[int]]:
     """Generated ids for each prompt (the stop token included when produced, padding removed). Causal prompts

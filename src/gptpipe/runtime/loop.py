@@ -27,12 +27,12 @@ from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError
 from gptpipe.artifacts import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED
 from gptpipe.storage import StorageConfig, is_url
-from gptpipe.train import checkpoint
-from gptpipe.train.config import LoopConfig
-from gptpipe.train.engine import Dist, StepResult, StopFlag, forward_loss, setup_distributed, train_step
-from gptpipe.train.logging import RunLogger
-from gptpipe.train.mirror import open_mirror
-from gptpipe.train.uploader import SIDE_SYNC_SECONDS
+from gptpipe.runtime import checkpoint
+from gptpipe.runtime.config import LoopConfig
+from gptpipe.runtime.engine import Dist, StepResult, StopFlag, forward_loss, setup_distributed, train_step
+from gptpipe.runtime.logging import RunLogger
+from gptpipe.runtime.mirror import open_mirror
+from gptpipe.runtime.uploader import SIDE_SYNC_SECONDS
 
 
 def seed_everything(seed: int) -> None:

@@ -1,5 +1,5 @@
 """The rows of a run's metrics.jsonl: one dataclass per kind, built by the writers (stage 3 and stage 7 through
-train/logging.py's RunLogger) and asked for by kind by every reader (the plan's measured speed, the model card,
+runtime/logging.py's RunLogger) and asked for by kind by every reader (the plan's measured speed, the model card,
 the mirror, the tests). A row's JSON object carries its "kind" and the keys these files have always had; a row
 written before "kind" existed gets its kind from `legacy_kind`, the one rule that tells rows apart by their keys.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 if TYPE_CHECKING:
-    from gptpipe.train.model import Shape
+    from gptpipe.runtime.model import Shape
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """What a run shows and records: a console line per log step under a progress bar with ETA, `metrics.jsonl`
-(one train/metrics_rows.py row per log step or evaluation, appended across resumes), TensorBoard and wandb
+(one runtime/metrics_rows.py row per log step or evaluation, appended across resumes), TensorBoard and wandb
 (offline into the run folder when no WANDB_API_KEY is set). Only the main rank writes anything.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 from tqdm import tqdm
 
 from gptpipe.config.core import to_plain
-from gptpipe.train.metrics_rows import Row, SamplesRow
+from gptpipe.runtime.metrics_rows import Row, SamplesRow
 
 
 class RunLogger:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gptpipe.train.model import Shape
+from gptpipe.runtime.model import Shape
 
 GIB = 1024**3
 ZERO_BUCKET = 50_000_000  # elements; reduce/allgather bucket sizes in the DeepSpeed template, ZeRO-3's prefetch
@@ -194,7 +194,7 @@ def activation_bytes_per_token(shape: Shape, precision: str, fused_kernels: bool
     """Bytes autograd keeps per token for one block on CUDA, as torch.autograd.graph.saved_tensors_hooks
     records them (tests/test_train_plan.py measures every architecture's on 1- and 2-layer models on CPU).
     `fused_kernels`: Liger's RMSNorm, RoPE and SwiGLU/GeGLU replace transformers' eager ones (apply_liger in
-    train/engine.py; Mixtral's experts stay eager, GPT-2 has no patch). `windowed`: a sliding-window layer
+    runtime/engine.py; Mixtral's experts stay eager, GPT-2 has no patch). `windowed`: a sliding-window layer
     given a mask (windowed_layers). RoPE keeps nothing per block either way (its cos/sin are the model's).
     Measured on CUDA too (an H200, torch 2.11, transformers 5.23, liger-kernel 0.8.5), eager and with Liger's
     kernels, bf16 and fp32: every architecture within 0.2% of these figures."""
@@ -241,7 +241,7 @@ def estimate_memory(shape: Shape, parameters: int, seq_len: int, precision: str,
     if settings.zero_stage == 3:
         # The gathered working set: the prefetch bucket, the largest module being computed (a block or the
         # embedding) and, under the fused loss, lm_head's weight gathered for the whole model
-        # (register_external_parameter in train/engine.py).
+        # (register_external_parameter in runtime/engine.py).
         block = (n - V * h * (1 if shape.tie_word_embeddings else 2)) / shape.num_layers
         weights += (min(n, ZERO_BUCKET) + max(block, V * h) + (V * h if fused_loss else 0)) * p
     tokens = settings.micro_batch * seq_len

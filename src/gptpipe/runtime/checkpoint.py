@@ -31,8 +31,8 @@ from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.artifacts import TRAIN
 from gptpipe.storage import is_url
 
-if TYPE_CHECKING:  # torch is imported where it is used: the uploader process (train/uploader.py) needs none
-    from gptpipe.train.engine import Dist
+if TYPE_CHECKING:  # torch is imported where it is used: the uploader process (runtime/uploader.py) needs none
+    from gptpipe.runtime.engine import Dist
 
 COMPLETE_MARKER = "complete"
 HF_CONFIG = "hf_config.json"
@@ -193,7 +193,7 @@ class Checkpoint:
 
     @property
     def lora(self) -> dict[str, Any] | None:
-        """A LoRA fine-tune's adapter settings (train/lora.py): its checkpoints hold the adapters only."""
+        """A LoRA fine-tune's adapter settings (runtime/lora.py): its checkpoints hold the adapters only."""
         return self.state["task"].get("lora") if self.is_finetune else None
 
     @property
@@ -318,7 +318,7 @@ def hf_config_object(hf_config: dict[str, Any]) -> Any:
     training switch output_router_logits off (model.inference_config), whatever the checkpoint recorded."""
     from transformers import AutoConfig
 
-    from gptpipe.train.model import inference_config
+    from gptpipe.runtime.model import inference_config
 
     values = dict(hf_config)
     return inference_config(AutoConfig.for_model(values.pop("model_type"), **values))
@@ -342,7 +342,7 @@ def model_from_checkpoint(checkpoint: Checkpoint, state_dict: dict[str, Any] | N
     if state_dict is None:
         state_dict = consolidate(checkpoint)
     if checkpoint.lora:
-        from gptpipe.train.lora import rebuild
+        from gptpipe.runtime.lora import rebuild
 
         return rebuild(state_dict, checkpoint.lora, checkpoint.lora_base, checkpoint.seq2seq, merge, checkpoint.path)
     model_class = AutoModelForSeq2SeqLM if checkpoint.seq2seq else AutoModelForCausalLM

@@ -73,7 +73,7 @@ class Schedule:
         when DeepSpeed builds the optimizer itself."""
         from torch.optim.lr_scheduler import LambdaLR
 
-        from gptpipe.train.model import VOCAB_GROUP
+        from gptpipe.runtime.model import VOCAB_GROUP
 
         def multiplier(step: int) -> float:
             return self.lr_at(step) / self.peak_lr

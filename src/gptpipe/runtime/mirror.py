@@ -1,7 +1,7 @@
 """Stage 3 with its run folder in a bucket (`train.output_model_dir: s3://…`, gs://, any fsspec URL).
 
-DeepSpeed saves into a local staging folder as for a local run; an uploader process (train/uploader.py, niced)
-mirrors it to the bucket, each checkpoint in train/bucket.py's commit order, plus the run's other files when
+DeepSpeed saves into a local staging folder as for a local run; an uploader process (runtime/uploader.py, niced)
+mirrors it to the bucket, each checkpoint in runtime/bucket.py's commit order, plus the run's other files when
 they change (metrics.jsonl, config, TensorBoard, wandb). At the end or on SIGTERM training waits for it within
 train.preempt_grace_seconds. On a fresh machine the same command downloads the newest complete checkpoint.
 """
@@ -23,10 +23,10 @@ from gptpipe.committed import local_matches
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.storage import join, local_folder
-from gptpipe.train import checkpoint
-from gptpipe.train.bucket import Bucket, needed_by
-from gptpipe.train.metrics_rows import read_metrics
-from gptpipe.train.uploader import RECORD, UPLOADS, file_stamp
+from gptpipe.runtime import checkpoint
+from gptpipe.runtime.bucket import Bucket, needed_by
+from gptpipe.runtime.metrics_rows import read_metrics
+from gptpipe.runtime.uploader import RECORD, UPLOADS, file_stamp
 
 log = get_logger("train")
 
@@ -230,7 +230,7 @@ class RunMirror:
         """The uploader process, told what it mirrors on its first input line."""
         if self._process is not None or not self.uploads:
             return
-        self._process = subprocess.Popen([sys.executable, "-m", "gptpipe.train.uploader"], stdin=subprocess.PIPE,
+        self._process = subprocess.Popen([sys.executable, "-m", "gptpipe.runtime.uploader"], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, text=True, bufsize=1)
         self._send({"url": self.url, "endpoint_url": self.endpoint_url, "local": str(self.local), "keep": self.keep,
                     "synced": self._side_synced, "node": self.node, "nodes": self.nodes, "attempt": self.attempt,

@@ -10,8 +10,6 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptpipe.train.data import available_host_ram
-
 # Dense bf16/fp16 peak FLOP/s per GPU, by a pattern of the name torch reports (fp32 runs count TF32 at half of it).
 # First match wins: the H100's PCIe and NVL boards are slower than the SXM one ("NVIDIA H100 80GB HBM3"), and
 # "L4" must not match "L40"/"L40S".
@@ -21,7 +19,7 @@ PEAK_TFLOPS = [(r"H100.*NVL", 835.0), (r"H100.*PCIE", 756.0), (r"H100", 989.0), 
 
 # The architectures (model.arch, or a base model's model_type) Liger patches, with its function
 # (liger_kernel.transformers.apply_liger_kernel_to_<name>) and the name of its fused-MLP switch: apply_liger in
-# train/engine.py. It has no GPT-2 patch. Mixtral's experts stay eager (the planner counts them so).
+# runtime/engine.py. It has no GPT-2 patch. Mixtral's experts stay eager (the planner counts them so).
 LIGER_ARCHS = {"llama": ("llama", "swiglu"), "mistral": ("mistral", "swiglu"), "qwen2": ("qwen2", "swiglu"),
                "qwen3": ("qwen3", "swiglu"), "gemma2": ("gemma2", "geglu"), "gemma3_text": ("gemma3_text", "geglu"),
                "mixtral": ("mixtral", None)}
@@ -134,3 +132,10 @@ def loss_path(arch: str, on_gpu: bool, liger_kernels: bool, other_machine: bool 
     if missing:
         return LossPath(False, f"Liger's kernels cannot build: {missing}; transformers' loss over the full logits")
     return LossPath(True, "Liger's fused linear cross-entropy")
+
+
+def available_host_ram() -> int:
+    """Bytes that can be allocated without swapping (the kernel's MemAvailable, through psutil)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)

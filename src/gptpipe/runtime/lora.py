@@ -4,7 +4,7 @@ into plain weights (the export, `merge_and_unload`) or kept apart as trained (`g
 
 The adapter settings travel as a plain dict (task.json's `lora`, `lora_record`: rank, alpha, dropout, the
 target modules and where they came from, the base's file fingerprint), so the checkpoint code that rebuilds a
-model needs no fine-tune config. Here rather than in finetune/: train/checkpoint.py rebuilds models for stage 4
+model needs no fine-tune config. Here rather than in finetune/: runtime/checkpoint.py rebuilds models for stage 4
 and predict alike, and train/ imports nothing of finetune/.
 """
 
@@ -14,9 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gptpipe.stage import StageInputError
-from gptpipe.train.base_model import fingerprint, folder_changes
-from gptpipe.train.memory import model_state_bytes
+from gptpipe.stage import StageInputError, folder_fingerprint, folder_changes
+from gptpipe.runtime.memory import model_state_bytes
 
 ADAPTER_MARK = "lora_"  # peft's adapter weights are named ...lora_A.default.weight / ...lora_B.default.weight
 
@@ -46,7 +45,7 @@ def lora_record(settings: dict[str, Any], base: Path, recorded: dict[str, Any] |
                                   "layers to adapt, e.g. train.lora.target_modules=[q_proj,v_proj]")
         targets, source = list(DEFAULT_TARGETS[model_type]), f"the default for model_type {model_type}"
     return {**settings, "target_modules": list(targets), "targets_from": source,
-            "base": {"folder": str(base), "files": fingerprint(base, recorded and recorded["base"]["files"])}}
+            "base": {"folder": str(base), "files": folder_fingerprint(base, recorded and recorded["base"]["files"])}}
 
 
 def check_base(lora: dict[str, Any], base: Path, where: str) -> None:
@@ -100,14 +99,14 @@ def rebuild(state_dict: dict[str, Any], lora: dict[str, Any], base: Path, seq2se
     """The model of a LoRA checkpoint (`source`, its consolidated `state_dict`: the adapters only), in fp32:
     the pretrained `base` with those adapters, merged into its weights when `merge` (a plain transformers
     model, as the export saves it), else the peft model as it was trained."""
-    from gptpipe.train.model import inference_config, load_pretrained
+    from gptpipe.runtime.model import inference_config, load_pretrained
 
     if not (base / "config.json").is_file():
         raise StageInputError(f"checkpoint {source} holds LoRA adapters only: their base model, the run's "
                               f"model.path {base}, is needed to rebuild it and is not a model folder here")
     check_base(lora, base, str(source))
     model = load_pretrained(base, seq2seq)
-    inference_config(model.config)  # as the fine-tune built it (finetune/model.py)
+    inference_config(model.config)  # as the fine-tune built it (runtime/scoring.py)
     model = apply_lora(model, lora, seq2seq)
     expected = set(model.state_dict())
     unexpected = sorted(set(state_dict) - expected)

@@ -11,7 +11,7 @@ trusted (listing caches and eventually consistent stores can serve a stale one).
 shared disk adds one marker per node but the first, `global_step{N}/nodes/node{K}.json`, naming the files that
 node uploaded; the marker `complete` comes only after all of them.
 
-The writer is the uploader process of a training run (train/uploader.py); the readers are a resumed run and
+The writer is the uploader process of a training run (runtime/uploader.py); the readers are a resumed run and
 stage 4 (`fetch_checkpoint`).
 """
 
@@ -28,7 +28,7 @@ from gptpipe.committed import CommittedFolder
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.storage import cache_folder, filesystem, is_url, join, strip_protocol
-from gptpipe.train import checkpoint
+from gptpipe.runtime import checkpoint
 
 log = get_logger("train")
 

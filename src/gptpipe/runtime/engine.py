@@ -27,11 +27,11 @@ import torch
 
 from gptpipe.log import get_logger
 from gptpipe.ports import free_port
-from gptpipe.train.config import LoopConfig
-from gptpipe.train.devices import LIGER_ARCHS, host_threads_per_rank, loss_path, triton_missing
-from gptpipe.train.memory import gradient_bytes
-from gptpipe.train.model import RouterStats, build_model, lm_forward, parameter_groups, router_loss
-from gptpipe.train.schedule import Schedule
+from gptpipe.runtime.config import LoopConfig
+from gptpipe.runtime.devices import LIGER_ARCHS, host_threads_per_rank, loss_path, triton_missing
+from gptpipe.runtime.memory import gradient_bytes
+from gptpipe.runtime.model import RouterStats, build_model, lm_forward, parameter_groups, router_loss
+from gptpipe.runtime.schedule import Schedule
 
 # Package data, so a plain `pip install .` has it too; original_codes/ds_config_gpt_TEMPLATE.json links here.
 TEMPLATE = Path(__file__).resolve().parent / "ds_config_gpt_TEMPLATE.json"

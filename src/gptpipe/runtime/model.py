@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gptpipe.train.config import ModelConfig
+from gptpipe.runtime.config import ModelConfig
 
 if TYPE_CHECKING:  # torch/transformers load only when a model is actually built
     import torch
@@ -204,7 +204,7 @@ def build_model_config(model_cfg: ModelConfig, tokenizer_info: TokenizerInfo, se
                architectures=[ARCHITECTURES[shape.arch]])
     if shape.arch == "gpt2":
         # gelu_pytorch_tanh is GPT-2's gelu_new as one kernel: gelu_new's Python composite keeps 5 tensors of the
-        # MLP's width for backward instead of 2 (train/memory.py counts the single kernel's).
+        # MLP's width for backward instead of 2 (runtime/memory.py counts the single kernel's).
         return GPT2Config(
             vocab_size=shape.vocab_size, n_positions=seq_len, n_embd=shape.hidden_size, n_layer=shape.num_layers,
             n_head=shape.num_attn_heads, n_inner=shape.ffn_hidden_size, activation_function="gelu_pytorch_tanh",

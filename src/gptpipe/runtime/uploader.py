@@ -1,4 +1,4 @@
-"""The uploader process of a bucket run (train/mirror.py starts it): `python -m gptpipe.train.uploader`.
+"""The uploader process of a bucket run (runtime/mirror.py starts it): `python -m gptpipe.runtime.uploader`.
 
 It reads setup, then checkpoint folders and finally "close" as JSON lines on stdin, and answers its state
 (failures, the save it retries, the newest committed step) as JSON lines on stdout. One checkpoint upload is
@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from gptpipe.log import get_logger
-from gptpipe.train import checkpoint
-from gptpipe.train.bucket import Bucket
+from gptpipe.runtime import checkpoint
+from gptpipe.runtime.bucket import Bucket
 
 log = get_logger("train")
 
