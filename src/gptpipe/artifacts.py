@@ -35,6 +35,7 @@ class Stage:
     number: str
     name: str  # the `gptpipe` subcommand, or the mode of one (its log's name)
     script: str  # what a user runs
+    output_key: str  # the config key (or option) naming where it writes, for the refusals that name it
     output_file: str | None = None  # the file name it writes, where a later stage reads one file
     beside_prefix: bool = False  # manifest at <prefix>.manifest.json (a dataset) instead of <folder>/manifest.json
     usable: Callable[[Manifest], list[str]] | None = None  # the stage's own acceptance rule, beyond completeness
@@ -56,15 +57,18 @@ class Stage:
         return self.manifest_path(location).is_file()
 
     def run(self, location: Path | str, config: Any, inputs: dict[str, Any], work: Callable[[], StageResult],
-            force: bool = False, versions: tuple[str, ...] = ()) -> Manifest:
+            force: bool = False, versions: tuple[str, ...] = (), input_paths: dict[str, Any] | None = None
+            ) -> Manifest:
         """Make this stage's outputs at ``location`` with ``work`` unless they are current (same config and
         inputs, usable); ``force`` redoes them. The manifest is marked incomplete first and written last. A URL
-        is made in a local staging folder (``work`` writes there) and published (gptpipe.remote)."""
+        is made in a local staging folder (``work`` writes there) and published (gptpipe.remote). A local
+        ``location`` that is not the stage's to replace (stage.output_place_problems; ``input_paths``: config
+        key → path of each input) is refused first."""
         if is_url(location):
             from gptpipe.remote import run_published
 
             return run_published(self, str(location), config, inputs, work, force, versions)
-        return run_local(self, Path(location), config, inputs, work, force, versions)
+        return run_local(self, Path(location), config, inputs, work, force, versions, input_paths)
 
     def local_copy(self, location: Path | str, only: Callable[[str], bool] | None = None) -> Path:
         """``location`` itself, or for a URL (s3://, gs://...) its outputs downloaded into the verified local
@@ -114,16 +118,17 @@ def _verified(manifest: Manifest) -> list[str]:
     return [f"it did not pass verification ({reasons})"]
 
 
-PREPARE = Stage("0", "prepare", "python 0_prepare_corpus.py", output_file="corpus.jsonl")
-TRAIN_TOKENIZER = Stage("1", "train-tokenizer", "python 1_train_sentencepiece_tokenizer.py")
+PREPARE = Stage("0", "prepare", "python 0_prepare_corpus.py", "corpus.output_dir", output_file="corpus.jsonl")
+TRAIN_TOKENIZER = Stage("1", "train-tokenizer", "python 1_train_sentencepiece_tokenizer.py", "output_dir")
 # stage 1 with base_tokenizer set: a base model's tokenizer extended (gptpipe.tokenizer.extend)
-EXTEND_TOKENIZER = Stage("1", "extend-tokenizer", "python 1_train_sentencepiece_tokenizer.py")
-TOKENIZE = Stage("2", "tokenize", "bash 2_tokenize.sh", beside_prefix=True)
-TRAIN = Stage("3", "train", "bash 3_train_node1.sh")  # checkpoints carry markers, no manifest
-CONVERT = Stage("4", "convert", "bash 4_convert_to_HF.sh", usable=_verified)
-GGUF = Stage("4", "gguf", "gptpipe gguf")
-DEMO_TASK = Stage("7", "make-demo-task", "gptpipe make-demo-task")
-EVALUATE = Stage("7", "evaluate", "gptpipe evaluate")
+EXTEND_TOKENIZER = Stage("1", "extend-tokenizer", "python 1_train_sentencepiece_tokenizer.py", "output_dir")
+TOKENIZE = Stage("2", "tokenize", "bash 2_tokenize.sh", "tokenize.output_prefix", beside_prefix=True)
+# checkpoints carry markers, no manifest
+TRAIN = Stage("3", "train", "bash 3_train_node1.sh", "train.output_model_dir")
+CONVERT = Stage("4", "convert", "bash 4_convert_to_HF.sh", "output_tokenizer_and_model_dir", usable=_verified)
+GGUF = Stage("4", "gguf", "gptpipe gguf", "--output")
+DEMO_TASK = Stage("7", "make-demo-task", "gptpipe make-demo-task", "demo_task.output_dir")
+EVALUATE = Stage("7", "evaluate", "gptpipe evaluate", "output_dir")
 
 
 def check_input_files(patterns: list[Path], key: str, upstream: Stage) -> tuple[list[Path], dict[str, Any]]:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from gptpipe.committed import CommittedFolder, local_matches
 from gptpipe.config.core import to_plain
 from gptpipe.log import get_logger
-from gptpipe.stage import Manifest, StageInputError, StageResult, StageRules, run_local
+from gptpipe.stage import Manifest, StageInputError, StageResult, StageRules, resolved_config_path, run_local
 from gptpipe.storage import cache_folder, filesystem, is_url
 
 log = get_logger("storage")
@@ -34,9 +34,6 @@ class RemoteStage(StageRules, Protocol):
 
     @property
     def title(self) -> str: ...
-
-    @property
-    def beside_prefix(self) -> bool: ...
 
     @property
     def usable(self) -> Callable[[Manifest], list[str]] | None: ...
@@ -164,7 +161,7 @@ def publish(stage: RemoteStage, local: Path, url: str) -> None:
     if found is not None:
         folder.withdraw()
     started = time.monotonic()
-    config = manifest_path.with_name(manifest_path.name.replace("manifest.json", "config.yaml"))
+    config = resolved_config_path(manifest_path, stage.name)
     folder.put(manifest_path.parent, [*manifest.outputs, *([config.name] if config.is_file() else [])])
     try:
         folder.commit(data, _sizes(manifest))

@@ -26,6 +26,7 @@ import yaml
 
 from gptpipe.config.core import to_plain
 from gptpipe.log import get_logger
+from gptpipe.storage import is_url
 
 MANIFEST_VERSION = 1
 
@@ -195,6 +196,12 @@ class StageRules(Protocol):
     @property
     def name(self) -> str: ...
 
+    @property
+    def output_key(self) -> str: ...
+
+    @property
+    def beside_prefix(self) -> bool: ...
+
     def manifest_path(self, location: Path) -> Path: ...
 
     def problems(self, manifest: Manifest, root: Path) -> list[str]: ...
@@ -209,6 +216,62 @@ class StageResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+def resolved_config_path(manifest_path: Path, stage_name: str) -> Path:
+    """The resolved config written beside a manifest, named for its stage (`prepare.resolved.yaml`,
+    `<prefix>.tokenize.resolved.yaml`): no name a user's own file has, so a stage never replaces one."""
+    return manifest_path.with_name(manifest_path.name.replace("manifest.json", f"{stage_name}.resolved.yaml"))
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def output_place_problems(stage: StageRules, location: Path, input_paths: dict[str, Any]) -> list[str]:
+    """Why `stage` must not write at `location`: a folder it did not write (no manifest of its own there) that holds
+    files, the working directory or a folder above it, or a place that is, holds or lies inside one of its inputs
+    (`input_paths`: config key → local path). A stage replaces its output folder whole, so any of these would
+    delete what the user has there."""
+    key, location = stage.output_key, Path(location)
+    manifest_path = stage.manifest_path(location)
+    root = manifest_path.parent
+    ours = False
+    if manifest_path.is_file():
+        try:
+            ours = Manifest.read(manifest_path).stage == stage.name
+        except (json.JSONDecodeError, TypeError, UnicodeDecodeError):
+            ours = False
+    problems = []
+    # What the stage replaces: the folder, or a dataset's files beside its prefix (in a folder others share).
+    owned = [location.with_name(location.name + suffix) for suffix in (".bin", ".idx")] if stage.beside_prefix \
+        else [root]
+    if stage.beside_prefix:
+        foreign = [p for p in owned if p.exists()] if not ours else []
+    else:
+        cwd = Path.cwd().resolve()
+        if _inside(cwd, root.resolve()):
+            what = "is the working directory" if root.resolve() == cwd else f"holds the working directory {cwd}"
+            problems.append(f"{key} {root} {what}; the {stage.name} stage replaces its output folder whole. Set "
+                            f"{key} to a folder of its own")
+        foreign = sorted(root.iterdir())[:3] if root.is_dir() and not ours and any(root.iterdir()) else []
+    if foreign and not problems:
+        names = ", ".join(p.name for p in foreign)
+        problems.append(f"{key} {location} holds files the {stage.name} stage did not write ({names}; no "
+                        f"{manifest_path.name} of its own there), which it would replace. Set {key} to a new or "
+                        "empty folder, or move those files away")
+    for input_key, value in input_paths.items():
+        if value is None or is_url(value):
+            continue
+        source = Path(value).resolve()
+        for out in owned:
+            out = out.resolve()
+            if _inside(source, out) or _inside(out, source):
+                relation = ("is" if out == source else "holds" if _inside(source, out) else "lies inside")
+                problems.append(f"{key} {out} {relation} {input_key} {source}: the {stage.name} stage would "
+                                f"overwrite its own input. Set {key} to a place apart from its inputs")
+                break
+    return problems
+
+
 def run_local(
     stage: StageRules,
     location: Path,
@@ -217,6 +280,7 @@ def run_local(
     work: Callable[[], StageResult],
     force: bool = False,
     versions: tuple[str, ...] = (),
+    input_paths: dict[str, Any] | None = None,
 ) -> Manifest:
     """``Stage.run`` for a local ``location``: run ``work`` unless ``stage``'s outputs there are current for
     these inputs and this config.
@@ -225,7 +289,11 @@ def run_local(
     own rule: a stage-4 folder that failed verification is redone even when nothing changed, since the fix
     may be in the software). ``work`` must write its outputs atomically; this function then writes the
     resolved config and, last, the manifest. Returns the manifest (the existing one when nothing had to be done).
+    A place the stage must not write (output_place_problems) is refused before anything is touched.
     """
+    place = output_place_problems(stage, location, input_paths or {})
+    if place:
+        raise StageInputError("; ".join(place))
     plain_config = to_plain(config)
     manifest_path = stage.manifest_path(location)
     root = manifest_path.parent
@@ -270,7 +338,7 @@ def run_local(
         versions=package_versions(versions),
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
-    config_path = manifest_path.with_name(manifest_path.name.replace("manifest.json", "config.yaml"))
+    config_path = resolved_config_path(manifest_path, stage.name)
     write_text_atomic(config_path, yaml.safe_dump(plain_config, allow_unicode=True, sort_keys=False))
     _write_manifest(manifest_path, manifest)
     return manifest

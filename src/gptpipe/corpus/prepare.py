@@ -244,6 +244,7 @@ def run(config: CorpusRun, args: argparse.Namespace) -> int:
     # The settings that only say where and how fast the shards are judged stay out of the manifest: changing
     # them does not make a finished corpus look stale.
     settings = {key: value for key, value in to_plain(corpus).items() if key not in OUTPUT_NEUTRAL}
+    sources = {f"corpus.sources[{i}].path": s.path for i, s in enumerate(corpus.sources) if s.path is not None}
     PREPARE.run(corpus.output_dir, settings, inputs, lambda: build_corpus(corpus, inputs, args.force),
-                versions=VERSIONS, force=args.force)
+                versions=VERSIONS, force=args.force, input_paths=sources)
     return 0

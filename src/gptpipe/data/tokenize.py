@@ -203,7 +203,9 @@ def run(config: TokenizeRun, args: argparse.Namespace) -> int:
 
     with scratch:
         TOKENIZE.run(prefix, _manifest_config(cfg, **extra), inputs, work, force=args.force,
-                     versions=("sentencepiece", "tokenizers", "transformers", "numpy", "orjson"))
+                     versions=("sentencepiece", "tokenizers", "transformers", "numpy", "orjson"),
+                     input_paths={"tokenize.tokenizer_dir": cfg.tokenizer_dir,
+                                  **{f"tokenize.input {f}": f for f in files}})
     return 0
 
 

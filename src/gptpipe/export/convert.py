@@ -104,7 +104,8 @@ def convert(config: ConvertConfig, checkpoint: Checkpoint, force: bool) -> Manif
     source = open_source(config, checkpoint)
     settings = {k: getattr(config, k) for k in EXPORT_KEYS}
     return CONVERT.run(config.output_tokenizer_and_model_dir, settings, source.inputs(),
-                       lambda: export(config, source), force=force, versions=source.versions)
+                       lambda: export(config, source), force=force, versions=source.versions,
+                       input_paths={"input_model_dir": config.input_model_dir})
 
 
 def run(config: ConvertConfig, args: Any) -> int:

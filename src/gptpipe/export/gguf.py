@@ -530,7 +530,7 @@ def run(config: ConvertConfig, args: argparse.Namespace) -> int:
         return StageResult([Path(name), Path("Modelfile")], counts)  # outputs are named relative to `out`
 
     manifest = GGUF.run(out, settings, {"model": model_input}, work, force=args.force or failed_before(out),
-                        versions=("gguf", "transformers", "tokenizers"))
+                        versions=("gguf", "transformers", "tokenizers"), input_paths={"the model": model_dir})
     counts = manifest.counts
     if counts["vocabulary"] == "t5" and counts.get("byte_pieces"):
         log.warning("llama.cpp's unigram (UGM) tokenizer has no byte fallback: a character none of the pieces "

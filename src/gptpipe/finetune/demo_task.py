@@ -343,7 +343,8 @@ def make_demo_task(config: DemoTaskConfig, force: bool = False) -> Path:
                               "(apt-get install manpages-ja manpages-ja-dev) or set demo_task.man_dir")
     pages = [p for p in config.man_dir.glob("man*/*") if p.is_file()]
     manifest = DEMO_TASK.run(config.output_dir, config,
-                             {"man_pages": tree_fingerprint(pages), "sets": SETS}, lambda: build(config), force=force)
+                             {"man_pages": tree_fingerprint(pages), "sets": SETS}, lambda: build(config), force=force,
+                             input_paths={"demo_task.man_dir": config.man_dir})
     log.info(f"{config.output_dir}\n{report(manifest.counts)}")
     return config.output_dir
 

@@ -117,7 +117,7 @@ class TrainLoop(ABC):
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
             if self.mirror:  # the record of this run beside its checkpoints, in the bucket
-                (self.run_dir / "config.yaml").write_text(
+                (self.run_dir / f"{self.name}.resolved.yaml").write_text(
                     yaml.safe_dump(to_plain(config), allow_unicode=True, sort_keys=False), encoding="utf-8")
         seed_everything(train_cfg.seed)
         self.step, self.skipped = 0, 0

@@ -275,5 +275,5 @@ def run(config: TokenizerConfig, args: argparse.Namespace) -> int:
     versions = ("sentencepiece", "tokenizers", "transformers") + (("fugashi", "unidic-lite") if splitter else ())
     TRAIN_TOKENIZER.run(config.output_dir, config, {"files": fingerprints},
                         lambda: train_tokenizer(config, files, splitter),
-                        force=args.force, versions=versions)
+                        force=args.force, versions=versions, input_paths={f"input {f}": f for f in files})
     return 0

@@ -434,5 +434,6 @@ def run(config: TokenizerConfig, args: argparse.Namespace) -> int:
     used = {key: getattr(config, key) for key in USED_KEYS}
     EXTEND_TOKENIZER.run(config.output_dir, used, {"files": fingerprints, "base_tokenizer": base.fingerprint()},
                          lambda: extend_tokenizer(config, base, files), force=args.force,
-                         versions=("tokenizers", "transformers"))
+                         versions=("tokenizers", "transformers"),
+                         input_paths={"base_tokenizer": config.base_tokenizer, **{f"input {f}": f for f in files}})
     return 0
