@@ -11,6 +11,7 @@ import pytest
 from conftest import byte_level_bpe, corpus_texts
 from gptpipe.export import agreement
 from gptpipe.export.agreement import DEPARTS, EXACT, NEAR_TIE, Verdict
+from gptpipe.tolerance import FP32_TOLERANCE
 
 PROMPT = "ディレクトリの内容を"
 STOP = 9
@@ -24,7 +25,7 @@ def verdict(got: list[int], gaps: list[float], tolerance: float = 0.2, expected:
 def test_tolerance_grows_with_the_rounding_of_the_dtype() -> None:
     by_name = {name: agreement.tolerance(name, 10.0) for name in ("fp32", "float32", "f16", "bf16", "bfloat16",
                                                                    "q8_0")}
-    assert by_name["fp32"] == by_name["float32"] == agreement.FP32_TOLERANCE
+    assert by_name["fp32"] == by_name["float32"] == FP32_TOLERANCE
     assert by_name["bf16"] == by_name["bfloat16"] > by_name["f16"] > by_name["fp32"]
     assert by_name["q8_0"] > by_name["bf16"]
     assert agreement.tolerance("bf16", 20.0) > agreement.tolerance("bf16", 10.0)  # relative to the largest logit
@@ -75,7 +76,7 @@ def test_a_runtime_is_judged_by_the_fp32_models_logits(unigram_llama: Path) -> N
     assert len(expected) == agreement.GREEDY_TOKENS
     [exact] = agreement.check(reference, [prompt], [expected], "fp32")
     assert exact.kind == EXACT and exact.max_gap == 0.0 and exact.tolerance == pytest.approx(
-        2 * agreement.FP32_TOLERANCE)
+        2 * FP32_TOLERANCE)
 
     with torch.no_grad():
         first = reference(torch.tensor([prompt])).logits[0, -1]
@@ -91,7 +92,7 @@ def test_a_runtime_is_judged_by_the_fp32_models_logits(unigram_llama: Path) -> N
     [swapped] = agreement.check(reference, [prompt], [got], "fp32")
     gap = float(first.max() - first[second])
     # the same logit difference from the prompt batched with the continuation: fp32 rounding apart
-    assert swapped.gaps[0] == pytest.approx(gap, abs=agreement.FP32_TOLERANCE) and max(swapped.gaps[1:]) == 0.0
+    assert swapped.gaps[0] == pytest.approx(gap, abs=FP32_TOLERANCE) and max(swapped.gaps[1:]) == 0.0
     assert swapped.kind == DEPARTS and replace(swapped, tolerance=1.01 * gap).kind == NEAR_TIE
 
 

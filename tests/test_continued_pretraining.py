@@ -486,3 +486,22 @@ def test_the_planner_reads_a_base_models_config() -> None:
     assert parameters == 1_235_814_400
     memory = estimate_memory(shape, parameters, 4096, "bf16", 1, EngineSettings(1, 1, False, False), False, True)
     assert memory.logits == 4096 * 128256 * 12 and memory.logits > 10 * memory.activations / shape.num_layers
+
+
+def test_an_export_copies_only_the_files_a_model_folder_needs(tokenizers, tmp_path: Path) -> None:
+    """Of a base folder, the tokenizer, generation settings and licence go into the export; notes, credentials
+    and a link that leads out of the folder do not (stage 6 would publish them)."""
+    from gptpipe.runtime.base_model import exported_files
+
+    base = make_base("llama", tokenizers["sp"], tmp_path / "base")
+    (base / "notes.txt").write_text("internal notes")
+    (base / "credentials.json").write_text('{"token": "x"}')
+    (base / "LICENSE").write_text("terms")
+    secret = tmp_path / "secret.json"
+    secret.write_text("{}")
+    (base / "special_tokens_map.json").unlink(missing_ok=True)
+    (base / "special_tokens_map.json").symlink_to(secret)
+    files = exported_files(open_base(base))
+    assert {"tokenizer_config.json", "generation_config.json", "LICENSE"} <= set(files)
+    assert not {"notes.txt", "credentials.json", "special_tokens_map.json", "config.json"} & set(files)
+    assert not any(name.endswith(".safetensors") for name in files)

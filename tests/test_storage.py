@@ -133,7 +133,7 @@ def drill(store, config: Path, workspace: Path, full: Path, reference: dict[int,
     # keep-last-2 (a save that waited behind an upload may have been replaced by a newer one), no leftovers
     assert max(steps) == STEPS and len(steps) <= 2 and all(steps.values()), steps
     assert store.fs.cat_file(f"{url}/checkpoints/latest") == f"global_step{STEPS}".encode()
-    for name in ("config.yaml", "plan.txt", "ds_config.json", "wandb_run_id"):
+    for name in ("train.resolved.yaml", "plan.txt", "ds_config.json", "wandb_run_id"):
         assert store.fs.exists(f"{url}/{name}"), name
     assert store.fs.glob(f"{url}/tensorboard/events.out.tfevents.*") and store.fs.glob(f"{url}/wandb/*/*.wandb")
 

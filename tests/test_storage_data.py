@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,7 +94,8 @@ def test_stage0_reads_the_same_corpus_from_a_bucket(store, tmp_path: Path, capfd
 
 
 def cached_files(tmp_path: Path) -> set[str]:
-    return {p.name for p in (tmp_path / "tmp" / "gptpipe-cache").rglob("*") if p.is_file() and p.name != ".lock"}
+    cache = tmp_path / "tmp" / f"gptpipe-cache-{os.getuid()}"
+    return {p.name for p in cache.rglob("*") if p.is_file() and p.name != ".lock"}
 
 
 def test_stage2_to_a_bucket_then_count_and_train_from_it(s3, workspace: Path, dataset_prefix: Path,
@@ -121,7 +123,7 @@ def test_stage2_to_a_bucket_then_count_and_train_from_it(s3, workspace: Path, da
     assert f"{prefix_url} is up to date" in capfd.readouterr().err
 
     # count_tokens on a new machine (an empty cache) reads the .idx alone and counts what the local count does.
-    cache = tmp_path / "tmp" / "gptpipe-cache"
+    cache = tmp_path / "tmp" / f"gptpipe-cache-{os.getuid()}"
     for path in sorted(cache.rglob("*"), reverse=True):
         path.unlink() if path.is_file() else path.rmdir()
     run_cli("count", "--config", config, "--no-write", *bucket)

@@ -58,7 +58,7 @@ def run_two_nodes(config: Path, tmp: Path, *overrides: str, stop_after: int | No
 
 def staged(tmp: Path, node: int) -> Path:
     """The node's staging folder (the default one, under its TMPDIR)."""
-    return next((tmp / f"node{node}" / "gptpipe-runs").glob("*/run"))
+    return next((tmp / f"node{node}" / f"gptpipe-runs-{os.getuid()}").glob("*/run"))
 
 
 def test_nodes_without_shared_disk_upload_their_ranks_and_resume_exactly(dataset_prefix: Path, workspace: Path,

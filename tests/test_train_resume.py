@@ -1,5 +1,5 @@
-"""Faults: a run killed with SIGKILL resumes to the same per-step losses as an uninterrupted one; SIGTERM
-saves within one step and exits 75; non-finite steps are skipped, counted, and stop the run."""
+"""Faults: a run killed with SIGKILL, also inside a save, resumes to the same per-step losses as an uninterrupted
+one; SIGTERM saves within one step and exits 75; non-finite steps are skipped, counted, and stop the run."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import (QUICK, QUICK_TRAIN, REFERENCE_RUN, REFERENCE_STEPS, metrics, run_train, start_train,
+from conftest import (QUICK, QUICK_TRAIN, REFERENCE_RUN, REFERENCE_STEPS, metrics, run_train, start_train, train_env,
                       train_losses, wait_for_step)
+from prewarmed import Forked
 
 from gptpipe.artifacts import EXIT_PREEMPTED
-from gptpipe.runtime.checkpoint import COMPLETE_MARKER, STATE, complete_checkpoints
+from gptpipe.runtime.checkpoint import COMPLETE_MARKER, LATEST, STATE, complete_checkpoints
 from gptpipe.runtime.metrics_rows import TrainRow
 
 STEPS = REFERENCE_STEPS
@@ -51,6 +52,56 @@ def test_sigkilled_run_resumes_with_identical_losses(reference_run, workspace: P
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"finished {STEPS} steps" in again.stderr and "[train] saved" not in again.stderr
     assert (final / COMPLETE_MARKER).stat().st_mtime_ns == saved_ns
+
+
+def killed_at(point: str, *argv: object) -> None:
+    """`gptpipe train argv` killed (SIGKILL) at `point` of checkpoint.py's save or prune order (GPTPIPE_KILL_AT)."""
+    done = Forked(["train", *argv], {**train_env(), "GPTPIPE_KILL_AT": point}).finish(600)
+    assert done.returncode == -signal.SIGKILL, (point, done.returncode, done.stderr[-3000:])
+
+
+def assert_resumable(checkpoints: Path) -> None:
+    """What a kill may leave: every marked checkpoint whole (its DeepSpeed files and the run state), and `latest`
+    naming a marked one."""
+    complete = complete_checkpoints(checkpoints)
+    for _, folder in complete:
+        assert (folder / STATE).is_file() and any(folder.glob("*model_states.pt")), sorted(folder.iterdir())
+    if (checkpoints / LATEST).is_file():
+        assert (checkpoints / LATEST).read_text().strip() in {f.name for _, f in complete}
+
+
+# Where a REFERENCE_RUN (a checkpoint every 2 steps, keep 3) is killed: step 2's save with its folder in place but
+# unmarked; step 4's marked but `latest` not moved; step 8's save pruning step 2 with its marker gone, its files not.
+@pytest.mark.parametrize("point", ["save-new-in@2", "save-marked@4", "prune-unmarked@2"])
+def test_a_kill_inside_a_save_leaves_a_checkpoint_to_resume_from(point: str, reference_run, workspace: Path,
+                                                                 tmp_path: Path) -> None:
+    common = ("--config", workspace / "config.yaml", *QUICK_TRAIN, *REFERENCE_RUN, f"train.output_model_dir={tmp_path}")
+    killed_at(point, *common)
+    assert_resumable(tmp_path / "checkpoints")
+    resumed = run_train(*common)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert train_losses(tmp_path) == train_losses(reference_run())
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_kill_inside_a_re_save_keeps_a_complete_checkpoint(workspace: Path, tmp_path: Path) -> None:
+    """A re-save at the same step (a lowered train_iters: the run resumes at its new last step and saves it as
+    finished): killed with the old folder's marker gone, then with the old folder moved aside, the run still has a
+    whole checkpoint and finishes when run again."""
+    common = ("--config", workspace / "config.yaml", *QUICK_TRAIN, *REFERENCE_RUN, f"train.output_model_dir={tmp_path}")
+    checkpoints = tmp_path / "checkpoints"
+    killed_at(f"save-new-in@{REFERENCE_STEPS}", *common)  # steps 2, 4, 6 saved; the final save cut short
+    assert [step for step, _ in complete_checkpoints(checkpoints)] == [2, 4, 6]
+    lowered = (*common, "train.train_iters=6")
+    for point in ("save-unmarked-old@6", "save-old-aside@6"):
+        killed_at(point, *lowered)
+        assert_resumable(checkpoints)
+        assert [step for step, _ in complete_checkpoints(checkpoints)][-1] in (4, 6)
+    done = run_train(*lowered)
+    assert done.returncode == 0, done.stderr[-3000:]
+    final = complete_checkpoints(checkpoints)[-1][1]
+    assert final.name == "global_step6" and json.loads((final / STATE).read_text())["finished"] is True
+    assert_resumable(checkpoints)
 
 
 def test_sigkilled_run_with_dropout_resumes_to_the_same_curve(dataset_prefix: Path, workspace: Path,

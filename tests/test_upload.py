@@ -14,7 +14,7 @@ from conftest import HUB_TOKEN as TOKEN
 from gptpipe.cli import main
 from gptpipe.stage import file_fingerprint, tree_fingerprint
 
-LOCAL_ONLY = {"manifest.json", "config.yaml"}
+LOCAL_ONLY = {"manifest.json", "convert.resolved.yaml"}
 
 
 @pytest.fixture

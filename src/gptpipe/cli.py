@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
-from gptpipe.config.core import ConfigError, describe, load_config
+from gptpipe.config.core import ConfigError, describe, load_config, redact
 from gptpipe.export.config import generate_arguments, upload_arguments
 from gptpipe.train.config import plan_arguments
 
@@ -166,10 +166,10 @@ def main(argv: list[str] | None = None) -> int:
             config.storage.apply()
         result = _load_object(cmd.target)(config, args)
     except (ConfigError, StageInputError) as exc:
-        print(f"gptpipe {cmd.name}: {exc}", file=sys.stderr)
+        print(f"gptpipe {cmd.name}: {redact(str(exc))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except StageFailed as exc:
-        print(f"gptpipe {cmd.name}: FAILED: {exc}", file=sys.stderr)
+        print(f"gptpipe {cmd.name}: FAILED: {redact(str(exc))}", file=sys.stderr)
         return EXIT_FAILED
     return int(result or EXIT_OK)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gptpipe.stage import StageInputError
+from gptpipe.trust import check_task_code
 
 
 def local_task(path: Path) -> dict[str, Any]:
@@ -20,6 +21,7 @@ def local_task(path: Path) -> dict[str, Any]:
 
     if not path.is_file():
         raise StageInputError(f"task YAML {path} not found")
+    check_task_code(path)  # lm-eval imports a `!function`'s Python while it loads the YAML
     task = load_yaml(path, resolve_func=True)
     kwargs = task.get("dataset_kwargs") or {}
 

@@ -4,7 +4,7 @@ Stage outputs in a bucket keep the local layout (gptpipe.artifacts): a dataset's
 <prefix>.manifest.json beside them, a tokenizer or HF folder with manifest.json inside. The folder holding
 them is a committed folder (gptpipe.committed) whose record is the manifest: ``publish`` uploads every output
 and the resolved config, then the manifest; ``fetch`` copies what a stage needs into
-``<system temp>/gptpipe-cache/<digest of the URL>/`` with each file's recorded mtime and the manifest last, so
+``<system temp>/gptpipe-cache-<uid>/<digest of the URL>/`` with each file's recorded mtime and the manifest last, so
 the cached copy is a local stage output that ``Stage.require`` accepts as is. It is reused while the bucket's
 manifest is byte-for-byte the cached one and the cached files match it.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -67,7 +68,8 @@ def staging(stage: RemoteStage, location: Any) -> Path:
 def _locked(folder: Path) -> Iterator[None]:
     """One fetch per cache folder at a time: ranks on one machine download once, the others then reuse."""
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "w") as fh:
+    # O_NOFOLLOW: a link planted at the lock's name cannot make us create or truncate another file.
+    with os.fdopen(os.open(folder / ".lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600), "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield

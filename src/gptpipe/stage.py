@@ -345,10 +345,11 @@ def run_local(
 
 
 def _files(folder: Path) -> dict[str, Any] | None:
-    """{name: (size, mtime)} of the files directly in ``folder``; None when it does not exist."""
+    """{name: (size, mtime)} of the entries directly in ``folder`` (a folder's size counted as -1: stage 0's
+    .work of finished shards is something a failed run wrote); None when it does not exist."""
     if not folder.is_dir():
         return None
-    return {p.name: (st.st_size, st.st_mtime_ns) for p in folder.iterdir() if p.is_file() and (st := p.stat())}
+    return {p.name: (-1 if p.is_dir() else st.st_size, st.st_mtime_ns) for p in folder.iterdir() if (st := p.stat())}
 
 
 def _write_manifest(path: Path, manifest: Manifest) -> None:

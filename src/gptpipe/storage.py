@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,12 +141,28 @@ def local_name(url: str) -> str:
 
 
 def local_folder(url: str, kind: str) -> Path:
-    """The local folder that stands for the bucket folder ``url``: ``<system temp>/<kind>/<digest of the
+    """The local folder that stands for the bucket folder ``url``: ``<system temp>/<kind>-<uid>/<digest of the
     URL>/<its last component>`` (``TMPDIR`` moves it). ``kind`` keeps apart what a reader fetched
-    (``gptpipe-cache``) and a training run's own staging folder (``gptpipe-runs``)."""
+    (``gptpipe-cache``) and a training run's own staging folder (``gptpipe-runs``). The folder is the user's own
+    (private_folder), so another user of the machine cannot plant files a later run would trust."""
     url = url.rstrip("/")
     digest = hashlib.sha256(url.encode()).hexdigest()[:10]
-    return Path(tempfile.gettempdir()) / kind / digest / local_name(url)
+    return private_folder(Path(tempfile.gettempdir()) / f"{kind}-{os.getuid()}") / digest / local_name(url)
+
+
+def private_folder(folder: Path) -> Path:
+    """`folder`, made with mode 0700 if new; refused unless it is a real folder (no link) that this user owns
+    and nobody else may write."""
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(folder)
+    except OSError as exc:
+        raise OSError(f"{folder}: cannot make the private cache folder ({exc.strerror})") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise OSError(f"{folder} is not a private folder of this user (owner uid {st.st_uid}, mode "
+                      f"{stat.S_IMODE(st.st_mode):o}{', a link' if stat.S_ISLNK(st.st_mode) else ''}): another user "
+                      "could plant files in it. Remove it, or set TMPDIR to a folder of your own")
+    return folder
 
 
 def cache_folder(url: str) -> Path:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -42,10 +43,21 @@ class Url(str):
         return self.rstrip("/").rsplit("/", 1)[-1]
 
 
+# user:secret@ in a URL: what a message may never echo.
+_CREDENTIAL = re.compile(r"(?<=://)[^/@\s'\"]+@")
+
+
+def redact(text: str) -> str:
+    """`text` with the credential of any URL in it (scheme://user:secret@host) replaced by ***."""
+    return _CREDENTIAL.sub("***@", text)
+
+
 class ConfigError(ValueError):
-    """Every problem found in one config, reported together before any work starts."""
+    """Every problem found in one config, reported together before any work starts (URLs' credentials
+    redacted: a message may be pasted anywhere)."""
 
     def __init__(self, source: str, problems: list[str]):
+        problems = [redact(p) for p in problems]
         self.problems = problems
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(f"{len(problems)} problem(s) in {source}:\n{lines}")
@@ -246,8 +258,11 @@ class _Builder:
                 return value
             try:
                 number = float(str(value).replace("_", ""))
-            except ValueError:
+            except (ValueError, OverflowError):
                 self.problem(key, f"expected an integer, got {value!r}")
+                return value
+            if not math.isfinite(number):
+                self.problem(key, f"expected a finite integer, got {value!r}")
                 return value
             if number != int(number):
                 self.problem(key, f"expected an integer, got {value!r}")
@@ -257,10 +272,13 @@ class _Builder:
                 self.problem(key, f"expected a number, got {value!r}")
                 return value
             try:
-                return float(value)
-            except (TypeError, ValueError):
+                number = float(value)
+            except (TypeError, ValueError, OverflowError):
                 self.problem(key, f"expected a number, got {value!r}")
                 return value
+            if not math.isfinite(number):
+                self.problem(key, f"expected a finite number, got {value!r}")
+            return number
         if tp is str:
             if isinstance(value, (dict, list)) or value is None:
                 self.problem(key, f"expected a string, got {value!r}")
@@ -295,7 +313,13 @@ def load_config(cls: type, path: Path | None, overrides: list[str] = ()) -> Any:
     if path is not None:
         if not Path(path).is_file():
             raise ConfigError(source, [f"config file {path} does not exist"])
-        data, lines = _compose_with_lines(Path(path).read_text(encoding="utf-8"), source)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            line = Path(path).read_bytes()[:exc.start].count(b"\n") + 1
+            raise ConfigError(source, [f"{path}:{line}: not UTF-8 text (byte {exc.object[exc.start]:#04x}); save the "
+                                       "file as UTF-8"]) from None
+        data, lines = _compose_with_lines(text, source)
         data = data or {}
     parsed = [parse_override(o) for o in overrides]
     if not isinstance(data, dict):

@@ -41,6 +41,7 @@ from gptpipe.corpus.judge import Check, Judge
 from gptpipe.corpus.neardup import MinHasher, duplicate_of, estimated_jaccard, exact_duplicate_of
 from gptpipe.corpus.shards import LineBases, Shard, plan_shards, relocate
 from gptpipe.corpus.sources import SUFFIXES, fingerprint, read_source
+from gptpipe.lock import locked
 from gptpipe.log import get_logger
 from gptpipe.stage import (StageFailed, StageInputError, StageResult, atomic_dir, atomic_path, package_versions,
                            write_text_atomic)
@@ -207,7 +208,7 @@ def explain(config: CorpusConfig, path: Path) -> Iterator[str]:
     hasher = MinHasher(near) if near else None
     kind = "jsonl" if path.name.endswith(SUFFIXES["jsonl"]) else "text"
     earlier: list[tuple[str, str, np.ndarray | None]] = []  # (origin, text, signature) of the documents before
-    for record in read_source(SourceConfig(type=kind, path=path)):
+    for record in read_source(SourceConfig(type=kind, path=path), max_chars=config.max_chars):
         if record.text is None:
             yield f"{record.origin}: dropped: {record.problem}"
             continue
@@ -245,6 +246,7 @@ def run(config: CorpusRun, args: argparse.Namespace) -> int:
     # them does not make a finished corpus look stale.
     settings = {key: value for key, value in to_plain(corpus).items() if key not in OUTPUT_NEUTRAL}
     sources = {f"corpus.sources[{i}].path": s.path for i, s in enumerate(corpus.sources) if s.path is not None}
-    PREPARE.run(corpus.output_dir, settings, inputs, lambda: build_corpus(corpus, inputs, args.force),
-                versions=VERSIONS, force=args.force, input_paths=sources)
+    with locked(corpus.output_dir, "gptpipe prepare"):  # one writer: a second run would remove this one's .work
+        PREPARE.run(corpus.output_dir, settings, inputs, lambda: build_corpus(corpus, inputs, args.force),
+                    versions=VERSIONS, force=args.force, input_paths=sources)
     return 0

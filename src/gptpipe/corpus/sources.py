@@ -1,6 +1,11 @@
 """Readers for stage 0's sources. Each yields Record(origin, text, problem) and never raises on bad data:
 an unreadable record carries the reason instead of text, so the stage can count and report it. jsonl
-records are checked as in stages 1 and 2, with the same reason names (data/jsonl.py)."""
+records are checked as in stages 1 and 2, with the same reason names (data/jsonl.py).
+
+Memory stays bounded whatever a file holds: a jsonl line, a text paragraph or file longer than the source's
+max_chars allows (data/jsonl.py's max_line_bytes) is dropped as too long without being held whole, and a .json
+array file is read only up to JSON_ARRAY_MAX_BYTES. A truncated or corrupt .gz stops the stage with an error
+naming the file and the last line read."""
 
 from __future__ import annotations
 
@@ -9,8 +14,10 @@ import glob
 import gzip
 import hashlib
 import io
+import itertools
 import json
 import os
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +26,8 @@ from collections.abc import Iterator
 
 from gptpipe.corpus.config import SourceConfig
 from gptpipe.corpus.manpages import GroffError, find_manpages, formatter_version, read_manpage, roff_to_text
-from gptpipe.data.jsonl import INVALID_JSON, NO_LIMIT, UNDECODABLE, object_text, record_text
-from gptpipe.data.ranges import BLOCK_BYTES, first_line_start, read_lines
+from gptpipe.data.jsonl import INVALID_JSON, TOO_LONG, UNDECODABLE, max_line_bytes, object_text, record_text
+from gptpipe.data.ranges import BLOCK_BYTES, capped_lines, first_line_start, read_lines
 from gptpipe.stage import StageInputError, tree_fingerprint
 from gptpipe.storage import filesystem, is_url
 
@@ -36,6 +43,8 @@ class Record:
     problem: str | None = None
 
 
+# A .json file holding one array is parsed whole: past this size it is refused (write it as .jsonl instead).
+JSON_ARRAY_MAX_BYTES = 64 << 20
 SUFFIXES = {"jsonl": (".jsonl", ".json", ".jsonl.gz", ".json.gz"), "text": (".txt", ".txt.gz"), "hf_dataset": ("",)}
 # What identifies one version of an object, by store: S3's ETag and LastModified, GCS's generation and md5Hash...
 OBJECT_VERSION_KEYS = ("ETag", "etag", "LastModified", "generation", "md5Hash", "updated", "mtime")
@@ -103,16 +112,20 @@ def fingerprint(source: SourceConfig) -> dict[str, Any]:
 
 
 def read_source(source: SourceConfig, files: list[Path] | list[str] | None = None,
-                span: tuple[int, int] | None = None) -> Iterator[Record]:
+                span: tuple[int, int] | None = None, max_chars: int | None = None) -> Iterator[Record]:
     """All records of one source, at most max_documents of them; or of a shard of it (corpus/shards.py):
     `files`, some of its files, or `span`, the lines starting in one byte range of its one local plain jsonl
-    file (numbered from 1 at the range's first line)."""
+    file (numbered from 1 at the range's first line). `max_chars` (corpus.max_chars) bounds what a line, a
+    paragraph or a text file may hold before it is dropped unread (max_line_bytes)."""
+    cap = max_line_bytes(max_chars)
     if source.type == "hf_dataset":
         records = _hf_dataset(source)
     elif source.type == "jsonl":
-        records = _jsonl(source, files or source_files(source), span)
+        records = _jsonl(source, files or source_files(source), span, cap)
+    elif source.type == "text":
+        records = _text(source, files or source_files(source), cap)
     else:
-        records = {"manpages": _manpages, "text": _text}[source.type](source, files or source_files(source))
+        records = _manpages(source, files or source_files(source))
     for n, record in enumerate(records):
         if source.max_documents is not None and n >= source.max_documents:
             return
@@ -153,27 +166,45 @@ def _open_bytes(path: Path | str) -> Iterator[io.BufferedIOBase]:
         yield stream  # type: ignore[misc]
 
 
-def _jsonl(source: SourceConfig, files: list, span: tuple[int, int] | None) -> Iterator[Record]:
+@contextlib.contextmanager
+def _decompressing(path: Path | str) -> Iterator[list[int]]:
+    """Name the file, and the last line read (the yielded counter's one item), in a decompression error: a
+    truncated .gz raises a bare EOFError."""
+    read = [0]
+    try:
+        yield read
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        why = f"{type(exc).__name__}{': ' + str(exc) if str(exc) else ''}"
+        raise StageInputError(f"{path}: the gzip data is truncated or corrupt after line {read[0]} ({why}); download "
+                              "or compress it again, or remove it from the source") from None
+
+
+def _jsonl(source: SourceConfig, files: list, span: tuple[int, int] | None, cap: int) -> Iterator[Record]:
     if span is not None:
         [path] = files
         with open(path, "rb") as fh:
             lineno = 0
-            for lines in read_lines(fh, first_line_start(fh, *span), span[1], NO_LIMIT, BLOCK_BYTES):
+            for lines in read_lines(fh, first_line_start(fh, *span), span[1], cap, BLOCK_BYTES):
                 for raw in lines:
                     lineno += 1
-                    yield Record(f"{path}:{lineno}", *record_text(raw, source.text_key))
+                    yield Record(f"{path}:{lineno}", *record_text(raw, source.text_key, max_line_bytes=cap))
         return
     for path in files:
-        with _open_bytes(path) as fh:
+        with _open_bytes(path) as fh, _decompressing(path) as read:
             head = fh.peek(64)[:64] if hasattr(fh, "peek") else b""
             if head.lstrip().startswith(b"["):  # a .json file holding one array of objects
-                yield from _json_array(path, fh.read(), source.text_key)
+                yield from _json_array(path, fh.read(JSON_ARRAY_MAX_BYTES + 1), source.text_key)
                 continue
-            for lineno, raw in enumerate(fh, 1):
-                yield Record(f"{path}:{lineno}", *record_text(raw, source.text_key))
+            for raw in capped_lines(fh, cap):
+                read[0] += 1
+                yield Record(f"{path}:{read[0]}", *record_text(raw, source.text_key, max_line_bytes=cap))
 
 
 def _json_array(path: Path, data: bytes, text_key: str) -> Iterator[Record]:
+    if len(data) > JSON_ARRAY_MAX_BYTES:
+        yield Record(str(path), problem=f"{TOO_LONG}: a .json array over {JSON_ARRAY_MAX_BYTES >> 20} MiB (write it "
+                                        "as .jsonl, one object a line)")
+        return
     try:
         items = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError:
@@ -186,22 +217,40 @@ def _json_array(path: Path, data: bytes, text_key: str) -> Iterator[Record]:
         yield Record(f"{path}[{i}]", *object_text(obj, text_key))
 
 
-def _text(source: SourceConfig, files: list) -> Iterator[Record]:
+def _decoded(data: bytes) -> tuple[str, str | None]:
+    try:
+        return data.decode("utf-8"), None
+    except UnicodeDecodeError:  # keep the text; undecodable bytes become U+FFFD and are counted
+        return data.decode("utf-8", errors="replace"), "invalid UTF-8 bytes replaced"
+
+
+def _text(source: SourceConfig, files: list, cap: int) -> Iterator[Record]:
     for path in files:
-        with _open_bytes(path) as fh:
-            data = fh.read()
-        try:
-            text, note = data.decode("utf-8"), None
-        except UnicodeDecodeError:  # keep the file; undecodable bytes become U+FFFD and are counted
-            text, note = data.decode("utf-8", errors="replace"), "invalid UTF-8 bytes replaced"
-        if source.text_unit == "file":
-            yield Record(str(path), text, note)
-            continue
-        lineno = 1
-        for block in text.split("\n\n"):
-            if block.strip():
-                yield Record(f"{path}:{lineno + len(block) - len(block.lstrip(chr(10)))}", block, note)
-            lineno += block.count("\n") + 2
+        with _open_bytes(path) as fh, _decompressing(path) as read:
+            if source.text_unit == "file":
+                data = fh.read(cap + 1)
+                yield Record(str(path), problem=TOO_LONG) if len(data) > cap else Record(str(path), *_decoded(data))
+                continue
+            # Paragraphs: blocks between empty lines, each at most `cap` bytes (a longer one is dropped unread).
+            block: list[bytes] = []
+            size, start, too_long = 0, 1, False
+            for raw in itertools.chain(capped_lines(fh, cap), [b""]):  # an empty line closes the last block
+                read[0] += 1
+                if raw == b"":
+                    if too_long:
+                        yield Record(f"{path}:{start}", problem=TOO_LONG)
+                    elif b"".join(block).strip():
+                        yield Record(f"{path}:{start}", *_decoded(b"\n".join(block)))
+                    block, size, too_long = [], 0, False
+                    continue
+                if not block and not too_long:
+                    start = read[0]
+                size += len(raw or b"") + 1
+                too_long = too_long or raw is None or size > cap
+                if too_long:
+                    block.clear()
+                else:
+                    block.append(raw)
 
 
 def _hf_dataset(source: SourceConfig) -> Iterator[Record]:

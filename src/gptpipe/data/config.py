@@ -9,6 +9,7 @@ from typing import Protocol
 
 from gptpipe.config.core import Url, option
 from gptpipe.storage import url_problems
+from gptpipe.data.jsonl import max_line_bytes
 from gptpipe.data.split import split_shares
 
 
@@ -49,8 +50,8 @@ class TokenizeConfig:
 
     @property
     def max_line_bytes(self) -> int:
-        """The longest jsonl line read: 12 bytes per character is JSON's worst case (a \\uXXXX\\uXXXX pair)."""
-        return 12 * self.max_document_chars + (64 << 10)
+        """The longest jsonl line read (data/jsonl.py's max_line_bytes)."""
+        return max_line_bytes(self.max_document_chars)
 
     @property
     def dataset_prefix(self) -> Url | Path:

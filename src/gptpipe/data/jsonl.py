@@ -40,6 +40,15 @@ NUL_STRIPPED = "nul stripped"
 CUT_TO_FIT = "cut to fit"
 REPAIRS = (NUL_STRIPPED, CUT_TO_FIT)
 NO_LIMIT = sys.maxsize
+# Documents longer than this many characters are refused by every stage's default (stage 0's max_chars, stage 2's
+# max_document_chars); it also bounds what a line may hold when the user sets no limit.
+DEFAULT_MAX_CHARS = 1_000_000
+
+
+def max_line_bytes(max_chars: int | None) -> int:
+    """The longest jsonl line a stage reads (a longer one is dropped as too long, never held whole in memory):
+    12 bytes per character is JSON's worst case (a \\uXXXX\\uXXXX pair), plus room for the other keys."""
+    return 12 * (max_chars or DEFAULT_MAX_CHARS) + (64 << 10)
 EXAMPLES_PER_REASON = 5
 
 _MISSING = object()

@@ -7,6 +7,7 @@ exactly one worker, wherever the cuts fall.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -115,6 +116,13 @@ def read_lines(f: IO[bytes], start: int, end: int, max_line_bytes: int, block_by
         if lines:
             yield lines
             return
+
+
+def capped_lines(f: IO[bytes], max_line_bytes: int) -> Iterator[bytes | None]:
+    """Every line of a stream from its start (a gzip stream too), without its newline; a line longer than
+    ``max_line_bytes`` comes out as None and is never held whole."""
+    for lines in read_lines(f, 0, sys.maxsize, max_line_bytes, BLOCK_BYTES):
+        yield from lines
 
 
 def lines_before(path: str, position: int) -> int:

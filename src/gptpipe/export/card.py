@@ -145,6 +145,18 @@ def final_val_loss(state: dict[str, Any], rows: list[Row]) -> float | None:
     return float(val[-1]) if val else None
 
 
+def public_settings(value: Any) -> Any:
+    """A run's settings as a published card shows them: a path of the training machine or a bucket URL becomes
+    `…/<its last component>` (what was used, not where it lay or which bucket held it)."""
+    if isinstance(value, dict):
+        return {key: public_settings(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [public_settings(item) for item in value]
+    if isinstance(value, str) and (value.startswith(("/", "~")) or "://" in value):
+        return "…/" + value.rstrip("/").rsplit("/", 1)[-1]
+    return value
+
+
 def _architecture_rows(config: Any, parameters: int) -> list[tuple[str, Any]]:
     get = config.to_dict().get
     rows = [("architecture", f"{config.architectures[0] if config.architectures else config.model_type}"),
@@ -391,7 +403,8 @@ def render_card(facts: CardFacts, repo_id: str | None) -> str:
     lines += [f"| {k} | {v} |" for k, v in _architecture_rows(cfg, facts.parameters)]
     if b.training_config:
         lines += ["", "## Fine-tuning" if task else "## Training", "", "```yaml",
-                  yaml.safe_dump(b.training_config, allow_unicode=True, sort_keys=False).strip(), "```"]
+                  yaml.safe_dump(public_settings(b.training_config), allow_unicode=True, sort_keys=False).strip(),
+                  "```"]
     lines += ["", "## Verification", "", _verification_text(facts.verification), ""]
     lines += _usage_rows(facts, repo_id or facts.title, pipeline_tag)
     if pipeline_tag == "text-generation":

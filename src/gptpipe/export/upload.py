@@ -59,7 +59,7 @@ def run(config: ConvertConfig, args: Any) -> int:
     shown = f"{source} (verified copy in {folder})" if is_url(source) else str(folder)
     from huggingface_hub import HfApi, constants, get_token, snapshot_download
 
-    # Exactly the files stage 4 wrote and verified; its manifest.json and config.yaml (local paths) stay here.
+    # Exactly the files stage 4 wrote and verified; its manifest.json and resolved config (local paths) stay here.
     files = list(export.files)
     name = repo_name(config)
     endpoint = os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 from gptpipe.data.base_tokenizer import FILES, Extension, PretrainedTokenizer, read_extension, read_pretrained_tokenizer
 from gptpipe.stage import StageInputError, folder_changes, folder_fingerprint
@@ -26,12 +27,13 @@ if TYPE_CHECKING:
 SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
              "gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM"}
-# Files of a base folder that are weights or the model card: the export writes its own; every other file
-# (tokenizer files, generation_config.json, licence) is copied into the export byte for byte.
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf")
-NOT_COPIED = ("config.json", "README.md")
 # A base folder's files that describe its tokenizer: an export with an extended tokenizer ships the extension's.
 TOKENIZER_FILES = (*FILES, "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+# The files of a base folder an export copies byte for byte: its tokenizer, generation settings and licence terms.
+# Nothing else goes (the export writes its own weights, config.json and card; a base folder may hold notes,
+# scripts or credentials that were never meant to be published with the model).
+COPIED = (*TOKENIZER_FILES, "spiece.model", "vocab.txt", "generation_config.json")
+LICENCE_PREFIXES = ("license", "licence", "notice", "copying", "use_policy")
 BASE_STATE_KEY = "base_model"  # the key of gptpipe_state.json holding the base's record
 # The boundaries' keys that name the tokenizer transformers builds of the folder's files, not the files.
 BUILD_KEYS = ("tokenizer_class", "encoder_sha256", "rebuilt")
@@ -154,20 +156,26 @@ def check_unchanged(record: dict[str, Any], base: BaseModel, where: str) -> None
 
 
 def is_copied(name: str) -> bool:
-    """Whether a top-level file of the base folder goes into the export unchanged (see NOT_COPIED)."""
-    return not (name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json") or name in NOT_COPIED
-                or name.startswith("."))
+    """Whether a top-level file of the base folder goes into the export unchanged (COPIED, licence terms)."""
+    return name in COPIED or name.lower().startswith(LICENCE_PREFIXES)
+
+
+def _own_files(folder: Path, keep: Callable[[str], bool]) -> dict[str, Path]:
+    """The regular files directly in `folder` that `keep` names; a link is followed only where it stays inside
+    the folder (a link out of it could publish any file of the machine)."""
+    root = folder.resolve()
+    return {p.name: p for p in sorted(folder.iterdir())
+            if keep(p.name) and p.is_file() and p.resolve().parent == root}
 
 
 def exported_files(base: BaseModel) -> dict[str, Path]:
     """The files an export of a run continued from `base` copies byte for byte, by their name there: the base
     folder's (is_copied); with a tokenizer extension, its hf/ files instead of the base's tokenizer files (any
     of data/base_tokenizer.py's FILES, or the slow vocab.json/merges.txt, which lack the new pieces)."""
-    folder = base.folder
-    files = {p.name: p for p in sorted(folder.iterdir()) if p.is_file() and is_copied(p.name)}
+    files = _own_files(base.folder, is_copied)
     if base.extension is None:
         return files
     tokenizer = base.extension.tokenizer_dir
     replaced = {*TOKENIZER_FILES, *(p.name for p in tokenizer.iterdir())}
     return {**{name: path for name, path in files.items() if name not in replaced},
-            **{p.name: p for p in sorted(tokenizer.iterdir()) if p.is_file()}}
+            **_own_files(tokenizer, lambda name: not name.startswith("."))}

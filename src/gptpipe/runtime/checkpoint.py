@@ -9,16 +9,23 @@ Layout under `<run>/checkpoints/`:
     best              (fine-tuning) the tag of the best checkpoint by the validation metric; keep-last-N
                       never removes it
 
-A save goes to `.tmp-global_step{N}/`, is renamed into place, then gets its `complete` marker, then
-`latest` moves to it and the oldest checkpoints beyond `keep_checkpoints` go. A folder without the marker
-is ignored (and replaced) by everything: resume, export, the next save.
+A save goes to `.tmp-global_step{N}/`. A checkpoint already at that step (a re-save: a signal at the last step,
+a lowered train_iters) first loses its `complete` marker (and `latest`, if it named it, falls back to the newest
+other complete one), then moves aside to `.old-global_step{N}/`; the new folder is renamed into place, gets its
+marker, `latest` moves to it, the old one is deleted, and the oldest checkpoints beyond `keep_checkpoints` go,
+each losing its marker before its files. A folder without the marker is ignored (and replaced) by everything:
+resume, export, the next save; so a kill at any point leaves every marked folder whole and `latest` naming a
+marked one. GPTPIPE_KILL_AT=<point>@<step> kills the process at one of those points (`_fault`): the tests' fault
+injection.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
+import signal
 import re
 import shutil
 import sys
@@ -30,6 +37,7 @@ from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.artifacts import TRAIN
 from gptpipe.storage import is_url
+from gptpipe.trust import check_checkpoint
 
 if TYPE_CHECKING:  # torch is imported where it is used: the uploader process (runtime/uploader.py) needs none
     from gptpipe.runtime.engine import Dist
@@ -72,10 +80,31 @@ def mark_best(root: Path, step: int, keep: int) -> None:
 
 
 def prune(root: Path, keep: int) -> None:
-    """Remove complete checkpoints older than the newest `keep`, except the one `best` names."""
-    for _, old in complete_checkpoints(root)[:-keep]:
+    """Remove complete checkpoints older than the newest `keep`, except the one `best` names: each loses its
+    marker first, so a kill inside the removal leaves a folder every reader ignores."""
+    for step, old in complete_checkpoints(root)[:-keep]:
         if old.name != best_tag(root):
+            (old / COMPLETE_MARKER).unlink()
+            _fault("prune-unmarked", step)
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _fault(point: str, step: int) -> None:
+    """Fault injection for the tests: GPTPIPE_KILL_AT=<point>@<step> kills this process here, as a preemption
+    or the OOM killer would (no handler runs)."""
+    if os.environ.get("GPTPIPE_KILL_AT") == f"{point}@{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _point_latest_elsewhere(root: Path, tag: str) -> None:
+    """Before global_step's marker goes: `latest` names the newest other complete checkpoint (or is removed)."""
+    latest = root / LATEST
+    if latest.is_file() and latest.read_text(encoding="utf-8").strip() == tag:
+        others = [folder for _, folder in complete_checkpoints(root) if folder.name != tag]
+        if others:
+            write_text_atomic(latest, others[-1].name)
+        else:
+            latest.unlink()
 
 
 def newest_checkpoint(root: Path) -> Path | None:
@@ -131,12 +160,21 @@ def save(engine: Any, root: Path, step: int, state: dict[str, Any], hf_config_js
     if dist.is_main:
         write_text_atomic(staging / tag / HF_CONFIG, hf_config_json)
         write_text_atomic(staging / tag / STATE, json.dumps(state, ensure_ascii=False, indent=2) + "\n")
-        if final.exists():  # an incomplete leftover of a killed save, or this step saved before a resume
-            shutil.rmtree(final)
+        old = root / f".old-{tag}"
+        if final.exists():  # this step saved before a resume, or an incomplete leftover of a killed save
+            _point_latest_elsewhere(root, tag)
+            (final / COMPLETE_MARKER).unlink(missing_ok=True)
+            _fault("save-unmarked-old", step)
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            _fault("save-old-aside", step)
         (staging / tag).rename(final)
+        _fault("save-new-in", step)
         shutil.rmtree(staging, ignore_errors=True)  # DeepSpeed's zero_to_fp32.py copy
         write_text_atomic(final / COMPLETE_MARKER, f"{tag}\n")
+        _fault("save-marked", step)
         write_text_atomic(root / LATEST, tag)
+        shutil.rmtree(old, ignore_errors=True)
         prune(root, keep)
     _barrier()
     return final
@@ -148,11 +186,13 @@ def has_frozen(engine: Any) -> bool:
 
 
 def remove_stale(root: Path) -> None:
-    """Staging folders and unmarked checkpoints left by a killed save (main rank, before training)."""
+    """Staging folders, old folders moved aside and unmarked checkpoints left by a killed save or prune (main rank,
+    before training)."""
     if not root.is_dir():
         return
     for folder in root.iterdir():
-        if folder.name.startswith(".tmp-") or (_TAG.match(folder.name) and not (folder / COMPLETE_MARKER).exists()):
+        if folder.name.startswith((".tmp-", ".old-")) or (_TAG.match(folder.name)
+                                                           and not (folder / COMPLETE_MARKER).exists()):
             shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -160,6 +200,7 @@ def load(engine: Any, folder: Path, dist: Dist) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and this rank's RNG from `folder`; returns gptpipe_state.json."""
     import torch
 
+    check_checkpoint(folder)  # DeepSpeed unpickles every file whole
     load_path, _ = engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=True,
                                           load_lr_scheduler_states=True,
                                           load_module_strict=not has_frozen(engine))  # frozen: not saved
@@ -295,6 +336,7 @@ def consolidate(checkpoint: Checkpoint) -> dict[str, Any]:
     import torch
 
     folder = checkpoint.path
+    check_checkpoint(folder)  # zero_to_fp32 and the loads below unpickle every file whole
     try:
         if _zero_stage(folder) == 0:
             module = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)

@@ -23,6 +23,7 @@ import torch
 import yaml
 
 from gptpipe.config.core import to_plain
+from gptpipe.lock import FolderLock
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError
 from gptpipe.artifacts import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED
@@ -110,6 +111,8 @@ class TrainLoop(ABC):
         self.run_dir: Path = self.mirror.local if self.mirror else train_cfg.output_model_dir
         self.ckpt_root = self.run_dir / "checkpoints"
         self.status = get_logger(self.name)
+        # One writer per run folder: a second run on it exits here, before it touches a file.
+        self.lock = FolderLock(self.run_dir, f"gptpipe {self.name}") if dist.is_main else None
         if self.mirror:  # collective: the bucket's newest complete checkpoint, before anyone looks for one
             self.mirror.restore()
         if dist.is_main:

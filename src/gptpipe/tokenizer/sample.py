@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterator
 
 from tqdm import tqdm
 
-from gptpipe.data.jsonl import Reasons, record_text
+from gptpipe.data.jsonl import Reasons, max_line_bytes, record_text
+from gptpipe.data.ranges import capped_lines
 from gptpipe.stage import StageInputError
 
 READ_CHUNK = 1 << 24
@@ -97,13 +98,13 @@ def cut_utf8(line: str, max_bytes: int) -> list[str]:
 
 def _documents(files: list[Path], bar: tqdm, reasons: Reasons) -> Iterator[tuple[int, str]]:
     """(line number across all files, text) of every document; lines holding none are counted in ``reasons``."""
-    number = 0
+    number, cap = 0, max_line_bytes(None)  # a longer line is counted as too long, never held whole
     for path in files:
         with open(path, "rb") as fh:
-            for line_in_file, raw in enumerate(fh, start=1):
+            for line_in_file, raw in enumerate(capped_lines(fh, cap), start=1):
                 number += 1
-                bar.update(len(raw))
-                text, reason = record_text(raw, TEXT_KEY)
+                bar.update(len(raw or b"") + 1)
+                text, reason = record_text(raw, TEXT_KEY, max_line_bytes=cap)
                 if reason:
                     reasons.add(reason, f"{path}:{line_in_file}")
                 if text is not None:

@@ -24,6 +24,7 @@ from gptpipe.data.count import DatasetCounts
 from gptpipe.data.split import document_order, split_problems
 from gptpipe.artifacts import TOKENIZE
 from gptpipe.runtime.batching import to_device
+from gptpipe.trust import check_index_cache
 
 if TYPE_CHECKING:
     import torch
@@ -151,6 +152,7 @@ def build_datasets(data_cfg: DataConfig, stats: list[DatasetCounts], seq_len: in
     weights = blend_weights(data_cfg, stats)
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
+        check_index_cache(cache_dir)  # megatron-core loads its cached indices with allow_pickle
     else:  # megatron-core says so on every build; it is the intent here
         logging.getLogger("megatron.core.datasets").addFilter(
             lambda record: "because path_to_cache is None" not in record.getMessage())

@@ -1,0 +1,72 @@
+"""One writer per output folder: `gptpipe train`, `finetune` and `prepare` hold an exclusive lock on theirs while
+they run, so a second command on a live folder exits at once instead of deleting the first one's staging files,
+appending to its metrics or pruning its checkpoints.
+
+The lock is flock(2) on `.<folder name>.lock` beside the folder (outside it: a stage may swap its folder whole),
+opened without following a symlink; the kernel releases it when the process dies, however it dies, so a killed
+run never leaves a stale lock. The file records who holds it (host, pid, since) for the refusal. flock holds on
+one machine's filesystem; a run folder in a bucket has its own staging folder per machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from collections.abc import Iterator
+
+from gptpipe.stage import StageInputError
+
+
+def lock_path(folder: Path) -> Path:
+    folder = Path(folder).absolute()
+    return folder.with_name(f".{folder.name}.lock")
+
+
+class FolderLock:
+    """An exclusive lock on `folder`, held until release() or the process's end."""
+
+    def __init__(self, folder: Path, what: str):
+        path = lock_path(folder)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as exc:  # ELOOP: the lock file is a symlink someone planted
+            raise StageInputError(f"{path}: cannot open the lock file of {folder} ({exc.strerror}); remove it if "
+                                  "it is a link") from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = self._holder()
+            os.close(self._fd)
+            raise StageInputError(f"{folder} is in use by another {holder}: one {what} writes a folder at a time. "
+                                  f"Wait for it to end, or give this one another folder") from None
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, json.dumps({"what": what, "host": socket.gethostname(), "pid": os.getpid(),
+                                       "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode())
+
+    def _holder(self) -> str:
+        try:
+            record = json.loads(os.pread(self._fd, 4096, 0) or b"{}")
+            return f"{record['what']} (host {record['host']}, pid {record['pid']}, since {record['since']})"
+        except (ValueError, KeyError, OSError):
+            return "process"
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = -1
+
+
+@contextlib.contextmanager
+def locked(folder: Path, what: str) -> Iterator[None]:
+    """Hold the lock on `folder` for the block."""
+    lock = FolderLock(folder, what)
+    try:
+        yield
+    finally:
+        lock.release()
