@@ -69,7 +69,7 @@ def judge_shard(config: CorpusConfig, shard: Shard, work: Path) -> ShardResult:
         drops = Drops(tmp / SAMPLES_FOLDER, config.dropped_samples)
         with (open(tmp / KEPT, "w", encoding="utf-8") as out, open(tmp / ORIGINS, "w", encoding="utf-8") as origins,
               open(tmp / DIGESTS, "wb") as digests, open(tmp / SIGNATURES, "wb") as signatures):
-            for record in read_source(source, files, shard.span, config.max_chars):
+            for record in read_source(source, files, shard.span, config.quality.max_chars):
                 records += 1
                 if record.text is None:
                     drops.drop(record.problem or "unreadable", record.origin)

@@ -208,7 +208,7 @@ def explain(config: CorpusConfig, path: Path) -> Iterator[str]:
     hasher = MinHasher(near) if near else None
     kind = "jsonl" if path.name.endswith(SUFFIXES["jsonl"]) else "text"
     earlier: list[tuple[str, str, np.ndarray | None]] = []  # (origin, text, signature) of the documents before
-    for record in read_source(SourceConfig(type=kind, path=path), max_chars=config.max_chars):
+    for record in read_source(SourceConfig(type=kind, path=path), max_chars=config.quality.max_chars):
         if record.text is None:
             yield f"{record.origin}: dropped: {record.problem}"
             continue
