@@ -85,7 +85,8 @@ def test_a_kill_inside_a_save_leaves_a_checkpoint_to_resume_from(point: str, ref
 
 
 @pytest.mark.parametrize("point", ["save-unmarked-old@6", "save-old-aside@6"])
-def test_a_kill_inside_a_re_save_keeps_a_complete_checkpoint(point: str, workspace: Path, tmp_path: Path) -> None:
+def test_a_kill_inside_a_re_save_keeps_a_complete_checkpoint(point: str, dataset_prefix: Path, workspace: Path,
+                                                             tmp_path: Path) -> None:
     """A re-save at the same step (a lowered train_iters: the run resumes at its new last step and saves it as
     finished): killed with the old folder's marker gone, or with the old folder moved aside, the run still has a
     whole checkpoint, the one before, and finishes when run again."""
