@@ -311,12 +311,17 @@ def test_a_short_mixtral_run_leaves_no_expert_unused_and_at_most_one_starved(dat
     200 steps: at the closing validation every expert of every layer gets over a tenth of a fair share of the
     top-2 choices, and at most one expert of the 32 under a quarter. transformers' pooled load-balancing loss,
     which training used before, left 9 experts under a quarter and three layers at 0.0% for their smallest expert
-    in the same run (step 150; per layer: 0 starved, smallest 6.5%). The routing of 200 steps follows rounding:
-    run after other tests in one pytest worker (another reduction order) the smallest share of one layer was 1.5%
-    (2026-11-27), so the test asks what the per-layer loss guarantees against the pooled one, not one trajectory."""
+    (step 150); test_train's router test shows why on fixed logits.
+
+    Every run collapses some layers in its first ~50 steps, and the per-layer loss then revives their experts; at
+    router_aux_loss_coef 0.01 that took from ~100 steps to past 200 depending on the trajectory (data order,
+    threads: a layer at 1.17% at step 200 failed this test once), so the closing figures measured a transient. At
+    0.05 every expert was over a tenth of a fair share by step 150 in six data orders under each of two thread
+    counts, and at step 200 the smallest share was 3.6-8.7% with none starved (docs/benchmarks.md, "Mixtral
+    routing"): the bounds hold with a wide margin."""
     base = make_base("mixtral", tokenizers["sp"], tmp_path / "mixtral-base", hidden_size=64, intermediate_size=128,
                      num_hidden_layers=4, num_key_value_heads=4, max_position_embeddings=128, num_local_experts=8,
-                     num_experts_per_tok=2, router_aux_loss_coef=0.01)
+                     num_experts_per_tok=2, router_aux_loss_coef=0.05)
     run = tmp_path / "run"
     done = run_train(*train_args(workspace, base, datasets["sp"], run, "train.train_iters=200", "train.seq_len=128",
                                  "train.global_batch_size=8", "train.lr=3e-3", "train.min_lr=3e-4",

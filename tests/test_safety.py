@@ -240,6 +240,24 @@ def test_a_second_train_on_a_live_run_folder_exits_and_the_first_finishes_as_alo
     assert train_losses(run) == train_losses(reference_run())
 
 
+def test_a_second_prepare_on_a_live_corpus_folder_exits_and_leaves_it_alone(project: Path) -> None:
+    """Another stage 0 holds the folder (here this test, through the same lock): exit 2 naming the holder; its
+    .work (the first one's finished shards) untouched."""
+    from gptpipe.lock import FolderLock
+
+    work = project / "out" / ".work"
+    work.mkdir(parents=True)
+    (work / "shard-000000").mkdir()
+    holder = FolderLock(project / "out", "gptpipe prepare")
+    try:
+        done = prepare(project, *SOURCE, "corpus.output_dir=out")
+    finally:
+        holder.release()
+    assert done.returncode == EXIT_BAD_INPUT, done.stderr[-3000:]
+    assert f"{project / 'out'} is in use by another gptpipe prepare (host " in done.stderr
+    assert f"pid {os.getpid()}," in done.stderr and (work / "shard-000000").is_dir()
+
+
 def test_a_cache_folder_another_user_could_write_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The bucket cache lives in the user's own <tmp>/gptpipe-cache-<uid> (0700); a folder at that name that
     others may write, or a link planted there, is refused rather than trusted."""

@@ -110,7 +110,7 @@ def test_other_architectures_train(arch: str, tiny_run) -> None:
 def test_per_layer_router_loss_revives_the_expert_the_pooled_loss_leaves_dead() -> None:
     """Two layers' routers on the same hidden states: expert 0 dead in layer 0 and busy in layer 1, expert 1
     the other way round. transformers' loss pools the layers by expert index, so both look fairly used and
-    minimizing it leaves the dead ones dead; the per-layer losses (train/model.router_loss, what training
+    minimizing it leaves the dead ones dead; the per-layer losses (runtime/model.router_loss, what training
     adds) bring every expert of every layer to about a fair share."""
     import torch
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
