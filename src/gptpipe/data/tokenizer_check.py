@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gptpipe.data.base_tokenizer import PretrainedTokenizer
+from gptpipe.ids import first_difference
 
 # Documents the gate's tokenizer check encodes (source texts, or held-out documents decoded), and the longest
 # held-out one used (whole documents only: a cut inside a word may merge differently).
@@ -49,7 +50,7 @@ def reencode_problems(tokenizer: Any, texts: list[str], documents: list[list[int
         ids = ([bos_id] if bos_id is not None else []) + tokenizer(text, add_special_tokens=False)["input_ids"]
         ids.append(eod_id)
         if ids != doc:
-            at = next((i for i, (a, b) in enumerate(zip(ids, doc)) if a != b), min(len(ids), len(doc)))
+            at = first_difference(ids, doc)
             problems.append(f"document {n}: the data has ids {doc[at:at + 5]} at token {at}, the tokenizer "
                             f"gives {ids[at:at + 5]} for its text")
     return problems
@@ -112,7 +113,7 @@ def round_trip_problems(tokenizer: Any, documents: list[list[int]], bos_id: int 
         text = tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         again = tokenizer(text, add_special_tokens=False)["input_ids"]
         if again != body:
-            at = next((i for i, (a, b) in enumerate(zip(again, body)) if a != b), min(len(again), len(body)))
+            at = first_difference(again, body)
             problems.append(f"held-out document {n}: the data has ids {body[at:at + 5]} at token {at}, the "
                             f"tokenizer gives {again[at:at + 5]} for the same text")
     return problems

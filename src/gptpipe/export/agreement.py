@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gptpipe.ids import first_difference
 from gptpipe.tolerance import logits_tolerance
 
 GREEDY_TOKENS = 20  # new tokens each check generates per prompt
@@ -106,10 +107,7 @@ class Verdict:
     @property
     def first_difference(self) -> int | None:
         """Index of the first new token where `got` and `expected` differ (or where one ends); None if equal."""
-        if self.got == self.expected:
-            return None
-        return next((i for i, (a, b) in enumerate(zip(self.got, self.expected)) if a != b),
-                    min(len(self.got), len(self.expected)))
+        return first_difference(self.got, self.expected)
 
     @property
     def max_gap(self) -> float:

@@ -14,6 +14,7 @@ from typing import Any
 
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
+from gptpipe.ids import first_difference
 from gptpipe.stage import write_text_atomic
 
 SCORE_QUANTUM = 1 / 16
@@ -174,7 +175,7 @@ def compare(sp: Any, hf: Any, texts: list[str], round_trip: bool) -> tuple[int, 
         got = hf(text).input_ids
         problem = ""
         if got != expected:
-            first = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+            first = first_difference(expected, got)
             problem = f"token {first}: HF {got[first:first + 3]} vs SentencePiece {expected[first:first + 3]}"
         elif round_trip and "▁" not in text:
             if sp.decode(expected) != text:
