@@ -282,3 +282,28 @@ def test_a_committed_folder_exists_only_once_its_record_is_written_last(store, t
 
     store.fs.pipe_file(f"{store.bucket}/folder/a.bin", b"short")
     assert folder.problems(files) == [f"{folder.url}/a.bin has 5 bytes, its record lists 100"]
+
+
+def test_a_second_run_on_a_live_bucket_run_folder_exits_and_the_lease_goes_with_the_first(
+        reference_run, workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No file lock reaches a bucket: the run's lease.json does. A second run on the same URL (another staging
+    folder, as another machine) exits 2 naming the holder while the first lives (paused here); the first then
+    finishes with the uninterrupted run's losses and its lease leaves the bucket with it."""
+    with open_store("s3", monkeypatch) as store:
+        url = f"{store.url}/runs/leased"
+        first = start_train(workspace / "config.yaml", *REFERENCE_RUN, f"train.output_model_dir={url}",
+                            f"train.local_dir={tmp_path / 'one'}", GRACE)
+        wait_for_step(tmp_path / "one", 2, first)
+        first.send_signal(signal.SIGSTOP)
+        try:
+            second = run_train("--config", workspace / "config.yaml", *QUICK_TRAIN, *REFERENCE_RUN,
+                               f"train.output_model_dir={url}", f"train.local_dir={tmp_path / 'two'}")
+        finally:
+            first.send_signal(signal.SIGCONT)
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"{url} is in use by another gptpipe run (host " in second.stderr
+        assert f"pid {first.pid}," in second.stderr
+        assert first.wait() == 0
+        assert bucket_losses(store, url) == train_losses(reference_run())
+        store.fs.invalidate_cache()
+        assert not store.fs.exists(f"{url}/lease.json")

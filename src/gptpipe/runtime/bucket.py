@@ -17,8 +17,12 @@ stage 4 (`fetch_checkpoint`).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import socket
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -180,6 +184,80 @@ class Bucket:
 
     def put(self, local: Path, name: str) -> None:
         self.fs.put_file(str(local), join(self.url, name))
+
+
+LEASE = "lease.json"  # in the run folder: who writes it now, until when
+LEASE_SECONDS = 60.0  # a lease not refreshed for this long is free (a lost machine); refreshed every third of it
+
+
+class Lease:
+    """One writer per run folder in a bucket, where no file lock reaches: `lease.json` names the holder (host, pid,
+    since) and an expiry that a thread keeps pushing forward while the run lives. Another run refuses the folder
+    until the lease expires or its holder releases it (a finished or preempted run does); a lease left by a lost
+    machine frees itself after LEASE_SECONDS. The store has no compare-and-swap here, so taking it is write, then
+    read back: of two runs starting within the same instant, the one whose write lands second keeps it, and the
+    other, reading that, exits. A holder on the same machine whose process is gone frees it at once."""
+
+    def __init__(self, bucket: Bucket, what: str):
+        self.bucket, self.path = bucket, join(bucket.url, LEASE)
+        self.record = {"holder": uuid.uuid4().hex, "what": what, "host": socket.gethostname(), "pid": os.getpid(),
+                       "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _read(self) -> dict[str, Any] | None:
+        self.bucket.fs.invalidate_cache(strip_protocol(self.path))
+        data = self.bucket._json(self.path)
+        return data if isinstance(data, dict) else None
+
+    def _write(self) -> None:
+        self.bucket.fs.pipe_file(self.path, json.dumps({**self.record, "expires": time.time() + LEASE_SECONDS})
+                                 .encode())
+
+    def _refuse_if_held(self) -> None:
+        held = self._read()
+        if held and held.get("holder") != self.record["holder"] and held.get("expires", 0) > time.time() \
+                and not self._holder_gone(held):
+            left = held["expires"] - time.time()
+            raise StageInputError(f"{self.bucket.url} is in use by another {held.get('what', 'run')} (host "
+                                  f"{held.get('host')}, pid {held.get('pid')}, since {held.get('since')}): one run "
+                                  f"writes a run folder at a time. Its lease ({LEASE}) ends in {left:.0f} s unless "
+                                  "it is renewed: wait for that run to end, or give this one another folder")
+
+    @staticmethod
+    def _holder_gone(held: dict[str, Any]) -> bool:
+        """A holder on this machine whose process no longer exists (killed, crashed): its lease is free now."""
+        if held.get("host") != socket.gethostname() or not isinstance(held.get("pid"), int):
+            return False
+        try:
+            os.kill(held["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # another user's live process
+            return False
+        return False
+
+    def take(self) -> None:
+        self._refuse_if_held()
+        self._write()
+        self._refuse_if_held()  # another run's write landed after ours: it holds the folder
+        self._thread = threading.Thread(target=self._renew, name="bucket-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(LEASE_SECONDS / 3):
+            with contextlib.suppress(OSError):  # a store outage: the next renewal tries again
+                self._write()
+
+    def release(self) -> None:
+        """End the renewals and free the folder for the next run (a crash leaves the lease to expire)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with contextlib.suppress(OSError):
+            held = self._read()
+            if held and held.get("holder") == self.record["holder"]:
+                self.bucket.fs.rm(self.path)
 
 
 def fetch_checkpoint(url: str, step: int | None = None, endpoint_url: str | None = None) -> Path:

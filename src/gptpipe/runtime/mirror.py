@@ -24,7 +24,7 @@ from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.storage import join, local_folder
 from gptpipe.runtime import checkpoint
-from gptpipe.runtime.bucket import Bucket, needed_by
+from gptpipe.runtime.bucket import Bucket, Lease, needed_by
 from gptpipe.runtime.metrics_rows import read_metrics
 from gptpipe.runtime.uploader import RECORD, UPLOADS, file_stamp
 
@@ -62,6 +62,7 @@ class RunMirror:
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
         self._group: Any = None  # the ranks' gloo group (restore), for the barrier at the end (finish)
+        self.lease: Lease | None = None  # rank 0's hold on the bucket folder (bucket.Lease)
 
     @property
     def committed_step(self) -> int | None:
@@ -79,7 +80,11 @@ class RunMirror:
         states on global rank 0, each rank its ZeRO shards), then a node marker
         `global_step{N}/nodes/node{K}.json` naming them; global rank 0 writes `complete` only once every
         node's marker of this attempt is there. On resume each node downloads the shared files and its own
-        ranks' files."""
+        ranks' files. Rank 0 first takes the folder's lease: a second run on the same URL exits here."""
+        if self.is_main:
+            assert self.bucket is not None
+            self.lease = Lease(self.bucket, "gptpipe run")
+            self.lease.take()
         if self.world_size == 1:
             self._restore_main()
             return
@@ -287,6 +292,8 @@ class RunMirror:
             import torch.distributed as td
 
             td.barrier(group=self._group)
+        if self.lease is not None:
+            self.lease.release()
         return code
 
     def _finish_uploads(self, code: int, preempted: int) -> int:
