@@ -312,7 +312,8 @@ def load_config(cls: type, path: Path | None, overrides: list[str] = ()) -> Any:
     lines: dict[str, int] = {}
     if path is not None:
         if not Path(path).is_file():
-            raise ConfigError(source, [f"config file {path} does not exist"])
+            what = "is a folder, not a YAML file" if Path(path).is_dir() else "does not exist"
+            raise ConfigError(source, [f"config file {path} {what}"])
         try:
             text = Path(path).read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
