@@ -19,9 +19,16 @@ if [ ! -d "$SDIST/vendor/llama.cpp" ]; then
     tar -xzf "$CACHE/src/llama_cpp_python-$VERSION.tar.gz" -C "$CACHE/src"
 fi
 
-# Static libraries: the two tools run from the cache folder without an install step.
+# Static libraries: the two tools run from the cache folder without an install step. On x86-64 the CPU
+# features are named (AVX2/FMA/F16C) instead of -march=native: where cpuid advertises AMX but the kernel has not
+# enabled its register state (seen in this workplace's VMs), native builds ran ggml's AMX q8_0 kernels and died
+# with SIGILL. The tools check a model's numbers, not llama.cpp's speed.
+CPU_FLAGS=()
+if [ "$(uname -m)" = x86_64 ]; then
+    CPU_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
+fi
 cmake -S "$SDIST/vendor/llama.cpp" -B "$CACHE/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-    -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
+    -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF "${CPU_FLAGS[@]}"
 cmake --build "$CACHE/build" -j "$JOBS" --target llama-tokenize llama-simple
 # gptpipe's own tools, linked as llama-simple is (its link line: the static libraries, OpenMP, pthread).
 LLAMA="$SDIST/vendor/llama.cpp"

@@ -30,6 +30,20 @@ def tree(folder: Path) -> dict[str, tuple[int, int]]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def settled(folder: Path) -> dict[str, tuple[int, int]]:
+    """tree(folder) once a stopped process's last write has landed (a write in flight when SIGSTOP arrives still
+    completes): two reads a beat apart agree."""
+    import time
+
+    now = tree(folder)
+    for _ in range(20):
+        time.sleep(0.25)
+        now, before = tree(folder), now
+        if now == before:
+            return now
+    raise AssertionError(f"{folder} kept changing while its writer was stopped")
+
+
 def jsonl_source(folder: Path, count: int = 40) -> Path:
     """A user's own jsonl source of `count` distinct Japanese documents."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -228,7 +242,7 @@ def test_a_second_train_on_a_live_run_folder_exits_and_the_first_finishes_as_alo
     wait_for_step(run, 2, first)
     first.send_signal(signal.SIGSTOP)
     try:
-        before = tree(run)
+        before = settled(run)
         second = run_train("--config", workspace / "config.yaml", *QUICK_TRAIN, *REFERENCE_RUN,
                            f"train.output_model_dir={run}")
         assert second.returncode == EXIT_BAD_INPUT, second.stderr[-3000:]

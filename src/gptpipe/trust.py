@@ -43,7 +43,8 @@ def pickle_problems(path: Path) -> list[str]:
     try:
         names = get_unsafe_globals_in_checkpoint(path)
     except Exception as exc:  # a truncated or foreign file surfaces as many exception types
-        raise StageInputError(f"{path} is not a readable torch checkpoint file ({type(exc).__name__}: {exc})") \
+        raise StageInputError(f"{path} is missing or corrupt: not a readable torch checkpoint file "
+                              f"({type(exc).__name__}: {exc}). Export another step (checkpoint_step=N) or retrain") \
             from None
     return sorted(n for n in names if n not in SAFE_GLOBALS and not n.startswith(SAFE_PREFIXES))
 
