@@ -246,15 +246,17 @@ class Lease:
 
     def _renew(self) -> None:
         while not self._stop.wait(LEASE_SECONDS / 3):
-            with contextlib.suppress(OSError):  # a store outage: the next renewal tries again
+            # A store outage (its clients raise many kinds): the next renewal tries again; training goes on.
+            with contextlib.suppress(Exception):
                 self._write()
 
     def release(self) -> None:
-        """End the renewals and free the folder for the next run (a crash leaves the lease to expire)."""
+        """End the renewals and free the folder for the next run (a crash, or a store that is down at the end,
+        leaves the lease to expire)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(Exception):
             held = self._read()
             if held and held.get("holder") == self.record["holder"]:
                 self.bucket.fs.rm(self.path)
