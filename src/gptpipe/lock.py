@@ -17,9 +17,22 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Any
 from collections.abc import Iterator
 
 from gptpipe.stage import StageInputError
+
+
+def holder_record(what: str) -> dict[str, Any]:
+    """Who writes a folder: the command, this host and process, since when (a lock file's or a bucket lease's)."""
+    return {"what": what, "host": socket.gethostname(), "pid": os.getpid(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def describe_holder(record: dict[str, Any]) -> str:
+    """A holder_record as a refusal names it: `gptpipe train (host h, pid p, since s)`."""
+    return (f"{record.get('what', 'process')} (host {record.get('host')}, pid {record.get('pid')}, since "
+            f"{record.get('since')})")
 
 
 def lock_path(folder: Path) -> Path:
@@ -46,15 +59,14 @@ class FolderLock:
             raise StageInputError(f"{folder} is in use by another {holder}: one {what} writes a folder at a time. "
                                   f"Wait for it to end, or give this one another folder") from None
         os.ftruncate(self._fd, 0)
-        os.write(self._fd, json.dumps({"what": what, "host": socket.gethostname(), "pid": os.getpid(),
-                                       "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode())
+        os.write(self._fd, json.dumps(holder_record(what)).encode())
 
     def _holder(self) -> str:
         try:
             record = json.loads(os.pread(self._fd, 4096, 0) or b"{}")
-            return f"{record['what']} (host {record['host']}, pid {record['pid']}, since {record['since']})"
-        except (ValueError, KeyError, OSError):
+        except (ValueError, OSError):
             return "process"
+        return describe_holder(record) if isinstance(record, dict) and record else "process"
 
     def release(self) -> None:
         if self._fd >= 0:

@@ -222,10 +222,6 @@ def resolved_config_path(manifest_path: Path, stage_name: str) -> Path:
     return manifest_path.with_name(manifest_path.name.replace("manifest.json", f"{stage_name}.resolved.yaml"))
 
 
-def _inside(path: Path, folder: Path) -> bool:
-    return path == folder or folder in path.parents
-
-
 def output_place_problems(stage: StageRules, location: Path, input_paths: dict[str, Any]) -> list[str]:
     """Why `stage` must not write at `location`: a folder it did not write (no manifest of its own there) that holds
     files, the working directory or a folder above it, or a place that is, holds or lies inside one of its inputs
@@ -248,11 +244,11 @@ def output_place_problems(stage: StageRules, location: Path, input_paths: dict[s
         foreign = [p for p in owned if p.exists()] if not ours else []
     else:
         cwd = Path.cwd().resolve()
-        if _inside(cwd, root.resolve()):
+        if cwd.is_relative_to(root.resolve()):
             what = "is the working directory" if root.resolve() == cwd else f"holds the working directory {cwd}"
             problems.append(f"{key} {root} {what}; the {stage.name} stage replaces its output folder whole. Set "
                             f"{key} to a folder of its own")
-        foreign = sorted(root.iterdir())[:3] if root.is_dir() and not ours and any(root.iterdir()) else []
+        foreign = sorted(root.iterdir())[:3] if root.is_dir() and not ours else []
     if foreign and not problems:
         names = ", ".join(p.name for p in foreign)
         problems.append(f"{key} {location} holds files the {stage.name} stage did not write ({names}; no "
@@ -264,8 +260,8 @@ def output_place_problems(stage: StageRules, location: Path, input_paths: dict[s
         source = Path(value).resolve()
         for out in owned:
             out = out.resolve()
-            if _inside(source, out) or _inside(out, source):
-                relation = ("is" if out == source else "holds" if _inside(source, out) else "lies inside")
+            if source.is_relative_to(out) or out.is_relative_to(source):
+                relation = "is" if out == source else "holds" if source.is_relative_to(out) else "lies inside"
                 problems.append(f"{key} {out} {relation} {input_key} {source}: the {stage.name} stage would "
                                 f"overwrite its own input. Set {key} to a place apart from its inputs")
                 break

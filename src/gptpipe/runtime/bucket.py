@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gptpipe.committed import CommittedFolder
+from gptpipe.lock import describe_holder, holder_record
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.storage import cache_folder, filesystem, is_url, join, strip_protocol
@@ -200,8 +201,7 @@ class Lease:
 
     def __init__(self, bucket: Bucket, what: str):
         self.bucket, self.path = bucket, join(bucket.url, LEASE)
-        self.record = {"holder": uuid.uuid4().hex, "what": what, "host": socket.gethostname(), "pid": os.getpid(),
-                       "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        self.record = {"holder": uuid.uuid4().hex, **holder_record(what)}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -219,10 +219,9 @@ class Lease:
         if held and held.get("holder") != self.record["holder"] and held.get("expires", 0) > time.time() \
                 and not self._holder_gone(held):
             left = held["expires"] - time.time()
-            raise StageInputError(f"{self.bucket.url} is in use by another {held.get('what', 'run')} (host "
-                                  f"{held.get('host')}, pid {held.get('pid')}, since {held.get('since')}): one run "
-                                  f"writes a run folder at a time. Its lease ({LEASE}) ends in {left:.0f} s unless "
-                                  "it is renewed: wait for that run to end, or give this one another folder")
+            raise StageInputError(f"{self.bucket.url} is in use by another {describe_holder(held)}: one run writes a "
+                                  f"run folder at a time. Its lease ({LEASE}) ends in {left:.0f} s unless it is "
+                                  "renewed: wait for that run to end, or give this one another folder")
 
     @staticmethod
     def _holder_gone(held: dict[str, Any]) -> bool:

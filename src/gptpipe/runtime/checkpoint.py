@@ -25,9 +25,9 @@ import contextlib
 import json
 import os
 import random
-import signal
 import re
 import shutil
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path

@@ -260,6 +260,8 @@ class TrainLoop(ABC):
             return self.mirror.finish(code, EXIT_PREEMPTED) if self.mirror else code
         finally:
             restore_handlers()
+            if self.lock is not None:  # the folder is free for the next run in this process too
+                self.lock.release()
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.stop.set(signal.Signals(signum).name)
