@@ -50,6 +50,8 @@ def _gptpipe(argv: list[str], env: dict[str, str], stdin: str | None, out: str, 
     os.environ.clear()
     os.environ.update(env)
     tempfile.tempdir = None  # the server's imports fixed it from the session's TMPDIR; this run's may differ
+    # A new interpreter puts PYTHONPATH's folders first on its path (a fine-tune's own task kind is found there).
+    sys.path[:0] = [folder for folder in env.get("PYTHONPATH", "").split(os.pathsep) if folder]
     for fd, path, flags in ((0, stdin or os.devnull, os.O_RDONLY), (1, out, os.O_WRONLY), (2, err, os.O_WRONLY)):
         opened = os.open(path, flags)
         os.dup2(opened, fd)

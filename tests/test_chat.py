@@ -209,11 +209,12 @@ def test_the_best_metric_follows_the_task_kind_unless_set(kind: str, best: str) 
     from conftest import REPO
     from gptpipe.config.core import ConfigError, load_config
     from gptpipe.finetune.config import FinetuneConfig
+    from gptpipe.finetune.kinds import task_kind
 
     shipped = REPO / "finetune_config.yaml"
-    assert load_config(FinetuneConfig, shipped, [f"task.kind={kind}"]).best_metric == best
-    assert load_config(FinetuneConfig, shipped, [f"task.kind={kind}", "train.best_metric=val_loss"]
-                       ).best_metric == "val_loss"
+    for overrides, resolved in (([], best), (["train.best_metric=val_loss"], "val_loss")):
+        config = load_config(FinetuneConfig, shipped, [f"task.kind={kind}", *overrides])
+        assert task_kind(kind).best_metric(config.train.best_metric) == resolved
     if kind == "chat":
         with pytest.raises(ConfigError, match="train.best_metric: must be one of chrf, val_loss"):
             load_config(FinetuneConfig, shipped, ["task.kind=chat", "train.best_metric=accuracy"])

@@ -75,7 +75,7 @@ def test_the_preference_set_pairs_every_conversation_in_trls_shape(demo_task: Pa
     import json
 
     from gptpipe.data.jsonl import Reasons
-    from gptpipe.finetune.preference import read_pairs
+    from gptpipe.finetune.kinds.preference import read_pairs
 
     by_input = {r["input"]: r for r in pages(demo_task)}
     for split in ("train", "validation", "test"):

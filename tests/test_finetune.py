@@ -17,18 +17,17 @@ import numpy as np
 import pytest
 import torch
 from prewarmed import Forked
-from conftest import (REPO, finetune_args, manpage_rows, metrics, train_env, train_losses, wait_for_step,
-                      write_tsv)
+from conftest import (REPO, finetune_args, manifest_counts, manpage_rows, metrics, train_env, train_losses,
+                      wait_for_step, write_tsv)
 from conftest import gptpipe_command as gptpipe
 
 from gptpipe.data.jsonl import CUT_TO_FIT, TOO_LONG, Reasons
 from gptpipe.runtime.batching import IGNORE, collate, collate_packed, computed_positions, epoch_order, pack_plan
 from gptpipe.finetune.data import Encoder, Row, auto_seq_len, read_rows
-from gptpipe.finetune.metrics import edit_distance, map_to_label, DEFAULT_BEST, TASK_METRICS
+from gptpipe.finetune.metrics import VAL_LOSS, edit_distance, map_to_label
 from gptpipe.finetune.task_kind import split_validation, TaskFacts
-from gptpipe.artifacts import EXIT_PREEMPTED
-from gptpipe.finetune.config import TaskConfig
-from gptpipe.finetune.kinds import KINDS
+from gptpipe.artifacts import EXIT_BAD_INPUT, EXIT_PREEMPTED
+from gptpipe.finetune.kinds import BUILTIN, task_kind
 from gptpipe.stage import StageInputError
 from gptpipe.runtime.checkpoint import BEST, complete_checkpoints
 from gptpipe.runtime.metrics_rows import TaskEvalRow, TrainRow
@@ -251,13 +250,76 @@ def test_a_finetune_with_seq_len_auto_records_the_number_and_predicts_and_resume
     assert f"train.seq_len auto: 256 tokens, the model's positions ({model} has no task.json" in foreign.stderr
 
 
-def test_every_task_kind_is_registered_with_its_metrics() -> None:
-    """task.kind's choices, the kinds registry and the metric catalogue name the same kinds."""
-    from typing import get_args, get_type_hints
+def test_every_task_kind_owns_its_figures_and_a_wrong_name_gets_a_suggestion() -> None:
+    """Each registered kind answers to its name, and its best metric (auto) is one of its own figures."""
+    for name, kind_class in BUILTIN.items():
+        kind = task_kind(name)
+        assert type(kind) is kind_class and kind.name == name and kind.metrics
+        assert kind.default_best in (*(m.key for m in kind.metrics), VAL_LOSS.key)
+    with pytest.raises(StageInputError, match="did you mean generation"):
+        task_kind("generaton")
+    with pytest.raises(StageInputError, match="module no_such_module cannot be imported"):
+        task_kind("no_such_module:Kind")
+    with pytest.raises(StageInputError, match="has no TaskKind subclass Path"):
+        task_kind("pathlib:Path")
 
-    declared = set(get_args(get_type_hints(TaskConfig)["kind"]))
-    assert declared == set(KINDS) == set(TASK_METRICS) == set(DEFAULT_BEST)
-    assert all(kind.name == name for name, kind in KINDS.items())
+
+# A task kind of a user's own, in a module of theirs: generation rows, scored by whether the answer starts right.
+# Nothing in gptpipe names it; task.kind does, as module:Class.
+TOY_KIND = '''
+from gptpipe.finetune.kinds.generation import GenerationKind
+from gptpipe.finetune.metrics import Metric
+
+
+class FirstCharKind(GenerationKind):
+    metrics = (Metric("first_char", "first character right"),)
+    default_best = "first_char"
+
+    def figures(self, gold, scored, task, config):
+        return self.answer_metrics(gold, [o["generated"] for o in scored], [], None)
+
+    def answer_metrics(self, gold, predicted, results, facts):
+        return {"first_char": sum(p.strip()[:1] == g.strip()[:1] for g, p in zip(gold, predicted)) / len(gold)}
+'''
+
+
+def test_a_task_kind_of_ones_own_trains_predicts_and_exports(tiny_lm, task_files, workspace, tmp_path, monkeypatch,
+                                                              capsys) -> None:
+    """A TaskKind subclass in the user's module, named by task.kind as module:Class, is fine-tuned, predicted with
+    and exported (its gate and card) through the same code as a built-in kind, its figures picking the best
+    checkpoint; a folder naming it is read back elsewhere only with GPTPIPE_TRUST=task-code."""
+    from gptpipe.cli import main
+
+    mine = tmp_path / "my_kinds"
+    mine.mkdir()
+    (mine / "toy_kind.py").write_text(TOY_KIND, encoding="utf-8")
+    monkeypatch.setenv("PYTHONPATH", str(mine))  # the forked runs' path, as a new interpreter's
+    monkeypatch.syspath_prepend(str(mine))  # the export runs in this process
+    name, run = "toy_kind:FirstCharKind", tmp_path / "run"
+    args = finetune_args(tiny_lm, task_files, run, f"task.kind={name}", "train.train_iters=2",
+                         "train.eval_interval=1", "train.save_interval=1", "predict.max_new_tokens=4")
+    done = gptpipe("finetune", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    evaluations = metrics(run, TaskEvalRow)
+    assert [row.step for row in evaluations] == [1, 2] and all("first_char" in row.metrics for row in evaluations)
+    assert "first character right" in done.stderr and "new best first_char" in done.stderr
+    recorded = json.loads((run / "task.json").read_text())
+    assert (recorded["kind"], recorded["best_metric"]) == (name, "first_char")
+
+    out = tmp_path / "predictions.jsonl"
+    predicted = gptpipe("predict", "--input", task_files[1], "--output", out, *args)
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    assert set(json.loads(out.with_suffix(".metrics.json").read_text())) == {"first_char"}
+
+    export, convert = tmp_path / "export", ["convert", "--config", str(workspace / "convert_config.yaml"),
+                                            f"input_model_dir={run}", "dtype=fp32"]
+    assert main([*convert, f"output_tokenizer_and_model_dir={export}"]) == EXIT_BAD_INPUT  # its Python: untrusted
+    assert "GPTPIPE_TRUST=task-code" in capsys.readouterr().err and not export.exists()
+    monkeypatch.setenv("GPTPIPE_TRUST", "task-code")
+    assert main([*convert, f"output_tokenizer_and_model_dir={export}"]) == 0
+    report = manifest_counts(export)
+    assert report["verified"] is True and report["task"] == name and "first_char" in report
+    assert "| first character right |" in (export / "README.md").read_text()
 
 
 def test_task_json_is_typed_and_a_wrong_key_names_the_file(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from gptpipe.data.jsonl import (EMPTY, IDENTICAL_ANSWERS, INVALID_JSON, MISSING_
 from gptpipe.finetune.chat_data import GPTPIPE_TEMPLATE, ChatEncoder, Conversation, install_template
 from gptpipe.runtime.batching import IGNORE
 from gptpipe.finetune.demo_task import manpage_pairs
-from gptpipe.finetune.preference import (FIGURES, REFERENCE_FILE, PreferenceEncoder, PreferenceKind, dpo,
+from gptpipe.finetune.kinds.preference import (FIGURES, REFERENCE_FILE, PreferenceEncoder, PreferenceKind, dpo,
                                          read_pairs)
 from gptpipe.runtime.metrics_rows import TaskEvalRow, TrainRow
 
@@ -154,7 +154,7 @@ def pairs_and_model(folder: Path, files: tuple[Path, Path], count: int = 6):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from gptpipe.finetune.preference import pair_logprobs
+    from gptpipe.finetune.kinds.preference import pair_logprobs
     from gptpipe.runtime.engine import Dist
 
     tokenizer = pair_tokenizer(folder)
@@ -263,7 +263,7 @@ def test_packed_pairs_score_as_padded_ones(pair_lm: Path, pair_files) -> None:
     import torch
 
     from gptpipe.finetune.config import TaskConfig
-    from gptpipe.finetune.preference import sequence_logprobs
+    from gptpipe.finetune.kinds.preference import sequence_logprobs
 
     _, pairs, tokenizer, model = pairs_and_model(pair_lm, pair_files)
     # References one nat off the starting model's sums, either way: rewards of ±β, not 0 up to float noise, whose
@@ -286,9 +286,11 @@ def test_beta_and_label_smoothing_are_checked_and_the_best_metric_is_the_validat
 
     shipped = REPO / "finetune_config.yaml"
     config = load_config(FinetuneConfig, shipped, ["task.kind=preference"])
-    assert (config.best_metric, config.task.beta, config.task.label_smoothing) == ("val_loss", 0.1, 0.0)
-    assert load_config(FinetuneConfig, shipped, ["task.kind=preference", "train.best_metric=reward_accuracy"]
-                       ).best_metric == "reward_accuracy"
+    kind = PreferenceKind()
+    assert (kind.best_metric(config.train.best_metric), config.task.beta, config.task.label_smoothing) == (
+        "val_loss", 0.1, 0.0)
+    chosen = load_config(FinetuneConfig, shipped, ["task.kind=preference", "train.best_metric=reward_accuracy"])
+    assert kind.best_metric(chosen.train.best_metric) == "reward_accuracy"
     with pytest.raises(ConfigError, match="task.beta: must be > 0"):
         load_config(FinetuneConfig, shipped, ["task.kind=preference", "task.beta=0"])
     with pytest.raises(ConfigError, match=r"task.label_smoothing: must be in \[0, 0.5\)"):

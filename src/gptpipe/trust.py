@@ -6,7 +6,8 @@ write, or a downloaded task folder, must not get to run code on convert, predict
 - every .pt file is read for the globals its pickle would call before anything loads it (gptpipe's own loads and
   DeepSpeed's, which unpickle fully); one outside the types gptpipe's checkpoints hold (SAFE_GLOBALS) is refused;
 - numpy index caches (megatron-core loads them with allow_pickle) must hold plain arrays;
-- a task YAML (or one it includes) with `!function` is refused.
+- a task YAML (or one it includes) with `!function` is refused, and so is a fine-tune's task.json naming a task
+  kind of its own (module:Class) that the reader's config does not name (finetune/task_kind.py's TaskFacts).
 GPTPIPE_TRUST names what the user trusts anyway (comma-separated): `checkpoints` (any pickle), `task-code`.
 """
 

@@ -8,12 +8,18 @@ Paths (fields typed ``Path``) written in a YAML file are relative to that file's
 command-line overrides are relative to the current directory, like any other shell argument. A field typed
 ``Url | Path`` also takes an object-storage URL (``s3://…``, ``gs://…``, any fsspec protocol), kept exactly as
 written (gptpipe.storage reads and writes it); a URL in a ``Path``-only field is an error, never a mangled path.
+
+A config class checks its own values in ``check()``. A check that needs code which itself imports the config (a
+registry of plugins whose choice is a config value, e.g. stage 7's task kinds) is named in the class attribute
+``checked_by = "module:function"`` (function(config) -> [(key, problem)]) and run after ``check()``, so every
+loader applies it and the config module imports nothing above it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import math
 import re
 import types
@@ -209,6 +215,10 @@ class _Builder:
         # Value and cross-field checks assume the types are right, so they run only when they are.
         if hasattr(instance, "check") and len(self.problems) == problems_before:
             for key, message in instance.check():
+                self.problem(f"{prefix}{key}", message)
+        if getattr(cls, "checked_by", None) and len(self.problems) == problems_before:
+            module, function = cls.checked_by.split(":")
+            for key, message in getattr(importlib.import_module(module), function)(instance):
                 self.problem(f"{prefix}{key}", message)
         return instance
 

@@ -14,8 +14,7 @@ from typing import Any
 
 import yaml
 
-from gptpipe.finetune.metrics import TASK_METRICS, metric
-from gptpipe.finetune.task_kind import TaskFacts
+from gptpipe.finetune.task_kind import TaskFacts, TaskKind
 from gptpipe.runtime.metrics_rows import EVALUATIONS, Row, TaskEvalRow, TrainRow, of_kind
 
 LOSS_CURVE = "loss_curve.png"
@@ -108,11 +107,11 @@ def plot_loss_curve(rows: list[Row], png: Path) -> bool:
     return True
 
 
-def plot_metric_curve(rows: list[Row], kind: str, png: Path) -> bool:
+def plot_metric_curve(rows: list[Row], kind: TaskKind, png: Path) -> bool:
     """The task's validation metrics against steps, with the majority baseline dashed (classification);
     False when no evaluation was logged."""
     evals = [(r.step, r.metrics) for r in of_kind(rows, TaskEvalRow)
-             if any(_number(r.metrics.get(m.key)) for m in TASK_METRICS[kind])]
+             if any(_number(r.metrics.get(m.key)) for m in kind.metrics)]
     if not evals:
         return False
     import matplotlib
@@ -121,7 +120,7 @@ def plot_metric_curve(rows: list[Row], kind: str, png: Path) -> bool:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    for key, label in ((m.key, m.label) for m in TASK_METRICS[kind]):
+    for key, label in ((m.key, m.label) for m in kind.metrics):
         points = [(step, m[key]) for step, m in evals if _number(m.get(key))]
         line, = ax.plot(*zip(*points), label=f"validation {label}", marker="o" if len(points) < 30 else None)
         baseline = [(step, m[f"majority_{key}"]) for step, m in evals if f"majority_{key}" in m]
@@ -272,7 +271,8 @@ def _metric_rows(block: TaskBlock, step: int) -> list[str]:
                 "its metrics.jsonl)."]
     from gptpipe.finetune.kinds import task_kind
 
-    kind, figures = task_kind(task.kind), TASK_METRICS[task.kind]
+    kind = task_kind(task.kind)
+    figures = kind.metrics
     if kind.labelled:
         lines = ["| validation metric | this model | majority baseline |", "| --- | --- | --- |"]
         lines += [f"| {x.label} | {x.show(m[x.key])} | {x.show(m['majority_' + x.key])} |" for x in figures]
@@ -288,7 +288,7 @@ def _metric_rows(block: TaskBlock, step: int) -> list[str]:
     if _number(m.get("val_loss")):
         lines += ["", f"Validation loss on {kind.loss_scores.format(m['val_loss'])}."]
     if block.comparison:
-        lines += _comparison_rows(block.comparison, task.best_metric)
+        lines += _comparison_rows(block.comparison, kind, task.best_metric)
     best = block.best or {}
     if best.get("step") not in (None, step):
         lines += ["", f"(The run's best evaluation was step {best['step']}, {task.best_metric} "
@@ -296,7 +296,8 @@ def _metric_rows(block: TaskBlock, step: int) -> list[str]:
     return lines
 
 
-def _comparison_rows(comparison: dict[str, dict[str, float]], best_metric: str | None) -> list[str]:
+def _comparison_rows(comparison: dict[str, dict[str, float]], kind: TaskKind, best_metric: str | None
+                     ) -> list[str]:
     """The run's best checkpoint beside its baselines (finetune_config.yaml `baseline:`), on the same rows."""
     from gptpipe.finetune.run_files import BASELINE_DESCRIPTIONS
 
@@ -305,8 +306,8 @@ def _comparison_rows(comparison: dict[str, dict[str, float]], best_metric: str |
              "", "| | " + " | ".join(keys) + " |", "| --- |" + " --- |" * len(keys)]
     for name, figures in comparison.items():
         label = "this model" if name == "model" else f"{name}: {BASELINE_DESCRIPTIONS.get(name, name)}"
-        lines.append(f"| {label} | " + " | ".join(metric(k).show(figures[k]) if k in figures else "-" for k in keys)
-                     + " |")
+        shown = [kind.metric(k).show(figures[k]) if k in figures else "-" for k in keys]
+        lines.append(f"| {label} | " + " | ".join(shown) + " |")
     return lines
 
 

@@ -18,7 +18,6 @@ from gptpipe.export.card import (METRIC_CURVE, BaseBlock, CardBlocks, CorpusBloc
 from gptpipe.export.checkpoint import finetune_config, training_config
 from gptpipe.export.config import ConvertConfig
 from gptpipe.export.verify import DocumentRows, GateSpec, TaskRows, TokenizerReference
-from gptpipe.finetune.metrics import TASK_METRICS
 from gptpipe.finetune.run_files import SUMMARY_FILE, TASK_FILE, TOKENIZER_DIR
 from gptpipe.finetune.task_kind import TaskFacts
 from gptpipe.stage import StageInputError, file_fingerprint, tree_fingerprint
@@ -381,10 +380,10 @@ class FinetuneSource:
             metrics=evaluated,
             rows={**summary.get("rows", {}), "skipped": summary.get("data_problems", {}).get("skipped", {})},
             comparison=summary.get("comparison"),
-            has_metric_curve=plot_metric_curve(metrics, task.kind, folder / METRIC_CURVE),
+            has_metric_curve=plot_metric_curve(metrics, self.rows.kind, folder / METRIC_CURVE),
             chat_template=self.tokenizer.chat_template if self.rows.kind.converses else None,
             lora_export=self.lora_export if task.lora else None)
-        headline = {m.key: evaluated[m.key] for m in TASK_METRICS[task.kind]} if evaluated else {}
+        headline = {m.key: evaluated[m.key] for m in self.rows.kind.metrics} if evaluated else {}
         counts = {"task": task.kind, "best_step": (state.get("best") or {}).get("step"), **headline}
         if self.checkpoint.lora:
             counts["lora"] = self.lora_counts()

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 
 from gptpipe.finetune.run_files import BASELINE_DESCRIPTIONS
-from gptpipe.finetune.metrics import TASK_METRICS, VAL_LOSS, classification_metrics, metric
+from gptpipe.finetune.metrics import VAL_LOSS, classification_metrics
 
 if TYPE_CHECKING:
-    from gptpipe.finetune.task_kind import TaskData
+    from gptpipe.finetune.task_kind import TaskData, TaskKind
 
 BASELINES_DIR = Path("baselines")  # <run>/baselines/<scratch|base>: the baseline fine-tunes' run folders
 
@@ -64,24 +64,27 @@ def classical_baseline(task: TaskData) -> dict[str, Any]:
     return classification_metrics([str(r.label) for r in task.validation], predicted, task.labels, task.majority)
 
 
-def comparison(kind: str, model: dict[str, Any], baselines: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+def comparison(kind: TaskKind, model: dict[str, Any], baselines: dict[str, dict[str, Any]]
+               ) -> dict[str, dict[str, float]]:
     """{"model": figures, <baseline>: figures, "majority": ...}: the headline validation figures side by side."""
     # The task's figures, and val_loss where the baseline is a language model.
-    keys = (*(m.key for m in TASK_METRICS[kind]), VAL_LOSS.key)
+    keys = (*(m.key for m in kind.metrics), VAL_LOSS.key)
     table = {name: {k: float(m[k]) for k in keys if k in m} for name, m in {"model": model, **baselines}.items()}
-    if "majority_accuracy" in model:
-        table["majority"] = {"accuracy": model["majority_accuracy"], "macro_f1": model["majority_macro_f1"]}
+    majority = {m.key: model[f"majority_{m.key}"] for m in kind.metrics if f"majority_{m.key}" in model}
+    if majority:  # a labelled kind's figures of always answering the most frequent label
+        table["majority"] = majority
     return table
 
 
-def format_comparison(table: dict[str, dict[str, float]], model_origin: str, best_metric: str) -> str:
+def format_comparison(table: dict[str, dict[str, float]], model_origin: str, kind: TaskKind, best_metric: str
+                      ) -> str:
     """The console lines: one per model, then whether the pretrained start beat each baseline."""
     lines = [f"did it help? validation figures of the best checkpoint (by {best_metric}) beside the baselines:"]
     for name, figures in table.items():
         what = model_origin if name == "model" else BASELINE_DESCRIPTIONS[name]
-        lines.append(f"  {name:<9} " + "  ".join(f"{k} {metric(k).show(v)}" for k, v in figures.items())
+        lines.append(f"  {name:<9} " + "  ".join(f"{k} {kind.metric(k).show(v)}" for k, v in figures.items())
                      + f"  ({what})")
-    mine, chosen = table["model"].get(best_metric), metric(best_metric)
+    mine, chosen = table["model"].get(best_metric), kind.metric(best_metric)
     for name, figures in table.items():
         theirs = figures.get(best_metric)
         if name == "model" or mine is None or theirs is None:

@@ -30,7 +30,6 @@ from gptpipe.finetune.chat_data import save_tokenizer
 from gptpipe.finetune.config import FinetuneConfig
 from gptpipe.runtime.batching import (IGNORE, Encoded, collate_packed, computed_positions, epoch_order, pad_id,
                                       row_positions, sample_positions)
-from gptpipe.finetune.metrics import headline, metric
 from gptpipe.runtime.scoring import pretrained_factory, target_logprobs
 from gptpipe.finetune.run_files import SUMMARY_FILE, TASK_FILE, TOKENIZER_DIR
 from gptpipe.finetune.task import load_task
@@ -122,8 +121,9 @@ def _baselines(config: FinetuneConfig, task: TaskData, tuner: FineTuner, micro: 
         baselines["classical"] = classical_baseline(task)
     if baselines and tuner.best is not None:
         tuner.write_summary(baselines)
-        table = comparison(config.task.kind, tuner.best["metrics"], baselines)
-        tuner.say(format_comparison(table, f"fine-tuned from {config.model.path}", config.best_metric))
+        table = comparison(task.kind, tuner.best["metrics"], baselines)
+        tuner.say(format_comparison(table, f"fine-tuned from {config.model.path}", task.kind,
+                                    task.kind.best_metric(config.train.best_metric)))
     return EXIT_OK
 
 
@@ -137,7 +137,7 @@ class FineTuner(TrainLoop):
         super().__init__(config, config.train, dist, ds_config, wandb_block)
         self.task, self.from_scratch = task, from_scratch
         resuming = checkpoint.newest_checkpoint(self.ckpt_root) is not None
-        recorded = TaskFacts.read(self.run_dir / TASK_FILE).lora if resuming else None
+        recorded = TaskFacts.read(self.run_dir / TASK_FILE, config.task.kind).lora if resuming else None
         if recorded:  # its checkpoints hold the adapters only: the base must be the one they were trained on
             check_base(recorded, config.model.path, str(self.run_dir / TASK_FILE))
         # task.json: what predict, chat and the export rebuild
@@ -150,7 +150,7 @@ class FineTuner(TrainLoop):
         self.counted = [0, 0]  # real and computed positions of the steps since the last train line
         by_epochs = math.ceil(train.train_epochs * len(task.train) / train.global_batch_size)
         self.steps = train.train_iters or max(1, by_epochs)
-        self.higher_is_better = metric(config.best_metric).higher_is_better
+        self.best_metric = task.kind.metric(task.kind.best_metric(train.best_metric))
         if dist.is_main:
             save_tokenizer(task.tokenizer, self.run_dir / TOKENIZER_DIR)  # checkpoints are usable without model.path
             self.facts.write(self.run_dir / TASK_FILE)
@@ -293,8 +293,8 @@ class FineTuner(TrainLoop):
         self.engine.train()
         metrics["step"] = self.step
         self.last_eval = metrics
-        value = metrics[self.config.best_metric]
-        improved = self.best is None or (value > self.best["value"] if self.higher_is_better
+        value = metrics[self.best_metric.key]
+        improved = self.best is None or (value > self.best["value"] if self.best_metric.higher_is_better
                                           else value < self.best["value"])
         if improved:
             self.best = {"step": self.step, "value": value, "metrics": metrics}
@@ -305,8 +305,8 @@ class FineTuner(TrainLoop):
 
     def _eval_console(self, m: dict[str, Any], improved: bool) -> str:
         head = f"validation  step {self.step}  loss {m['val_loss']:.4f}  "
-        body = headline(m, self.config.task.kind)
-        best, chosen = self.best, metric(self.config.best_metric)
+        body = self.task.kind.headline(m)
+        best, chosen = self.best, self.best_metric
         tail = (f"\n    new best {chosen.key} {chosen.show(m[chosen.key])}" if improved
                 else f"\n    best so far: step {best['step']} ({chosen.key} {chosen.show(best['value'])})")
         return head + body + tail
@@ -320,14 +320,14 @@ class FineTuner(TrainLoop):
                    "data_problems": self.task.skipped.manifest_counts(), "config": to_plain(self.config)}
         if baselines and self.best:
             summary["baselines"] = baselines
-            summary["comparison"] = comparison(self.config.task.kind, self.best["metrics"], baselines)
+            summary["comparison"] = comparison(self.task.kind, self.best["metrics"], baselines)
         write_text_atomic(self.run_dir / SUMMARY_FILE, json.dumps(summary, ensure_ascii=False, indent=2) + "\n")
 
     def finish(self) -> None:
         self.write_summary()
         best = self.best or {}
         self.say(f"finished {self.step} steps; best checkpoint: step {best.get('step')} "
-                 f"({self.config.best_metric} {best.get('value', float('nan')):.4f}) in "
+                 f"({self.best_metric.key} {best.get('value', float('nan')):.4f}) in "
                  f"{self.ckpt_root / checkpoint.tag_of(best.get('step', 0))}")
 
 

@@ -1,8 +1,8 @@
 """Task metrics: classification by scikit-learn (with the majority-class baseline beside them, since
-imbalanced label sets are the norm), generation by exact match and chrF (sacrebleu, computed locally), chat
-by chrF of generated answers, preference by the DPO rewards of held-out pairs (finetune/preference.py); the
-catalogue every reader of them shares (training's best checkpoint, the console, predict, the card); and the
-mapping of a generated answer to the nearest label."""
+imbalanced label sets are the norm), generated answers by exact match and chrF (sacrebleu, computed locally);
+the Metric entry every reader of a figure shares (training's best checkpoint, the console, predict, the card;
+which figures a task has is its kind's: TaskKind.metrics); and the mapping of a generated answer to the nearest
+label."""
 
 from __future__ import annotations
 
@@ -24,37 +24,17 @@ class Metric:
         return f"{value:.{self.digits}f}"
 
 
-VAL_LOSS = Metric("val_loss", "loss", higher_is_better=False)
-TASK_METRICS = {"classification": (Metric("accuracy", "accuracy"), Metric("macro_f1", "macro-F1")),
-                "generation": (Metric("exact_match", "exact match"), Metric("chrf", "chrF", digits=2)),
-                "chat": (Metric("chrf", "chrF", digits=2),),
-                "preference": (Metric("reward_accuracy", "reward accuracy"), Metric("reward_margin", "reward margin"),
-                               Metric("greedy_chosen", "greedy answers nearer the chosen"))}
+VAL_LOSS = Metric("val_loss", "loss", higher_is_better=False)  # every kind's: the loss of its validation rows
+# Generated text against a gold answer: generation's figures, chat's chrF, and what predict reports for any kind
+# whose answers are free text.
+EXACT_MATCH, CHRF = Metric("exact_match", "exact match"), Metric("chrf", "chrF", digits=2)
+ANSWER_METRICS = (EXACT_MATCH, CHRF)
 
 
-def metric(key: str) -> Metric:
-    """The catalogue's entry for a train.best_metric value."""
-    return next(m for ms in (*TASK_METRICS.values(), (VAL_LOSS,)) for m in ms if m.key == key)
-
-
-# train.best_metric: auto, by task kind: chat answers are few and short, so the loss is steadier than their chrF.
-# Preference: the DPO loss of the held-out pairs is continuous and weighs the margins, where reward accuracy is a
-# count that reaches 1 early and then ties (the first evaluation to reach it would stay the best).
-DEFAULT_BEST = {"classification": "macro_f1", "generation": "chrf", "chat": VAL_LOSS.key, "preference": VAL_LOSS.key}
-
-
-def best_metric_choices(kind: str) -> tuple[str, ...]:
-    """The figures that may pick a `kind` task's best checkpoint."""
-    return (*(m.key for m in TASK_METRICS[kind]), VAL_LOSS.key)
-
-
-def headline(m: dict[str, Any], kind: str) -> str:
-    """The task's figures on one console line (classification: the per-class table below it). Predict scores a
-    preference model's answers as generated text against the chosen ones: generation's figures then."""
-    if kind == "classification":
-        return format_classification(m)
-    figures = [x for x in TASK_METRICS[kind] if x.key in m] or TASK_METRICS["generation"]
-    return "  ".join(f"{x.label} {x.show(m[x.key])}" for x in figures)
+def headline(m: dict[str, Any], figures: tuple[Metric, ...]) -> str:
+    """`figures` of `m` on one console line (those it holds; else the answer figures, as predict scores them)."""
+    shown = [x for x in figures if x.key in m] or [x for x in ANSWER_METRICS if x.key in m]
+    return "  ".join(f"{x.label} {x.show(m[x.key])}" for x in shown)
 
 
 def classification_metrics(gold: list[str], predicted: list[str], labels: list[str],
@@ -92,9 +72,8 @@ def generation_metrics(gold: list[str], predicted: list[str]) -> dict[str, Any]:
     return {"exact_match": exact, "chrf": float(CHRF().corpus_score(predicted, [gold]).score)}
 
 
-def format_classification(m: dict[str, Any]) -> str:
-    """The console table: headline figures beside the baseline, then one line per class."""
-    figures = TASK_METRICS["classification"]
+def format_classification(m: dict[str, Any], figures: tuple[Metric, ...]) -> str:
+    """The console table: headline `figures` beside the baseline, then one line per class."""
     lines = ["  ".join(f"{x.label} {x.show(m[x.key])}" for x in figures) + "  (majority baseline: "
              + ", ".join(f"{x.label} {x.show(m['majority_' + x.key])}" for x in figures) + ")"]
     if "mapped" in m:

@@ -24,7 +24,7 @@ from gptpipe.data.jsonl import CUT_TO_FIT, TOO_LONG, Reasons
 from gptpipe.log import get_logger
 from gptpipe.artifacts import EXIT_BAD_INPUT
 from gptpipe.finetune.config import AUTO, FinetuneConfig
-from gptpipe.finetune.metrics import map_to_label, classification_metrics, generation_metrics, headline
+from gptpipe.finetune.metrics import map_to_label
 from gptpipe.finetune.data import model_positions
 from gptpipe.runtime.batching import pad_id
 from gptpipe.finetune.kinds import task_kind
@@ -82,7 +82,7 @@ def load_predictor(config: FinetuneConfig, source: Path, device: torch.device) -
         if not (source / "config.json").is_file():
             raise StageInputError(f"{source} is neither a fine-tune run/checkpoint nor a HF model folder")
         task_file = source / TASK_FILE
-        task = TaskFacts.read(task_file) if task_file.is_file() else _task_from_config(config, source)
+        task = TaskFacts.read(task_file, config.task.kind) if task_file.is_file() else _task_from_config(config, source)
         model = load_pretrained(source, task.seq2seq)
         inference_config(model.config)  # an export made before its config left the router switch off
         return Predictor(model.to(device).eval(), AutoTokenizer.from_pretrained(source), task, str(source))
@@ -90,8 +90,8 @@ def load_predictor(config: FinetuneConfig, source: Path, device: torch.device) -
     found = checkpoint.find_checkpoint(folder)
     model = checkpoint.model_from_checkpoint(found, merge=False)  # LoRA: as trained, the export's merge apart
     tokenizer = AutoTokenizer.from_pretrained(found.run_dir / TOKENIZER_DIR)
-    return Predictor(model.to(device), tokenizer, TaskFacts.from_dict(found.state["task"], str(found.path)),
-                     str(folder))
+    task = TaskFacts.from_dict(found.state["task"], str(found.path), config.task.kind)
+    return Predictor(model.to(device), tokenizer, task, str(folder))
 
 
 def _task_from_config(config: FinetuneConfig, folder: Path) -> TaskFacts:
@@ -165,10 +165,10 @@ def _predict(config: FinetuneConfig, args: argparse.Namespace, dist: Dist) -> in
     output.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(output, lines)
     log.info(f"wrote {len(results):,} predictions to {output}")
-    metrics = prediction_metrics(results, predictor.task)
+    metrics = prediction_metrics(results, predictor)
     if metrics:
         write_text_atomic(output.with_suffix(".metrics.json"), json.dumps(metrics, ensure_ascii=False, indent=2))
-        log.info(headline(metrics, predictor.task.kind))
+        log.info(predictor.kind.headline(metrics))
     return 0
 
 
@@ -230,16 +230,11 @@ def predict_rows(model: Any, predictor: Predictor, rows: list[Any], config: Fine
     return gather(results, dist)
 
 
-def prediction_metrics(results: list[dict[str, Any]], task: TaskFacts) -> dict[str, Any] | None:
-    """Metrics over the rows that have a label (None when none has); a conversation too long to answer counts
-    as an empty answer."""
+def prediction_metrics(results: list[dict[str, Any]], predictor: Predictor) -> dict[str, Any] | None:
+    """The kind's figures of the rows that have a label (None when none has); a conversation too long to answer
+    counts as an empty answer."""
     labelled = [r for r in results if "label" in r]
     if not labelled:
         return None
     gold, predicted = [r["label"] for r in labelled], [r["prediction"] or "" for r in labelled]
-    if task.labels:
-        metrics = classification_metrics(gold, predicted, task.labels, task.majority_label or task.labels[0])
-        metrics["mapped"] = sum(r["mapped"] for r in labelled)
-        metrics["generated_accuracy"] = sum(r["generated"] == r["label"] for r in labelled) / len(labelled)
-        return metrics
-    return generation_metrics(gold, predicted)
+    return predictor.kind.answer_metrics(gold, predicted, labelled, predictor.task)

@@ -1,8 +1,9 @@
 """What a fine-tune's task is: its facts (task.json, typed) and the interface each task kind implements.
 
-A kind (kinds.py lists them) says how its rows are read and encoded, what prompt a row is answered from, how a
-validation set is scored, and what the export's gate compares. Training, predict, chat, the gate and the card
-ask the kind instead of switching on its name, so a new kind is one module and one line in kinds.py.
+A kind (one module under kinds/, registered by name there, or named as `module:Class` in task.kind) says which
+figures score it and which picks its best checkpoint, what its config must hold, how its rows are read and
+encoded, what prompt a row is answered from, how a validation set is scored, and what the export's gate compares.
+Loading the config, training, predict, chat, the gate and the card ask the kind instead of switching on its name.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from gptpipe.finetune.metrics import VAL_LOSS, Metric, generation_metrics, headline
 from gptpipe.runtime.batching import collate, collate_packed
+from gptpipe.runtime.lora import lora_record
 from gptpipe.runtime.scoring import target_logprobs
 from gptpipe.stage import StageInputError, write_text_atomic
-from gptpipe.runtime.lora import lora_record
+from gptpipe.trust import TRUST_ENV, trusted
 
 if TYPE_CHECKING:
     import torch
@@ -36,7 +39,7 @@ class TaskFacts:
     """task.json: what predict, chat, the export's gate and the card rebuild a fine-tune's task from. Written
     beside the run's checkpoints (and in their state), copied into every export with local paths cut."""
 
-    kind: str  # task.kind: a name kinds.py registers
+    kind: str  # task.kind: a name kinds/ registers, or module:Class
     seq2seq: bool  # an encoder-decoder: the prompt is the encoder's input, the answer the decoder's labels
     seq_len: int  # train.seq_len as the run resolved it (auto included)
     prompt: str = "{input}"  # task.prompt: the template around a row's input (not used by chat)
@@ -53,8 +56,11 @@ class TaskFacts:
     lora: dict[str, Any] | None = None
 
     @classmethod
-    def from_dict(cls, facts: dict[str, Any], source: str) -> TaskFacts:
-        """Facts read from `source` (a task.json, a checkpoint's state); unknown or missing keys name the file."""
+    def from_dict(cls, facts: dict[str, Any], source: str, own_kind: str | None = None) -> TaskFacts:
+        """Facts read from `source` (a task.json, a checkpoint's state); unknown or missing keys name the file.
+        A kind of the user's own (module:Class) is Python that every reader imports: one recorded in a folder
+        from elsewhere is refused unless it is `own_kind` (the reader's config names it) or GPTPIPE_TRUST
+        includes task-code."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(facts) - known)
         missing = [name for name in ("kind", "seq2seq", "seq_len") if name not in facts]
@@ -64,17 +70,21 @@ class TaskFacts:
             raise StageInputError(f"{source}: " + "; ".join(
                 ([f"unknown key(s) {', '.join(hints)}"] if unknown else [])
                 + ([f"missing key(s) {', '.join(missing)}"] if missing else [])))
+        kind = str(facts["kind"])
+        if ":" in kind and kind != own_kind and not trusted("task-code"):
+            raise StageInputError(f"{source} names the task kind {kind}, Python code that would be imported to "
+                                  f"read this run; set {TRUST_ENV}=task-code if you trust where it came from")
         return cls(**facts)
 
     @classmethod
-    def read(cls, path: Path) -> TaskFacts:
+    def read(cls, path: Path, own_kind: str | None = None) -> TaskFacts:
         try:
             facts = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise StageInputError(f"{path} is not a readable task.json: {exc}") from exc
         if not isinstance(facts, dict):
             raise StageInputError(f"{path}: a task.json holds one JSON object")
-        return cls.from_dict(facts, str(path))
+        return cls.from_dict(facts, str(path), own_kind)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object: every field, None included, so a reader sees the whole schema."""
@@ -122,7 +132,7 @@ class TaskData:
         return TaskFacts(kind=self.kind.name, seq2seq=self.seq2seq, seq_len=self.encoder.seq_len,
                          prompt=config.task.prompt, too_long=config.data.too_long, labels=self.labels,
                          majority_label=self.majority, stop_ids=self.kind.stop_ids(self.encoder),
-                         best_metric=config.best_metric,
+                         best_metric=self.kind.best_metric(config.train.best_metric),
                          pretrained_model=None if from_scratch else str(config.model.path),
                          train_file=str(config.data.train),
                          architecture_of=str(config.model.path) if from_scratch else None,
@@ -143,13 +153,46 @@ class TaskKind:
     """One task kind: rows, their encoding, prompts, validation and the gate's view of them. Subclasses
     override what differs; the defaults are a labelled-row task's where one exists."""
 
-    name: str
+    name: str  # task.kind: the registry's name, or the module:Class it was named by
+    metrics: tuple[Metric, ...] = ()  # validation figures beside val_loss, headline first (metrics.jsonl: val_<key>)
+    default_best: str = VAL_LOSS.key  # train.best_metric auto: the figure that picks the best checkpoint
+    templated: bool = True  # task.prompt wraps each row's input, so it must hold {input}
     converses: bool = False  # rows are conversations: `gptpipe chat` talks to the model, a chat template ships
     encodes_validation: bool = False  # the validation rows are encoded when the task loads (and dropped if unfit)
     labelled: bool = False  # a label set is read from the training rows and every label is scored
     loss_scores: str = "the gold labels: {:.4f} nats per label token"  # the card's words for val_loss
     row_noun: str = "rows"  # what the log calls its rows
     step_figures: tuple[str, ...] = ()  # training figures of each item that `loss` sums; the train line logs means
+
+    # --- its figures and its config ------------------------------------------------------------------------
+    def best_metric(self, configured: str) -> str:
+        """train.best_metric, auto resolved."""
+        return self.default_best if configured == "auto" else configured
+
+    def metric(self, key: str) -> Metric:
+        """The entry of one of this kind's figures, val_loss included."""
+        return next(m for m in (*self.metrics, VAL_LOSS) if m.key == key)
+
+    def config_problems(self, config: FinetuneConfig) -> list[tuple[str, str]]:
+        """(key, problem) for each setting this kind cannot run with; checked as the config loads."""
+        problems = []
+        if self.templated and "{input}" not in config.task.prompt:
+            problems.append(("task.prompt", "must contain {input}"))
+        allowed = (*(m.key for m in self.metrics), VAL_LOSS.key)
+        if self.best_metric(config.train.best_metric) not in allowed:
+            problems.append(("train.best_metric", f"must be one of {', '.join(allowed)} (or auto) for a "
+                                                  f"{self.name} task, got {config.train.best_metric!r}"))
+        return problems
+
+    def headline(self, m: dict[str, Any]) -> str:
+        """The figures of `m` (a validation's, or predict's answers scored) on the console."""
+        return headline(m, self.metrics)
+
+    def answer_metrics(self, gold: list[str], predicted: list[str], results: list[dict[str, Any]],
+                       facts: TaskFacts) -> dict[str, Any]:
+        """Predict's figures of the answers `predicted` to rows with a gold answer (`results`: their lines):
+        as generated text."""
+        return generation_metrics(gold, predicted)
 
     # --- reading and encoding --------------------------------------------------------------------------
     def check(self, config: FinetuneConfig, seq2seq: bool) -> None:
@@ -232,7 +275,7 @@ class TaskKind:
     # --- validation ---------------------------------------------------------------------------------------
     def validate(self, model: Any, task: TaskData, config: FinetuneConfig, dist: Dist) -> dict[str, Any]:
         """The validation figures of `model` (a DeepSpeed engine or a bare model), on every rank: val_loss and
-        the kind's metrics (metrics.TASK_METRICS)."""
+        the kind's `metrics`."""
         raise NotImplementedError
 
     # --- the export's gate ----------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from gptpipe.runtime.uploader import RECORD, UPLOADS, file_stamp
 
 log = get_logger("train")
 
-# What a resumed run appends to, continues or reuses: stage 7's DPO reference log-probs (finetune/preference.py),
+# What a resumed run appends to, continues or reuses: stage 7's DPO reference log-probs (finetune/kinds/preference.py),
 # computed once from the starting model, are reused rather than recomputed on a fresh machine.
 REFERENCE_LOGPROBS_FILE = "reference_logprobs.json"
 RESUMED_FILES = ("metrics.jsonl", "wandb_run_id", REFERENCE_LOGPROBS_FILE)

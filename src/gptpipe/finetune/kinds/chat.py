@@ -14,7 +14,7 @@ from gptpipe.finetune.chat_data import (ChatEncoder, Conversation, conversations
                                         distinct_pad, install_template, read_conversations, special_tokens_as_tokens)
 from gptpipe.finetune.data import file_format
 from gptpipe.runtime.batching import pad_id
-from gptpipe.finetune.metrics import generation_metrics
+from gptpipe.finetune.metrics import CHRF, VAL_LOSS, generation_metrics
 from gptpipe.runtime.scoring import decode, gather, generate, score, shard
 from gptpipe.finetune.task_kind import TaskData, TaskFacts, TaskKind
 from gptpipe.stage import StageInputError
@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 class ChatKind(TaskKind):
     name = "chat"
+    metrics = (CHRF,)
+    default_best = VAL_LOSS.key  # a validation's answers are few and short: the loss is steadier than their chrF
+    templated = False  # rows are conversations, rendered by the chat template
     converses = True
     encodes_validation = True  # a conversation the template cannot mask, or too long, is no validation row
     loss_scores = "the assistant turns: {:.4f} nats per assistant token"

@@ -36,10 +36,10 @@ import torch
 from gptpipe.data.jsonl import (EMPTY, IDENTICAL_ANSWERS, INVALID_JSON, MISSING_KEY, NO_CHOSEN, NOT_A_MESSAGE_LIST,
                                 NOT_AN_OBJECT, TEMPLATE_ERROR, TOO_LONG, UNDECODABLE, Reasons, parse_record)
 from gptpipe.finetune.chat_data import ChatEncoder, Conversation, message_list, text_problem
-from gptpipe.finetune.chat_task import ChatKind
+from gptpipe.finetune.kinds.chat import ChatKind
 from gptpipe.runtime.batching import IGNORE, Encoded, pad_id
 from gptpipe.finetune.data import Problem
-from gptpipe.finetune.metrics import edit_distance
+from gptpipe.finetune.metrics import VAL_LOSS, Metric, edit_distance
 from gptpipe.runtime.scoring import gather, score, shard, target_logprobs
 from gptpipe.finetune.task_kind import TaskData, TaskFacts
 from gptpipe.log import get_logger
@@ -290,6 +290,11 @@ class PreferenceKind(ChatKind):
     """Preference pairs, DPO against the starting model; a chat model that converses like a chat run's."""
 
     name = "preference"
+    metrics = (Metric("reward_accuracy", "reward accuracy"), Metric("reward_margin", "reward margin"),
+               Metric("greedy_chosen", "greedy answers nearer the chosen"))
+    # The held-out pairs' DPO loss is continuous and weighs the margins, where reward accuracy is a count that
+    # reaches 1 early and then ties (the first evaluation to reach it would stay the best).
+    default_best = VAL_LOSS.key
     converses = True
     encodes_validation = True
     loss_scores = "the held-out preference pairs: {:.4f} (DPO loss per pair; log 2 = 0.6931 before training)"

@@ -1,7 +1,7 @@
-"""task.kind classification and generation: labelled rows (TSV or jsonl, finetune/data.py), the prompt template
-around each input and the label after it. Classification scores every label of the training rows' label set
-after the prompt and picks the likeliest (task.generate_labels: also generates one, mapped onto the nearest
-label); generation decodes greedily and is scored by exact match and chrF."""
+"""What task.kind classification and generation share: labelled rows (TSV or jsonl, finetune/data.py), the prompt
+template around each input and the label after it, scored at validation by the gold label's loss and the
+kind's `figures` of the answers (classification: every label scored, kinds/classification.py; generation:
+decoded greedily, kinds/generation.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ import torch
 
 from gptpipe.data.jsonl import Reasons
 from gptpipe.runtime.batching import Encoded, pad_id
-from gptpipe.finetune.data import Encoder, Row, label_set, read_lines, read_rows
-from gptpipe.finetune.metrics import map_to_label, classification_metrics, generation_metrics
+from gptpipe.finetune.data import Encoder, Row, read_lines, read_rows
 from gptpipe.runtime.scoring import decode, gather, generate, score, shard
 from gptpipe.finetune.task_kind import TaskData, TaskFacts, TaskKind
 
@@ -107,29 +106,3 @@ class LabelledKind(TaskKind):
         if task.labels:
             return max(len(task.encoder.label_ids(label)) for label in task.labels)
         return config.predict.max_new_tokens
-
-
-class ClassificationKind(LabelledKind):
-    name = "classification"
-    labelled = True
-
-    def label_set(self, rows: list[Row]) -> list[str]:
-        return label_set(rows)
-
-    def figures(self, gold: list[str], scored: list[dict[str, Any]], task: TaskData, config: FinetuneConfig
-                ) -> dict[str, Any]:
-        assert task.labels is not None and task.majority is not None
-        metrics = classification_metrics(gold, [o["pred"] for o in scored], task.labels, task.majority)
-        if config.task.generate_labels:
-            mapped = [map_to_label(o["generated"], task.labels) for o in scored]
-            metrics["mapped"] = sum(needed for _, needed in mapped)
-            metrics["generated_accuracy"] = sum(m == g for (m, _), g in zip(mapped, gold)) / len(gold)
-        return metrics
-
-
-class GenerationKind(LabelledKind):
-    name = "generation"
-
-    def figures(self, gold: list[str], scored: list[dict[str, Any]], task: TaskData, config: FinetuneConfig
-                ) -> dict[str, Any]:
-        return generation_metrics(gold, [o["generated"] for o in scored])
