@@ -56,7 +56,8 @@ from pathlib import Path
 from gptpipe.config.core import load_config
 from gptpipe.data.count import count_dataset
 from gptpipe.data.split import split_documents
-from gptpipe.export.gguf import PASSAGE_CHARS, llamacpp_report, passages, write_gguf
+from gptpipe.export.agreement import runtime_report
+from gptpipe.export.gguf import PASSAGE_CHARS, llamacpp, passages, write_gguf
 from gptpipe.pipeline import PipelineConfig
 from gptpipe.tokenizer.build import estimate_peak_mib
 from gptpipe.tokenizer.config import TokenizerConfig
@@ -224,8 +225,10 @@ def llamacpp_exactness(workdir: Path, tokenizer: Path, texts: list[str], passage
     folder = tiny_llama(tokenizer / "hf", workdir / "models" / tokenizer.name)
     gguf_path = workdir / "models" / f"{tokenizer.name}.gguf"
     write_gguf(folder, gguf_path, "f16", tokenizer.name)
-    report = llamacpp_report(gguf_path, folder, texts + list(TRICKY_STRINGS), ["このコマンドは"])
-    report["passages"] = llamacpp_report(gguf_path, folder, passages, [])
+    runtime = llamacpp(gguf_path, folder)
+    report = runtime_report(runtime, folder, texts + list(TRICKY_STRINGS), 0)
+    report["greedy"] = runtime_report(runtime, folder, ["このコマンドは"])
+    report["passages"] = runtime_report(runtime, folder, passages, 0)
     return report
 
 
@@ -290,11 +293,11 @@ def compare(workdir: Path, source: Path, vocab_sizes: list[int], steps: int, see
           f"{'val bits/char (per seed)':>26}")
     for r in rows:
         check, bpc = r["llamacpp"], [lm["bits_per_char"] for lm in r["lm"]]
-        exact = 1 - check["passages"]["texts_differing"] / max(1, check["passages"]["texts"])
+        exact = 1 - check["passages"]["ids_differing"] / max(1, len(check["passages"]["requests"]))
         print(f"{r['run']:<22} {r['train_s']:>8.1f} {r['wall_s']:>7.1f} {r['peak_rss_mib']:>12.0f} "
               f"{r['chars_per_token']:>11.3f} {r['byte_share']:>10.4%} "
-              f"{check['texts_differing']:>8}/{check['texts']} texts {exact:>14.1%} "
-              f"{len(check['greedy_differing']):>11}/{check['prompts']} "
+              f"{check['ids_differing']:>8}/{len(check['requests'])} texts {exact:>14.1%} "
+              f"{len(check['greedy']['departures']):>11}/{len(check['greedy']['requests'])} "
               + (f"{sum(bpc) / len(bpc):>8.4f} ({', '.join(f'{b:.4f}' for b in bpc)})" if bpc else "-"))
     print(f"(held-out: {len(heldout)} documents, {len(heldout_passages)} passages of {PASSAGE_CHARS} characters; "
           f"tiny Llama {steps} steps x 8 x 128 tokens; outputs and compare-*.json in {workdir}; {os.cpu_count()} CPUs)")

@@ -23,7 +23,8 @@ from conftest import (HEAD_DIM, HEADS, KV_HEADS, SHIPPED_STAGE1, SMALLER, byte_l
 from gptpipe.artifacts import EXIT_FAILED
 from gptpipe.cli import main
 from gptpipe.export import agreement, gguf as export_gguf
-from gptpipe.export.agreement import DEPARTS
+from gptpipe.export.agreement import DEPARTS, runtime_report
+from gptpipe.export.runtimes import llamacpp as llama_cpp
 from gptpipe.stage import Manifest
 from gptpipe.tokenizer.hf import TRICKY_STRINGS
 
@@ -246,9 +247,13 @@ def test_unsupported_architecture_is_refused(tmp_path: Path, workspace: Path, ca
 
 
 # --- llama.cpp itself ------------------------------------------------------------------------------------------
-needs_llamacpp = pytest.mark.skipif(
-    not all(map(export_gguf.llamacpp_tool, (export_gguf.GREEDY_TOOL, export_gguf.TOKENIZE_TOOL))),
-    reason=f"llama.cpp not built in {export_gguf.LLAMACPP_HOME}: run scripts/build_llamacpp.sh (~10 min)")
+needs_llamacpp = pytest.mark.skipif(llama_cpp.LlamaCpp(Path()).missing() is not None,
+                                    reason=f"{llama_cpp.LlamaCpp(Path()).missing()} (~10 min)")
+
+
+def llamacpp_report(gguf_path: Path, folder: Path, texts: list[str], max_new_tokens: int = 0) -> dict:
+    """agreement.py's report on llama.cpp running the GGUF of `folder`, as `gptpipe gguf` makes it."""
+    return runtime_report(export_gguf.llamacpp(gguf_path, folder), folder, texts, max_new_tokens)
 
 
 def heldout_texts(corpus_dir: Path) -> list[str]:
@@ -270,12 +275,12 @@ def test_the_one_process_tokenizer_gives_llama_tokenizes_ids(bpe_llama: Path, co
     text and one of newlines only."""
     gguf = write(workspace, bpe_llama, "f16")
     texts = [*heldout_texts(corpus_dir)[:20], *TRICKY_STRINGS, "</s>はEOS<s>", "", "\n\n"]
-    command = [str(export_gguf.llamacpp_tool("llama-tokenize")), "-m", str(gguf), "--stdin", "--ids", "--no-escape",
+    command = [str(llama_cpp.llamacpp_tool("llama-tokenize")), "-m", str(gguf), "--stdin", "--ids", "--no-escape",
                "--log-disable", *([] if parse_special else ["--no-parse-special"])]
     alone = [json.loads(subprocess.run(command, input=text.encode(), capture_output=True, check=True)
                         .stdout.decode().strip().splitlines()[-1]) for text in texts]
-    assert export_gguf.llamacpp_ids(gguf, texts, parse_special) == alone
-    assert alone[-3] != export_gguf.llamacpp_ids(gguf, texts[-3:-2], not parse_special)[0]  # the switch matters
+    assert llama_cpp.llamacpp_ids(gguf, texts, parse_special) == alone
+    assert alone[-3] != llama_cpp.llamacpp_ids(gguf, texts[-3:-2], not parse_special)[0]  # the switch matters
 
 
 @pytest.mark.llamacpp
@@ -289,8 +294,8 @@ def test_llamacpp_reads_special_token_text_as_a_chat_tokenizer_does(bpe_llama: P
     config_path = chat_like / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config_path.write_text(json.dumps({**config, "split_special_tokens": False}), encoding="utf-8")
-    report = export_gguf.llamacpp_report(write(workspace, chat_like, "f16"), chat_like, list(TRICKY_STRINGS), [])
-    assert report["texts_differing"] == 0, report["examples"]
+    report = llamacpp_report(write(workspace, chat_like, "f16"), chat_like, list(TRICKY_STRINGS))
+    assert report["ids_differing"] == 0, report["examples"]
 
 
 @pytest.mark.llamacpp
@@ -305,17 +310,18 @@ def test_llamacpp_tokenizes_and_generates_as_transformers(model: str, request: p
     folder = request.getfixturevalue(model)
     texts = heldout_texts(corpus_dir)
     for outtype in export_gguf.OUTTYPES:
-        report = export_gguf.llamacpp_report(write(workspace, folder, outtype), folder,
-                                             [] if outtype == "q8_0" else texts, list(PROMPTS))
+        gguf_path = write(workspace, folder, outtype)
+        report = llamacpp_report(gguf_path, folder, list(PROMPTS), agreement.GREEDY_TOKENS)
         print(outtype, json.dumps(report, ensure_ascii=False))
-        assert report["outtype"] == outtype and report["agrees"], report["greedy_differing"]
-        assert [g["verdict"] for g in report["greedy"]].count(DEPARTS) == 0
+        assert report["dtype"] == outtype and report["agrees"], report["departures"]
+        assert [g["verdict"] for g in report["requests"]].count(DEPARTS) == 0
         if outtype == "q8_0":
             continue  # the tokenizer is the same in every file
+        report = llamacpp_report(gguf_path, folder, texts)
         if model != "unigram_llama":  # llama.cpp's SPM vocabulary has byte fallback, its BPE one bytes
-            assert report["texts_differing"] == 0, report["examples"]
+            assert report["ids_differing"] == 0, report["examples"]
         else:  # its UGM one has none: only texts with characters no piece covers may differ
-            assert report["texts_differing"] == report["texts_differing_with_byte_fallback"], report["examples"]
+            assert report["ids_differing"] == report["ids_differing_with_byte_fallback"], report["examples"]
 
 
 @pytest.mark.llamacpp
@@ -335,7 +341,7 @@ def test_llamacpp_stops_at_the_end_of_turn_token(chatml_export: Path, chat_files
     ended = []
     for row in read_conversations(chat_files[1], Reasons()):
         prompt = agreement.prompt_ids(tokenizer, row.prompt)
-        answer = export_gguf.llamacpp_greedy(gguf_path, prompt, ANSWER_TOKENS)
+        answer = llama_cpp.llamacpp_greedy(gguf_path, prompt, ANSWER_TOKENS)
         [verdict] = agreement.check(reference, [prompt], [answer], "f16", ANSWER_TOKENS)
         assert verdict.kind != DEPARTS, verdict.describe(tokenizer)
         if answer[-1] == end_of_turn:
@@ -374,7 +380,7 @@ def test_a_gguf_whose_greedy_tokens_depart_fails(unigram_llama: Path, workspace:
     manifest = Manifest.read(folder.with_name("model-gguf-f16") / "manifest.json")
     check = manifest.counts["llamacpp_check"]
     assert manifest.counts["verified"] is False and check["agrees"] is False
-    assert check["greedy"][0]["verdict"] == DEPARTS and check["greedy"][0]["first_difference"] == 0
+    assert check["requests"][0]["verdict"] == DEPARTS and check["requests"][0]["first_difference"] == 0
     prompt = manifest.config["test_prompt_text"]
     assert len(manifest.counts["failures"]) == 1 and repr(prompt) in manifest.counts["failures"][0]
     err = capfd.readouterr().err
@@ -406,10 +412,11 @@ def test_the_default_tokenizers_gguf_reads_held_out_man_pages_as_transformers(
                                  config.max_sentence_length, config.heldout_documents, config.seed).heldout
     folder = tokenizer_export("gguf-shipped", shipped_tokenizer)
     texts = export_gguf.passages(held_out)
-    report = export_gguf.llamacpp_report(write(workspace, folder, "f16"), folder, texts, [])
-    print(f"{report['texts'] - report['texts_differing']} of {report['texts']} held-out passages exact")
-    assert report["texts"] == export_gguf.HELDOUT_PASSAGES
-    assert report["texts_differing"] <= 0.01 * report["texts"], report["examples"]
+    report = llamacpp_report(write(workspace, folder, "f16"), folder, texts)
+    total = len(report["requests"])
+    print(f"{total - report['ids_differing']} of {total} held-out passages exact")
+    assert total == export_gguf.HELDOUT_PASSAGES
+    assert report["ids_differing"] <= 0.01 * total, report["examples"]
 
 
 @pytest.mark.llamacpp
@@ -425,7 +432,8 @@ def test_the_gguf_check_reads_held_out_text_of_the_run(unigram_llama: Path, work
     shutil.copytree(unigram_llama, folder, dirs_exist_ok=True)
     gguf_path = write(workspace, folder, "f16")
     held_out = Manifest.read(gguf_path.parent / "manifest.json").counts["llamacpp_heldout"]
-    assert "validation/test documents" in held_out["source"] and held_out["texts"] >= 100, held_out
-    assert held_out["texts_differing"] == held_out["texts_differing_with_byte_fallback"], held_out["examples"]
-    assert held_out["texts_differing"] <= 0.05 * held_out["texts"], held_out["examples"]
+    total = len(held_out["requests"])
+    assert "validation/test documents" in held_out["source"] and total >= 100, held_out
+    assert held_out["ids_differing"] == held_out["ids_differing_with_byte_fallback"], held_out["examples"]
+    assert held_out["ids_differing"] <= 0.05 * total, held_out["examples"]
     assert "passages of 300 characters" in capfd.readouterr().out

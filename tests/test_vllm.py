@@ -1,4 +1,5 @@
-"""vLLM serves an exported folder as transformers runs it: prompt ids and greedy tokens (gptpipe.export.vllm_check).
+"""vLLM serves an exported folder as transformers runs it: prompt ids and greedy tokens (export/runtimes/vllm.py,
+judged by agreement.py's runtime_report; `python -m gptpipe.export.vllm_check` on the command line).
 
 The ``vllm`` tier runs vLLM's CPU build in its own venv (scripts/setup_vllm.sh) and is skipped, with the reason,
 where that venv is absent. Folders, each a real stage-4 export: a tiny Llama with the workspace's unigram tokenizer
@@ -15,13 +16,14 @@ from pathlib import Path
 import pytest
 
 from conftest import chat_args, gptpipe_command
-from gptpipe.export import vllm_check
+from gptpipe.export.agreement import runtime_report
+from gptpipe.export.runtimes.vllm import CONVERSATIONS, PROMPTS, Vllm
+from gptpipe.export.vllm_check import main as vllm_check
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,  # each check starts vLLM: ~12 s on 2 cores
-    pytest.mark.skipif(vllm_check.vllm_python() is None,
-                       reason=f"no vLLM venv in {vllm_check.VLLM_HOME}: run scripts/setup_vllm.sh"),
+    pytest.mark.skipif(Vllm(Path()).missing() is not None, reason=str(Vllm(Path()).missing())),
 ]
 
 # vLLM's CPU attention runs head sizes 32, 64, 80, ... (gptpipe's presets: 32 for tiny, 64 for the others).
@@ -34,23 +36,27 @@ def llama(tiny_export) -> Path:
 
 
 def check(folder: Path) -> dict:
-    report = vllm_check.vllm_report(folder)
+    report = runtime_report(Vllm(folder), folder, PROMPTS)
     print(json.dumps(report, ensure_ascii=False))
     print(report["summary"])
-    for entry in report["prompts"] + report["conversations"]:
+    for entry in report["requests"]:
         assert entry["prompt_ids_equal"], entry
         assert entry["verdict"] != "departs", entry  # a different token only at a near-tie
-    assert report["agrees"], report["differences"]
+    assert report["agrees"], report["departures"]
     return report
 
 
-def test_vllm_reproduces_prompt_ids_and_greedy_tokens(llama: Path, tiny_export) -> None:
+def test_vllm_reproduces_prompt_ids_and_greedy_tokens(llama: Path, tiny_export, capsys) -> None:
     fp32 = check(llama)
-    assert fp32["dtype"] == "float32" and len(fp32["prompts"]) == len(vllm_check.PROMPTS)
-    assert not fp32["conversations"]  # no chat template: no chat requests
+    assert fp32["dtype"] == "float32" and len(fp32["requests"]) == len(PROMPTS)
     # This model's logits are far apart (init_std 0.3): any real difference in weights or decoding shows here.
-    assert all(entry["tokens_equal"] for entry in fp32["prompts"]), fp32["summary"]
+    assert all(entry["tokens_equal"] for entry in fp32["requests"]), fp32["summary"]
     assert check(tiny_export("vllm", dtype="bf16", head_dim=VLLM_HEAD_DIM))["dtype"] == "bfloat16"
+    # The command line: the shipped prompts, and no chat requests for a folder without a chat template.
+    capsys.readouterr()
+    assert vllm_check([str(llama)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert [entry["prompt"] for entry in printed["requests"]] == list(PROMPTS)
 
 
 def test_vllm_serves_a_chat_export_through_its_template(llama: Path, chat_files: tuple[Path, Path],
@@ -71,14 +77,14 @@ def test_vllm_serves_a_chat_export_through_its_template(llama: Path, chat_files:
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "chat_template.jinja").read_text(encoding="utf-8") == ALPACA_JA_TEMPLATE
     validation = [row.prompt for row in read_conversations(chat_files[1], Reasons())[:4]]
-    conversations = [*vllm_check.CONVERSATIONS, *validation]
-    report = vllm_check.vllm_report(out, prompts=(), conversations=conversations)
+    conversations = [*CONVERSATIONS, *validation]
+    report = runtime_report(Vllm(out), out, conversations)
     print(json.dumps(report, ensure_ascii=False))
-    assert len(report["conversations"]) == len(conversations) and report["dtype"] == "float32"
-    for entry in report["conversations"]:
+    assert len(report["requests"]) == len(conversations) and report["dtype"] == "float32"
+    for entry in report["requests"]:
         assert entry["prompt_ids_equal"] and entry["prompt_text_equal"] and entry["tokens_equal"], entry
         assert entry["prompt"].endswith("### 応答:\n"), entry
-    assert "### 指示:\nディレクトリごとコピーするには?" in report["conversations"][1]["prompt"]
+    assert "### 指示:\nディレクトリごとコピーするには?" in report["requests"][1]["prompt"]
 
 
 def test_vllm_serves_a_lora_chat_fine_tune_merged_and_as_an_adapter(llama: Path, chat_files: tuple[Path, Path],
@@ -100,8 +106,8 @@ def test_vllm_serves_a_lora_chat_fine_tune_merged_and_as_an_adapter(llama: Path,
                                "dtype=fp32", f"lora_export={export}")
         assert done.returncode == 0, done.stderr[-3000:]
         assert (out / "adapter_config.json").is_file() == (export == "adapter")
-        report = vllm_check.vllm_report(out, prompts=vllm_check.PROMPTS[:1], conversations=conversations)
+        report = runtime_report(Vllm(out), out, [PROMPTS[0], *conversations])
         print(json.dumps(report, ensure_ascii=False))
         assert report["lora"] == (export == "adapter") and report["dtype"] == "float32"
-        for entry in report["prompts"] + report["conversations"]:
+        for entry in report["requests"]:
             assert entry["prompt_ids_equal"] and entry.get("prompt_text_equal", True) and entry["tokens_equal"], entry

@@ -20,7 +20,9 @@ from test_tokenizer_extend import english_pages, extend
 
 from gptpipe.artifacts import EXIT_BAD_INPUT, TOKENIZE, TOKENIZER_HF_DIR
 from gptpipe.data.base_tokenizer import expand
-from gptpipe.export import gguf as export_gguf, vllm_check
+from gptpipe.export.agreement import runtime_report
+from gptpipe.export.runtimes.llamacpp import LlamaCpp, llamacpp_ids
+from gptpipe.export.runtimes.vllm import PROMPTS, Vllm
 from gptpipe.stage import StageInputError
 from gptpipe.tolerance import loss_tolerance
 from gptpipe.train.continued import new_row_problems, old_rows_loss, reference_loss
@@ -292,8 +294,7 @@ def exported(bases, extension, dataset, workspace: Path, tmp_path_factory: pytes
 
 
 @pytest.mark.llamacpp
-@pytest.mark.skipif(not all(map(export_gguf.llamacpp_tool, (export_gguf.GREEDY_TOOL, export_gguf.TOKENIZE_TOOL))),
-                    reason=f"llama.cpp not built in {export_gguf.LLAMACPP_HOME}: run scripts/build_llamacpp.sh")
+@pytest.mark.skipif(LlamaCpp(Path()).missing() is not None, reason=str(LlamaCpp(Path()).missing()))
 def test_llamacpp_gives_the_extended_tokenizers_ids(exported: Path, corpus, workspace: Path) -> None:
     """`gptpipe gguf` of the export: llama.cpp's ids equal transformers' on Japanese text (new pieces in it) and
     English, and its greedy tokens agree with the model's."""
@@ -308,27 +309,26 @@ def test_llamacpp_gives_the_extended_tokenizers_ids(exported: Path, corpus, work
     base_size = len(tokenizer) - NEW_PIECES
     texts = [t[:400] for t in corpus[1][-20:]] + ["The quick brown fox jumps over the lazy dog."]
     new_seen = 0
-    for text, got in zip(texts, export_gguf.llamacpp_ids(gguf, texts)):
+    for text, got in zip(texts, llamacpp_ids(gguf, texts)):
         ids = tokenizer(text)["input_ids"]
         assert got == ids, text[:60]
         new_seen += sum(i >= base_size for i in ids)
     assert new_seen > 0
     counts = manifest_counts(gguf.parent)
     assert counts["verified"], counts.get("failures")
-    assert counts["llamacpp_heldout"]["texts_differing"] == 0, counts["llamacpp_heldout"]
+    assert counts["llamacpp_heldout"]["ids_differing"] == 0, counts["llamacpp_heldout"]
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.skipif(vllm_check.vllm_python() is None,
-                    reason=f"no vLLM venv in {vllm_check.VLLM_HOME}: run scripts/setup_vllm.sh")
+@pytest.mark.skipif(Vllm(Path()).missing() is not None, reason=str(Vllm(Path()).missing()))
 def test_vllm_gives_the_extended_tokenizers_ids_and_greedy_tokens(exported: Path) -> None:
-    report = vllm_check.vllm_report(exported)
+    report = runtime_report(Vllm(exported), exported, PROMPTS)
     print(report["summary"])
-    for entry in report["prompts"]:
+    for entry in report["requests"]:
         assert entry["prompt_ids_equal"], entry
         assert entry["verdict"] != "departs", entry
-    assert report["agrees"], report["differences"]
+    assert report["agrees"], report["departures"]
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Does another runtime agree with the model? One answer for stage 4's gate (the exported folder in transformers,
-through its generation_config.json), the vLLM check (vllm_check.py) and the llama.cpp check of `gptpipe gguf`.
+through its generation_config.json) and every runtime of export/runtimes/ (`runtime_report`: the vLLM check,
+vllm_check.py, and the llama.cpp check of `gptpipe gguf`).
 
 - Prompt (`prompt_ids`): text as the folder's tokenizer encodes it, BOS where the tokenizer adds one. That is
   how the exported model is used: transformers' pipeline, `gptpipe generate`, vLLM's completions endpoint and
@@ -22,19 +23,21 @@ through its generation_config.json), the vLLM check (vllm_check.py) and the llam
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gptpipe.export.runtimes.base import Prompt, Runtime
 from gptpipe.ids import first_difference
 from gptpipe.tolerance import logits_tolerance
 
 GREEDY_TOKENS = 20  # new tokens each check generates per prompt
 NEAR_TIE_FACTOR = 2.0
 EXACT, NEAR_TIE, DEPARTS = "exact", "near-tie", "departs"
-
-Prompt = str | Sequence[dict[str, str]]  # text, or a conversation (role/content messages)
+BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")  # a SentencePiece byte-fallback piece: one UTF-8 byte
+EXAMPLES = 3  # prompts whose ids differ, shown in a report
 
 
 def tolerance(dtype: str, largest_logit: float) -> float:
@@ -187,3 +190,54 @@ def check(reference: Any, prompts: Sequence[list[int]], got: Sequence[list[int]]
     (``reference``, from `reference_model`)."""
     expected = [greedy(reference, p, max_new_tokens) for p in prompts]
     return compare(reference, prompts, got, expected, dtype, stop_ids(reference))
+
+
+def runtime_report(runtime: Runtime, folder: Path, requests: Sequence[Prompt], max_new_tokens: int = GREEDY_TOKENS
+                   ) -> dict[str, Any]:
+    """How `runtime` runs the exported `folder` on `requests`, against transformers: per request whether the
+    runtime's prompt ids are the folder tokenizer's (`prompt_ids`; a conversation: also whether its rendered text
+    is the chat template's), and, with max_new_tokens, its greedy tokens judged against the fp32 model's after the
+    same ids (`check`). `agrees`: no continuation departs and, where the runtime reads the folder's tokenizer
+    (ids_must_match), every request encoded as transformers encodes it. Ids that differ are counted, with how
+    many of those requests hold a character the HF tokenizer writes as bytes."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    serving = runtime.serve(requests, max_new_tokens)
+    byte_ids = {i for i, t in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+                if t and BYTE_PIECE.fullmatch(t)}
+    entries, differing, byte_fallback, examples = [], 0, 0, []
+    for request, served in zip(requests, serving.outputs):
+        want = prompt_ids(tokenizer, request)
+        text = request if isinstance(request, str) else tokenizer.apply_chat_template(
+            list(request), add_generation_prompt=True, tokenize=False)
+        entry: dict[str, Any] = {"prompt": text, "prompt_ids_equal": served.prompt_ids == want}
+        if served.rendered is not None:
+            entry["prompt_text_equal"] = served.rendered == text
+        if served.prompt_ids != want:
+            differing += 1
+            byte_fallback += bool(byte_ids & set(want))
+            if len(examples) < EXAMPLES:
+                examples.append(f"{text[:40]!r}: transformers {want[:12]} vs {runtime.name} {served.prompt_ids[:12]}")
+        entries.append(entry)
+    verdicts = check(reference_model(folder), [s.prompt_ids for s in serving.outputs],
+                     [s.tokens for s in serving.outputs], serving.dtype, max_new_tokens) if max_new_tokens else []
+    decoded = lambda ids: repr(tokenizer.decode(ids, skip_special_tokens=False))
+    described = []
+    for entry, verdict in zip(entries, verdicts):
+        entry.update(tokens_equal=verdict.kind == EXACT, runtime_tokens=verdict.got,
+                     transformers_tokens=verdict.expected, **verdict.as_dict())
+        described.append(f"{entry['prompt']!r}: {verdict.describe(tokenizer)} ({runtime.name} "
+                         f"{decoded(verdict.got)}, the model {decoded(verdict.expected)})")
+    departures = [d for d, v in zip(described, verdicts) if v.kind == DEPARTS]
+    encoded = all(e["prompt_ids_equal"] and e.get("prompt_text_equal", True) for e in entries)
+    how = ", ".join([serving.dtype, *serving.notes])
+    return {"runtime": runtime.name, "version": serving.version, "dtype": serving.dtype, **serving.details,
+            "max_tokens": max_new_tokens, "requests": entries, "ids_differing": differing,
+            "ids_differing_with_byte_fallback": byte_fallback, "examples": examples, "departures": departures,
+            "near_ties": [d for d, v in zip(described, verdicts) if v.kind == NEAR_TIE],
+            "agrees": not departures and (encoded or not runtime.ids_must_match),
+            "summary": f"{runtime.name} {serving.version} ({how}): {len(entries) - differing}/{len(entries)} prompts "
+                       "identical ids" + (f", {sum(v.kind == EXACT for v in verdicts)}/{len(verdicts)} the fp32 "
+                                          f"model's greedy tokens, {sum(v.kind == NEAR_TIE for v in verdicts)} other "
+                                          f"at near-ties ({max_new_tokens} max)" if verdicts else "")}

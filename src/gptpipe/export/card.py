@@ -350,24 +350,12 @@ def _usage_rows(facts: CardFacts, name: str, pipeline_tag: str) -> list[str]:
 
 
 def _serving_rows(facts: CardFacts) -> list[str]:
-    """How to run a causal LM outside transformers: vLLM serves the folder; llama.cpp and Ollama take the GGUF
-    `gptpipe gguf` writes (for the architectures it maps)."""
-    from gptpipe.export.gguf import ARCHITECTURES
+    """How to run a causal LM outside transformers: each runtime's line (export/runtimes/)."""
+    from gptpipe.export.runtimes import serving_lines
 
     task = facts.blocks.task
-    if task is not None and task.lora_export == "adapter":
-        return ["## Run it elsewhere", "", "- vLLM: `vllm serve BASE --enable-lora --lora-modules adapter=PATH "
-                "--tokenizer PATH --generation-config PATH` (BASE: adapter_config.json's base_model_name_or_path; "
-                f"--max-lora-rank at least {task.task.lora['rank']}) and request model `adapter`; `python -m "
-                "gptpipe.export.vllm_check PATH` compares its prompt ids and greedy tokens with transformers' and "
-                "peft's.", ""]
-    lines = ["## Run it elsewhere", "", "- vLLM: `vllm serve PATH --dtype float32` (or the folder's dtype); "
-             "`python -m gptpipe.export.vllm_check PATH` compares its prompt ids and greedy tokens with transformers'."]
-    if set(facts.model_config.architectures or []) & set(ARCHITECTURES):
-        lines.append("- llama.cpp / Ollama: `gptpipe gguf --model PATH --outtype f16` writes the GGUF (the tokenizer "
-                     "as this folder's, no space prefix, the chat template if any) and an Ollama `Modelfile` beside "
-                     "it.")
-    return [*lines, ""]
+    adapter_rank = task.task.lora["rank"] if task is not None and task.lora_export == "adapter" else None
+    return ["## Run it elsewhere", "", *serving_lines(facts.model_config.architectures or [], adapter_rank), ""]
 
 
 def render_card(facts: CardFacts, repo_id: str | None) -> str:

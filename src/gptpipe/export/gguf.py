@@ -15,17 +15,15 @@ Written with llama.cpp's own `gguf` package, reading the folder's tokenizer.json
   HF's rotate-half RoPE layout to llama.cpp's interleaved pairs; 1-D tensors stay float32.
 
 llama.cpp's UGM tokenizer has no byte fallback: a character no piece covers becomes one <unk> (a run of
-them, one) where the HF tokenizer writes its UTF-8 bytes. :func:`llamacpp_report` measures it; the rest of
-the text keeps its ids. The folder written holds the .gguf, an Ollama Modelfile and manifest.json (stage.py).
+them, one) where the HF tokenizer writes its UTF-8 bytes. The llama.cpp check (export/runtimes/llamacpp.py,
+judged by agreement.py's runtime_report) measures it; the rest of the text keeps its ids. The folder written
+holds the .gguf, an Ollama Modelfile and manifest.json (stage.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from gptpipe.export.agreement import DEPARTS, GREEDY_TOKENS, NEAR_TIE, check, prompt_ids, reference_model
+from gptpipe.export.agreement import BYTE_PIECE, GREEDY_TOKENS, runtime_report
+from gptpipe.export.runtimes.llamacpp import ARCHITECTURES, LlamaCpp
 from gptpipe.export.config import ConvertConfig
 from gptpipe.log import get_logger
 from gptpipe.stage import (Manifest, StageFailed, StageInputError, StageResult, atomic_path, tree_fingerprint,
@@ -43,19 +42,14 @@ from gptpipe.artifacts import CONVERT, EXIT_OK, GGUF
 log = get_logger("gguf")
 
 OUTTYPES = ("f16", "bf16", "q8_0")
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
-BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
 # tokenizer.json pre-tokenizer regexes llama.cpp knows by name (its tokenizer.ggml.pre values).
 GPT2_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"""
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS = {GPT2_REGEX: "gpt-2", LLAMA3_REGEX: "llama-bpe"}
-LLAMACPP_HOME = Path(os.environ.get("GPTPIPE_LLAMACPP", Path.home() / ".cache" / "gptpipe-llamacpp"))
 # The llama.cpp check's held-out text: passages of this many characters (what a prompt or a served request
 # looks like) from documents the model never trained on, at most this many of them.
 PASSAGE_CHARS, HELDOUT_PASSAGES, HELDOUT_DOCUMENTS = 300, 200, 400
-GREEDY_TOOL = "gptpipe-llama-greedy"  # scripts/llamacpp_greedy.cpp, built beside llama.cpp's tools
-TOKENIZE_TOOL = "gptpipe-llama-tokenize"  # scripts/llamacpp_tokenize.cpp, likewise
 
 
 def gguf_arguments(parser: argparse.ArgumentParser) -> None:
@@ -373,92 +367,12 @@ def modelfile(gguf_name: str, chat_template: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
-# --- checking the file with llama.cpp itself (scripts/build_llamacpp.sh) ---------------------------------------
-def llamacpp_tool(name: str) -> Path | None:
-    """A llama.cpp tool built by scripts/build_llamacpp.sh, or None when the build is absent."""
-    path = LLAMACPP_HOME / "build" / "bin" / name
-    return path if path.is_file() else None
-
-
-def llamacpp_version() -> str:
-    path = LLAMACPP_HOME / "build" / "bin" / "VERSION"
-    return path.read_text(encoding="utf-8").strip().replace("\n", ", ") if path.is_file() else "not built"
-
-
-def llamacpp_ids(gguf_path: Path, texts: list[str], parse_special: bool = False) -> list[list[int]]:
-    """llama.cpp's ids for each of ``texts`` (BOS as the GGUF says), from one process (scripts/llamacpp_tokenize.cpp:
-    llama-tokenize's ids, without loading the vocabulary once per text). Literal special-token text stays text
-    unless ``parse_special``, as with an HF tokenizer that splits special tokens (a chat run's does not: its
-    template writes "</s>" as text)."""
-    tool = llamacpp_tool(TOKENIZE_TOOL)
-    if tool is None:
-        raise FileNotFoundError(f"{TOKENIZE_TOOL} not built: run scripts/build_llamacpp.sh")
-    framed = b"".join(b"%d\n%s" % (len(data), data) for data in (text.encode() for text in texts))
-    done = subprocess.run([str(tool), str(gguf_path), *(["--parse-special"] if parse_special else [])],
-                          input=framed, capture_output=True, check=True)
-    ids = [json.loads(line) for line in done.stdout.decode().splitlines()]
-    if len(ids) != len(texts):
-        raise RuntimeError(f"{tool} gave ids for {len(ids)} of {len(texts)} texts: {done.stderr.decode()[-500:]}")
-    return ids
-
-
-def llamacpp_greedy(gguf_path: Path, prompt: list[int], max_new_tokens: int = GREEDY_TOKENS) -> list[int]:
-    """llama.cpp's greedy ids after the ``prompt`` ids (scripts/llamacpp_greedy.cpp), ending with the
-    end-of-generation token where llama.cpp stops at one."""
-    tool = llamacpp_tool(GREEDY_TOOL)
-    if tool is None:
-        raise FileNotFoundError(f"{GREEDY_TOOL} not built: run scripts/build_llamacpp.sh")
-    done = subprocess.run([str(tool), str(gguf_path), str(max_new_tokens)], input=" ".join(map(str, prompt)).encode(),
-                          capture_output=True, check=True)
-    return json.loads(done.stdout)["ids"]
-
-
-def gguf_outtype(gguf_path: Path) -> str:
-    """The weight type (an OUTTYPES name) the GGUF file states."""
-    from gguf import GGUFReader, LlamaFileType
-
-    names = {LlamaFileType.MOSTLY_F16: "f16", LlamaFileType.MOSTLY_BF16: "bf16", LlamaFileType.MOSTLY_Q8_0: "q8_0"}
-    return names[LlamaFileType(int(GGUFReader(gguf_path).fields["general.file_type"].contents()))]
-
-
-def llamacpp_report(gguf_path: Path, folder: Path, texts: list[str], prompts: list[str],
-                    max_new_tokens: int = GREEDY_TOKENS) -> dict[str, Any]:
-    """How llama.cpp runs the GGUF compared with the model: texts whose ids differ from the HF tokenizer's (and
-    how many of those hold a character the HF tokenizer writes as bytes), and per prompt agreement.py's verdict
-    on llama.cpp's greedy ids against the fp32 model's, from the same prompt ids, at the GGUF's weight type's
-    tolerance: ``greedy_differing`` lists the departures (``agrees`` is then false), ``greedy_near_ties`` the
-    prompts whose ids part at near-ties."""
+def llamacpp(gguf_path: Path, folder: Path) -> LlamaCpp:
+    """llama.cpp on the GGUF written from `folder`, reading special-token text as the folder's tokenizer does."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    differing, byte_fallback, examples = 0, 0, []
-    byte_ids = {i for i, t in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
-                if t and BYTE_PIECE.fullmatch(t)}
-    parse_special = not getattr(tokenizer, "split_special_tokens", True)
-    for text, got in zip(texts, llamacpp_ids(gguf_path, texts, parse_special)):
-        want = tokenizer(text).input_ids
-        if want != got:
-            differing += 1
-            byte_fallback += bool(byte_ids & set(want))
-            if len(examples) < 3:
-                examples.append(f"{text[:40]!r}: HF {want[:12]} vs llama.cpp {got[:12]}")
-    report = {"llama_cpp": llamacpp_version(), "texts": len(texts), "texts_differing": differing,
-              "texts_differing_with_byte_fallback": byte_fallback, "examples": examples, "prompts": len(prompts)}
-    if not prompts:
-        return report
-    outtype = gguf_outtype(gguf_path)
-    ids = [prompt_ids(tokenizer, prompt) for prompt in prompts]
-    verdicts = check(reference_model(folder), ids, [llamacpp_greedy(gguf_path, i, max_new_tokens) for i in ids],
-                     outtype, max_new_tokens)
-    text = lambda i: tokenizer.decode(i, skip_special_tokens=False)
-    described = [f"{prompt!r}: {v.describe(tokenizer)} (llama.cpp {text(v.got)!r}, the model {text(v.expected)!r})"
-                 for prompt, v in zip(prompts, verdicts)]
-    return {**report, "outtype": outtype,
-            "greedy": [{"prompt": prompt, **v.as_dict(), "llama_cpp_tokens": v.got, "transformers_tokens": v.expected}
-                       for prompt, v in zip(prompts, verdicts)],
-            "greedy_differing": [d for d, v in zip(described, verdicts) if v.kind == DEPARTS],
-            "greedy_near_ties": [d for d, v in zip(described, verdicts) if v.kind == NEAR_TIE],
-            "agrees": all(v.kind != DEPARTS for v in verdicts)}
+    return LlamaCpp(gguf_path, parse_special=not getattr(tokenizer, "split_special_tokens", True))
 
 
 def passages(documents: list[str], count: int = HELDOUT_PASSAGES, seed: int = 0) -> list[str]:
@@ -519,14 +433,16 @@ def run(config: ConvertConfig, args: argparse.Namespace) -> int:
     def work() -> StageResult:
         counts = write_gguf(model_dir, out / name, args.outtype, model_dir.name)
         write_text_atomic(out / "Modelfile", modelfile(name, counts["chat_template"]))
-        if llamacpp_tool(TOKENIZE_TOOL) and llamacpp_tool(GREEDY_TOOL):
-            check = llamacpp_report(out / name, model_dir, list(TRICKY_STRINGS), [config.test_prompt_text])
+        runtime = llamacpp(out / name, model_dir)
+        if runtime.missing() is None:
+            check = runtime_report(runtime, model_dir, [config.test_prompt_text], GREEDY_TOKENS)
+            tricky = runtime_report(runtime, model_dir, list(TRICKY_STRINGS), 0)
             documents, source = heldout_texts(model_dir)
-            held_out = llamacpp_report(out / name, model_dir, passages(documents), []) if documents else {}
+            held_out = runtime_report(runtime, model_dir, passages(documents), 0) if documents else {}
             # As stage 4's gate: the file stays for inspection, its manifest says it failed.
-            counts.update(llamacpp_check=check, llamacpp_heldout={"source": source, **held_out},
+            counts.update(llamacpp_check=check, llamacpp_tokens=tricky, llamacpp_heldout={"source": source, **held_out},
                           verified=check["agrees"], failures=[f"llama.cpp's greedy tokens depart from the model's "
-                                                              f"on {where}" for where in check["greedy_differing"]])
+                                                              f"on {where}" for where in check["departures"]])
         return StageResult([Path(name), Path("Modelfile")], counts)  # outputs are named relative to `out`
 
     manifest = GGUF.run(out, settings, {"model": model_input}, work, force=args.force or failed_before(out),
@@ -538,19 +454,17 @@ def run(config: ConvertConfig, args: argparse.Namespace) -> int:
                     "line below says how often). Stage 1's character_sets give a script's common characters a "
                     "piece each (auto: from 14k pieces up); for a GGUF that tokenizes every text as "
                     "transformers does, train stage 1 with model_type: bpe.")
-    check = counts.get("llamacpp_check")
-    if check:
-        print(f"llama.cpp ({check['llama_cpp']}): {check['texts_differing']}/{check['texts']} tricky strings "
-              f"tokenized differently ({check['texts_differing_with_byte_fallback']} of them hold byte-fallback "
-              f"characters); {len(check['greedy_differing'])}/{check['prompts']} greedy continuations depart from "
-              f"the model's ({len(check.get('greedy_near_ties', []))} more part at near-ties, {check['outtype']})")
+    check, tricky = counts.get("llamacpp_check"), counts.get("llamacpp_tokens")
+    if check and tricky:
+        print(f"{check['summary']}; tricky strings: {tricky['ids_differing']}/{len(tricky['requests'])} tokenized "
+              f"differently ({tricky['ids_differing_with_byte_fallback']} of them hold byte-fallback characters)")
         held_out = counts.get("llamacpp_heldout", {})
-        if held_out.get("texts"):
-            exact = held_out["texts"] - held_out["texts_differing"]
-            print(f"llama.cpp on held-out text of the run's data: {exact}/{held_out['texts']} passages of "
-                  f"{PASSAGE_CHARS} characters ({exact / held_out['texts']:.1%}) tokenized as transformers does "
-                  f"({held_out['source']}; {held_out['texts_differing_with_byte_fallback']} of the others hold "
-                  "byte-fallback characters)")
+        if held_out.get("requests"):
+            total = len(held_out["requests"])
+            exact = total - held_out["ids_differing"]
+            print(f"llama.cpp on held-out text of the run's data: {exact}/{total} passages of {PASSAGE_CHARS} "
+                  f"characters ({exact / total:.1%}) tokenized as transformers does ({held_out['source']}; "
+                  f"{held_out['ids_differing_with_byte_fallback']} of the others hold byte-fallback characters)")
         else:
             print(f"llama.cpp on held-out text: not checked: {held_out.get('source', 'rerun with --force')}")
     else:
