@@ -107,6 +107,50 @@ def test_other_architectures_train(arch: str, tiny_run) -> None:
     assert hf.get("output_router_logits", False) is False  # a training switch, off in every saved config
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])
+def test_a_document_masked_sample_gives_each_document_its_logits_alone(arch: str, dataset_prefix: Path,
+                                                                       tokenizer_dir: Path, tmp_path: Path) -> None:
+    """train.document_mask on stage 2's real data through megatron's dataset and the batch training makes
+    (train/data.py's collate, runtime/model.py's lm_forward): every document of a packed sample gets the logits it
+    gets alone from position 0 (fp32, 1e-5), and the token after an end-of-document token carries no loss, so no
+    document's first token is predicted from the one before it. Off, the sample is one causal sequence."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gptpipe.data.config import DataConfig
+    from gptpipe.data.count import count_dataset
+    from gptpipe.runtime.config import ModelConfig
+    from gptpipe.runtime.model import build_model_config, lm_forward
+    from gptpipe.train.data import build_datasets, collate
+
+    tokenizer = read_tokenizer(tokenizer_dir)
+    seq_len, split, seed = 1024, "90,9,1", SHIPPED.data.seed  # room for several man pages
+    data_cfg = DataConfig(prefixes=[dataset_prefix], split=split, seed=seed)
+    counts = [count_dataset(dataset_prefix, split, seed)]
+    masked, plain = (build_datasets(data_cfg, counts, seq_len, [16, 8, 8], tmp_path / str(on), tokenizer.vocab_size,
+                                    tokenizer.eod_id, document_mask=on)[0] for on in (True, False))
+    torch.manual_seed(0)
+    config = build_model_config(ModelConfig(arch=arch, preset="tiny"), tokenizer, seq_len)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    # The sample with the most documents among the first sixteen.
+    sample = max(range(16), key=lambda i: int((masked[i]["tokens"] == tokenizer.eod_id).sum()))
+    batch, whole = collate(masked, [sample], "cpu"), collate(plain, [sample], "cpu")
+    assert torch.equal(batch["input_ids"], whole["input_ids"]) and "position_ids" not in whole
+    tokens, positions = batch["input_ids"][0], batch["position_ids"][0]
+    starts = [0, *(torch.nonzero(tokens == tokenizer.eod_id)[:, 0] + 1).tolist()]
+    spans = [(a, b) for a, b in zip(starts, [*starts[1:], seq_len]) if b > a]
+    assert len(spans) >= 3 and all(positions[a:b].tolist() == list(range(b - a)) for a, b in spans)
+    with torch.no_grad():
+        packed = lm_forward(model, batch).logits[0]
+        for a, b in spans:
+            alone = model(input_ids=tokens[None, a:b]).logits[0]
+            assert (packed[a:b] - alone).abs().max() <= 1e-5, (arch, a, b)
+        assert (lm_forward(model, whole).logits[0, spans[1][0]:] - packed[spans[1][0]:]).abs().max() > 1e-3
+    ended = tokens == tokenizer.eod_id
+    assert (batch["labels"][0][ended] == -100).all() and (batch["labels"][0][~ended] != -100).all()
+    assert (whole["labels"][0] != -100).all()
+
+
 def test_per_layer_router_loss_revives_the_expert_the_pooled_loss_leaves_dead() -> None:
     """Two layers' routers on the same hidden states: expert 0 dead in layer 0 and busy in layer 1, expert 1
     the other way round. transformers' loss pools the layers by expert index, so both look fairly used and

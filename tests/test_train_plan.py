@@ -284,7 +284,7 @@ def _tiny_bf16_model(arch: str, layers: int):
     return model, resolve_shape(cfg, 1000)
 
 
-def _saved_bytes(model, tokens) -> int:
+def _saved_bytes(model, tokens, **inputs) -> int:
     """Bytes of the distinct non-parameter storages autograd saves for backward in one forward."""
     import torch
 
@@ -298,7 +298,7 @@ def _saved_bytes(model, tokens) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=tokens, use_cache=False)
+        model(input_ids=tokens, use_cache=False, **inputs)
     return sum(saved.values())
 
 
@@ -363,6 +363,33 @@ def test_planned_activations_are_what_autograd_keeps(model_type: str, overrides:
             saved[layers] = _saved_bytes(model, tokens)
     measured = (saved[2] - saved[1]) / tokens.numel()
     planned = activation_bytes_per_token(shape, precision, fused_kernels=False, seq_len=128, windowed=windowed)
+    assert planned == pytest.approx(measured, rel=0.10), (measured, planned)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "mixtral"])
+def test_planned_activations_count_a_document_mask(model_type: str, precision: str) -> None:
+    """train.document_mask: position ids restarting within each sample (two documents of 64 tokens) make
+    transformers pass every layer the documents' block-causal mask, which the planner counts as a sliding
+    window's (estimate_memory's document_mask)."""
+    import torch
+
+    from gptpipe.runtime.memory import activation_bytes_per_token
+    from gptpipe.runtime.model import base_shape, build_model
+
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    tokens = torch.randint(0, 1000, (2, 128))
+    positions = torch.cat([torch.arange(64), torch.arange(64)]).expand(2, -1)
+    saved = {}
+    for layers in (1, 2):
+        config = _tiny_base_config(model_type, layers)
+        shape = base_shape(config)
+        torch.manual_seed(0)
+        model = build_model(config).to(dtype)
+        with _cuda_attention_on_cpu(shape, precision, windowed=True):
+            saved[layers] = _saved_bytes(model, tokens, position_ids=positions)
+    measured = (saved[2] - saved[1]) / tokens.numel()
+    planned = activation_bytes_per_token(shape, precision, fused_kernels=False, seq_len=128, windowed=True)
     assert planned == pytest.approx(measured, rel=0.10), (measured, planned)
 
 

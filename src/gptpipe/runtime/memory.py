@@ -225,10 +225,12 @@ def activation_bytes_per_token(shape: Shape, precision: str, fused_kernels: bool
 
 
 def estimate_memory(shape: Shape, parameters: int, seq_len: int, precision: str, dp: int, settings: EngineSettings,
-                    fused_loss: bool, fp32_gradients: bool) -> Memory:
+                    fused_loss: bool, fp32_gradients: bool, document_mask: bool = False) -> Memory:
     """Per-device bytes the allocator hands out for one configuration (see the module doc).
 
     `fused_loss`: Liger's kernels are applied (devices.loss_path): its fused loss and its smaller activations.
+    `document_mask`: transformers passes every layer a mask (the documents' block-causal one) and SDPA keeps it,
+    as it does a sliding window's.
     """
     p = bytes_per_value(precision)
     g = gradient_bytes(precision, settings.zero_stage, fp32_gradients)
@@ -245,7 +247,7 @@ def estimate_memory(shape: Shape, parameters: int, seq_len: int, precision: str,
         block = (n - V * h * (1 if shape.tie_word_embeddings else 2)) / shape.num_layers
         weights += (min(n, ZERO_BUCKET) + max(block, V * h) + (V * h if fused_loss else 0)) * p
     tokens = settings.micro_batch * seq_len
-    windowed = windowed_layers(shape, seq_len)
+    windowed = shape.num_layers if document_mask else windowed_layers(shape, seq_len)
     blocks = [(shape.num_layers - windowed, activation_bytes_per_token(shape, precision, fused_loss, seq_len)),
               (windowed, activation_bytes_per_token(shape, precision, fused_loss, seq_len, windowed=True))]
     if settings.checkpointing:  # block inputs + the largest block, recomputed in backward

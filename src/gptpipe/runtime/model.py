@@ -236,9 +236,11 @@ def lm_forward(model: Any, batch: dict[str, torch.Tensor], **kwargs: Any) -> Any
     """A causal LM's forward on a stage-3 batch, loss included: the labels are already shifted by the dataset,
     so they go in as `shift_labels` (no token is lost to the model's own shift); no KV cache. `model` is a
     DeepSpeed engine or a bare model; `kwargs` are build_engine's loss arguments, output_router_logits, ...
-    Training, validation, continued pretraining's step-0 gate and its reference loss all call it."""
+    Training, validation, continued pretraining's step-0 gate and its reference loss all call it. Position ids
+    come with a batch whose documents are masked from each other (train.document_mask)."""
+    positions = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
     return model(input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["labels"],
-                 use_cache=False, **kwargs)
+                 use_cache=False, **positions, **kwargs)
 
 
 def load_pretrained(folder: Path, seq2seq: bool = False) -> PreTrainedModel:

@@ -51,6 +51,10 @@ class TrainConfig(LoopConfig):
     train_tokens_counted_for: str | None = option(
         None, "written by count_tokens.py beside train_tokens: the datasets and settings it counted; training "
         "refuses a train_tokens counted for other data (None: train_tokens is a budget you chose)")
+    document_mask: bool = option(
+        False, "attention within each document only: a sample's positions restart after every end-of-document "
+               "token (as the exported model sees a document alone) and the token after one is not trained; off: "
+               "one causal mask over the whole packed sample, the original's")
     lr_schedule: Literal["cosine", "wsd", "constant"] = option(
         "cosine", "decay after warmup; wsd: warmup-stable-decay, decaying over the last lr_decay_fraction")
     lr_decay_fraction: float = option(0.2, "wsd only: share of the run spent decaying at the end")

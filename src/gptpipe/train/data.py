@@ -135,8 +135,10 @@ class _MegatronTokenizer:
 
 
 def build_datasets(data_cfg: DataConfig, stats: list[DatasetCounts], seq_len: int, sizes: list[int],
-                   cache_dir: Path | None, vocab_size: int, eod_id: int) -> list[Any]:
+                   cache_dir: Path | None, vocab_size: int, eod_id: int, document_mask: bool = False) -> list[Any]:
     """[train, valid, test] megatron-core datasets of at least `sizes` samples each (after the guards).
+    `document_mask` (train.document_mask): a sample's positions restart after each end-of-document token and the
+    token after one is not trained (see `collate`).
 
     Call on every rank once torch.distributed is initialized: rank 0 builds the index cache, the others
     wait at megatron's barrier and then read it; without `cache_dir` every rank builds the indices in memory.
@@ -165,9 +167,11 @@ def build_datasets(data_cfg: DataConfig, stats: list[DatasetCounts], seq_len: in
         # "" (not None, which megatron-core replaces with a folder beside the data) builds without a cache.
         path_to_cache="" if cache_dir is None else str(cache_dir),
         tokenizer=_MegatronTokenizer(vocab_size, eod_id),
-        reset_position_ids=False,
+        # train.document_mask: positions restart after each end-of-document token, and no loss where the input is
+        # one (its next token, the next document's first, is not predictable from the document before it).
+        reset_position_ids=document_mask,
         reset_attention_mask=False,
-        eod_mask_loss=False,
+        eod_mask_loss=document_mask,
         create_attention_mask=False,  # SDPA builds the causal mask itself; a seq×seq mask per sample is waste
     )
     class ShuffledSplitGPTDataset(GPTDataset):
@@ -182,14 +186,21 @@ def build_datasets(data_cfg: DataConfig, stats: list[DatasetCounts], seq_len: in
 
 
 def collate(dataset: Any, positions: range | list[int], device: torch.device) -> dict[str, torch.Tensor]:
-    """Input ids and next-token labels (-100 where megatron masks padding), on `device`."""
+    """Input ids and next-token labels (-100 where megatron masks the loss), on `device`; and, where a sample's
+    positions restart (train.document_mask), its position ids: transformers then builds a causal mask that keeps
+    each document to itself (masking_utils' packed sequences; flash-attention's varlen kernels on CUDA), as the
+    exported model sees a document alone at inference."""
     import torch
 
     samples = [dataset[i] for i in positions]
     tokens = torch.stack([s["tokens"] for s in samples])
     labels = torch.stack([s["labels"] for s in samples])
     labels[torch.stack([s["loss_mask"] for s in samples]) == 0] = -100
-    return to_device({"input_ids": tokens, "labels": labels}, device)
+    batch = {"input_ids": tokens, "labels": labels}
+    position_ids = torch.stack([s["position_ids"] for s in samples])
+    if not torch.equal(position_ids, torch.arange(tokens.shape[1]).expand_as(position_ids)):
+        batch["position_ids"] = position_ids
+    return to_device(batch, device)
 
 
 def eval_batches(dataset: Any, samples: int, micro_batch: int, dp_rank: int, dp_size: int,

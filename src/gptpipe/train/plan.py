@@ -176,7 +176,7 @@ def make_plan(config: TrainingRun, vocab_size: int, dp: int | None = None, devic
 
     def memory_of(settings: EngineSettings) -> Memory:
         return estimate_memory(shape, parameters, train.seq_len, train.precision, dp, settings, loss.fused,
-                               train.fp32_gradients)
+                               train.fp32_gradients, train.document_mask)
 
     def fits(settings: EngineSettings) -> bool:
         return memory_of(settings).total <= budget.usable

@@ -88,7 +88,8 @@ class Pretrainer(TrainLoop):
         own_disks = self.mirror is not None and self.mirror.nodes > 1
         cache = config.data.cache_dir or (None if own_disks else self.run_dir / "data_cache")
         self.train_data, self.valid_data, _ = build_datasets(config.data, plan.stats, train.seq_len, sizes, cache,
-                                                             tokenizer.vocab_size, tokenizer.eod_id)
+                                                             tokenizer.vocab_size, tokenizer.eod_id,
+                                                             train.document_mask)
         self.sources = source_names(config.data.prefixes)
         # What each source really gives the run: megatron's blend index over the samples the run will read.
         self.mixture = mixture(source_counts(self.train_data, plan.steps * train.global_batch_size,
