@@ -41,6 +41,9 @@ _starting = threading.Lock()  # the trained run starts from a thread of its own 
 
 def _gptpipe(argv: list[str], env: dict[str, str], stdin: str | None, out: str, err: str) -> None:
     """The forked process: `gptpipe argv` with this environment and its stdio on files, as `python -m gptpipe`."""
+    # A process group of its own, as a launcher gives a run: a fault that loses the "machine" (the run and its
+    # uploader: checkpoint.fault's machine) ends there, not in the test session.
+    os.setpgrp()
     # What the server's imports registered to clean up at exit (wandb's media folder...) is the server's: a run's
     # exit must not delete it from under the runs after it. The run's own exit handlers and finalizers still run.
     atexit._clear()

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 from conftest import (FAKE_KEY_ID, FAKE_SECRET, QUICK_TRAIN, REFERENCE_RUN, REFERENCE_STEPS, assert_no_secret,
-                      bucket_losses, bucket_steps, open_store, run_cli, run_train, start_train, train_losses,
-                      wait_for_step)
+                      bucket_losses, bucket_steps, open_store, run_cli, run_train, start_train, train_env,
+                      train_losses, wait_for_step)
+from prewarmed import Forked
 
 from gptpipe.config.core import ConfigError, Url, load_config
 from gptpipe.pipeline import PipelineConfig
@@ -157,6 +158,33 @@ def drill(store, config: Path, workspace: Path, full: Path, reference: dict[int,
     assert f"downloaded {url}/checkpoints/global_step{sorted(steps)[-2]}" in done.stderr
     assert bucket_losses(store, url) == reference
     assert_no_secret(outputs, [tmp_path], store, url)
+
+
+# Where a bucket run (checkpoints every 2 steps, keep 1) loses its machine inside runtime/bucket.py's commit order:
+# the last save's files uploaded, its marker not; its marker written, `latest` not moved; step 2 (always uploaded:
+# nothing is in flight yet) pruned at the next commit, its marker gone, its files not. Which saves between them are
+# uploaded depends on timing (a save waiting behind an upload is replaced by a newer one); these points do not.
+@pytest.mark.parametrize("point", [f"bucket-uploaded@{STEPS}", f"bucket-marked@{STEPS}", "bucket-prune-withdrawn@2"])
+def test_a_machine_lost_inside_a_bucket_commit_leaves_a_checkpoint_to_resume_from(
+        point: str, reference_run, workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gptpipe.runtime.bucket import Bucket
+
+    config, reference = workspace / "config.yaml", train_losses(reference_run())
+    with open_store("s3", monkeypatch) as store:
+        url = f"{store.url}/runs/lost"
+        bucket_run = ("--config", config, *QUICK_TRAIN, *REFERENCE_RUN, "train.keep_checkpoints=1", GRACE,
+                      f"train.output_model_dir={url}")
+        lost = Forked(["train", *bucket_run, f"train.local_dir={tmp_path / 'machine1'}"],
+                      {**train_env(), "GPTPIPE_KILL_AT": point}).finish(600)
+        assert lost.returncode == -signal.SIGKILL, (point, lost.returncode, lost.stderr[-3000:])
+        bucket = Bucket(url, None)
+        marked = [step for step in bucket.steps() if bucket.marker(step) is not None]
+        assert marked and all(bucket.verified(step) is not None for step in marked), point  # each one whole
+        done = run_train(*bucket_run, f"train.local_dir={tmp_path / 'machine2'}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert f"downloaded {url}/checkpoints/global_step{max(marked)}" in done.stderr
+        assert bucket_losses(store, url) == reference
+        assert Bucket(url, None).newest()[0] == STEPS
 
 
 def test_gcs_run_commits_on_sigterm_and_resumes_exactly_on_a_fresh_machine(reference_run, workspace: Path,

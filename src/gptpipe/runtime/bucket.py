@@ -12,7 +12,8 @@ shared disk adds one marker per node but the first, `global_step{N}/nodes/node{K
 node uploaded; the marker `complete` comes only after all of them.
 
 The writer is the uploader process of a training run (runtime/uploader.py); the readers are a resumed run and
-stage 4 (`fetch_checkpoint`).
+stage 4 (`fetch_checkpoint`). GPTPIPE_KILL_AT=bucket-uploaded|bucket-marked|bucket-prune-withdrawn@<step> loses
+the machine (the training process and its uploader) at that point of the order (checkpoint.fault).
 """
 
 from __future__ import annotations
@@ -143,6 +144,7 @@ class Bucket:
         files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
                  if p.is_file() and p.name != checkpoint.COMPLETE_MARKER}
         remote.put(folder, files)
+        checkpoint.fault("bucket-uploaded", step, machine=True)
         problems = remote.problems(files)
         if problems:
             raise OSError(f"after upload of {checkpoint.tag_of(step)}: {problems[0]}")
@@ -170,6 +172,7 @@ class Bucket:
         # a reader's cached copy is reused only while the marker it was downloaded under is the bucket's.
         marker = {"tag": tag, "commit": uuid.uuid4().hex, "files": files}
         self.checkpoint(step).commit(json.dumps(marker, indent=1).encode(), files)
+        checkpoint.fault("bucket-marked", step, machine=True)
         self.fs.pipe_file(join(self.checkpoints, checkpoint.LATEST), tag.encode())
 
     def prune(self, newest: int, keep: int) -> None:
@@ -181,6 +184,7 @@ class Bucket:
         doomed = [s for s in complete[:-keep] if s != newest] + [s for s in unmarked if s < newest]
         for step in doomed:
             self.checkpoint(step).withdraw()
+            checkpoint.fault("bucket-prune-withdrawn", step, machine=True)
             self.fs.rm(self.checkpoint(step).url, recursive=True)
 
     def put(self, local: Path, name: str) -> None:

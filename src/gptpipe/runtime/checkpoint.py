@@ -15,8 +15,8 @@ other complete one), then moves aside to `.old-global_step{N}/`; the new folder 
 marker, `latest` moves to it, the old one is deleted, and the oldest checkpoints beyond `keep_checkpoints` go,
 each losing its marker before its files. A folder without the marker is ignored (and replaced) by everything:
 resume, export, the next save; so a kill at any point leaves every marked folder whole and `latest` naming a
-marked one. GPTPIPE_KILL_AT=<point>@<step> kills the process at one of those points (`_fault`): the tests' fault
-injection.
+marked one. GPTPIPE_KILL_AT=<point>@<step> kills the process at one of those points (`fault`; runtime/bucket.py
+has the bucket's): the tests' fault injection.
 """
 
 from __future__ import annotations
@@ -85,14 +85,17 @@ def prune(root: Path, keep: int) -> None:
     for step, old in complete_checkpoints(root)[:-keep]:
         if old.name != best_tag(root):
             (old / COMPLETE_MARKER).unlink()
-            _fault("prune-unmarked", step)
+            fault("prune-unmarked", step)
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _fault(point: str, step: int) -> None:
+def fault(point: str, step: int, machine: bool = False) -> None:
     """Fault injection for the tests: GPTPIPE_KILL_AT=<point>@<step> kills this process here, as a preemption
-    or the OOM killer would (no handler runs)."""
+    or the OOM killer would (no handler runs); `machine`: its whole process group (the training process and its
+    uploader), as a lost machine."""
     if os.environ.get("GPTPIPE_KILL_AT") == f"{point}@{step}":
+        if machine:
+            os.killpg(0, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -164,15 +167,15 @@ def save(engine: Any, root: Path, step: int, state: dict[str, Any], hf_config_js
         if final.exists():  # this step saved before a resume, or an incomplete leftover of a killed save
             _point_latest_elsewhere(root, tag)
             (final / COMPLETE_MARKER).unlink(missing_ok=True)
-            _fault("save-unmarked-old", step)
+            fault("save-unmarked-old", step)
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
-            _fault("save-old-aside", step)
+            fault("save-old-aside", step)
         (staging / tag).rename(final)
-        _fault("save-new-in", step)
+        fault("save-new-in", step)
         shutil.rmtree(staging, ignore_errors=True)  # DeepSpeed's zero_to_fp32.py copy
         write_text_atomic(final / COMPLETE_MARKER, f"{tag}\n")
-        _fault("save-marked", step)
+        fault("save-marked", step)
         write_text_atomic(root / LATEST, tag)
         shutil.rmtree(old, ignore_errors=True)
         prune(root, keep)
