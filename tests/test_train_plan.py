@@ -200,6 +200,22 @@ def test_count_tokens_epoch_is_the_epoch_megatron_builds(dataset_prefix: Path, t
     for dataset, (begin, end) in zip((train, valid), split_bounds(split, documents)):
         assert np.array_equal(np.unique(dataset.document_index), np.sort(order[begin:end]))
     assert int(read_index(idx_path(dataset_prefix)).sizes[train.indices].sum()) == counts.split_tokens[0]
+    # The split order was computed once into the index cache, and every later reader maps that file.
+    [cached] = tmp_path.glob("document_order-*.npy")
+    assert cached.name == f"document_order-{documents}-{seed}.npy"
+    mapped = document_order(documents, seed, tmp_path)
+    assert isinstance(mapped, np.memmap) and np.array_equal(mapped, order)
+    assert count_dataset(dataset_prefix, split, seed, tmp_path) == counts
+
+
+def test_a_cached_split_order_of_another_dataset_is_refused(tmp_path: Path) -> None:
+    import numpy as np
+
+    from gptpipe.data.split import document_order
+
+    np.save(tmp_path / "document_order-10-1.npy", np.arange(12, dtype=np.int32))
+    with pytest.raises(ValueError, match="not the order of 10 documents: delete it"):
+        document_order(10, 1, tmp_path)
 
 
 @pytest.mark.parametrize("kind", ["cosine", "wsd"])

@@ -39,10 +39,10 @@ class DatasetCounts:
     split_tokens: tuple[int, int, int]
 
 
-def count_dataset(prefix: Path | str, split: str, seed: int) -> DatasetCounts:
+def count_dataset(prefix: Path | str, split: str, seed: int, cache_dir: Path | None = None) -> DatasetCounts:
     """Counts of a finished stage-2 dataset, each split cut from `document_order` exactly as training cuts it
-    (refused, with what to run, when the dataset's manifest is incomplete). A URL prefix is checked in the
-    bucket and only its .idx is fetched (training fetches the .bin, train/data.py)."""
+    (refused, with what to run, when the dataset's manifest is incomplete; the order cached in `cache_dir`). A URL
+    prefix is checked in the bucket and only its .idx is fetched (training fetches the .bin, train/data.py)."""
     if is_url(prefix):
         local = TOKENIZE.local_copy(prefix, only=lambda name: name.endswith(".idx"))
     else:
@@ -50,7 +50,7 @@ def count_dataset(prefix: Path | str, split: str, seed: int) -> DatasetCounts:
         TOKENIZE.require(prefix)
     index = read_index(idx_path(local))  # memory-mapped
     # gptpipe writes one sequence per document
-    parts = split_documents(split, index.sequences, seed)
+    parts = split_documents(split, index.sequences, seed, cache_dir)
     docs = [len(part) for part in parts]
     tokens = [int(index.sizes[part].sum(dtype=np.int64)) for part in parts]
     return DatasetCounts(prefix, index.dtype.name, index.documents, index.tokens, tuple(docs), tuple(tokens))

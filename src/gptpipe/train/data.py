@@ -178,7 +178,9 @@ def build_datasets(data_cfg: DataConfig, stats: list[DatasetCounts], seq_len: in
         """GPTDataset over the documents of its split in `document_order`, not a contiguous range."""
 
         def __init__(self, indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config):
-            order = document_order(len(indexed_dataset.sequence_lengths), config.random_seed)
+            # computed once per job where the ranks share the cache folder, else once per process
+            order = document_order(len(indexed_dataset.sequence_lengths), config.random_seed,
+                                   Path(config.path_to_cache) if config.path_to_cache else None)
             super().__init__(indexed_dataset, dataset_path, numpy.sort(order[indexed_indices]), num_samples,
                              index_split, config)
 

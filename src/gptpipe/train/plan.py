@@ -144,7 +144,7 @@ def make_plan(config: TrainingRun, vocab_size: int, dp: int | None = None, devic
                         f"{per_rank} samples per rank and step (global_batch_size / {dp} ranks). Fix: set "
                         f"train.micro_batch_size={max(d for d in _divisors(per_rank) if d <= train.micro_batch_size)}")
 
-    stats = [count_dataset(p, data.split, data.seed) for p in data.prefixes]
+    stats = [count_dataset(p, data.split, data.seed, data.cache_dir) for p in data.prefixes]
     check_splits(stats, data.split, train.seq_len)
     weights = blend_weights(data, stats)
     tokens_per_step = train.global_batch_size * train.seq_len
