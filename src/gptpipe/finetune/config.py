@@ -75,6 +75,10 @@ class TaskConfig:
     beta: float = option(0.1, "preference: DPO's beta, how far the tuned model may move from the reference (the "
                               "starting model): the loss is -log sigmoid(beta x the chosen answer's log-ratio "
                               "margin over the rejected one's); larger keeps it closer")
+    rpo_alpha: float = option(
+        1.0, "preference: weight of the chosen answer's negative log-likelihood per token added to the DPO loss "
+             "(RPO; TRL's loss_type [sigmoid, sft] with loss_weights [1, rpo_alpha]): keeps the chosen answers "
+             "likely while the margin grows; 0: DPO alone")
     label_smoothing: float = option(
         0.0, "preference: the share of pairs assumed mislabelled (conservative DPO): the loss is (1 - e) x DPO's "
              "plus e x the loss of the swapped pair; in [0, 0.5)")
@@ -84,6 +88,8 @@ class TaskConfig:
 
     def check(self) -> list[tuple[str, str]]:
         problems = [("beta", f"must be > 0, got {self.beta}")] if not self.beta > 0 else []
+        if not self.rpo_alpha >= 0:
+            problems.append(("rpo_alpha", f"must be >= 0, got {self.rpo_alpha}"))
         if not 0 <= self.label_smoothing < 0.5:
             problems.append(("label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}"))
         return problems
@@ -153,8 +159,8 @@ class FinetuneTrainConfig(LoopConfig):
     best_metric: str = option("auto", "validation metric that picks the best checkpoint: classification "
                                       "accuracy | macro_f1 | val_loss; generation exact_match | chrf | val_loss; "
                                       "chat chrf | val_loss; preference reward_accuracy | reward_margin | "
-                                      "greedy_chosen | val_loss; auto: macro_f1, chrf, val_loss, val_loss by "
-                                      "task.kind")
+                                      "greedy_chosen | val_loss; auto: macro_f1, chrf, val_loss, greedy_chosen "
+                                      "by task.kind")
     lora: LoraConfig = option(factory=LoraConfig, doc="LoRA adapters instead of fine-tuning every weight")
 
     def check(self) -> list[tuple[str, str]]:

@@ -286,16 +286,21 @@ class FineTuner(TrainLoop):
             checkpoint.mark_best(self.ckpt_root, step, self.train_cfg.keep_checkpoints)
 
     # --- evaluation ----------------------------------------------------------------------------------
+    def begin(self) -> None:
+        if self.task.kind.evaluates_start and self.step == 0:  # the starting model, before the first step
+            self.validate()
+
     def validate(self) -> bool:
-        """Validation metrics; True (save now) when they are the best so far."""
+        """Validation metrics; True (save now) when they are the best so far (never at step 0: the starting
+        model, evaluated as the reference, has no checkpoint of this run)."""
         self.engine.eval()
         metrics = self.task.kind.validate(self.engine, self.task, self.config, self.dist)
         self.engine.train()
         metrics["step"] = self.step
         self.last_eval = metrics
         value = metrics[self.best_metric.key]
-        improved = self.best is None or (value > self.best["value"] if self.best_metric.higher_is_better
-                                          else value < self.best["value"])
+        improved = self.step > 0 and (self.best is None or (
+            value > self.best["value"] if self.best_metric.higher_is_better else value < self.best["value"]))
         if improved:
             self.best = {"step": self.step, "value": value, "metrics": metrics}
         # Every figure goes to metrics.jsonl; TensorBoard and wandb take the numbers (RunLogger filters).
@@ -307,9 +312,14 @@ class FineTuner(TrainLoop):
         head = f"validation  step {self.step}  loss {m['val_loss']:.4f}  "
         body = self.task.kind.headline(m)
         best, chosen = self.best, self.best_metric
-        tail = (f"\n    new best {chosen.key} {chosen.show(m[chosen.key])}" if improved
-                else f"\n    best so far: step {best['step']} ({chosen.key} {chosen.show(best['value'])})")
-        return head + body + tail
+        if self.step == 0:
+            tail = "\n    the starting model: what the tuning is read against"
+        elif improved:
+            tail = f"\n    new best {chosen.key} {chosen.show(m[chosen.key])}"
+        else:
+            tail = f"\n    best so far: step {best['step']} ({chosen.key} {chosen.show(best['value'])})"
+        warnings = "".join(f"\n    WARNING: {w}" for w in self.task.kind.warnings(m, self.config.task))
+        return head + body + tail + warnings
 
     def write_summary(self, baselines: dict[str, dict[str, Any]] | None = None) -> None:
         """<run>/finetune_summary.json; with `baselines` (their validation metrics), the comparison too."""

@@ -163,6 +163,7 @@ class TaskKind:
     loss_scores: str = "the gold labels: {:.4f} nats per label token"  # the card's words for val_loss
     row_noun: str = "rows"  # what the log calls its rows
     step_figures: tuple[str, ...] = ()  # training figures of each item that `loss` sums; the train line logs means
+    evaluates_start: bool = False  # a fresh run validates the starting model before its first step (never a best)
 
     # --- its figures and its config ------------------------------------------------------------------------
     def best_metric(self, configured: str) -> str:
@@ -187,6 +188,10 @@ class TaskKind:
     def headline(self, m: dict[str, Any]) -> str:
         """The figures of `m` (a validation's, or predict's answers scored) on the console."""
         return headline(m, self.metrics)
+
+    def warnings(self, m: dict[str, Any], task: TaskConfig) -> list[str]:
+        """What a validation's figures `m` warn of (the console says each)."""
+        return []
 
     def answer_metrics(self, gold: list[str], predicted: list[str], results: list[dict[str, Any]],
                        facts: TaskFacts) -> dict[str, Any]:

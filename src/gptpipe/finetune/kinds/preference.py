@@ -18,8 +18,15 @@ them; no second model is kept, so training takes the memory of a chat run. The l
     -(1 - ε) log σ(β Δ) - ε log σ(-β Δ),
     Δ = (log π(chosen) - log π_ref(chosen)) - (log π(rejected) - log π_ref(rejected))
 
-(ε: task.label_smoothing, the conservative DPO of TRL's earlier sigmoid loss; β: task.beta), averaged over the
-pairs of the global batch. A pair's rewards are β (log π - log π_ref) of each answer.
+(ε: task.label_smoothing, the conservative DPO of TRL's earlier sigmoid loss; β: task.beta), plus α times the
+chosen answer's negative log-likelihood per token (α: task.rpo_alpha; RPO, Pang et al. 2024, TRL's "sft" loss
+term): DPO alone only widens the margin, and lowers the chosen answer's likelihood while it does (the rejected one's
+falls faster), until the model's own greedy answers get worse; the NLL term holds the chosen answers up. Averaged
+over the pairs of the global batch. A pair's rewards are β (log π - log π_ref) of each answer.
+
+A run evaluates the starting model before its first step (the reference every later evaluation is read against),
+picks its best checkpoint by greedy_chosen (the answers the model gives, not the margin it learnt), and warns
+when the chosen answers' likelihood has fallen by more than CHOSEN_FALL_NATS since the start.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from gptpipe.finetune.chat_data import ChatEncoder, Conversation, message_list, 
 from gptpipe.finetune.kinds.chat import ChatKind
 from gptpipe.runtime.batching import IGNORE, Encoded, pad_id
 from gptpipe.finetune.data import Problem
-from gptpipe.finetune.metrics import VAL_LOSS, Metric, edit_distance
+from gptpipe.finetune.metrics import Metric, edit_distance
 from gptpipe.runtime.scoring import gather, score, shard, target_logprobs
 from gptpipe.finetune.task_kind import TaskData, TaskFacts
 from gptpipe.log import get_logger
@@ -54,7 +61,10 @@ log = get_logger("finetune")
 
 REFERENCE_FILE = REFERENCE_LOGPROBS_FILE  # in the run folder: the starting model's log-prob sums of every pair
 # A pair's figures, in this order: logged per step (means over the log window's pairs) and at validation.
-FIGURES = ("reward_chosen", "reward_rejected", "reward_accuracy", "reward_margin", "logp_chosen", "logp_rejected")
+FIGURES = ("reward_chosen", "reward_rejected", "reward_accuracy", "reward_margin", "logp_chosen", "logp_rejected",
+           "nll_chosen")
+# A warning when the chosen answers' mean log-ratio to the start falls below -this: each half as likely or less.
+CHOSEN_FALL_NATS = math.log(2)
 
 
 # --- rows ----------------------------------------------------------------------------------------------------
@@ -192,8 +202,8 @@ class PreferenceEncoder(ChatEncoder):
 # --- the loss -------------------------------------------------------------------------------------------------
 def dpo(policy: torch.Tensor, reference: torch.Tensor, beta: float, label_smoothing: float = 0.0
         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the DPO loss of each pair, [pairs]; each pair's FIGURES, [pairs, 6], detached) from the policy's and the
-    reference's log-prob sums, [pairs, 2] (chosen, rejected)."""
+    """(the DPO loss of each pair, [pairs]; each pair's FIGURES but nll_chosen, [pairs, 6], detached) from the
+    policy's and the reference's log-prob sums, [pairs, 2] (chosen, rejected)."""
     ratios = policy - reference  # log π/π_ref of the chosen and the rejected answer
     logits = beta * (ratios[:, 0] - ratios[:, 1])
     losses = (-torch.nn.functional.logsigmoid(logits) * (1 - label_smoothing)
@@ -202,6 +212,11 @@ def dpo(policy: torch.Tensor, reference: torch.Tensor, beta: float, label_smooth
     figures = torch.stack([rewards[:, 0], rewards[:, 1], (rewards[:, 0] > rewards[:, 1]).float(),
                            rewards[:, 0] - rewards[:, 1], logps[:, 0], logps[:, 1]], dim=1)
     return losses, figures
+
+
+def chosen_nll(policy: torch.Tensor, chosen_tokens: torch.Tensor) -> torch.Tensor:
+    """Each pair's chosen answer's negative log-likelihood per token (its end-of-turn token included), [pairs]."""
+    return -policy[:, 0] / chosen_tokens
 
 
 def sequence_logprobs(model: Any, batch: dict[str, Any]) -> torch.Tensor:
@@ -292,9 +307,10 @@ class PreferenceKind(ChatKind):
     name = "preference"
     metrics = (Metric("reward_accuracy", "reward accuracy"), Metric("reward_margin", "reward margin"),
                Metric("greedy_chosen", "greedy answers nearer the chosen"))
-    # The held-out pairs' DPO loss is continuous and weighs the margins, where reward accuracy is a count that
-    # reaches 1 early and then ties (the first evaluation to reach it would stay the best).
-    default_best = VAL_LOSS.key
+    # The answers the model gives: the DPO loss and the reward accuracy keep improving while the chosen answers'
+    # likelihood falls and greedy answers get worse (issue 46's hidden set: accuracy 0.85, greedy right 0.35 → 0.01).
+    default_best = "greedy_chosen"
+    evaluates_start = True  # the starting model's figures: what every evaluation of the tuning is read against
     converses = True
     encodes_validation = True
     loss_scores = "the held-out preference pairs: {:.4f} (DPO loss per pair; log 2 = 0.6931 before training)"
@@ -331,14 +347,28 @@ class PreferenceKind(ChatKind):
                 ) -> dict[str, Any]:
         batch = super().collate(items, pad, seq2seq, pack_capacity, device)
         batch["reference"] = torch.tensor([p.reference for p in items], dtype=torch.float32).to(device)
+        batch["chosen_tokens"] = torch.tensor([p.chosen.label_tokens for p in items], dtype=torch.float32).to(device)
         return batch
 
     def loss(self, model: Any, batch: dict[str, Any], seq2seq: bool, task: TaskConfig
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The DPO loss summed over the micro-batch's pairs, and their FIGURES summed."""
+        """The DPO loss (with task.rpo_alpha times the chosen answer's NLL per token) summed over the micro-batch's
+        pairs, and their FIGURES summed."""
         policy = sequence_logprobs(model, batch).view(-1, 2)
         losses, figures = dpo(policy, batch["reference"], task.beta, task.label_smoothing)
-        return losses.sum(), figures.sum(dim=0)
+        nll = chosen_nll(policy, batch["chosen_tokens"])
+        if task.rpo_alpha:
+            losses = losses + task.rpo_alpha * nll
+        return losses.sum(), torch.cat([figures, nll.detach()[:, None]], dim=1).sum(dim=0)
+
+    def warnings(self, m: dict[str, Any], task: TaskConfig) -> list[str]:
+        """The chosen answers fallen in likelihood since the start by more than CHOSEN_FALL_NATS (mean)."""
+        fallen = -m["reward_chosen"] / task.beta
+        if fallen <= CHOSEN_FALL_NATS:
+            return []
+        return [f"the chosen answers are {fallen:.2f} nats less likely than at the start (mean over the validation "
+                f"pairs; rpo_alpha {task.rpo_alpha:g}): DPO is widening the margin by pushing both answers down. "
+                "Raise task.rpo_alpha or lower train.lr, and read greedy_chosen, not the reward accuracy"]
 
     # --- the export's gate --------------------------------------------------------------------------------------
     def encodings(self, encoder: PreferenceEncoder, row: PreferenceRow) -> tuple[list[int], list[int]]:
@@ -356,8 +386,9 @@ class PreferenceKind(ChatKind):
     # --- validation ---------------------------------------------------------------------------------------------
     @torch.no_grad()
     def validate(self, model: Any, task: TaskData, config: FinetuneConfig, dist: Dist) -> dict[str, Any]:
-        """val_loss: the mean DPO loss of the validation pairs against their reference; the means of FIGURES
-        (reward_accuracy: the share of pairs whose chosen reward is the higher); greedy_chosen: the share of the
+        """val_loss: the mean DPO loss of the validation pairs against their reference (the NLL term apart: it is
+        nll_chosen); the means of FIGURES (reward_accuracy: the share of pairs whose chosen reward is the higher);
+        greedy_chosen: the share of the
         first task.chat_eval_rows prompts whose greedy answer is nearer (by edit distance) the chosen answer
         than the rejected one (a tie counts half)."""
         batch, pad = config.train.micro_batch_size or 8, pad_id(task.tokenizer)
@@ -370,6 +401,8 @@ class PreferenceKind(ChatKind):
         policy = torch.tensor([o["policy"] for o in scored])
         reference_sums = torch.tensor([p.reference for p in task.validation_items])
         losses, figures = dpo(policy, reference_sums, config.task.beta, config.task.label_smoothing)
+        tokens = torch.tensor([float(p.chosen.label_tokens) for p in task.validation_items])
+        figures = torch.cat([figures, chosen_nll(policy, tokens)[:, None]], dim=1)
         nearer = [_nearer_chosen(o["generated"], row) for row, o in zip(task.validation, scored) if "generated" in o]
         return {"val_loss": losses.mean().item(), **dict(zip(FIGURES, figures.mean(dim=0).tolist())),
                 "greedy_chosen": sum(nearer) / len(nearer) if nearer else math.nan, "generated": len(nearer)}
