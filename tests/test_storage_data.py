@@ -93,6 +93,49 @@ def test_stage0_reads_the_same_corpus_from_a_bucket(store, tmp_path: Path, capfd
     assert f"{store.url}/nothing/*.jsonl: no input files found" in capfd.readouterr().err
 
 
+def test_stage0_plans_a_bucket_source_in_shards_as_local_files(s3, corpus_dir: Path, tmp_path: Path) -> None:
+    """A source of 25 objects of mixed sizes in a bucket (the man-page corpus's lines, one object of 2.6 MB among
+    them) is sized from one listing and planned as the same files on disk are: the same shards, the big object cut
+    into 1 MB line ranges read with ranged reads; stage 0 on two workers writes the same corpus from either."""
+    from gptpipe.corpus.shards import plan_shards
+
+    lines = (corpus_dir / "corpus.jsonl").read_bytes().splitlines(keepends=True)
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    big, at = 0, 0
+    while big < (2600 << 10):  # the first object: 2.6 MB of whole lines
+        big += len(lines[at])
+        at += 1
+    (raw / "part-00.jsonl").write_bytes(b"".join(lines[:at]))
+    for k in range(1, 25):  # then 24 more of 1 to 24 lines each
+        (raw / f"part-{k:02d}.jsonl").write_bytes(b"".join(lines[at:at + k]))
+        at += k
+    s3.fs.put(str(raw) + "/", f"{s3.bucket}/corpus/", recursive=True)
+
+    plans, corpora = {}, {}
+    for name, root in (("local", str(raw)), ("bucket", f"{s3.url}/corpus")):
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(yaml.safe_dump({"corpus": {"sources": [{"type": "jsonl", "path": f"{root}/*.jsonl"}],
+                                                     "output_dir": name, "shard_mb": 1, "workers": 2}}),
+                          encoding="utf-8")
+        plans[name] = [(s.source, [Path(f).name for f in s.files], s.size, s.start, s.end)
+                       for s in plan_shards(_corpus_config(config))]
+        run_cli("prepare", "--config", config)
+        corpora[name] = corpus_texts(tmp_path / name)
+    assert plans["bucket"] == plans["local"] and len(plans["bucket"]) >= 4
+    cut = [p for p in plans["bucket"] if p[4] is not None]
+    assert [p[1] for p in cut] == [["part-00.jsonl"]] * 3 and cut[-1][4] == (raw / "part-00.jsonl").stat().st_size
+    assert corpora["bucket"] == corpora["local"] and len(corpora["local"]) > 100
+
+
+def _corpus_config(path: Path):
+    """config.yaml's corpus section at `path`, as stage 0 loads it."""
+    from gptpipe.config.core import load_config
+    from gptpipe.pipeline import PipelineConfig
+
+    return load_config(PipelineConfig, path).corpus
+
+
 def cached_files(tmp_path: Path) -> set[str]:
     cache = tmp_path / "tmp" / f"gptpipe-cache-{os.getuid()}"
     return {p.name for p in cache.rglob("*") if p.is_file() and p.name != ".lock"}

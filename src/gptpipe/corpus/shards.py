@@ -2,10 +2,11 @@
 corpus whatever the number of workers.
 
 A shard is some consecutive files of one source (about `shard_mb` of them, or MANPAGES_PER_SHARD man pages,
-whose cost is groff's per page, not their bytes), or one line range of a local plain .jsonl file larger than
-`shard_mb` (a line belongs to the range its first byte falls in: data/ranges.py, as stage 2 cuts its input). A
-source read through a hub, compressed or JSON-array files, and a source with `max_documents` are not cut below
-their files (the first N documents of a source are only known by reading it in order).
+whose cost is groff's per page, not their bytes), or one line range of a plain .jsonl file or object larger than
+`shard_mb` (a line belongs to the range its first byte falls in: data/ranges.py, as stage 2 cuts its input; an
+object is read from its range with ranged reads). Files in a bucket are sized from one listing and planned as
+local ones are. A source read through a hub, compressed or JSON-array files, and a source with `max_documents` are
+not cut below their files (the first N documents of a source are only known by reading it in order).
 
 The plan depends on the sources and `shard_mb` only, never on the workers: the shards are joined in plan order.
 A line range's records are numbered from its own first line; `LineBases` turns them into the file's line numbers
@@ -15,11 +16,10 @@ when the shards are joined, from the line counts of the ranges before it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from gptpipe.corpus.config import CorpusConfig, SourceConfig
-from gptpipe.corpus.sources import SUFFIXES, source_files
-from gptpipe.storage import is_url
+from gptpipe.corpus.sources import SUFFIXES, source_sizes
+from gptpipe.storage import filesystem, is_url
 
 MANPAGES_PER_SHARD = 200  # ~4 s of groff on one core
 MB = 1 << 20  # the unit of corpus.shard_mb
@@ -54,14 +54,16 @@ def plan_shards(config: CorpusConfig) -> list[Shard]:
         shards.append(Shard(len(shards), source, tuple(files), size, start, end))
 
     for number, source in enumerate(config.sources):
-        if source.type == "hf_dataset" or source.max_documents is not None:
-            files = [] if source.type == "hf_dataset" else [str(f) for f in source_files(source)]
-            add(number, files, sum(_size(f) for f in files))
+        if source.type == "hf_dataset":
+            add(number, [], 0)
+            continue
+        sizes = source_sizes(source)
+        if source.max_documents is not None:
+            add(number, list(sizes), sum(sizes.values()))
             continue
         group: list[str] = []
         group_size = group_weight = 0
-        for file in map(str, source_files(source)):
-            size = _size(file)
+        for file, size in sizes.items():
             weight = shard_bytes // MANPAGES_PER_SHARD if source.type == "manpages" else size
             if size > shard_bytes and _cuttable(source, file):
                 if group:
@@ -81,15 +83,11 @@ def plan_shards(config: CorpusConfig) -> list[Shard]:
     return shards
 
 
-def _size(file: str) -> int:
-    return 0 if is_url(file) else Path(file).stat().st_size
-
-
 def _cuttable(source: SourceConfig, file: str) -> bool:
-    """A local plain jsonl file of one document per line (not one JSON array)."""
-    if source.type != "jsonl" or is_url(file) or file.endswith(".gz") or not file.endswith(SUFFIXES["jsonl"]):
+    """A plain jsonl file or object of one document per line (not one JSON array)."""
+    if source.type != "jsonl" or file.endswith(".gz") or not file.endswith(SUFFIXES["jsonl"]):
         return False
-    with open(file, "rb") as fh:
+    with (filesystem(file).open(file, "rb") if is_url(file) else open(file, "rb")) as fh:
         return not fh.read(64).lstrip().startswith(b"[")
 
 

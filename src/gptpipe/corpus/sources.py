@@ -70,6 +70,17 @@ def source_files(source: SourceConfig) -> list[Path] | list[str]:
     return files
 
 
+def source_sizes(source: SourceConfig) -> dict[str, int]:
+    """{file: bytes} of the files a source reads, in `source_files`' order: a bucket's from one listing (its
+    objects' sizes), local ones from the file system."""
+    if is_url(source.path):
+        objects = _remote_objects(source)
+        if not objects:
+            source_files(source)  # the error naming the source
+        return {url: int(info.get("size") or 0) for url, info in objects.items()}
+    return {str(f): Path(f).stat().st_size for f in source_files(source)}
+
+
 def _remote_objects(source: SourceConfig) -> dict[str, dict[str, Any]]:
     """{URL: fsspec info} of the objects a source in a bucket names: one object, a glob, or a folder's files
     with the source type's suffixes; sorted by URL."""
@@ -180,9 +191,9 @@ def _decompressing(path: Path | str) -> Iterator[list[int]]:
 
 
 def _jsonl(source: SourceConfig, files: list, span: tuple[int, int] | None, cap: int) -> Iterator[Record]:
-    if span is not None:
+    if span is not None:  # a plain jsonl file or object, read from the first line starting in the range
         [path] = files
-        with open(path, "rb") as fh:
+        with _open_bytes(path) as fh:
             lineno = 0
             for lines in read_lines(fh, first_line_start(fh, *span), span[1], cap, BLOCK_BYTES):
                 for raw in lines:
