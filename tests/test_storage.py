@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 from conftest import (FAKE_KEY_ID, FAKE_SECRET, QUICK_TRAIN, REFERENCE_RUN, REFERENCE_STEPS, assert_no_secret,
-                      bucket_losses, bucket_steps, open_store, run_cli, run_train, start_train, train_env,
-                      train_losses, wait_for_step)
-from prewarmed import Forked
+                      bucket_losses, bucket_steps, open_store, run_cli, run_train, start_train, train_losses,
+                      wait_for_step)
 
 from gptpipe.config.core import ConfigError, Url, load_config
 from gptpipe.pipeline import PipelineConfig
@@ -160,30 +159,60 @@ def drill(store, config: Path, workspace: Path, full: Path, reference: dict[int,
     assert_no_secret(outputs, [tmp_path], store, url)
 
 
-# Where a bucket run (checkpoints every 2 steps, keep 1) loses its machine inside runtime/bucket.py's commit order:
-# the last save's files uploaded, its marker not; its marker written, `latest` not moved; step 2 (always uploaded:
-# nothing is in flight yet) pruned at the next commit, its marker gone, its files not. Which saves between them are
-# uploaded depends on timing (a save waiting behind an upload is replaced by a newer one); these points do not.
-@pytest.mark.parametrize("point", [f"bucket-uploaded@{STEPS}", f"bucket-marked@{STEPS}", "bucket-prune-withdrawn@2"])
+# Where the uploader of a bucket run loses its machine inside runtime/bucket.py's commit order, fed the reference
+# run's checkpoints one commit at a time (keep 1; a training run's uploader may replace a waiting save with a newer
+# one, so which saves it commits depends on timing): step 6's files uploaded, its marker not; step 6's marker
+# written, `latest` not moved; step 4 pruned at step 6's commit, its marker gone, its files not.
+@pytest.mark.parametrize("point", ["bucket-uploaded@6", "bucket-marked@6", "bucket-prune-withdrawn@4"])
 def test_a_machine_lost_inside_a_bucket_commit_leaves_a_checkpoint_to_resume_from(
         point: str, reference_run, workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gptpipe.runtime.bucket import Bucket
+    import subprocess
+    import sys
 
-    config, reference = workspace / "config.yaml", train_losses(reference_run())
+    from gptpipe.runtime.bucket import Bucket
+    from gptpipe.runtime.uploader import UPLOADS
+
+    full = reference_run()  # checkpoints 4, 6 and 8 (keep 3)
+    reference = train_losses(full)
     with open_store("s3", monkeypatch) as store:
         url = f"{store.url}/runs/lost"
-        bucket_run = ("--config", config, *QUICK_TRAIN, *REFERENCE_RUN, "train.keep_checkpoints=1", GRACE,
-                      f"train.output_model_dir={url}")
-        lost = Forked(["train", *bucket_run, f"train.local_dir={tmp_path / 'machine1'}"],
-                      {**train_env(), "GPTPIPE_KILL_AT": point}).finish(600)
-        assert lost.returncode == -signal.SIGKILL, (point, lost.returncode, lost.stderr[-3000:])
+        stage = tmp_path / "machine1"
+        uploader = subprocess.Popen([sys.executable, "-m", "gptpipe.runtime.uploader"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True, start_new_session=True,
+                                    env={**os.environ, "GPTPIPE_KILL_AT": point})
+        assert uploader.stdin is not None and uploader.stdout is not None
+
+        def send(message: dict) -> None:
+            uploader.stdin.write(json.dumps(message) + "\n")
+            uploader.stdin.flush()
+
+        send({"url": url, "endpoint_url": None, "local": str(stage), "keep": 1, "synced": {}, "node": 0,
+              "nodes": 1, "attempt": "a", "committed": None})
+        for step in (4, 6):
+            copy = stage / UPLOADS / f"global_step{step}"
+            shutil.copytree(full / "checkpoints" / f"global_step{step}", copy)
+            send({"step": step, "folder": str(copy)})
+            committed = None
+            for line in uploader.stdout:  # state lines until this step is committed (or the machine is lost)
+                committed = json.loads(line)["committed"]
+                if committed == step:
+                    break
+        assert uploader.wait(60) == -signal.SIGKILL, point
         bucket = Bucket(url, None)
         marked = [step for step in bucket.steps() if bucket.marker(step) is not None]
         assert marked and all(bucket.verified(step) is not None for step in marked), point  # each one whole
-        done = run_train(*bucket_run, f"train.local_dir={tmp_path / 'machine2'}")
+        newest = bucket.newest()[0]
+        assert newest == (4 if point == "bucket-uploaded@6" else 6), point
+
+        # A fresh machine resumes from the newest whole checkpoint and trains the steps after it as the
+        # uninterrupted run did.
+        done = run_train("--config", workspace / "config.yaml", *QUICK_TRAIN, *REFERENCE_RUN, GRACE,
+                         f"train.output_model_dir={url}", f"train.local_dir={tmp_path / 'machine2'}")
         assert done.returncode == 0, done.stderr[-3000:]
-        assert f"downloaded {url}/checkpoints/global_step{max(marked)}" in done.stderr
-        assert bucket_losses(store, url) == reference
+        assert f"downloaded {url}/checkpoints/global_step{newest}" in done.stderr
+        resumed = bucket_losses(store, url)
+        assert sorted(resumed) == list(range(newest + 1, STEPS + 1))
+        assert resumed == {step: reference[step] for step in resumed}
         assert Bucket(url, None).newest()[0] == STEPS
 
 
