@@ -42,10 +42,11 @@ step "stage 7: demo task";  python -m gptpipe make-demo-task --config demo/evalu
 step "stage 7: fine-tune";  bash 7_finetune.sh --config demo/finetune_config.yaml
 python - demo/runs/finetune-demo/finetune_summary.json <<'PY'
 import json, sys
-from gptpipe.finetune.metrics import format_classification
-best = json.load(open(sys.argv[1], encoding="utf-8"))["best"]
+from gptpipe.finetune.kinds import task_kind
+summary = json.load(open(sys.argv[1], encoding="utf-8"))
+best = summary["best"]
 print(f"best checkpoint: step {best['step']}; its validation figures:")
-print(format_classification(best["metrics"]))
+print(task_kind(summary["task"]["kind"]).headline(best["metrics"]))
 PY
 step "stage 7: predict the test split (beam search, predict.num_beams in finetune_config.yaml)"
 python -m gptpipe predict --config demo/finetune_config.yaml
