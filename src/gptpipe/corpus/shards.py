@@ -18,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gptpipe.corpus.config import CorpusConfig, SourceConfig
-from gptpipe.corpus.sources import SUFFIXES, source_sizes
-from gptpipe.storage import filesystem, is_url
+from gptpipe.corpus.sources import SUFFIXES, open_bytes, source_sizes
 
 MANPAGES_PER_SHARD = 200  # ~4 s of groff on one core
 MB = 1 << 20  # the unit of corpus.shard_mb
@@ -87,7 +86,7 @@ def _cuttable(source: SourceConfig, file: str) -> bool:
     """A plain jsonl file or object of one document per line (not one JSON array)."""
     if source.type != "jsonl" or file.endswith(".gz") or not file.endswith(SUFFIXES["jsonl"]):
         return False
-    with (filesystem(file).open(file, "rb") if is_url(file) else open(file, "rb")) as fh:
+    with open_bytes(file) as fh:
         return not fh.read(64).lstrip().startswith(b"[")
 
 

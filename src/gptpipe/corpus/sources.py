@@ -165,7 +165,7 @@ def _manpages(source: SourceConfig, files: list) -> Iterator[Record]:
 
 
 @contextlib.contextmanager
-def _open_bytes(path: Path | str) -> Iterator[io.BufferedIOBase]:
+def open_bytes(path: Path | str) -> Iterator[io.BufferedIOBase]:
     """A buffered binary stream of a file or an object (streamed in blocks, never downloaded whole), gunzipped
     when its name ends in .gz."""
     if not is_url(path):
@@ -193,7 +193,7 @@ def _decompressing(path: Path | str) -> Iterator[list[int]]:
 def _jsonl(source: SourceConfig, files: list, span: tuple[int, int] | None, cap: int) -> Iterator[Record]:
     if span is not None:  # a plain jsonl file or object, read from the first line starting in the range
         [path] = files
-        with _open_bytes(path) as fh:
+        with open_bytes(path) as fh:
             lineno = 0
             for lines in read_lines(fh, first_line_start(fh, *span), span[1], cap, BLOCK_BYTES):
                 for raw in lines:
@@ -201,7 +201,7 @@ def _jsonl(source: SourceConfig, files: list, span: tuple[int, int] | None, cap:
                     yield Record(f"{path}:{lineno}", *record_text(raw, source.text_key, max_line_bytes=cap))
         return
     for path in files:
-        with _open_bytes(path) as fh, _decompressing(path) as read:
+        with open_bytes(path) as fh, _decompressing(path) as read:
             head = fh.peek(64)[:64] if hasattr(fh, "peek") else b""
             if head.lstrip().startswith(b"["):  # a .json file holding one array of objects
                 yield from _json_array(path, fh.read(JSON_ARRAY_MAX_BYTES + 1), source.text_key)
@@ -237,7 +237,7 @@ def _decoded(data: bytes) -> tuple[str, str | None]:
 
 def _text(source: SourceConfig, files: list, cap: int) -> Iterator[Record]:
     for path in files:
-        with _open_bytes(path) as fh, _decompressing(path) as read:
+        with open_bytes(path) as fh, _decompressing(path) as read:
             if source.text_unit == "file":
                 data = fh.read(cap + 1)
                 yield Record(str(path), problem=TOO_LONG) if len(data) > cap else Record(str(path), *_decoded(data))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 
 from gptpipe.finetune.run_files import BASELINE_DESCRIPTIONS
-from gptpipe.finetune.metrics import VAL_LOSS, classification_metrics
+from gptpipe.finetune.metrics import classification_metrics
 
 if TYPE_CHECKING:
     from gptpipe.finetune.task_kind import TaskData, TaskKind
@@ -68,7 +68,7 @@ def comparison(kind: TaskKind, model: dict[str, Any], baselines: dict[str, dict[
                ) -> dict[str, dict[str, float]]:
     """{"model": figures, <baseline>: figures, "majority": ...}: the headline validation figures side by side."""
     # The task's figures, and val_loss where the baseline is a language model.
-    keys = (*(m.key for m in kind.metrics), VAL_LOSS.key)
+    keys = [m.key for m in kind.scored]
     table = {name: {k: float(m[k]) for k in keys if k in m} for name, m in {"model": model, **baselines}.items()}
     majority = {m.key: model[f"majority_{m.key}"] for m in kind.metrics if f"majority_{m.key}" in model}
     if majority:  # a labelled kind's figures of always answering the most frequent label

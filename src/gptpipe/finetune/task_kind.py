@@ -170,16 +170,21 @@ class TaskKind:
         """train.best_metric, auto resolved."""
         return self.default_best if configured == "auto" else configured
 
+    @property
+    def scored(self) -> tuple[Metric, ...]:
+        """Every figure a validation of this kind gives: its metrics, then val_loss."""
+        return (*self.metrics, VAL_LOSS)
+
     def metric(self, key: str) -> Metric:
         """The entry of one of this kind's figures, val_loss included."""
-        return next(m for m in (*self.metrics, VAL_LOSS) if m.key == key)
+        return next(m for m in self.scored if m.key == key)
 
     def config_problems(self, config: FinetuneConfig) -> list[tuple[str, str]]:
         """(key, problem) for each setting this kind cannot run with; checked as the config loads."""
         problems = []
         if self.templated and "{input}" not in config.task.prompt:
             problems.append(("task.prompt", "must contain {input}"))
-        allowed = (*(m.key for m in self.metrics), VAL_LOSS.key)
+        allowed = tuple(m.key for m in self.scored)
         if self.best_metric(config.train.best_metric) not in allowed:
             problems.append(("train.best_metric", f"must be one of {', '.join(allowed)} (or auto) for a "
                                                   f"{self.name} task, got {config.train.best_metric!r}"))
