@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import (QUICK_TRAIN, REPO, bucket_losses, bucket_steps, open_store, run_train, train_env, train_losses,
                       wait_for_step)
 from prewarmed import Forked, torchrun_env
@@ -94,6 +95,42 @@ def test_nodes_without_shared_disk_upload_their_ranks_and_resume_exactly(dataset
         assert not (resumed / "rng_state_rank0.pt").exists()
         assert bucket_losses(store, url) == reference
         assert bucket_steps(store, url)[6] is True
+
+
+def test_a_one_rank_run_resumes_on_two_nodes_without_shared_disk(dataset_prefix: Path, workspace: Path,
+                                                                 tmp_path: Path, monkeypatch) -> None:
+    """Preempted on one machine, resumed on two that share no disk: the checkpoint's optimizer states were cut for
+    one rank, so each node fetches every rank's files and converts them to DeepSpeed's universal checkpoint on its
+    own disk; the curve is the uninterrupted two-rank run's, within fp32 reduction-order noise."""
+    config = workspace / "config.yaml"
+    run = ("train.train_iters=4", "train.save_interval=100")
+    full = run_train("--config", config, *QUICK_TRAIN, *ZERO, *run, f"train.output_model_dir={tmp_path / 'full'}",
+                     ranks=2)
+    assert full.returncode == 0, full.stderr[-3000:]
+    with open_store("s3", monkeypatch) as store:
+        url = f"{store.url}/runs/run"
+        machine = tmp_path / "machine"
+        machine.mkdir()
+        first = Forked(["train", "--config", config, *QUICK_TRAIN, *ZERO, *run, f"train.output_model_dir={url}"],
+                       {**train_env(), "TMPDIR": str(machine)})
+        deadline = time.monotonic() + 600
+        while not _logged(machine, 1):
+            assert first.poll() is None and time.monotonic() < deadline, "the first run stopped early"
+            time.sleep(0.05)
+        first.send_signal(signal.SIGTERM)
+        _, stderr = first.communicate(timeout=300)
+        assert first.returncode == 75, stderr[-3000:]
+        saved = max(step for step, done in bucket_steps(store, url).items() if done)
+        assert saved < 4
+
+        second = run_two_nodes(config, tmp_path / "machines", *run, f"train.output_model_dir={url}")
+        for node, stderr in enumerate(second):
+            resumed = staged(tmp_path / "machines", node) / "checkpoints"
+            assert (resumed / f"global_step{saved}" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").is_file()
+            assert not list(resumed.glob(".tmp-universal-*"))  # removed once loaded
+        assert f"global_step{saved} was saved by 1 rank(s), this run has 2: converted" in second[0]
+        assert bucket_losses(store, url) == pytest.approx(train_losses(tmp_path / "full"), rel=1e-4)
+        assert bucket_steps(store, url)[4] is True
 
 
 def test_two_ranks_on_a_node_keep_a_sigterm_upload_alive_until_it_commits(dataset_prefix: Path, workspace: Path,

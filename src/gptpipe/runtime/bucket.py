@@ -49,6 +49,11 @@ def needed_by(name: str, ranks: set[int]) -> bool:
     return match is None or int(match.group(1) or match.group(2)) in ranks
 
 
+def ranks_in(files: dict[str, int]) -> set[int]:
+    """The ranks whose own files a checkpoint's file list holds: the ranks that saved it."""
+    return {int(match.group(1) or match.group(2)) for name in files if (match := RANK_FILE.search(name))}
+
+
 class Bucket:
     """A run folder in object storage, read and written by the commit order of the module doc."""
 

@@ -29,6 +29,8 @@ import re
 import shutil
 import signal
 import sys
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +49,7 @@ HF_CONFIG = "hf_config.json"
 STATE = "gptpipe_state.json"
 LATEST = "latest"
 BEST = "best"
+UNIVERSAL_PREFIX = ".tmp-universal-"  # remove_stale clears a leftover copy
 _TAG = re.compile(r"^global_step(\d+)$")
 
 
@@ -199,16 +202,88 @@ def remove_stale(root: Path) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def load(engine: Any, folder: Path, dist: Dist) -> dict[str, Any]:
-    """Restore model, optimizer, scheduler and this rank's RNG from `folder`; returns gptpipe_state.json."""
+def saved_ranks(folder: Path) -> int:
+    """The number of ranks that saved `folder` (checkpoints before the state recorded it: one RNG file each)."""
+    state = json.loads((folder / STATE).read_text(encoding="utf-8"))
+    return int(state.get("world_size") or len(list(folder.glob("rng_state_rank*.pt"))) or 1)
+
+
+def partitioned(folder: Path) -> bool:
+    """Whether `folder` holds optimizer states cut into one file per rank (ZeRO 1-3, and bf16's optimizer at ZeRO
+    0), which DeepSpeed loads only on the number of ranks that saved them."""
+    return any(folder.glob("*optim_states.pt"))
+
+
+def universal_copy(folder: Path, dist: Dist, converts: bool) -> Path:
+    """DeepSpeed's universal checkpoint of `folder` (every parameter's fp32 weights and optimizer states whole,
+    loadable on any number of ranks), made by DeepSpeed's ds_to_universal beside it; collective: call on every
+    rank. `converts`: this rank makes it for the ranks that see its folder (rank 0, or each node's first rank
+    when the nodes stage on disks of their own). The copy is named like a staging folder, so a killed
+    conversion's leftover is removed before the next start (remove_stale) and the caller deletes a loaded one."""
+    import subprocess
+
+    target = folder.parent / f"{UNIVERSAL_PREFIX}{folder.name}"
+    failed: str | None = None
+    if converts:
+        shutil.rmtree(target, ignore_errors=True)
+        done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                               str(folder), "--output_folder", str(target), "--inject_missing_state"],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            shutil.rmtree(target, ignore_errors=True)
+            failed = (done.stderr or done.stdout)[-2000:]
+    _barrier()
+    if failed is not None:
+        raise StageInputError(f"{folder} was saved by {saved_ranks(folder)} ranks and this run has {dist.world_size}; "
+                              f"DeepSpeed's ds_to_universal could not convert it for the new number:\n{failed}\n"
+                              "Resume on the number of ranks that saved it")
+    return target
+
+
+@contextlib.contextmanager
+def _loading_universal(engine: Any) -> Iterator[None]:
+    """DeepSpeed reads its `checkpoint.load_universal` switch when it loads (engine.load_universal_checkpoint()),
+    not when it builds the engine: turned on for this one load, the same engine resumes a native checkpoint or a
+    universal one."""
+    config = engine._config
+    before = config.load_universal_checkpoint
+    config.load_universal_checkpoint = True
+    try:
+        yield
+    finally:
+        config.load_universal_checkpoint = before
+
+
+def load(engine: Any, folder: Path, dist: Dist, converts: bool | None = None) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler and this rank's RNG from `folder`; returns gptpipe_state.json.
+
+    Collective. A checkpoint whose optimizer states were cut for another number of ranks is loaded through
+    DeepSpeed's universal checkpoint (`universal_copy`; `converts`: as there, default rank 0): the weights and
+    optimizer states are the same, re-cut for this run's ranks."""
     import torch
 
     check_checkpoint(folder)  # DeepSpeed unpickles every file whole
-    load_path, _ = engine.load_checkpoint(str(folder.parent), tag=folder.name, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True,
-                                          load_module_strict=not has_frozen(engine))  # frozen: not saved
+    ranks = saved_ranks(folder)
+    elastic = ranks != dist.world_size and partitioned(folder)
+    source, switch = folder, contextlib.nullcontext()
+    if elastic:
+        started = time.perf_counter()
+        source = universal_copy(folder, dist, dist.is_main if converts is None else converts)
+        switch = _loading_universal(engine)
+        if dist.is_main:
+            get_logger("checkpoint").info(
+                f"{folder.name} was saved by {ranks} rank(s), this run has {dist.world_size}: converted to "
+                f"DeepSpeed's universal checkpoint in {time.perf_counter() - started:.1f} s, loaded from it")
+    with switch:
+        load_path, _ = engine.load_checkpoint(str(source.parent), tag=source.name, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True,
+                                              load_module_strict=not has_frozen(engine))  # frozen: not saved
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint {folder}")
+    if elastic:
+        _barrier()  # every rank has read the copy
+        if converts if converts is not None else dist.is_main:
+            shutil.rmtree(source, ignore_errors=True)
     rng_file = folder / f"rng_state_rank{dist.rank}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than saved: those keep their fresh seed
         set_rng_state(torch.load(rng_file, weights_only=False))

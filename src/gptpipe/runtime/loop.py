@@ -192,7 +192,8 @@ class TrainLoop(ABC):
         if {**saved, **ignored} != {**current, **ignored}:
             raise StageInputError(f"{folder} holds a different model than {self.model_origin()}; set "
                                   f"train.output_model_dir to a new folder (or restore the model settings)")
-        state = checkpoint.load(self.engine, folder, self.dist)
+        # The ranks that see a staging folder of their own convert a checkpoint saved by another number of ranks.
+        state = checkpoint.load(self.engine, folder, self.dist, converts=self.mirror.uploads if self.mirror else None)
         self.step, self.skipped = state["step"], state.get("skipped_steps", 0)
         self.finished = state.get("finished", False)
         window = state.get("log_window") or {"losses": [], "seconds": 0.0}
@@ -211,6 +212,7 @@ class TrainLoop(ABC):
             self.say(f"step {self.step}: loss not finite, checkpoint skipped")
             return None
         state = {"step": self.step, "total_steps": self.steps, "skipped_steps": self.skipped, "finished": finished,
+                 "world_size": self.dist.world_size,
                  "log_window": {"losses": self._window_losses(), "seconds": self.window_seconds + self.paused_at
                                 - self.window_start},
                  **self.checkpoint_state()}

@@ -24,7 +24,7 @@ from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.storage import join, local_folder
 from gptpipe.runtime import checkpoint
-from gptpipe.runtime.bucket import Bucket, Lease, needed_by
+from gptpipe.runtime.bucket import Bucket, Lease, needed_by, ranks_in
 from gptpipe.runtime.metrics_rows import read_metrics
 from gptpipe.runtime.uploader import RECORD, UPLOADS, file_stamp
 
@@ -179,8 +179,8 @@ class RunMirror:
 
     def _restore_node(self, remote: tuple[int, dict[str, int]] | None, ranks: set[int]) -> None:
         """A node's first local rank, nodes without a shared disk: the bucket's newest complete checkpoint,
-        only the files `ranks` read; a newer local checkpoint never reached the bucket on every node, so the
-        run resumes from the bucket's."""
+        only the files `ranks` read (all of them when another number of ranks saved it); a newer local checkpoint
+        never reached the bucket on every node, so the run resumes from the bucket's."""
         root = self._prepare()
         local = checkpoint.complete_checkpoints(root)
         remote_step = self._state["committed"] = remote[0] if remote else None
@@ -194,7 +194,11 @@ class RunMirror:
             log.info(f"node {self.node}: no complete checkpoint in {self.url}: starting from scratch (staging in "
                      f"{self.local})")
         else:
-            files = {name: size for name, size in remote[1].items() if needed_by(name, ranks)}
+            # Saved by another number of ranks: each node converts the whole checkpoint for the new number
+            # (checkpoint.universal_copy), so it fetches every rank's files.
+            saved = ranks_in(remote[1])
+            wanted = ranks if saved == set(range(self.world_size)) else saved
+            files = {name: size for name, size in remote[1].items() if needed_by(name, wanted)}
             if local and local[-1][0] == remote_step and local_matches(local[-1][1], files):
                 log.info(f"node {self.node}: the staging folder {self.local} matches {self.url} "
                          f"(global_step{remote_step}): reused")
