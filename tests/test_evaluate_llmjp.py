@@ -5,6 +5,7 @@ on the stage-4 export; the metric functions against hand-computed values; answer
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import unicodedata
@@ -203,6 +204,15 @@ def test_bad_files_name_the_file_and_the_key(tmp_path: Path, change: dict, messa
     assert str(info.value).startswith(f"{path}: ") and message in str(info.value)
 
 
+def test_an_unknown_key_is_named_and_ignored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = write(tmp_path / "task.json", {**GOOD, "output_lenght": 5, "metadata": {"source": "JGLUE"}})
+    with caplog.at_level(logging.WARNING, logger="gptpipe.llmjp_eval"):
+        assert read_task(path).output_length == 10
+    assert (f"{path}: key output_lenght is not one of llm-jp-eval's, ignored (did you mean output_length?)"
+            in caplog.text)
+    assert f"{path}: key metadata is not one of llm-jp-eval's, ignored" in caplog.text
+
+
 def test_bad_folders_and_json(tmp_path: Path) -> None:
     path = write(tmp_path / "test" / "broken.json", '{"instruction": "質問",\n "output_length": }')
     with pytest.raises(StageInputError, match=r"broken.json: not JSON \(line 2"):
@@ -248,6 +258,7 @@ def test_evaluate_scores_llmjp_folders_on_the_export(exported_model: Path, tmp_p
     config = results["configs"]["llmjp_jsquad"]
     assert config["generation_kwargs"]["max_gen_toks"] == 25
     assert config["metadata"]["source"] == str(test / "jsquad.json")
+    assert "llmjp_eval.Task(" in config["process_results"] and rows[40][1] not in config["process_results"]
     table = (out / "results.md").read_text(encoding="utf-8")
     assert "| llmjp_jsquad | 1 | char_f1 | " in table and "| llmjp_jnli | 2 | out_of_label | " in table
     manifest = Manifest.read(out / "manifest.json")

@@ -195,6 +195,10 @@ class Task:
     label_list: list[str] = field(default_factory=list)
     sources: list[Path] = field(default_factory=list)  # the files read (the task's and the few-shot one)
 
+    def __repr__(self) -> str:
+        # short: lm-eval writes its task configs' callables (partials of this) into results.json by their repr
+        return f"llmjp_eval.Task({str(self.path)!r})"
+
     @property
     def name(self) -> str:
         return TASK_PREFIX + self.path.stem

@@ -1,7 +1,7 @@
-"""lm-evaluation-harness tasks as the pipeline names them: registry names and local task YAMLs, turned into what
-lm-eval is given, loaded with a clear error for an unknown or unreachable task, and lm-eval's results summarised.
-`gptpipe evaluate` (stage 7) scores an exported folder with them, stage 3 (train.eval_tasks) the live model; both
-import this module, so neither stage imports the other.
+"""lm-evaluation-harness tasks as the pipeline names them: registry names and local task YAMLs (llm-jp-eval folders:
+gptpipe.llmjp_eval), turned into what lm-eval is given, loaded with a clear error for an unknown or unreachable
+task, and lm-eval's results summarised. `gptpipe evaluate` (stage 7) scores an exported folder with them, stage 3
+(train.eval_tasks) the live model; both import this module, so neither stage imports the other.
 """
 
 from __future__ import annotations
