@@ -1,7 +1,7 @@
-"""train.eval_tasks: lm-eval's demo task scored on the live model at every evaluation of a real `gptpipe train`, the
-first before step 1 as the reference, a warning line when a task falls more than the tolerance below it, the
-reference kept across a resume, and the documents sharded over two CPU ranks under ZeRO-3; and the tolerance in the
-direction lm-eval gives each metric (bits per byte: lower is better)."""
+"""train.eval_tasks: lm-eval's demo task (and a folder of llm-jp-eval files) scored on the live model at every
+evaluation of a real `gptpipe train`, the first before step 1 as the reference, a warning line when a task falls
+more than the tolerance below it, the reference kept across a resume, and the documents sharded over two CPU ranks
+under ZeRO-3; and the tolerance in the direction lm-eval gives each metric (bits per byte: lower is better)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import QUICK_TRAIN, REPO, run_cli, run_train, train_losses
+from test_evaluate_llmjp import TEST_DOCS, command_rows, write_llmjp
 
 from gptpipe.train.eval_tasks import Scores, compare
 from gptpipe.runtime.metrics_rows import EvalTasksRow, TrainRow, read_metrics
@@ -46,17 +47,22 @@ def task_rows(run: Path) -> list[EvalTasksRow]:
 def test_task_rows_at_every_evaluation_with_the_first_as_reference(
         dataset_prefix: Path, workspace: Path, demo_task: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
+    llmjp = f"train.eval_task_dirs=[{write_llmjp(tmp_path / 'llm-jp-eval', command_rows())}]"
     # A negative tolerance: every evaluation after the reference falls "below" it, whatever the scores.
-    stderr = task_run(workspace, demo_task, run, "train.eval_tasks_tolerance=-1")
+    stderr = task_run(workspace, demo_task, run, "train.eval_tasks_tolerance=-1", llmjp)
     rows = task_rows(run)
     assert [r.step for r in rows] == [0, 2, 4]
     first = read_metrics(run / "metrics.jsonl")
     assert first.index(rows[0]) < min(i for i, r in enumerate(first) if isinstance(r, TrainRow))  # before step 1
     for row in rows:
-        assert row.documents == {"manpage_section": LIMIT}
+        assert row.documents == {"manpage_section": LIMIT, "llmjp_jnli": TEST_DOCS, "llmjp_jsquad": TEST_DOCS,
+                                 "llmjp_jcommonsenseqa": TEST_DOCS}
         assert set(row.scores["manpage_section"]) == {"acc", "acc_norm"}
         assert 0 <= row.scores["manpage_section"]["acc"] <= 1 and row.seconds > 0
+        assert set(row.scores["llmjp_jnli"]) == {"exact_match", "out_of_label"}
+        assert 0 <= row.scores["llmjp_jsquad"]["char_f1"] <= 1
     assert "tasks  step 0  manpage_section acc " in stderr and "(reference)" in stderr
+    assert "llmjp_jsquad char_f1 " in stderr and "llmjp_jnli exact_match " in stderr
     warnings = [line for line in stderr.splitlines() if WARNING in line]
     assert len(warnings) == 2 and "at step 2," in warnings[0] and "at step 4," in warnings[1]
     assert all("at step 0 (worse by" in w for w in warnings)
@@ -66,7 +72,7 @@ def test_task_rows_at_every_evaluation_with_the_first_as_reference(
     # losses and scores at step 4.
     shutil.rmtree(run / "checkpoints" / f"global_step{STEPS}")
     losses = train_losses(run)
-    stderr = task_run(workspace, demo_task, run, "train.eval_tasks_tolerance=1")
+    stderr = task_run(workspace, demo_task, run, "train.eval_tasks_tolerance=1", llmjp)
     assert "resumed from" in stderr and "(reference)" not in stderr and WARNING not in stderr
     assert "tasks  step 4  manpage_section acc " in stderr and "vs step 0)" in stderr
     again = task_rows(run)

@@ -1,7 +1,7 @@
-"""lm-evaluation-harness tasks as the pipeline names them: registry names and local task YAMLs, turned into what
-lm-eval is given, loaded with a clear error for an unknown or unreachable task, and lm-eval's results summarised.
-`gptpipe evaluate` (stage 7) scores an exported folder with them, stage 3 (train.eval_tasks) the live model; both
-import this module, so neither stage imports the other.
+"""lm-evaluation-harness tasks as the pipeline names them: registry names and local task YAMLs (llm-jp-eval folders:
+gptpipe.llmjp_eval), turned into what lm-eval is given, loaded with a clear error for an unknown or unreachable
+task, and lm-eval's results summarised. `gptpipe evaluate` (stage 7) scores an exported folder with them, stage 3
+(train.eval_tasks) the live model; both import this module, so neither stage imports the other.
 """
 
 from __future__ import annotations
@@ -82,7 +82,9 @@ def summarize(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """lm-eval's ``results`` ("acc,none": 0.5, "acc_stderr,none": 0.1) → {task: {metric: {value, stderr}}}."""
     summary: dict[str, dict[str, Any]] = {}
     for task, metrics in raw["results"].items():
-        row: dict[str, Any] = {"n_shot": raw.get("n-shot", {}).get(task),
+        # a task that puts its examples in its own prompt (llm-jp-eval's) says how many in its metadata
+        in_prompt = ((raw.get("configs", {}).get(task) or {}).get("metadata") or {}).get("shots_in_prompt")
+        row: dict[str, Any] = {"n_shot": in_prompt if in_prompt is not None else raw.get("n-shot", {}).get(task),
                                "samples": raw.get("n-samples", {}).get(task, {}).get("effective"), "metrics": {}}
         for key, value in metrics.items():
             name, _, filt = key.partition(",")

@@ -1,7 +1,8 @@
 """`gptpipe evaluate`: zero/few-shot evaluation of an exported HF folder with lm-evaluation-harness.
 
 Tasks are lm-eval registry names (their datasets come from the HuggingFace hub, so they need the network),
-local task YAMLs, or ``manpage_section``: the demo task `gptpipe make-demo-task` wrote, which runs offline.
+local task YAMLs, folders of llm-jp-eval's JSON task files (gptpipe.llmjp_eval), or ``manpage_section``: the demo
+task `gptpipe make-demo-task` wrote, which runs offline.
 Results (every metric ± its standard error, and for multiple-choice tasks the majority-class baseline beside
 them) go to ``<model folder>/evaluation/``: results.json, results.md, manifest.json last.
 """
@@ -16,6 +17,7 @@ from typing import Any, Literal
 
 from gptpipe.config.core import option
 from gptpipe.finetune.demo_task import TASK_NAME, DemoTaskConfig
+from gptpipe import llmjp_eval
 from gptpipe.lm_tasks import flatten, load_tasks, local_task, summarize
 from gptpipe.log import get_logger
 from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_path, tree_fingerprint
@@ -36,7 +38,12 @@ class EvaluateConfig:
         doc=f"lm-eval task or group names (hub datasets: need the network); {TASK_NAME}: the demo task")
     task_yamls: list[Path] = option(
         factory=list, doc="local lm-eval task YAMLs; relative data_files in them are relative to the YAML")
-    num_fewshot: int = option(0, "examples from the task's few-shot split put before each question")
+    task_dirs: list[Path] = option(
+        factory=list, doc="folders of llm-jp-eval task files (its evaluation/test: one <task>.json per task), each "
+                          "file a task llmjp_<task>, prompted, extracted and scored as llm-jp-eval does; few-shot "
+                          "examples from ../train/<task>.json")
+    num_fewshot: int = option(0, "examples from the task's few-shot split put before each question (llm-jp-eval "
+                                 "tasks: unless the file's num_few_shots says; llm-jp-eval's own default is 4)")
     batch_size: int = option(8, "documents per forward pass")
     limit: int | None = option(None, "evaluate only the first N documents of each task (None: all)")
     device: str = option("auto", "cpu, cuda, cuda:1, ... (auto: cuda when available)")
@@ -48,8 +55,8 @@ class EvaluateConfig:
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
-        if not self.tasks and not self.task_yamls:
-            problems.append(("tasks", "give at least one task name or task YAML"))
+        if not self.tasks and not self.task_yamls and not self.task_dirs:
+            problems.append(("tasks", "give at least one task name, task YAML or task folder (task_dirs)"))
         if self.num_fewshot < 0:
             problems.append(("num_fewshot", "must be >= 0"))
         if self.batch_size < 1:
@@ -87,6 +94,9 @@ def task_specs(config: EvaluateConfig) -> tuple[list[str | dict], dict[str, Any]
         local = [Path(f) for f in flatten(files) if Path(f).is_file()]
         inputs.setdefault(str(path), tree_fingerprint([path, *local]))
         specs.append(task)
+    for folder, tasks in llmjp_eval.read_folders(config.task_dirs, config.num_fewshot).items():
+        inputs[str(folder)] = llmjp_eval.fingerprint(tasks)
+        specs += [llmjp_eval.lm_eval_task(t) for t in tasks]
     return specs, inputs
 
 
@@ -122,6 +132,17 @@ def _device_and_dtype(config: EvaluateConfig) -> tuple[str, str]:
     return device, dtype
 
 
+def _hf_lm(folder: Path, dtype: str, batch_size: int, device: str) -> Any:
+    """lm-eval's HF model on the folder. An export's generation_config.json sets max_new_tokens (a default for
+    people sampling from it), which transformers puts before the max_length lm-eval asks for: a generation task's
+    own limit (its max_gen_toks, an llm-jp-eval file's output_length) would be ignored, so it is unset here."""
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=str(folder), dtype=dtype, batch_size=batch_size, device=device)
+    lm.model.generation_config.max_new_tokens = None
+    return lm
+
+
 def run_lm_eval(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
     """Run the tasks on the model unless results for the same model, tasks and settings exist."""
     folder = model_folder(config)
@@ -129,22 +150,23 @@ def run_lm_eval(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
     specs, inputs = task_specs(config)
     inputs["model"] = (CONVERT.fingerprint(folder) if CONVERT.has_manifest(folder)
                        else tree_fingerprint([p for p in folder.iterdir() if p.is_file()]))
-    settings = {k: getattr(config, k) for k in ("tasks", "task_yamls", "num_fewshot", "batch_size", "limit",
-                                                 "device", "dtype", "seed")}
+    settings = {k: getattr(config, k) for k in ("tasks", "task_yamls", "task_dirs", "num_fewshot", "batch_size",
+                                                 "limit", "device", "dtype", "seed")}
 
     def work() -> StageResult:
         import time
 
         import lm_eval
 
-        manager = load_tasks(specs, f"tasks=[{TASK_NAME}] or task_yamls=[your_task.yaml]")
+        manager = load_tasks(specs, f"tasks=[{TASK_NAME}], task_yamls=[your_task.yaml] or "
+                                   "task_dirs=[llm-jp-eval/evaluation/test]")
         device, dtype = _device_and_dtype(config)
         started = time.time()
         raw = lm_eval.simple_evaluate(
-            model="hf", model_args={"pretrained": str(folder), "dtype": dtype},
-            tasks=specs, num_fewshot=config.num_fewshot, batch_size=config.batch_size, device=device,
-            limit=config.limit, task_manager=manager, log_samples=True, random_seed=config.seed,
-            numpy_random_seed=config.seed, torch_random_seed=config.seed, fewshot_random_seed=config.seed)
+            model=_hf_lm(folder, dtype, config.batch_size, device),
+            tasks=specs, num_fewshot=config.num_fewshot, limit=config.limit, task_manager=manager, log_samples=True,
+            random_seed=config.seed, numpy_random_seed=config.seed, torch_random_seed=config.seed,
+            fewshot_random_seed=config.seed)
         if raw is None:
             raise StageFailed("lm-eval returned no results")
         tasks = summarize(raw)

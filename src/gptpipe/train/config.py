@@ -77,6 +77,9 @@ class TrainConfig(LoopConfig):
         factory=list, doc="local lm-eval task YAMLs scored like eval_tasks (e.g. the demo task make-demo-task "
                           "writes, data/finetune/manpage_section/manpage_section.yaml); relative data_files in them "
                           "are relative to the YAML")
+    eval_task_dirs: list[Path] = option(
+        factory=list, doc="folders of llm-jp-eval task files scored like eval_tasks (as gptpipe evaluate's "
+                          "task_dirs; few-shot only where a file's num_few_shots asks)")
     eval_tasks_limit: int | None = option(
         200, "score at most the first N documents of each task at each evaluation, sharded over the ranks "
              "(None: all)")

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gptpipe.llmjp_eval import read_folders, lm_eval_task
 from gptpipe.lm_tasks import load_tasks, local_task, summarize
 from gptpipe.train.config import TrainConfig
 from gptpipe.runtime.engine import Dist
@@ -43,7 +44,8 @@ class Scores:
 
 
 class TaskScorer:
-    """Scores train.eval_tasks and train.eval_task_yamls on the model each evaluation (every rank calls score())."""
+    """Scores train.eval_tasks, train.eval_task_yamls and train.eval_task_dirs on the model each evaluation (every
+    rank calls score())."""
 
     def __init__(self, train: TrainConfig, tokenizer_dir: Path, document_start: int | None, max_length: int,
                  batch_size: int, dist: Dist):
@@ -51,7 +53,9 @@ class TaskScorer:
         from its start (None: lm-eval's choice, BOS or else EOS, as a base model's data has it)."""
         self.train, self.tokenizer_dir, self.document_start = train, tokenizer_dir, document_start
         self.max_length, self.batch_size, self.dist = max_length, batch_size, dist
-        self.specs: list[str | dict] = [*train.eval_tasks, *(local_task(p) for p in train.eval_task_yamls)]
+        self.specs: list[str | dict] = [*train.eval_tasks, *(local_task(p) for p in train.eval_task_yamls),
+                                        *(lm_eval_task(t) for ts in read_folders(train.eval_task_dirs).values()
+                                          for t in ts)]
         # Loaded once before training, so an unknown task or an unreachable dataset refuses the run at its start.
         with _quiet():
             self.manager = load_tasks(self.specs, "train.eval_task_yamls=[your_task.yaml] (the demo task: "
