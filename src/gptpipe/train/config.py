@@ -90,6 +90,11 @@ class TrainConfig(LoopConfig):
                                        doc="prompts generated from at each evaluation")
     sample_tokens: int = option(32, "tokens generated per sample prompt")
 
+    @property
+    def scores_tasks(self) -> bool:
+        """Whether lm-eval tasks are scored at each evaluation (any of eval_tasks, eval_task_yamls, eval_task_dirs)."""
+        return bool(self.eval_tasks or self.eval_task_yamls or self.eval_task_dirs)
+
     def check(self) -> list[tuple[str, str]]:
         problems = super().check()
         if self.eval_iters < 1:

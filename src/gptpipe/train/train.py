@@ -112,7 +112,7 @@ class Pretrainer(TrainLoop):
         # (a stage-1 tokenizer's documents follow the separator, EOD; a base's, its BOS or else EOS as lm-eval does)
         self.tasks = TaskScorer(train, base.tokenizer.folder if base else tokenizer.hf_dir,
                                 None if base else tokenizer.eod_id, train.seq_len, plan.settings.micro_batch,
-                                dist) if train.eval_tasks or train.eval_task_yamls else None
+                                dist) if train.scores_tasks else None
 
     # --- continued pretraining: the base model ----------------------------------------------------------------
     def _check_resumed_base(self, base: BaseModel) -> dict[str, Any]:
