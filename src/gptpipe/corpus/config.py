@@ -133,6 +133,55 @@ class NearDedupConfig:
         return problems
 
 
+ITEM_FILE_SUFFIXES = (".jsonl", ".txt", ".yaml", ".yml")  # decontamination.files: corpus/decontaminate.py reads them
+
+
+@dataclass
+class DecontaminationConfig:
+    """Stage 0's decontamination (corpus/decontaminate.py): documents sharing an n-gram with an evaluation item
+    (text normalised: NFKC, case-folded, punctuation and whitespace ignored) are dropped, or lose the span. Off
+    while neither tasks nor files are listed."""
+
+    tasks: list[str] = option(
+        factory=list, doc="lm-eval registry task (or group) names whose test and validation documents are the "
+        "items (their datasets must be reachable or cached)")
+    files: list[Path] = option(
+        factory=list, doc="item files: .jsonl (every string of each line is an item), .txt (one item per line), "
+        "or a local lm-eval task YAML (.yaml/.yml, its test and validation documents), named by the file's stem "
+        "or the task's name")
+    action: Literal["drop", "remove_span"] = option(
+        "drop", "drop: a document overlapping an item is dropped as 'contaminated: <task>'; remove_span: the "
+        "overlapping spans are cut out and the rest kept if still min_chars long")
+    word_ngram: int = option(
+        13, "words per n-gram for items written with spaces (GPT-3's 13); an item shorter than twice this is "
+        "looked for by shorter n-grams (a ladder down to min_word_ngram), so that one edited word leaves one "
+        "n-gram whole")
+    char_ngram: int = option(
+        50, "characters per n-gram (punctuation and whitespace removed) for items written without spaces "
+        "(Japanese, Chinese; near_dedup.spaceless_share decides); shorter items as for words")
+    min_word_ngram: int = option(8, "the shortest word n-gram; an item of fewer words is not looked for")
+    min_char_ngram: int = option(20, "the shortest character n-gram; an item of fewer characters is not looked for")
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        for i, path in enumerate(self.files):
+            if not Path(path).exists():
+                problems.append((f"files.{i}", f"{path} does not exist"))
+            elif Path(path).suffix not in ITEM_FILE_SUFFIXES:
+                problems.append((f"files.{i}", f"{path}: not an item file ({', '.join(ITEM_FILE_SUFFIXES)})"))
+        for key in ("word_ngram", "char_ngram", "min_word_ngram", "min_char_ngram"):
+            if getattr(self, key) < 1:
+                problems.append((key, "must be at least 1"))
+        for low, high in (("min_word_ngram", "word_ngram"), ("min_char_ngram", "char_ngram")):
+            if getattr(self, low) > getattr(self, high):
+                problems.append((low, f"must not exceed {high} ({getattr(self, high)})"))
+        return problems
+
+    @property
+    def on(self) -> bool:
+        return bool(self.tasks or self.files)
+
+
 @dataclass
 class CorpusConfig:
     """Stage 0: build one jsonl corpus ({"text": ...} per line) from the listed sources."""
@@ -153,6 +202,8 @@ class CorpusConfig:
     language_min_score: float = option(0.5, "a line votes for its language when the model is at least this sure")
     quality: QualityConfig = option(factory=QualityConfig, doc="quality rules, each named with its threshold")
     near_dedup: NearDedupConfig = option(factory=NearDedupConfig, doc="near-duplicate removal (MinHash LSH)")
+    decontamination: DecontaminationConfig = option(
+        factory=DecontaminationConfig, doc="evaluation items to keep out of the corpus (off when none are listed)")
     dropped_samples: int = option(
         20, "write at most this many dropped documents per drop reason to output_dir/dropped/<reason>.jsonl "
         "({origin, reason, text}), to read what a threshold removes; 0 writes none")
