@@ -40,8 +40,8 @@ def quoted(item: str, variant: str, japanese: bool, rng: random.Random) -> str:
     if variant == "re-wrapped":
         return "\n".join(textwrap.wrap(item, rng.choice((17, 23, 31))))
     if variant == "re-spaced":  # a PDF's or an OCR's spacing; full-width letters and capitals in English
-        if japanese:
-            return " ".join(item[i:i + 3] for i in range(0, len(item), 3))
+        if japanese:  # a space after every third Japanese character (English words stay whole)
+            return re.sub(r"([^\x00-\x7f]{3})(?=[^\x00-\x7f])", r"\1 ", item)
         return "  ".join(word.upper() if i % 3 == 0 else word for i, word in enumerate(item.split()))
     return item
 

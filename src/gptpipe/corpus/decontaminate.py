@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
-import re
 import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,107 +33,110 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from gptpipe.corpus.charclass import LETTER, NUMBER, SPACELESS, classes
 from gptpipe.corpus.config import CorpusConfig, DecontaminationConfig
-from gptpipe.corpus.neardup import WORD, spaceless_share
 from gptpipe.stage import StageInputError, atomic_path, tree_fingerprint
 
 INDEX_FILE = "decontamination.pkl"
 LADDER_STEP = 0.8  # each shorter n-gram size is this share of the one above
-# A base character and the marks NFKC composes with it (combining marks, half-width (semi-)voiced sound marks):
-# normalised together when a text is normalised piece by piece.
-CLUSTER = re.compile(r"(?s).[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\u3099\u309a\ufe20-\ufe2f"
-                     r"\uff9e\uff9f]*")
-NOT_LETTER = re.compile(r"[\W_]")
-_CHAR_BASE, _WORD_BASE = np.uint64(0x100000001B3), np.uint64(0x9E3779B97F4A7C15 | 1)  # odd: invertible mod 2^64
+_BASE = np.uint64(0x100000001B3)  # odd, so invertible modulo 2^64
+_INVERSE = np.uint64(pow(int(_BASE), -1, 1 << 64))
+_FILTER_BITS = 22  # the prefilter's slots: 2^22 bytes (in cache), 1 in 60 set by 70,000 n-grams
 
 
 def normalised(text: str) -> tuple[str, np.ndarray]:
     """The text NFKC-normalised and case-folded, and for each of its characters the position in `text` of the
-    character it came from (so that a match can be cut out of the original)."""
+    character it came from (so that a match can be cut out of the original). Line by line: a line whose length
+    the normalisation changes (ligatures, decomposed accents, half-width kana with their sound marks) maps each
+    of its characters to the line's start, the others one to one."""
     whole = unicodedata.normalize("NFKC", text).casefold()
     if len(whole) == len(text):  # nearly always: one character for one (full-width → ASCII, kana as they are)
         return whole, np.arange(len(text), dtype=np.int64)
-    pieces = [(m.start(), _normal_piece(m.group())) for m in CLUSTER.finditer(text)]
-    lengths = np.fromiter((len(p) for _, p in pieces), dtype=np.int64, count=len(pieces))
-    starts = np.fromiter((s for s, _ in pieces), dtype=np.int64, count=len(pieces))
-    return "".join(p for _, p in pieces), np.repeat(starts, lengths)
-
-
-@lru_cache(maxsize=1 << 14)
-def _normal_piece(piece: str) -> str:
-    return unicodedata.normalize("NFKC", piece).casefold()
+    pieces, origins, at = [], [], 0
+    for line in text.splitlines(keepends=True):
+        norm = unicodedata.normalize("NFKC", line).casefold()
+        pieces.append(norm)
+        origins.append(np.arange(at, at + len(line)) if len(norm) == len(line) else np.full(len(norm), at))
+        at += len(line)
+    return "".join(pieces), np.concatenate(origins) if origins else np.zeros(0, dtype=np.int64)
 
 
 def _powers(base: np.uint64, count: int) -> np.ndarray:
-    """base^0 .. base^(count-1) modulo 2^64."""
+    """base^0 .. base^(count-1) modulo 2^64 (numpy's integer arrays wrap around silently)."""
     powers = np.full(count, base, dtype=np.uint64)
     if count:
         powers[0] = 1
-    with np.errstate(over="ignore"):
-        return np.cumprod(powers, dtype=np.uint64)
+    return np.cumprod(powers, dtype=np.uint64)
 
 
-_INVERSE = {base: np.uint64(pow(int(base), -1, 1 << 64)) for base in (_CHAR_BASE, _WORD_BASE)}
+def _of_its_kind(cut: Units, size: int, kind: str) -> np.ndarray:
+    """Per window of `size` units: whether at least half of them are of the kind's script: letters of scripts
+    written without spaces for "char" (20 letters of a path or of options in a Japanese item are weak), the
+    others for "word" (so is a run of Japanese characters cut as words)."""
+    counts = np.concatenate(([0], np.cumsum(cut.spaceless)))
+    spaceless = counts[size:] - counts[:-size]
+    return spaceless * 2 >= size if kind == "char" else (size - spaceless) * 2 >= size
 
 
-def _span_hashes(values: np.ndarray, starts: np.ndarray, ends: np.ndarray, base: np.uint64) -> np.ndarray:
-    """The polynomial hash of each run values[start:end] (sum of value[start+k] * base^k modulo 2^64): from the
-    prefix sums of value[i] * base^i, each run's sum shifted down by the inverse power of its start."""
-    with np.errstate(over="ignore"):
-        powers = _powers(base, len(values))
-        prefix = np.concatenate(([np.uint64(0)], np.cumsum(values * powers, dtype=np.uint64)))
-        return (prefix[ends] - prefix[starts]) * _powers(_INVERSE[base], len(values) + 1)[starts]
+class Polynomial:
+    """Polynomial hashes of runs of `values` (sum of value[start+k] * base^k modulo 2^64), any run in a few numpy
+    operations: the prefix sums of value[i] * base^i, each run's sum shifted down by its start's inverse power.
+    (Not mixed further: the multiplications carry every value into the top bits, which the index's filter
+    reads.)"""
 
+    def __init__(self, values: np.ndarray) -> None:
+        self.prefix = np.concatenate((np.zeros(1, dtype=np.uint64),
+                                      np.cumsum(values * _powers(_BASE, len(values)), dtype=np.uint64)))
+        self.inverse = _powers(_INVERSE, len(values) + 1)
 
-def _window_hashes(values: np.ndarray, n: int, base: np.uint64) -> np.ndarray:
-    """The hash of every window of `n` consecutive values (uint64), mixed (splitmix64's finaliser)."""
-    count = len(values) - n + 1
-    if count <= 0:
-        return np.zeros(0, dtype=np.uint64)
-    starts = np.arange(count)
-    hashes = _span_hashes(values, starts, starts + n, base)
-    with np.errstate(over="ignore"):
-        hashes ^= hashes >> np.uint64(30)
-        hashes *= np.uint64(0xBF58476D1CE4E5B9)
-        hashes ^= hashes >> np.uint64(27)
-        hashes *= np.uint64(0x94D049BB133111EB)
-        hashes ^= hashes >> np.uint64(31)
-    return hashes
+    def runs(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        return (self.prefix[ends] - self.prefix[starts]) * self.inverse[starts]
+
+    def windows(self, n: int) -> np.ndarray:
+        """The hash of every run of `n` values, by start."""
+        count = max(len(self.prefix) - n, 0)
+        return (self.prefix[n:n + count] - self.prefix[:count]) * self.inverse[:count]
+
+    def windows_less_one(self, n: int, k: int) -> np.ndarray:
+        """The hash of every run of `n` values with its k-th left out, by start: two texts one edit
+        (substitution, insertion, deletion) apart share one of these where their windows hold the edit."""
+        count = max(len(self.prefix) - n, 0)
+        prefix, inverse = self.prefix, self.inverse
+        return ((prefix[k:k + count] - prefix[:count]) * inverse[:count]
+                + (prefix[n:n + count] - prefix[k + 1:k + 1 + count]) * inverse[1:1 + count])
 
 
 @dataclass(frozen=True)
-class Cut:
-    """A text's units for one kind of n-gram: their values (code points, or word hashes) and each unit's span
-    [start, end) in the original text."""
+class Units:
+    """A text's units for one kind of n-gram, each valued by the hash of its normalised characters, with its
+    span [start, end) in the original text and whether it is a letter of a script written without spaces."""
 
     values: np.ndarray
     starts: np.ndarray
     ends: np.ndarray
+    spaceless: np.ndarray  # bool per unit
+
+    def __len__(self) -> int:
+        return len(self.values)
 
 
-def cut_chars(text: str) -> Cut:
-    """The letters and digits of the normalised text, one unit each."""
+def units(text: str, kind: str) -> Units:
+    """`kind` "char": each letter or digit of the normalised text (punctuation, spaces and line breaks dropped);
+    "word": the runs of letters and digits, each letter of a script written without spaces a unit of its own
+    (an English word right after a Japanese one is still a word). Also whether each unit is of such a script."""
     norm, origin = normalised(text)
-    keep = np.flatnonzero(np.frombuffer(NOT_LETTER.sub("\0", norm).encode("utf-32-le", "surrogatepass"),
-                                        dtype=np.uint32) != 0)
     points = np.frombuffer(norm.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-    starts = origin[keep]
-    return Cut(points[keep].astype(np.uint64), starts, starts + 1)
-
-
-def cut_words(text: str) -> Cut:
-    """The words of the normalised text (\\w+), each one unit valued by the hash of its characters."""
-    norm, origin = normalised(text)
-    spans = [m.span() for m in WORD.finditer(norm)]
-    if not spans:
-        return Cut(np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-    bounds = np.asarray(spans, dtype=np.int64)
-    points = np.frombuffer(norm.encode("utf-32-le", "surrogatepass"), dtype=np.uint32).astype(np.uint64)
-    # a word's value: the hash of its characters, its length mixed in
-    words = _span_hashes(points, bounds[:, 0], bounds[:, 1], _CHAR_BASE) ^ (bounds[:, 1] - bounds[:, 0]).astype(
-        np.uint64)
-    ends = np.append(origin, len(text))[bounds[:, 1] - 1] + 1
-    return Cut(words, origin[bounds[:, 0]], ends)
+    bits = classes(points)
+    alnum = (bits & (LETTER | NUMBER)) != 0
+    spaceless = alnum & ((bits & SPACELESS) != 0)
+    alone = alnum if kind == "char" else spaceless
+    joined = alnum & ~alone
+    before = np.concatenate(([False], joined[:-1]))
+    after = np.concatenate((joined[1:], [False]))
+    starts = np.flatnonzero(alone | (joined & ~before))
+    ends = np.flatnonzero(alone | (joined & ~after)) + 1
+    values = Polynomial(points.astype(np.uint64)).runs(starts, ends) ^ (ends - starts).astype(np.uint64)
+    return Units(values, origin[starts], origin[ends - 1] + 1, spaceless[starts])
 
 
 def ladder(longest: int, shortest: int) -> list[int]:
@@ -147,7 +149,8 @@ def ladder(longest: int, shortest: int) -> list[int]:
 
 def size_for(length: int, sizes: list[int]) -> int | None:
     """The n-gram size for an item of `length` units: the longest of `sizes` at most half of it (one edit then
-    leaves an n-gram whole), else the shortest; None when the item is shorter than that."""
+    leaves an n-gram whole), else the shortest (its n-grams are then also matched one edit apart); None when
+    the item is shorter than that."""
     if length < sizes[-1]:
         return None
     return next((size for size in sizes if size <= length // 2), sizes[-1])
@@ -307,13 +310,16 @@ class Overlap:
 
 @dataclass
 class Index:
-    """The n-grams of every item: per (kind, size), the sorted hashes and the item each came from."""
+    """The n-grams of every item: per (kind, size, one edit apart or not), the sorted hashes, the item each came
+    from and the item's units before and after it; a byte per slot of the hashes' top bits in front of them
+    (most windows of a document are rejected by one lookup there), built where the index is used, not saved."""
 
     tasks: list[str]
     item_task: np.ndarray  # per item: the number of its task
     previews: list[str]  # per item: its first characters, for the report and the dropped samples
-    grams: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]
+    grams: dict[tuple[str, int, bool], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
     counts: dict[str, dict[str, int]]  # per task: items, items too short to look for, n-grams
+    _filter: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def build(cls, corpus: CorpusConfig) -> Index:
@@ -323,7 +329,7 @@ class Index:
         tasks: dict[str, int] = {}
         item_task: list[int] = []
         previews: list[str] = []
-        found: dict[tuple[str, int], list[tuple[np.ndarray, int]]] = {}
+        found: dict[tuple[str, int, bool], list[tuple[np.ndarray, int]]] = {}
         counts: dict[str, dict[str, int]] = {}
         seen: set[tuple[int, str]] = set()
         for source in sources(config):
@@ -335,24 +341,51 @@ class Index:
                     continue
                 seen.add(key)
                 count["items"] += 1
-                kind = "char" if spaceless_share(text) >= corpus.near_dedup.spaceless_share else "word"
-                cut = cut_chars(text) if kind == "char" else cut_words(text)
-                size = size_for(len(cut.values), ladders[kind])
-                if size is None:
-                    count["too short"] += 1
-                    continue
-                hashes = np.unique(_window_hashes(cut.values, size, _CHAR_BASE if kind == "char" else _WORD_BASE))
-                found.setdefault((kind, size), []).append((hashes, len(item_task)))
-                count["ngrams"] += len(hashes)
+                number_of_item = len(item_task)
+                total = 0
+                for kind in ("char", "word"):
+                    cut = units(text, kind)
+                    size = size_for(len(cut), ladders[kind])
+                    if size is None:
+                        continue
+                    hashes = Polynomial(cut.values)
+                    # An item under twice the shortest n-gram: an edit may touch every n-gram of it, so its
+                    # n-grams are matched one edit apart (each less one unit, on both sides).
+                    fuzzy = size > len(cut) // 2
+                    grams = (np.stack([hashes.windows_less_one(size, k) for k in range(size)]) if fuzzy
+                             else hashes.windows(size)[None])
+                    starts = np.flatnonzero(_of_its_kind(cut, size, kind))
+                    grams = grams[:, starts]
+                    # each n-gram with the item's units before and after it (where the item starts and ends
+                    # around a match); none for one the item holds twice (C declarations): its place is unsure
+                    ordered = np.sort(grams, axis=0)  # a window's variants may agree (a doubled letter)
+                    fresh = np.ones(ordered.shape, dtype=bool)
+                    fresh[1:] = ordered[1:] != ordered[:-1]
+                    window = np.broadcast_to(np.arange(ordered.shape[1]), ordered.shape)[fresh]
+                    grams, first, times = np.unique(ordered[fresh], return_index=True, return_counts=True)
+                    before = starts[window[first]]
+                    after = len(cut) - size - before
+                    before, after = np.where(times == 1, before, 0), np.where(times == 1, after, 0)
+                    if len(grams):
+                        found.setdefault((kind, size, fuzzy), []).append((grams, number_of_item, before, after))
+                        total += len(grams)
+                # every item numbered, in the sources' order, whether it gave n-grams or not
                 item_task.append(number)
                 previews.append(" ".join(text.split())[:80])
+                count["ngrams"] += total
+                count["too short"] += not total
         grams = {}
         for key, parts in found.items():
-            hashes = np.concatenate([h for h, _ in parts])
-            owners = np.concatenate([np.full(len(h), item, dtype=np.int64) for h, item in parts])
+            hashes = np.concatenate([h for h, *_ in parts])
             order = np.argsort(hashes, kind="stable")
-            grams[key] = (hashes[order], owners[order])
+            owners = np.concatenate([np.full(len(h), item, dtype=np.int64) for h, item, *_ in parts])
+            before = np.concatenate([b for *_, b, _ in parts]).astype(np.int64)
+            after = np.concatenate([a for *_, a in parts]).astype(np.int64)
+            grams[key] = (hashes[order], owners[order], before[order], after[order])
         return cls(list(tasks), np.asarray(item_task, dtype=np.int64), previews, grams, counts)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_filter": None}
 
     @property
     def digest(self) -> str:
@@ -364,34 +397,47 @@ class Index:
                 digest.update(array.tobytes())
         return digest.hexdigest()
 
+    def _slots(self) -> np.ndarray:
+        if self._filter is None:
+            self._filter = np.zeros(1 << _FILTER_BITS, dtype=bool)
+            for hashes, *_ in self.grams.values():
+                self._filter[hashes >> np.uint64(64 - _FILTER_BITS)] = True
+        return self._filter
+
     def find(self, text: str) -> Overlap:
         """The items `text` shares an n-gram with, and where (spans of the original text, merged: two matches
         closer than their n-gram's length are one span, the edited part between them included)."""
         overlap = Overlap()
         if not self.grams:
             return overlap
+        slots = self._slots()
         spans: list[tuple[int, int, int]] = []  # (start, end, size in characters of the n-gram's reach)
         hits: list[np.ndarray] = []
-        cuts: dict[str, Cut] = {}
-        for (kind, size), (hashes, owners) in self.grams.items():
-            cut = cuts.get(kind)
-            if cut is None:
-                cut = cuts[kind] = cut_chars(text) if kind == "char" else cut_words(text)
-            windows = _window_hashes(cut.values, size, _CHAR_BASE if kind == "char" else _WORD_BASE)
-            if not len(windows):
+        cuts: dict[str, tuple[Units, Polynomial]] = {}
+        for (kind, size, fuzzy), (hashes, owners, before, after) in self.grams.items():
+            if kind not in cuts:
+                cut = units(text, kind)
+                cuts[kind] = cut, Polynomial(cut.values)
+            cut, polynomial = cuts[kind]
+            if len(cut) < size:
                 continue
-            where = np.minimum(np.searchsorted(hashes, windows), len(hashes) - 1)
-            found = np.flatnonzero(hashes[where] == windows)
-            if not len(found):
-                continue
-            for position in found.tolist():
-                at = where[position]
-                # every item holding this n-gram (equal hashes sit together)
-                first = np.searchsorted(hashes, hashes[at], side="left")
-                last = np.searchsorted(hashes, hashes[at], side="right")
-                hits.append(owners[first:last])
-                start, end = int(cut.starts[position]), int(cut.ends[position + size - 1])
-                spans.append((start, end, end - start))
+            for windows in ([polynomial.windows_less_one(size, k) for k in range(size)] if fuzzy
+                            else [polynomial.windows(size)]):
+                maybe = np.flatnonzero(slots[windows >> np.uint64(64 - _FILTER_BITS)])
+                if not len(maybe):
+                    continue
+                where = np.minimum(np.searchsorted(hashes, windows[maybe]), len(hashes) - 1)
+                found = maybe[hashes[where] == windows[maybe]]
+                for position in found.tolist():
+                    # every item holding this n-gram (equal hashes sit together), and where it would start and
+                    # end around it: the span cut is the whole item's, though only part of it gives n-grams
+                    first = np.searchsorted(hashes, windows[position], side="left")
+                    last = np.searchsorted(hashes, windows[position], side="right")
+                    hits.append(owners[first:last])
+                    for ahead, behind in zip(before[first:last].tolist(), after[first:last].tolist()):
+                        start = int(cut.starts[max(position - ahead, 0)])
+                        end = int(cut.ends[min(position + size - 1 + behind, len(cut) - 1)])
+                        spans.append((start, end, int(cut.ends[position + size - 1]) - int(cut.starts[position])))
         if not hits:
             return overlap
         items = np.concatenate(hits)
