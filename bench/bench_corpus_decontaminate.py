@@ -35,7 +35,7 @@ import numpy as np
 import yaml
 
 from bench_corpus_acceptance import build
-from gptpipe.corpus.config import CorpusConfig, DecontaminationConfig
+from gptpipe.corpus.config import DecontaminationConfig
 from gptpipe.corpus.decontaminate import Index
 from gptpipe.corpus.neardup import spaceless_share
 from test_corpus_neardup import MAN, manpage_texts
@@ -146,8 +146,7 @@ def main() -> None:
     items_file.write_text("".join(json.dumps({"text": item}, ensure_ascii=False) + "\n" for item in items),
                           encoding="utf-8")
     started = time.perf_counter()
-    config = CorpusConfig(decontamination=DecontaminationConfig(files=[items_file]))
-    index = Index.build(config)
+    index = Index.build(DecontaminationConfig(files=[items_file]))
     built_s = time.perf_counter() - started
     # The index numbers the items in the file's order (each text is there once).
     assert index.counts["items"]["items"] == len(items)
@@ -207,10 +206,16 @@ def main() -> None:
     plain_s, plain = stage0(args.out, documents, None, "plain")
     decon_s, decon = stage0(args.out, documents, items_file, "decontaminated")
     contaminated = decon["counts"]["dropped"].get("contaminated: items", 0)
+    kept = {name: {json.loads(line)["text"] for line in open(args.out / name / "corpus.jsonl", encoding="utf-8")}
+            for name in ("plain", "decontaminated")}
+    originals = [d["text"] for d in docs]
+    lost = [t for t in originals if t in kept["plain"] and t not in kept["decontaminated"]]
+    quotes_left = sum(d["text"] in kept["decontaminated"] for d in quoting)
     print(f"\nstage 0 on the corpus and the quoting documents ({len(docs) + len(quoting):,}): without "
           f"decontamination {plain_s:.1f} s, {plain['counts']['documents']:,} kept; with it {decon_s:.1f} s, "
-          f"{decon['counts']['documents']:,} kept, {contaminated:,} dropped as contaminated (the others quoting an "
-          "item were dropped by an earlier rule: junk, other languages, near copies)")
+          f"{decon['counts']['documents']:,} kept, {contaminated:,} dropped as contaminated (the other quoting "
+          f"documents went to an earlier rule: junk, other languages, near copies of their host); quoting documents "
+          f"kept {quotes_left}; corpus documents kept without it and lost with it: {len(lost)}")
 
 
 if __name__ == "__main__":

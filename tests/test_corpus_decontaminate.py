@@ -15,7 +15,7 @@ import yaml
 
 from conftest import corpus_texts, require_manpages, run_cli
 from gptpipe.cli import main
-from gptpipe.corpus.config import CorpusConfig, DecontaminationConfig
+from gptpipe.corpus.config import DecontaminationConfig
 from gptpipe.corpus.decontaminate import Index
 from gptpipe.stage import Manifest
 from test_corpus_neardup import MAN, manpage_texts
@@ -108,8 +108,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"folder": folder, "clean": clean, "quoting": quoting, "cut": cut, "items": items, "documents": documents}
 
 
-def configure(folder: Path, setup: dict, name: str, **decontamination) -> Path:
-    corpus: dict = {"sources": [{"type": "jsonl", "path": str(setup["documents"])}], "output_dir": name}
+def configure(folder: Path, setup: dict, name: str, workers: int = 1, **decontamination) -> Path:
+    """A config reading the documents, with `decontamination` (none: off); `workers` > 1 cuts them into 1 MB
+    shards judged by that many processes, each reading the index the driver saved."""
+    corpus: dict = {"sources": [{"type": "jsonl", "path": str(setup["documents"])}], "output_dir": name,
+                    "workers": workers, "shard_mb": 1 if workers > 1 else 64}
     if decontamination:
         corpus["decontamination"] = {"files": [str(setup["folder"] / "heldout.jsonl"),
                                                str(setup["folder"] / "task" / "heldout_task.yaml")],
@@ -133,7 +136,7 @@ def test_every_quoting_document_is_dropped_and_no_other(setup: dict, tmp_path: P
     run_cli("prepare", "--config", baseline)
     kept_before = corpus_texts(tmp_path / "baseline")
     assert all(text in kept_before for text in setup["quoting"])  # only decontamination could drop them
-    config = configure(tmp_path, setup, "drop", action="drop")
+    config = configure(tmp_path, setup, "drop", workers=2, action="drop")
     run_cli("prepare", "--config", config)
     manifest = Manifest.read(tmp_path / "drop" / "manifest.json")
     kept = corpus_texts(tmp_path / "drop")
@@ -194,7 +197,7 @@ def test_index_matches_normalised_text_and_short_items_are_skipped(tmp_path: Pat
     items = tmp_path / "items.txt"
     items.write_text("The script is intended as a simple front end for the openssl program for use by a beginner\n"
                      "yes\n", encoding="utf-8")
-    index = Index.build(CorpusConfig(decontamination=DecontaminationConfig(files=[items])))
+    index = Index.build(DecontaminationConfig(files=[items]))
     assert index.counts == {"items": {"items": 2, "too short": 1, "ngrams": 11}}
     page = ("解説\nこのスクリプトは ＴＨＥ ＳＣＲＩＰＴ is intended as a simple\nfront end for the OpenSSL program, "
             "for use by a beginner. と書かれている。")

@@ -153,14 +153,15 @@ class DecontaminationConfig:
         "drop", "drop: a document overlapping an item is dropped as 'contaminated: <task>'; remove_span: the "
         "overlapping spans are cut out and the rest kept if still min_chars long")
     word_ngram: int = option(
-        13, "words per n-gram for items written with spaces (GPT-3's 13); an item shorter than twice this is "
-        "looked for by shorter n-grams (a ladder down to min_word_ngram), so that one edited word leaves one "
-        "n-gram whole")
+        13, "words per n-gram where items are written with spaces (GPT-3's 13); an item shorter than twice this "
+        "is looked for by shorter n-grams (a ladder down to min_word_ngram), so that one edited word leaves one "
+        "n-gram whole; one under twice min_word_ngram is matched one edit apart")
     char_ngram: int = option(
-        50, "characters per n-gram (punctuation and whitespace removed) for items written without spaces "
-        "(Japanese, Chinese; near_dedup.spaceless_share decides); shorter items as for words")
-    min_word_ngram: int = option(8, "the shortest word n-gram; an item of fewer words is not looked for")
-    min_char_ngram: int = option(20, "the shortest character n-gram; an item of fewer characters is not looked for")
+        50, "letters per n-gram (punctuation and whitespace removed) where items are written without spaces "
+        "(Japanese, Chinese); shorter items as for words")
+    min_word_ngram: int = option(8, "the shortest word n-gram; an item of fewer words is not looked for (as words)")
+    min_char_ngram: int = option(20, "the shortest character n-gram; an item of fewer letters is not looked for "
+                                     "(as letters)")
 
     def check(self) -> list[tuple[str, str]]:
         problems = []

@@ -6,17 +6,23 @@ as the task's process_docs leaves it; not the prompt template, whose words every
 (task name, item text) pairs, so one source may hold several tasks (an lm-eval group); a new kind of source is
 a class with `items()` and `fingerprint()` and one entry in FILE_KINDS (by suffix) or in `sources`.
 
-Text is normalised before it is cut (NFKC, case-folded), so that full-width letters, capitals, re-wrapped lines
-and re-spaced words still match:
-- an item written mainly without spaces (Japanese, Chinese: neardup's `spaceless_share`, the near-dedup's own
-  choice) is cut into character n-grams of its letters and digits (punctuation and whitespace removed);
-- any other item into n-grams of its words (`\\w+`, as the near-dedup's word shingles).
-An item shorter than twice the configured n-gram is cut into shorter ones (a ladder down to the minimum), so
-that one edited word or character in a quoted item leaves at least one n-gram whole; an item shorter than the
-minimum is not looked for. A document is cut both ways (a Japanese page may quote an English item), each
-n-gram hashed to 64 bits with a polynomial hash over its code points (words: over its words' hashes), computed
-for all positions at once with numpy, and looked up in each size's sorted hashes. The index is built once on
-the driver and saved to stage 0's work folder, where each worker reads it (corpus/firstpass.py).
+Text is normalised before it is cut (NFKC, case-folded; punctuation, spaces and line breaks dropped), so that
+full-width letters, capitals, re-wrapped lines and re-spaced words still match. Every item is cut two ways:
+- into character n-grams of its letters and digits, each n-gram kept when at least half of it is letters of
+  scripts written without spaces (Japanese, Chinese: charclass's SPACELESS, what the near-dedup's
+  `spaceless_share` counts);
+- into word n-grams (runs of letters and digits, each letter of those scripts a word of its own), each kept when
+  at least half of it is words of the other scripts.
+So an English item gives word n-grams, a Japanese one character n-grams, and a mixed one both, each where its
+script holds; a path or an option list inside a Japanese item (twenty Latin letters: three or four words) gives
+none. An item shorter than twice the configured n-gram is cut into shorter ones (a ladder down to the minimum),
+so that one edit leaves at least one n-gram whole; one under twice the minimum is matched one edit apart (every
+n-gram less one unit, in the item and in the document); one under the minimum is not looked for. Each n-gram is
+a 64-bit polynomial hash (over its units' hashes), computed for all positions of a document at once from prefix
+sums with numpy, and looked up in a byte filter then in each size's sorted hashes. A match stands for the whole
+item around it (the index keeps where each n-gram sits in its item), so `remove_span` cuts the whole quote. The
+index is built once on the driver and saved to stage 0's work folder, where each worker reads it
+(corpus/firstpass.py).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from gptpipe.corpus.charclass import LETTER, NUMBER, SPACELESS, classes
-from gptpipe.corpus.config import CorpusConfig, DecontaminationConfig
+from gptpipe.corpus.config import DecontaminationConfig
 from gptpipe.stage import StageInputError, atomic_path, tree_fingerprint
 
 INDEX_FILE = "decontamination.pkl"
@@ -322,8 +328,7 @@ class Index:
     _filter: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def build(cls, corpus: CorpusConfig) -> Index:
-        config = corpus.decontamination
+    def build(cls, config: DecontaminationConfig) -> Index:
         ladders = {"word": ladder(config.word_ngram, config.min_word_ngram),
                    "char": ladder(config.char_ngram, config.min_char_ngram)}
         tasks: dict[str, int] = {}

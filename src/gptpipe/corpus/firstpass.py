@@ -1,6 +1,8 @@
 """Stage 0's first pass over one shard, in a worker: read its records; drop the unreadable ones, the exact
-duplicates within the shard and what a rule of corpus/judge.py rejects; write the kept documents with their
-origins, text digests and MinHash signatures, the shard's dropped samples, and last its completion record.
+duplicates within the shard and what a rule of corpus/judge.py rejects (a quote of an evaluation item among them,
+or cut out of the document: corpus/decontaminate.py's index, which the driver saved in the work folder); write
+the kept documents with their origins, text digests and MinHash signatures, the shard's dropped samples, and
+last its completion record.
 
 A shard's folder is built under a temporary name and renamed into place, so a folder that exists is finished:
 a rerun after a kill skips it. Exact duplicates across shards and near duplicates are found afterwards over

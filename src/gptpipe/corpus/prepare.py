@@ -76,7 +76,7 @@ def build_corpus(config: CorpusConfig, inputs: dict[str, Any], force: bool = Fal
     with _work_folder(config, inputs, force) as (work, shards):
         index = None
         if config.decontamination.on:  # built here once, read by every worker from the work folder
-            index = Index.build(config)
+            index = Index.build(config.decontamination)
             index.save(work / INDEX_FILE)
             log.info("decontamination: " + "; ".join(
                 f"{task} {c['items']:,} items ({c['too short']:,} too short to look for), {c['ngrams']:,} n-grams"
@@ -223,7 +223,7 @@ def _concatenated(work: Path, shards: list[Shard], name: str) -> Path:
 def explain(config: CorpusConfig, path: Path) -> Iterator[str]:
     """For each document of `path` (jsonl: one per line; otherwise the whole file as one document): every
     check's measured value and whether it drops the document, the first that does named as the verdict."""
-    judge = Judge(config, exact=True, index=Index.build(config) if config.decontamination.on else None)
+    judge = Judge(config, exact=True, index=Index.build(config.decontamination) if config.decontamination.on else None)
     near = config.near_dedup if config.near_dedup.threshold is not None else None
     hasher = MinHasher(near) if near else None
     kind = "jsonl" if path.name.endswith(SUFFIXES["jsonl"]) else "text"
@@ -256,7 +256,7 @@ def explain(config: CorpusConfig, path: Path) -> Iterator[str]:
 def contamination_report(config: CorpusConfig, path: Path, samples: int = 5) -> Iterator[str]:
     """Per task of corpus.decontamination: its items, how many of them `path`'s documents (jsonl, one per line)
     quote, how many documents quote one, and the first few of those (path:line and the item). Reads only."""
-    index = Index.build(config)
+    index = Index.build(config.decontamination)
     found: dict[str, set[int]] = {task: set() for task in index.tasks}
     documents: Counter[str] = Counter()
     origins: dict[str, list[str]] = {task: [] for task in index.tasks}
