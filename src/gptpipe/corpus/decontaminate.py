@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import pickle
 import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -43,7 +42,7 @@ from gptpipe.corpus.charclass import LETTER, NUMBER, SPACELESS, classes
 from gptpipe.corpus.config import DecontaminationConfig
 from gptpipe.stage import StageInputError, atomic_path, tree_fingerprint
 
-INDEX_FILE = "decontamination.pkl"
+INDEX_FILE = "decontamination.npz"
 LADDER_STEP = 0.8  # each shorter n-gram size is this share of the one above
 _BASE = np.uint64(0x100000001B3)  # odd, so invertible modulo 2^64
 _INVERSE = np.uint64(pow(int(_BASE), -1, 1 << 64))
@@ -389,9 +388,6 @@ class Index:
             grams[key] = (hashes[order], owners[order], before[order], after[order])
         return cls(list(tasks), np.asarray(item_task, dtype=np.int64), previews, grams, counts)
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_filter": None}
-
     @property
     def digest(self) -> str:
         """A digest of every n-gram and the item it belongs to: the same items, cut the same way, give the same."""
@@ -472,15 +468,25 @@ class Index:
         return "; ".join(parts)
 
     def save(self, path: Path) -> None:
+        """Arrays and a JSON header in one .npz (read back without pickle)."""
+        keys = sorted(self.grams)
+        header = {"tasks": self.tasks, "previews": self.previews, "counts": self.counts, "keys": keys}
+        arrays = {f"gram{i}_{part}": array for i, key in enumerate(keys)
+                  for part, array in zip(("hashes", "owners", "before", "after"), self.grams[key])}
         with atomic_path(path) as tmp, open(tmp, "wb") as fh:
-            pickle.dump(self, fh, protocol=pickle.HIGHEST_PROTOCOL)
+            np.savez(fh, header=np.array(json.dumps(header, ensure_ascii=False)), item_task=self.item_task,
+                     **arrays)
 
 
 @lru_cache(maxsize=2)
 def load(path: Path, mtime_ns: int) -> Index:
     """The index a driver saved (once per worker process and file version)."""
-    with open(path, "rb") as fh:
-        return pickle.load(fh)
+    with np.load(path, allow_pickle=False) as data:
+        header = json.loads(str(data["header"]))
+        grams = {(kind, size, fuzzy): tuple(data[f"gram{i}_{part}"] for part in ("hashes", "owners", "before",
+                                                                                "after"))
+                 for i, (kind, size, fuzzy) in enumerate(header["keys"])}
+        return Index(header["tasks"], data["item_task"], header["previews"], grams, header["counts"])
 
 
 def _with_punctuation(text: str, start: int, end: int) -> tuple[int, int]:
