@@ -221,3 +221,21 @@ def test_decontamination_config_errors_name_the_key(tmp_path: Path, capfd: pytes
     assert main(["prepare", "--config", str(configure(tmp_path, {"documents": tmp_path / "d.jsonl"}, "off")),
                  "--contamination-report"]) == 2
     assert "corpus.decontamination.tasks or corpus.decontamination.files" in capfd.readouterr().err
+
+
+def test_unreadable_items_are_named_and_nothing_is_written(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """A bad line of an item file and an unknown lm-eval task are refused before stage 0 writes anything."""
+    documents = tmp_path / "d.jsonl"
+    documents.write_text(json.dumps({"text": "本文" * 40}, ensure_ascii=False) + "\n", encoding="utf-8")
+    (tmp_path / "items.jsonl").write_text('{"question": "ok"}\n{"question": \n', encoding="utf-8")
+    config = configure(tmp_path, {"documents": documents, "folder": tmp_path}, "bad")
+    text = yaml.safe_load(config.read_text(encoding="utf-8"))
+    text["corpus"]["decontamination"] = {"files": ["items.jsonl"]}
+    config.write_text(yaml.safe_dump(text), encoding="utf-8")
+    assert main(["prepare", "--config", str(config)]) == 2
+    assert f"{tmp_path / 'items.jsonl'}:2: not JSON" in capfd.readouterr().err
+    text["corpus"]["decontamination"] = {"tasks": ["no_such_task_xyz"]}
+    config.write_text(yaml.safe_dump(text), encoding="utf-8")
+    assert main(["prepare", "--config", str(config)]) == 2
+    assert "unknown lm-eval task(s): no_such_task_xyz" in capfd.readouterr().err
+    assert not (tmp_path / "bad").exists()

@@ -73,14 +73,16 @@ def build_corpus(config: CorpusConfig, inputs: dict[str, Any], force: bool = Fal
     corpus.jsonl and the dropped samples atomically; count everything."""
     output = config.output_dir / PREPARE.output_file
     started = time.perf_counter()
+    # Built once, before anything is written (an unknown task leaves no trace), read by every worker from the
+    # work folder.
+    index = Index.build(config.decontamination) if config.decontamination.on else None
+    if index is not None:
+        log.info("decontamination: " + "; ".join(
+            f"{task} {c['items']:,} items ({c['too short']:,} too short to look for), {c['ngrams']:,} n-grams"
+            for task, c in index.counts.items()))
     with _work_folder(config, inputs, force) as (work, shards):
-        index = None
-        if config.decontamination.on:  # built here once, read by every worker from the work folder
-            index = Index.build(config.decontamination)
+        if index is not None:
             index.save(work / INDEX_FILE)
-            log.info("decontamination: " + "; ".join(
-                f"{task} {c['items']:,} items ({c['too short']:,} too short to look for), {c['ngrams']:,} n-grams"
-                for task, c in index.counts.items()))
         results: dict[int, ShardResult] = {}
         for shard in shards:
             if (result := finished(work / shard.name())) is not None:
@@ -122,7 +124,7 @@ def build_corpus(config: CorpusConfig, inputs: dict[str, Any], force: bool = Fal
                                                    if (name := sample_name(reason)) in drops.written},
                                "main_languages": dict(languages.most_common()),
                                **({"decontamination": {"items": index.counts, "digest": index.digest}}
-                                  if index else {})},
+                                  if index is not None else {})},
                        timings={"judge_s": round(judged_s, 3)})
 
 
