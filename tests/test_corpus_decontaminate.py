@@ -149,7 +149,8 @@ def test_every_quoting_document_is_dropped_and_no_other(setup: dict, tmp_path: P
         "heldout_task": {"items": 17, "too short": 1, "ngrams": pytest.approx(1500, rel=0.7)}}
     samples = [json.loads(line) for line in (tmp_path / "drop" / "dropped" / "contaminated_heldout.jsonl").open()]
     assert len(samples) == 16 and all(s["text"] in setup["quoting"] and "item" in s["overlaps"] for s in samples)
-    assert set(manifest.inputs["decontamination"]) >= {str(setup["folder"] / "heldout.jsonl"), "lm-eval tasks"}
+    assert set(manifest.inputs["decontamination"]) == {"settings", str(setup["folder"] / "heldout.jsonl"),
+                                                        str(setup["folder"] / "task" / "heldout_task.yaml")}
 
     # The report reads a corpus and changes nothing: the quotes in the corpus without decontamination, none after.
     before = (tmp_path / "drop" / "corpus.jsonl").read_bytes()
@@ -211,11 +212,17 @@ def test_decontamination_config_errors_name_the_key(tmp_path: Path, capfd: pytes
     (tmp_path / "items.csv").write_text("a,b\n", encoding="utf-8")
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({"corpus": {"decontamination": {
-        "files": ["missing.jsonl", "items.csv"], "min_char_ngram": 60, "acton": "drop"}}}), encoding="utf-8")
+        "files": ["missing.jsonl", "items.csv", "."]}}}), encoding="utf-8")
     assert main(["prepare", "--config", str(config)]) == 2
     err = capfd.readouterr().err
     assert "corpus.decontamination.files.0" in err and "missing.jsonl does not exist" in err
-    assert "corpus.decontamination.files.1" in err and "not an item file" in err
+    assert "corpus.decontamination.files.1" in err and "not an item file or task (.jsonl, .txt, .yaml" in err
+    assert "corpus.decontamination.files.2" in err  # a folder: no kind of folder is known yet
+    # The paths are looked at once the values are right: these come first.
+    config.write_text(yaml.safe_dump({"corpus": {"decontamination": {
+        "files": ["missing.jsonl"], "min_char_ngram": 60, "acton": "drop"}}}), encoding="utf-8")
+    assert main(["prepare", "--config", str(config)]) == 2
+    err = capfd.readouterr().err
     assert "corpus.decontamination.min_char_ngram" in err and "must not exceed char_ngram (50)" in err
     assert "corpus.decontamination.acton" in err and "did you mean corpus.decontamination.action" in err
     assert main(["prepare", "--config", str(configure(tmp_path, {"documents": tmp_path / "d.jsonl"}, "off")),

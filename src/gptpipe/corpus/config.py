@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import ClassVar, Literal, Protocol
 
 from gptpipe.config.core import Url, option
 from gptpipe.storage import url_problems
@@ -133,9 +133,6 @@ class NearDedupConfig:
         return problems
 
 
-ITEM_FILE_SUFFIXES = (".jsonl", ".txt", ".yaml", ".yml")  # decontamination.files: corpus/decontaminate.py reads them
-
-
 @dataclass
 class DecontaminationConfig:
     """Stage 0's decontamination (corpus/decontaminate.py): documents sharing an n-gram with an evaluation item
@@ -162,14 +159,11 @@ class DecontaminationConfig:
     min_word_ngram: int = option(8, "the shortest word n-gram; an item of fewer words is not looked for (as words)")
     min_char_ngram: int = option(20, "the shortest character n-gram; an item of fewer letters is not looked for "
                                      "(as letters)")
+    # which paths are item files is corpus/decontaminate.py's to say (it imports this module)
+    checked_by: ClassVar[str] = "gptpipe.corpus.decontaminate:config_problems"
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
-        for i, path in enumerate(self.files):
-            if not Path(path).exists():
-                problems.append((f"files.{i}", f"{path} does not exist"))
-            elif Path(path).suffix not in ITEM_FILE_SUFFIXES:
-                problems.append((f"files.{i}", f"{path}: not an item file ({', '.join(ITEM_FILE_SUFFIXES)})"))
         for key in ("word_ngram", "char_ngram", "min_word_ngram", "min_char_ngram"):
             if getattr(self, key) < 1:
                 problems.append((key, "must be at least 1"))

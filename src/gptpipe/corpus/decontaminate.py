@@ -4,7 +4,7 @@ Items come from item sources (`ItemSource`): a file of texts (.jsonl: every stri
 line) or lm-eval tasks (registry names, local task YAMLs: every string of each test and validation document,
 as the task's process_docs leaves it; not the prompt template, whose words every item shares). A source yields
 (task name, item text) pairs, so one source may hold several tasks (an lm-eval group); a new kind of source is
-a class with `items()` and `fingerprint()` and one entry in FILE_KINDS (by suffix) or in `sources`.
+a class with `items()` and `fingerprint()` and one entry in PATH_KINDS (by suffix, or "/" for a folder).
 
 Text is normalised before it is cut (NFKC, case-folded; punctuation, spaces and line breaks dropped), so that
 full-width letters, capitals, re-wrapped lines and re-spaced words still match. Every item is cut two ways:
@@ -30,17 +30,19 @@ from __future__ import annotations
 import hashlib
 import json
 import unicodedata
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from gptpipe.corpus.charclass import LETTER, NUMBER, SPACELESS, classes
-from gptpipe.corpus.config import DecontaminationConfig
 from gptpipe.stage import StageInputError, atomic_path, tree_fingerprint
+
+if TYPE_CHECKING:  # the config module asks this one which paths are item files
+    from gptpipe.corpus.config import DecontaminationConfig
 
 INDEX_FILE = "decontamination.npz"
 LADDER_STEP = 0.8  # each shorter n-gram size is this share of the one above
@@ -231,7 +233,7 @@ class TaskItems:
 
     specs: tuple[str | dict, ...]
     inputs: tuple[dict[str, Any], ...]
-    label: str = "lm-eval tasks"
+    label: str
 
     def items(self) -> Iterator[tuple[str, str]]:
         from gptpipe.lm_tasks import built_tasks
@@ -250,43 +252,46 @@ class TaskItems:
         return {spec_name(spec): inputs for spec, inputs in zip(self.specs, self.inputs)}
 
 
-def _registry_inputs(name: str) -> dict[str, Any]:
+def registry_tasks(names: list[str]) -> TaskItems:
+    """lm-eval registry tasks, identified by name and lm-eval's version (their YAMLs ship with it)."""
     from importlib import metadata
 
-    return {"registry": name, "lm_eval": metadata.version("lm_eval")}
+    version = metadata.version("lm_eval")
+    return TaskItems(tuple(names), tuple({"registry": name, "lm_eval": version} for name in names),
+                     "lm-eval registry tasks")
 
 
-def _task_file_inputs(path: Path) -> tuple[dict, dict[str, Any]]:
+def task_yaml(path: Path) -> TaskItems:
+    """A local lm-eval task YAML, identified by it and its local data files."""
     from gptpipe.lm_tasks import flatten, local_task
 
     task = local_task(path)
     local = [Path(f) for f in flatten((task.get("dataset_kwargs") or {}).get("data_files")) if Path(f).is_file()]
-    return task, tree_fingerprint([path, *local])
+    return TaskItems((task,), (tree_fingerprint([path, *local]),), str(path))
 
 
-FILE_KINDS = {".jsonl": JsonlItems, ".txt": LineItems}  # the other suffixes of ITEM_FILE_SUFFIXES are task YAMLs
+# The kinds of corpus.decontamination.files, by suffix ("/" for a folder): each gives the path's item source. A new
+# kind (a folder of task files turned into lm-eval task dicts: a TaskItems of them) is one entry here.
+PATH_KINDS: dict[str, Callable[[Path], ItemSource]] = {".jsonl": JsonlItems, ".txt": LineItems, ".yaml": task_yaml,
+                                                       ".yml": task_yaml}
+
+
+def config_problems(config: DecontaminationConfig) -> list[tuple[str, str]]:
+    """The entries of corpus.decontamination.files that are missing or of no known kind (as the config loads)."""
+    problems = []
+    for i, path in enumerate(map(Path, config.files)):
+        if not path.exists():
+            problems.append((f"files.{i}", f"{path} does not exist"))
+        elif ("/" if path.is_dir() else path.suffix) not in PATH_KINDS:
+            problems.append((f"files.{i}", f"{path}: not an item file or task ({', '.join(PATH_KINDS)})"))
+    return problems
 
 
 def sources(config: DecontaminationConfig) -> list[ItemSource]:
-    """The item sources of the config: its files in order, then its registry tasks and task YAMLs as one
-    lm-eval source (one TaskManager for them all: indexing the registry is slow)."""
-    found: list[ItemSource] = []
-    specs: list[str | dict] = []
-    inputs: list[dict[str, Any]] = []
-    for path in config.files:
-        kind = FILE_KINDS.get(Path(path).suffix)
-        if kind:
-            found.append(kind(Path(path)))
-        else:
-            task, fingerprint = _task_file_inputs(Path(path))
-            specs.append(task)
-            inputs.append(fingerprint)
-    for name in config.tasks:
-        specs.append(name)
-        inputs.append(_registry_inputs(name))
-    if specs:
-        found.append(TaskItems(tuple(specs), tuple(inputs)))
-    return found
+    """The item sources of the config: its files in order, then its registry tasks as one source (one
+    TaskManager for them all: indexing the registry is slow)."""
+    found = [PATH_KINDS["/" if Path(path).is_dir() else Path(path).suffix](Path(path)) for path in config.files]
+    return found + ([registry_tasks(config.tasks)] if config.tasks else [])
 
 
 def fingerprint(config: DecontaminationConfig) -> dict[str, Any]:
