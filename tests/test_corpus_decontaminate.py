@@ -206,6 +206,10 @@ def test_index_matches_normalised_text_and_short_items_are_skipped(tmp_path: Pat
     (start, end), = overlap.spans
     assert overlap.tasks == ["items"] and page[start:end].startswith("ＴＨＥ ＳＣＲＩＰＴ")
     assert not index.find("The script is intended as a simple tool for the openssl program, yes")
+    # A line the normalisation lengthens (a ligature) still maps each match to its place in the original.
+    line = "See ﬁg. 1: the script is intended as a simple front end for the openssl program for use by a beginner."
+    (start, end), = index.find(line).spans
+    assert line[start:end] == line[line.index("the script"):]
 
 
 def test_decontamination_config_errors_name_the_key(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:

@@ -144,11 +144,12 @@ class DecontaminationConfig:
         "items (their datasets must be reachable or cached)")
     files: list[Path] = option(
         factory=list, doc="item files: .jsonl (every string of each line is an item), .txt (one item per line), "
-        "or a local lm-eval task YAML (.yaml/.yml, its test and validation documents), named by the file's stem "
-        "or the task's name")
+        "or a local lm-eval task YAML (.yaml/.yml: every string of its test and validation documents, not the "
+        "prompt template), named by the file's stem or the task's name")
     action: Literal["drop", "remove_span"] = option(
-        "drop", "drop: a document overlapping an item is dropped as 'contaminated: <task>'; remove_span: the "
-        "overlapping spans are cut out and the rest kept if still min_chars long")
+        "drop", "drop: a document overlapping an item is dropped as 'contaminated: <task>' (the first task, in "
+        "the order listed); remove_span: the quote (the whole item around each match) is cut out and the rest "
+        "kept if still min_chars long")
     word_ngram: int = option(
         13, "words per n-gram where items are written with spaces (GPT-3's 13); an item shorter than twice this "
         "is looked for by shorter n-grams (a ladder down to min_word_ngram), so that one edited word leaves one "

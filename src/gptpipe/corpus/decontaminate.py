@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import unicodedata
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -48,22 +49,32 @@ INDEX_FILE = "decontamination.npz"
 LADDER_STEP = 0.8  # each shorter n-gram size is this share of the one above
 _BASE = np.uint64(0x100000001B3)  # odd, so invertible modulo 2^64
 _INVERSE = np.uint64(pow(int(_BASE), -1, 1 << 64))
+# A base character and the marks NFKC composes with it (combining marks, half-width (semi-)voiced sound marks).
+CLUSTER = re.compile(r"(?s).[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\u3099\u309a\ufe20-\ufe2f"
+                     r"\uff9e\uff9f]*")
+CLOSING = frozenset(",.;:!?)]}>、。，．：；！？）」』】〉》")  # what ends the text before a quote
 _FILTER_BITS = 22  # the prefilter's slots: 2^22 bytes (in cache), 1 in 60 set by 70,000 n-grams
 
 
 def normalised(text: str) -> tuple[str, np.ndarray]:
     """The text NFKC-normalised and case-folded, and for each of its characters the position in `text` of the
-    character it came from (so that a match can be cut out of the original). Line by line: a line whose length
-    the normalisation changes (ligatures, decomposed accents, half-width kana with their sound marks) maps each
-    of its characters to the line's start, the others one to one."""
+    character it came from (so that a match can be cut out of the original). A line whose length that changes
+    (ligatures, decomposed accents, half-width kana with their sound marks) is normalised a base character and
+    its marks at a time, to know where each normalised character came from."""
     whole = unicodedata.normalize("NFKC", text).casefold()
     if len(whole) == len(text):  # nearly always: one character for one (full-width → ASCII, kana as they are)
         return whole, np.arange(len(text), dtype=np.int64)
     pieces, origins, at = [], [], 0
     for line in text.splitlines(keepends=True):
         norm = unicodedata.normalize("NFKC", line).casefold()
-        pieces.append(norm)
-        origins.append(np.arange(at, at + len(line)) if len(norm) == len(line) else np.full(len(norm), at))
+        if len(norm) == len(line):
+            pieces.append(norm)
+            origins.append(np.arange(at, at + len(line)))
+        else:
+            for cluster in CLUSTER.finditer(line):
+                piece = unicodedata.normalize("NFKC", cluster.group()).casefold()
+                pieces.append(piece)
+                origins.append(np.full(len(piece), at + cluster.start()))
         at += len(line)
     return "".join(pieces), np.concatenate(origins) if origins else np.zeros(0, dtype=np.int64)
 
@@ -496,9 +507,10 @@ def load(path: Path, mtime_ns: int) -> Index:
 
 def _with_punctuation(text: str, start: int, end: int) -> tuple[int, int]:
     """A span widened over the punctuation around it on its lines (a quote's 「」, its last 。 or period, a
-    command's `$ `, a re-spaced quote's brackets), not over the spaces at the new edges."""
+    command's `$ `, a re-spaced quote's brackets), not back over the end of the sentence before it, nor over the
+    spaces at the new edges."""
     low, high = start, end
-    while low > 0 and not text[low - 1].isalnum() and text[low - 1] != "\n":
+    while low > 0 and not text[low - 1].isalnum() and text[low - 1] != "\n" and text[low - 1] not in CLOSING:
         low -= 1
     while high < len(text) and not text[high].isalnum() and text[high] != "\n":
         high += 1
