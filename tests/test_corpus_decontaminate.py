@@ -210,6 +210,14 @@ def test_index_matches_normalised_text_and_short_items_are_skipped(tmp_path: Pat
     line = "See ﬁg. 1: the script is intended as a simple front end for the openssl program for use by a beginner."
     (start, end), = index.find(line).spans
     assert line[start:end] == line[line.index("the script"):]
+    # `fields` picks the keys of a record that hold items.
+    records = tmp_path / "records.jsonl"
+    records.write_text(json.dumps({"question": line, "source": "copied from the manual page of the openssl "
+                                   "command, section one, by a volunteer"}) + "\n", encoding="utf-8")
+    assert Index.build(DecontaminationConfig(files=[records])).counts["records"]["items"] == 2
+    only = Index.build(DecontaminationConfig(files=[records], fields=["question"]))
+    assert only.counts["records"]["items"] == 1 and only.find(line)
+    assert not only.find("copied from the manual page of the openssl command, section one, by a volunteer")
 
 
 def test_decontamination_config_errors_name_the_key(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:

@@ -146,6 +146,10 @@ class DecontaminationConfig:
         factory=list, doc="item files: .jsonl (every string of each line is an item), .txt (one item per line), "
         "or a local lm-eval task YAML (.yaml/.yml: every string of its test and validation documents, not the "
         "prompt template), named by the file's stem or the task's name")
+    fields: list[str] = option(
+        factory=list, doc="only these keys of each .jsonl line and each task document hold items, e.g. "
+        "[question, passage] ([]: every string, ids and labels too: those under the shortest n-gram are not "
+        "looked for anyway)")
     action: Literal["drop", "remove_span"] = option(
         "drop", "drop: a document overlapping an item is dropped as 'contaminated: <task>' (the first task, in "
         "the order listed); remove_span: the quote (the whole item around each match) is cut out and the rest "

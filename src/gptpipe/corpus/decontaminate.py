@@ -2,8 +2,9 @@
 
 Items come from item sources (`ItemSource`): a file of texts (.jsonl: every string of each line; .txt: each
 line) or lm-eval tasks (registry names, local task YAMLs: every string of each test and validation document,
-as the task's process_docs leaves it; not the prompt template, whose words every item shares). A source yields
-(task name, item text) pairs, so one source may hold several tasks (an lm-eval group); a new kind of source is
+as the task's process_docs leaves it; not the prompt template, whose words every item shares; `fields` picks
+among a record's keys). A source yields (task name, record) pairs, so one source may hold several tasks (an
+lm-eval group); a new kind of source is
 a class with `items()` and `fingerprint()` and one entry in PATH_KINDS (by suffix, or "/" for a folder).
 
 Text is normalised before it is cut (NFKC, case-folded; punctuation, spaces and line breaks dropped), so that
@@ -179,8 +180,9 @@ class ItemSource(Protocol):
 
     label: str  # how a config error or the manifest names the source
 
-    def items(self) -> Iterator[tuple[str, str]]:
-        """(task name, item text) pairs."""
+    def items(self) -> Iterator[tuple[str, Any]]:
+        """(task name, record) pairs: a record is an item's text, or a JSON-like value whose strings are items
+        (corpus.decontamination.fields picks among a mapping's)."""
         ...
 
     def fingerprint(self) -> dict[str, Any]:
@@ -188,13 +190,15 @@ class ItemSource(Protocol):
         ...
 
 
-def strings(value: Any) -> Iterator[str]:
-    """Every string inside a JSON-like value (dict values, list members), in order."""
+def strings(value: Any, fields: tuple[str, ...] = ()) -> Iterator[str]:
+    """Every string inside a JSON-like value (dict values, list members), in order; of a mapping, only the
+    values of `fields` when given."""
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
-        for member in value.values():
-            yield from strings(member)
+        for key, member in value.items():
+            if not fields or key in fields:
+                yield from strings(member)
     elif isinstance(value, (list, tuple)):
         for member in value:
             yield from strings(member)
@@ -210,7 +214,7 @@ class JsonlItems:
     def label(self) -> str:
         return str(self.path)
 
-    def items(self) -> Iterator[tuple[str, str]]:
+    def items(self) -> Iterator[tuple[str, Any]]:
         with open(self.path, encoding="utf-8") as fh:
             for number, line in enumerate(fh, 1):
                 if not line.strip():
@@ -219,8 +223,7 @@ class JsonlItems:
                     value = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise StageInputError(f"{self.path}:{number}: not JSON ({exc.msg})") from None
-                for text in strings(value):
-                    yield self.path.stem, text
+                yield self.path.stem, value
 
     def fingerprint(self) -> dict[str, Any]:
         return tree_fingerprint([self.path])
@@ -230,7 +233,7 @@ class JsonlItems:
 class LineItems(JsonlItems):
     """A .txt file: each non-blank line is an item."""
 
-    def items(self) -> Iterator[tuple[str, str]]:
+    def items(self) -> Iterator[tuple[str, Any]]:
         with open(self.path, encoding="utf-8") as fh:
             for line in fh:
                 if line.strip():
@@ -246,7 +249,7 @@ class TaskItems:
     inputs: tuple[dict[str, Any], ...]
     label: str
 
-    def items(self) -> Iterator[tuple[str, str]]:
+    def items(self) -> Iterator[tuple[str, Any]]:
         from gptpipe.lm_tasks import built_tasks
 
         tasks = built_tasks(list(self.specs), "corpus.decontamination.files: [your_task.yaml]")
@@ -254,8 +257,7 @@ class TaskItems:
             for docs in (task.test_docs() if task.has_test_docs() else None,
                          task.validation_docs() if task.has_validation_docs() else None):
                 for doc in docs or ():
-                    for text in strings(doc):
-                        yield name, text
+                    yield name, doc
 
     def fingerprint(self) -> dict[str, Any]:
         from gptpipe.lm_tasks import spec_name
@@ -307,7 +309,7 @@ def sources(config: DecontaminationConfig) -> list[ItemSource]:
 
 def fingerprint(config: DecontaminationConfig) -> dict[str, Any]:
     """What stage 0's manifest records of the items (a change reruns the stage)."""
-    return {"settings": {k: getattr(config, k) for k in ("word_ngram", "char_ngram", "min_word_ngram",
+    return {"settings": {k: getattr(config, k) for k in ("fields", "word_ngram", "char_ngram", "min_word_ngram",
                                                         "min_char_ngram")},
             **{source.label: source.fingerprint() for source in sources(config)}}
 
@@ -353,7 +355,8 @@ class Index:
         counts: dict[str, dict[str, int]] = {}
         seen: set[tuple[int, str]] = set()
         for source in sources(config):
-            for task, text in source.items():
+            for task, text in ((task, text) for task, record in source.items()
+                               for text in strings(record, tuple(config.fields))):
                 number = tasks.setdefault(task, len(tasks))
                 count = counts.setdefault(task, {"items": 0, "too short": 0, "ngrams": 0})
                 key = (number, text.strip())
