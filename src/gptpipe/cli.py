@@ -42,6 +42,10 @@ def _prepare_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print, for each document of FILE (.jsonl: one per line; any other file: one "
                              "document), what each rule measures and which one would drop it, then exit without "
                              "writing anything (duplicates are looked for among FILE's own documents only)")
+    parser.add_argument("--contamination-report", type=Path, nargs="?", const=True, metavar="FILE",
+                        help="print, per task of corpus.decontamination, how many of its items the corpus "
+                             "(corpus.jsonl of output_dir, or FILE) quotes and in how many documents, with the "
+                             "first few, then exit without changing anything")
 
 
 def _count_arguments(parser: argparse.ArgumentParser) -> None:

@@ -56,6 +56,16 @@ def load_tasks(specs: list[str | dict], local_hint: str) -> Any:
     """Build the tasks one by one (lm-eval fetches their datasets here), so a task whose hub dataset cannot
     be fetched is named; the full registry is indexed only when a registry name is asked for (slow).
     `local_hint` says how the calling command takes local tasks instead."""
+    return _built(specs, local_hint)[0]
+
+
+def built_tasks(specs: list[str | dict], local_hint: str) -> dict[str, Any]:
+    """The lm-eval Task objects of `specs` by task name (a group's tasks each), built as `load_tasks` builds
+    them: what stage 0's decontamination reads the evaluation documents from."""
+    return _built(specs, local_hint)[1]
+
+
+def _built(specs: list[str | dict], local_hint: str) -> tuple[Any, dict[str, Any]]:
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_defaults=any(isinstance(s, str) for s in specs))
@@ -65,9 +75,10 @@ def load_tasks(specs: list[str | dict], local_hint: str) -> Any:
                               f"a local task: {local_hint})")
     offline = any(os.environ.get(v, "0").lower() in ("1", "true", "yes")
                   for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    tasks: dict[str, Any] = {}
     for spec in specs:
         try:
-            manager.load([spec])
+            tasks.update(manager.load([spec])["tasks"])
         except ConnectionError as exc:
             why = ("HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set" if offline
                    else "the HuggingFace hub cannot be reached from here")
@@ -75,7 +86,7 @@ def load_tasks(specs: list[str | dict], local_hint: str) -> Any:
                 f"task {spec_name(spec)}: its dataset is hosted on the HuggingFace hub and {why} ({exc}). "
                 "Run where the network allows (the dataset is then cached under ~/.cache/huggingface), or "
                 f"evaluate local tasks: {local_hint}") from None
-    return manager
+    return manager, tasks
 
 
 def summarize(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:

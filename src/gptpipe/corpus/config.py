@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import ClassVar, Literal, Protocol
 
 from gptpipe.config.core import Url, option
 from gptpipe.storage import url_problems
@@ -134,6 +134,55 @@ class NearDedupConfig:
 
 
 @dataclass
+class DecontaminationConfig:
+    """Stage 0's decontamination (corpus/decontaminate.py): documents sharing an n-gram with an evaluation item
+    (text normalised: NFKC, case-folded, punctuation and whitespace ignored) are dropped, or lose the span. Off
+    while neither tasks nor files are listed."""
+
+    tasks: list[str] = option(
+        factory=list, doc="lm-eval registry task (or group) names whose test and validation documents are the "
+        "items (their datasets must be reachable or cached)")
+    files: list[Path] = option(
+        factory=list, doc="item files: .jsonl (every string of each line is an item), .txt (one item per line), "
+        "or a local lm-eval task YAML (.yaml/.yml: every string of its test and validation documents, not the "
+        "prompt template), named by the file's stem or the task's name")
+    fields: list[str] = option(
+        factory=list, doc="only these keys of each .jsonl line and each task document hold items, e.g. "
+        "[question, passage] ([]: every string, ids and labels too: those under the shortest n-gram are not "
+        "looked for anyway)")
+    action: Literal["drop", "remove_span"] = option(
+        "drop", "drop: a document overlapping an item is dropped as 'contaminated: <task>' (the first task, in "
+        "the order listed); remove_span: the quote (the whole item around each match) is cut out and the rest "
+        "kept if still min_chars long")
+    word_ngram: int = option(
+        13, "words per n-gram where items are written with spaces (GPT-3's 13); an item shorter than twice this "
+        "is looked for by shorter n-grams (a ladder down to min_word_ngram), so that one edited word leaves one "
+        "n-gram whole; one under twice min_word_ngram is matched one edit apart")
+    char_ngram: int = option(
+        50, "letters per n-gram (punctuation and whitespace removed) where items are written without spaces "
+        "(Japanese, Chinese); shorter items as for words")
+    min_word_ngram: int = option(8, "the shortest word n-gram; an item of fewer words is not looked for (as words)")
+    min_char_ngram: int = option(20, "the shortest character n-gram; an item of fewer letters is not looked for "
+                                     "(as letters)")
+    # which paths are item files is corpus/decontaminate.py's to say (it imports this module)
+    checked_by: ClassVar[str] = "gptpipe.corpus.decontaminate:config_problems"
+
+    def check(self) -> list[tuple[str, str]]:
+        problems = []
+        for key in ("word_ngram", "char_ngram", "min_word_ngram", "min_char_ngram"):
+            if getattr(self, key) < 1:
+                problems.append((key, "must be at least 1"))
+        for low, high in (("min_word_ngram", "word_ngram"), ("min_char_ngram", "char_ngram")):
+            if getattr(self, low) > getattr(self, high):
+                problems.append((low, f"must not exceed {high} ({getattr(self, high)})"))
+        return problems
+
+    @property
+    def on(self) -> bool:
+        return bool(self.tasks or self.files)
+
+
+@dataclass
 class CorpusConfig:
     """Stage 0: build one jsonl corpus ({"text": ...} per line) from the listed sources."""
 
@@ -153,6 +202,8 @@ class CorpusConfig:
     language_min_score: float = option(0.5, "a line votes for its language when the model is at least this sure")
     quality: QualityConfig = option(factory=QualityConfig, doc="quality rules, each named with its threshold")
     near_dedup: NearDedupConfig = option(factory=NearDedupConfig, doc="near-duplicate removal (MinHash LSH)")
+    decontamination: DecontaminationConfig = option(
+        factory=DecontaminationConfig, doc="evaluation items to keep out of the corpus (off when none are listed)")
     dropped_samples: int = option(
         20, "write at most this many dropped documents per drop reason to output_dir/dropped/<reason>.jsonl "
         "({origin, reason, text}), to read what a threshold removes; 0 writes none")

@@ -1,6 +1,8 @@
 """Stage 0's first pass over one shard, in a worker: read its records; drop the unreadable ones, the exact
-duplicates within the shard and what a rule of corpus/judge.py rejects; write the kept documents with their
-origins, text digests and MinHash signatures, the shard's dropped samples, and last its completion record.
+duplicates within the shard and what a rule of corpus/judge.py rejects (a quote of an evaluation item among them,
+or cut out of the document: corpus/decontaminate.py's index, which the driver saved in the work folder); write
+the kept documents with their origins, text digests and MinHash signatures, the shard's dropped samples, and
+last its completion record.
 
 A shard's folder is built under a temporary name and renamed into place, so a folder that exists is finished:
 a rerun after a kill skips it. Exact duplicates across shards and near duplicates are found afterwards over
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gptpipe.corpus.config import CorpusConfig
+from gptpipe.corpus.decontaminate import INDEX_FILE, Index, load, removed
 from gptpipe.corpus.dropped import SAMPLES_FOLDER, Drops
 from gptpipe.corpus.judge import Judge
 from gptpipe.corpus.neardup import MinHasher
@@ -50,6 +53,12 @@ def finished(folder: Path) -> ShardResult | None:
     return ShardResult(**json.loads(done.read_text(encoding="utf-8"))) if done.is_file() else None
 
 
+def contamination_index(work: Path) -> Index:
+    """The evaluation items' n-grams the driver saved in `work` (read once per worker process)."""
+    path = work / INDEX_FILE
+    return load(path, path.stat().st_mtime_ns)
+
+
 def judge_shard(config: CorpusConfig, shard: Shard, work: Path) -> ShardResult:
     """Judge one shard into work/<shard name>/ (nothing to do when it is there already)."""
     folder = work / shard.name()
@@ -58,7 +67,8 @@ def judge_shard(config: CorpusConfig, shard: Shard, work: Path) -> ShardResult:
         return result
     source = config.sources[shard.source]
     files = [f if is_url(f) else Path(f) for f in shard.files] or None
-    judge = Judge(config)
+    index = contamination_index(work) if config.decontamination.on else None
+    judge = Judge(config, index=index)
     near = config.near_dedup if config.near_dedup.threshold is not None else None
     hasher = MinHasher(near) if near else None
     seen: set[bytes] = set()  # 8-byte digests: ~80 bytes per document of the shard
@@ -83,10 +93,21 @@ def judge_shard(config: CorpusConfig, shard: Shard, work: Path) -> ShardResult:
                         drops.drop("exact duplicate", record.origin, text)
                         continue
                     seen.add(digest)
-                reason = judge.reject(text)
-                if reason:
-                    drops.drop(reason, record.origin, text)
+                failed = judge.reject(text)
+                if failed:
+                    drops.drop(failed.reason, record.origin, text, **failed.about)
                     continue
+                if index is not None and config.decontamination.action == "remove_span":
+                    overlap = index.find(text)
+                    if overlap:
+                        rest = removed(text, overlap.spans)
+                        if len(rest) < config.min_chars:
+                            drops.drop(f"contaminated: {overlap.tasks[0]}", record.origin, text,
+                                       overlaps=index.describe(overlap), left=f"{len(rest)} characters")
+                            continue
+                        for task in overlap.tasks:
+                            notes[f"contaminated spans removed: {task}"] += 1
+                        text = rest
                 if judge.mask:
                     masked = judge.mask(text)
                     if masked != text:

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gptpipe.corpus import language, quality
 from gptpipe.corpus.config import CorpusConfig
+
+if TYPE_CHECKING:  # the index is built by the driver and handed in
+    from gptpipe.corpus.decontaminate import Index
 
 
 @dataclass(frozen=True)
@@ -22,15 +26,19 @@ class Check:
     reason: str
     measured: str
     drops: bool
+    about: dict[str, str] = field(default_factory=dict)  # what a dropped sample notes beside its text
 
 
 class Judge:
     """The per-document rules of `config`, built once (the NG-word pattern, HojiChar's masker). `exact`: measure
-    the language share over every line (`--explain`) rather than stop the vote once the verdict is certain."""
+    the language share over every line (`--explain`) rather than stop the vote once the verdict is certain.
+    `index`: the evaluation items' n-grams, when decontamination is on (its `drop` action is a check of its own,
+    the last; `remove_span` cuts spans out of a kept document instead, corpus/firstpass.py)."""
 
-    def __init__(self, config: CorpusConfig, exact: bool = False) -> None:
+    def __init__(self, config: CorpusConfig, exact: bool = False, index: Index | None = None) -> None:
         self.config = config
         self.exact = exact
+        self.index = index
         self.wanted = frozenset(config.languages)
         self.rules = quality.rules(config.quality)
         self.mask: Callable[[str], str] | None = quality.pii_masker(config.quality)
@@ -51,7 +59,15 @@ class Judge:
             value = rule.measure(text)
             yield Check(f"quality: {rule.name}", f"{value:,}" if isinstance(value, int) else f"{value:.3g}",
                         rule.past(value))
+        if self.index is not None and (self.exact or config.decontamination.action == "drop"):
+            overlap = self.index.find(text)
+            cuts = config.decontamination.action == "remove_span"
+            about = self.index.describe(overlap) if overlap else "no n-gram of an evaluation item"
+            if overlap and cuts:
+                about += f"; {sum(b - a for a, b in overlap.spans):,} characters to cut"
+            yield Check(f"contaminated: {overlap.tasks[0]}" if overlap else "contaminated", about,
+                        bool(overlap) and not cuts, {"overlaps": about} if overlap else {})
 
-    def reject(self, text: str) -> str | None:
-        """The reason the first failing check gives, or None for a document to keep."""
-        return next((check.reason for check in self.checks(text) if check.drops), None)
+    def reject(self, text: str) -> Check | None:
+        """The first failing check, or None for a document to keep."""
+        return next((check for check in self.checks(text) if check.drops), None)

