@@ -177,6 +177,25 @@ def test_every_quoting_document_is_dropped_and_no_other(setup: dict, tmp_path: P
         (setup["folder"] / "heldout.jsonl").write_text("".join(lines[:-1]), encoding="utf-8")
 
 
+def test_a_folder_of_llm_jp_eval_files_is_an_item_source(setup: dict, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    """llm-jp-eval's test folder (the tasks `gptpipe evaluate` runs from task_dirs): its samples are the items."""
+    folder = tmp_path / "evaluation" / "test"
+    folder.mkdir(parents=True)
+    items = [item for i, (item, _) in enumerate(setup["items"]) if i % 4 == 0]
+    (folder / "heldout_qa.json").write_text(json.dumps({
+        "instruction": "この文章はどのマニュアルのものか答えてください。", "output_length": 8,
+        "metrics": ["exact_match"], "few_shots": [],
+        "samples": [{"input": item, "output": "man"} for item in items]}, ensure_ascii=False), encoding="utf-8")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"corpus": {"sources": [{"type": "jsonl", "path": str(setup["documents"])}],
+                                                 "decontamination": {"files": [str(folder)]}}}), encoding="utf-8")
+    capsys.readouterr()
+    assert main(["prepare", "--config", str(config), "--contamination-report", str(setup["documents"])]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| llmjp_")]
+    assert [(row[0].strip(), int(row[3]), int(row[4])) for row in rows] == [("llmjp_heldout_qa", 8, 8)]
+
+
 def test_remove_span_cuts_the_quotes_and_keeps_the_rest(setup: dict, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture) -> None:
     config = configure(tmp_path, setup, "cut", action="remove_span")

@@ -145,7 +145,8 @@ class DecontaminationConfig:
     files: list[Path] = option(
         factory=list, doc="item files: .jsonl (every string of each line is an item), .txt (one item per line), "
         "or a local lm-eval task YAML (.yaml/.yml: every string of its test and validation documents, not the "
-        "prompt template), named by the file's stem or the task's name")
+        "prompt template), or a folder of llm-jp-eval task files (each sample's input and output), named by the "
+        "file's stem or the task's name")
     fields: list[str] = option(
         factory=list, doc="only these keys of each .jsonl line and each task document hold items, e.g. "
         "[question, passage] ([]: every string, ids and labels too: those under the shortest n-gram are not "

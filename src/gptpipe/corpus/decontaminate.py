@@ -283,10 +283,34 @@ def task_yaml(path: Path) -> TaskItems:
     return TaskItems((task,), (tree_fingerprint([path, *local]),), str(path))
 
 
+@dataclass(frozen=True)
+class LlmJpItems:
+    """A folder of llm-jp-eval task files (gptpipe/llmjp_eval.py, what `gptpipe evaluate` runs from task_dirs):
+    each sample's input and output, under the task's name as evaluate reports it."""
+
+    path: Path
+
+    @property
+    def label(self) -> str:
+        return str(self.path)
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        from gptpipe.llmjp_eval import read_folder
+
+        for task in read_folder(self.path):
+            for sample in task.samples:
+                yield task.name, sample
+
+    def fingerprint(self) -> dict[str, Any]:
+        from gptpipe.llmjp_eval import fingerprint, read_folder
+
+        return fingerprint(read_folder(self.path))
+
+
 # The kinds of corpus.decontamination.files, by suffix ("/" for a folder): each gives the path's item source. A new
-# kind (a folder of task files turned into lm-eval task dicts: a TaskItems of them) is one entry here.
+# kind is one entry here.
 PATH_KINDS: dict[str, Callable[[Path], ItemSource]] = {".jsonl": JsonlItems, ".txt": LineItems, ".yaml": task_yaml,
-                                                       ".yml": task_yaml}
+                                                       ".yml": task_yaml, "/": LlmJpItems}
 
 
 def config_problems(config: DecontaminationConfig) -> list[tuple[str, str]]:
