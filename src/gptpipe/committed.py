@@ -5,11 +5,11 @@ A bucket has no rename, so what a writer uploads becomes real by order alone: ``
 only while its record exists and every file it lists is there with its size (``problems``); a writer replacing
 a committed folder ``withdraw``s the record first, so it never vouches for files being replaced.
 
-``fetch`` copies a committed folder into a local one: each file lands under a temporary name and is renamed
-once whole, and the record's bytes are kept (``keep``) after every file. A later fetch reuses the local copy
-while the bucket's record is byte-for-byte the kept one and every file still has its size: a folder redone at
-the same URL has a new record (a stage manifest's timings, a checkpoint marker's commit id), even when its
-files have the same sizes.
+``put`` and ``fetch`` move FILES_AT_ONCE files at a time. ``fetch`` copies a committed folder into a local one:
+each file lands under a temporary name and is renamed once whole and checked, and the record's bytes are kept
+(``keep``) after every file. A later fetch reuses the local copy while the bucket's record is byte-for-byte the
+kept one and every file still has its size: a folder redone at the same URL has a new record (a stage manifest's
+timings, a checkpoint marker's commit id), even when its files have the same sizes.
 
 Stage outputs (gptpipe.remote: the stage manifest is the record) and checkpoints of a run folder in a bucket
 (runtime/bucket.py: the ``complete`` marker is the record) both reach a bucket through this module.
@@ -24,6 +24,11 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from gptpipe.storage import filesystem, join, strip_protocol
+
+# Files in flight at once on an async store (each large one also in s3fs's / gcsfs's own concurrent parts, up to
+# max_concurrency x chunk size of memory per file: 10 x 50 MiB on s3fs), so a checkpoint's many shards and small
+# files do not wait for each other's round trips.
+FILES_AT_ONCE = 4
 
 
 def safe_name(name: str) -> bool:
@@ -99,10 +104,17 @@ class CommittedFolder:
                 problems.append(f"{self.path(name)} has {present[name]:,} bytes, its record lists {size:,}")
         return problems
 
+    def _concurrently(self) -> dict[str, Any]:
+        """The transfer options of a list of files: an async filesystem (s3fs, gcsfs) moves FILES_AT_ONCE of them at
+        once, each large one in concurrent ranged parts of its own (s3fs's max_concurrency, gcsfs's concurrency)."""
+        return {"batch_size": FILES_AT_ONCE} if getattr(self.fs, "async_impl", False) else {}
+
     def put(self, local: Path, names: Iterable[str]) -> None:
         """Upload the files ``names`` of the local folder ``local`` (nothing vouches for them yet)."""
-        for name in names:
-            self.fs.put_file(str(local / name), self.path(name))
+        names = list(names)
+        if names:
+            self.fs.put([str(local / name) for name in names], [self.path(name) for name in names],
+                        **self._concurrently())
 
     def withdraw(self) -> None:
         """Remove the record: from now on nothing in the folder exists for a reader."""
@@ -133,25 +145,28 @@ class CommittedFolder:
             keep.unlink(missing_ok=True)  # nothing local vouches for files while they are replaced
         if clean:
             shutil.rmtree(target, ignore_errors=True)
-        fetched = 0
-        for name, size in files.items():
-            destination = target / name
-            mtime = (mtimes or {}).get(name)
-            if mtime is not None and _has(destination, size, mtime):
-                continue
-            destination.parent.mkdir(parents=True, exist_ok=True)
-            part = destination.with_name(f".{destination.name}.part-{os.getpid()}")
-            try:
-                self.fs.get_file(self.path(name), str(part))
-                if part.stat().st_size != size:
-                    raise OSError(f"{self.path(name)} changed while it was downloaded ({part.stat().st_size:,} "
-                                  f"bytes, its record lists {size:,})")
-                if mtime is not None:
+        wanted = {name: size for name, size in files.items()
+                  if (mtimes or {}).get(name) is None or not _has(target / name, size, (mtimes or {})[name])}
+        # Downloaded beside their places under a temporary name, checked, then moved in.
+        parts = {name: (target / name).with_name(f".{Path(name).name}.part-{os.getpid()}") for name in wanted}
+        try:
+            for part in parts.values():
+                part.parent.mkdir(parents=True, exist_ok=True)
+            if parts:
+                self.fs.get([self.path(name) for name in parts], [str(part) for part in parts.values()],
+                            **self._concurrently())
+            for name, part in parts.items():
+                if not part.is_file() or part.stat().st_size != wanted[name]:
+                    got = f"{part.stat().st_size:,} bytes" if part.is_file() else "nothing"
+                    raise OSError(f"{self.path(name)} changed while it was downloaded ({got}, its record lists "
+                                  f"{wanted[name]:,})")
+                if (mtime := (mtimes or {}).get(name)) is not None:
                     os.utime(part, ns=(mtime, mtime))
-                os.replace(part, destination)
-            finally:
+                os.replace(part, target / name)
+        finally:
+            for part in parts.values():
                 part.unlink(missing_ok=True)
-            fetched += size
+        fetched = sum(wanted.values())
         if keep is not None:
             keep.parent.mkdir(parents=True, exist_ok=True)
             tmp = keep.with_name(f".{keep.name}.part-{os.getpid()}")
