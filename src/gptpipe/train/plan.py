@@ -61,6 +61,7 @@ class Plan:
     train_samples: int
     eval_samples: int
     index_ram: float
+    index_copies: int  # 1: cached and memory-mapped by the node's ranks; else built in each rank's memory
     host_ram_needed: float
     host_ram: float
     checkpoint_bytes: float
@@ -191,11 +192,16 @@ def make_plan(config: TrainingRun, vocab_size: int, dp: int | None = None, devic
 
     offloaded = (parameters * optimizer_bytes_per_parameter(train.precision, settings.zero_stage) / dp
                  if settings.offload else 0)
-    host_needed = index_ram + node_ranks * (offloaded + (GPU_RANK_HOST_RAM if on_gpu else 0))
+    # megatron's index arrays (and the split order) are cached in a folder and memory-mapped by a node's ranks, so
+    # the page cache holds them once. The nodes of a bucket run without data.cache_dir may stage on disks of their
+    # own (runtime/mirror.py): then nothing is cached and every rank builds them in its own memory.
+    index_copies = node_ranks if data.cache_dir is None and is_url(train.output_model_dir) and dp > node_ranks else 1
+    host_needed = index_ram * index_copies + node_ranks * (offloaded + (GPU_RANK_HOST_RAM if on_gpu else 0))
     host_ram = float(available_host_ram())
     if host_needed > 0.9 * host_ram:
         raise PlanError(
-            f"host RAM: this run needs ~{host_needed / GIB:.1f} GiB (dataset index {index_ram / GIB:.1f} GiB for "
+            f"host RAM: this run needs ~{host_needed / GIB:.1f} GiB (dataset index {index_ram / GIB:.1f} GiB"
+            f"{f' in each of {index_copies} ranks' if index_copies > 1 else ''} for "
             f"{sizes[0]:,} samples = {sizes[0] / max(epoch_samples, 1):,.1f} epochs) but {host_ram / GIB:.1f} GiB "
             "is available. Fix: lower train.train_tokens or train.train_epochs"
             + (", or set train.offload_optimizer=false" if settings.offload else ""))
@@ -214,7 +220,8 @@ def make_plan(config: TrainingRun, vocab_size: int, dp: int | None = None, devic
                 ranks_per_node=node_ranks, stats=stats, weights=weights,
                 tokens_per_step=tokens_per_step, steps=steps, run_length=run_length, schedule=schedule,
                 train_samples=sizes[0],
-                eval_samples=eval_samples, index_ram=index_ram, host_ram_needed=host_needed, host_ram=host_ram,
+                eval_samples=eval_samples, index_ram=index_ram, index_copies=index_copies,
+                host_ram_needed=host_needed, host_ram=host_ram,
                 checkpoint_bytes=checkpoint_bytes,
                 peak_flops=peak_flops(name, train.precision, train.peak_tflops) if on_gpu else None,
                 setup=setup, measured_tokens_per_s=measured, measured_elsewhere=elsewhere)

@@ -68,7 +68,10 @@ def format_plan(plan: Plan, config: TrainingRun) -> str:
         ("activations", f"{g(m.activations)} without checkpointing, {g(c.activations)} with"),
         ("loss", f"{'fused' if plan.loss.fused else 'unfused'}: {plan.loss.why}"),
         ("total", f"~{g(plan.planned_memory.total)} on {plan.device_name}: {plan.budget.describe()}"),
-        ("host RAM", f"dataset index {g(plan.index_ram)}; ~{g(plan.host_ram_needed)} needed of "
+        ("host RAM", f"dataset index {g(plan.index_ram)}"
+                     + (" in each of the node's ranks (no shared data.cache_dir: each builds its own)"
+                        if plan.index_copies > 1 else " (cached, memory-mapped by the node's ranks)")
+                     + f"; ~{g(plan.host_ram_needed)} needed of "
                      f"{g(plan.host_ram)} available ({plan.ranks_per_node} ranks on this node)"),
         ("disk", f"~{g(plan.checkpoint_bytes)} per checkpoint, keeping {train.keep_checkpoints}"),
     ]
