@@ -9,24 +9,31 @@ markdown row for docs/benchmarks.md (--json also appends the figures to a file, 
     .venv/bin/python bench/bench_train.py                          # 125m, seq 2048, bf16, the planner's micro-batch
     .venv/bin/python bench/bench_train.py --micro 8 --checkpointing --compile --plain
     .venv/bin/python bench/bench_train.py --base qwen3             # Qwen3-0.6B's shape, 151,936 vocabulary
-    .venv/bin/python bench/bench_train.py --smoke                  # tiny preset on CPU: checks it runs
+    .venv/bin/python bench/bench_train.py --smoke                  # tiny preset on CPU, bf16, both loops: runs
     .venv/bin/python bench/bench_train.py --continued              # the weights from a saved folder (init_from)
 
 MFU = FLOPs per token × tokens/s ÷ the GPU's dense peak (H100/H200 989 TFLOP/s bf16, not the 1,979 "with
-sparsity"; override with --peak-tflops). FLOPs per token are printed two ways: 6·N + 12·L·h·s counts attention's
-scores over the full s×s square (the convention of the planner, Megatron-LM and llm-foundry; N without the
-embedding lookup), and 6·N + 6·L·h·s counts the causal half that flash attention computes. The memory column
-compares torch's peak allocation with the planner's weights + gradients + optimizer + activations + logits (the
-headroom it leaves for the CUDA context, NCCL and fragmentation is not part of it): the target is within ±10%.
---plain times the same model, batch and kernels in a plain loop first (fp32 weights under bf16 autocast, torch's
-fused AdamW, gradient clipping, no DeepSpeed), so the engine's cost is a ratio. On CUDA the row also counts the
-host-device syncs of one step (torch.cuda.set_sync_debug_mode) and DeepSpeed's device synchronizes.
+sparsity"; override with --peak-tflops, which also gives a CPU one). Every row prints MFU in two conventions
+(model.flops_per_token): the headline "full" counts 6·N + 12·L·h·s, attention's scores over the full s×s square
+(the convention of the planner, Megatron-LM and llm-foundry; N without the embedding lookup), and "causal" counts
+6·N + 6·L·h·s, the lower triangle that causal flash attention computes. The memory column compares torch's peak
+allocation with the planner's weights + gradients + optimizer + activations + logits (the headroom it leaves for
+the CUDA context, NCCL and fragmentation is not part of it): the target is within ±10%.
+
+The engine row is `gptpipe train`'s step: train_step with forward_loss and the loss arguments build_engine returns
+(Liger's fp32 sum of lm_head's gradient under train.fp32_gradients). --plain first times the same model, batch,
+kernels and loss arguments in a plain PyTorch loop with the engine's numerics and no DeepSpeed: bf16 weights, their
+gradients copied to an fp32 master copy, clipped there, stepped by torch's fused AdamW with the engine's groups and
+copied back (DeepSpeed's bf16 optimizer; fp32: the weights themselves), so the engine's cost is a ratio and the two
+rows' losses agree. On CUDA the engine row also counts the host-device syncs of one step
+(torch.cuda.set_sync_debug_mode) and DeepSpeed's device synchronizes.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import math
@@ -38,6 +45,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -46,7 +54,7 @@ import torch
 from gptpipe.config.core import load_config
 from gptpipe.pipeline import PipelineConfig
 from gptpipe.runtime.devices import loss_path, peak_flops
-from gptpipe.runtime.engine import (apply_liger, build_engine, deepspeed_config, forward_loss, fused_loss_kwargs,
+from gptpipe.runtime.engine import (apply_liger, build_engine, deepspeed_config, forward_kwargs, forward_loss,
                                     setup_distributed, train_step)
 from gptpipe.runtime.memory import EngineSettings, estimate_memory, memory_budget
 from gptpipe.runtime.model import (base_shape, build_model, build_model_config, count_parameters, flops_per_token,
@@ -62,6 +70,11 @@ BASES = {
                   tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960),  # Qwen3-0.6B
 }
 PLANNED_SAMPLES = 512  # samples per rank and step the planner divides when --micro is auto
+HEADLINE = "full"  # the MFU convention of the targets (issue 30) and the bold figures: attention over s×s
+PLAIN_LOOP = "plain PyTorch: bf16 weights, fp32 master, fused AdamW, clipping"
+# --smoke: the two loops' losses after the same 4 steps from the same weights, relative. Same numerics: bf16
+# rounding apart (2e-5); the plain loop at a constant learning rate instead of the schedule was 1.5e-3 apart.
+PLAIN_AGREES = 5e-4
 
 
 class _NeverStop:
@@ -88,13 +101,17 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--json", type=Path, help="append the row's figures to this file as one JSON line")
     parser.add_argument("--label", default="", help="the row's name in --json output")
-    parser.add_argument("--smoke", action="store_true", help="tiny preset, seq 128, fp32, 3 steps: runs on CPU")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny preset, seq 128, bf16, 3 steps, --plain: both loops run on CPU")
     parser.add_argument("--continued", action="store_true",
                         help="load the weights from a HF folder as model.init_from does (the model built here, "
                              "saved to a temporary folder first): continued pretraining's step against scratch's")
     args = parser.parse_args()
     if args.smoke:
-        args.preset, args.seq, args.micro, args.precision, args.steps, args.warmup = "tiny", 128, "4", "fp32", 3, 1
+        args.preset, args.seq, args.micro, args.precision, args.steps, args.warmup = "tiny", 128, "4", "bf16", 3, 1
+        args.plain = True
+    if args.plain and args.precision == "fp16":
+        sys.exit("--plain runs bf16 or fp32: an fp16 plain loop would need the engine's loss scaling too")
 
     dist = setup_distributed()
     on_gpu = dist.device.type == "cuda"
@@ -134,20 +151,21 @@ def main() -> None:
         settings = largest_micro_batch(settings, PLANNED_SAMPLES, lambda s: memory_of(s).total <= budget.usable)
     micro = settings.micro_batch
     train.micro_batch_size, train.global_batch_size = micro, micro * dist.world_size
-    loss_kwargs = fused_loss_kwargs(train) if loss.fused else {}
+    loss_kwargs = forward_kwargs(train, loss)  # what build_engine returns: the plain loop's loss is the engine's
 
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (micro, args.seq + 1), generator=generator).to(dist.device)
     batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
     steps = args.warmup + args.steps
+    schedule = Schedule.for_run(train, steps + 2)  # both loops' learning rates
 
     plain = None
     if args.plain:
         if loss.fused:
             apply_liger(arch)  # the same kernels as the engine's (build_engine applies them again: no change)
         try:
-            plain = plain_loop(hf_config, train, batch, loss_kwargs, args.warmup, args.steps, dist.device)
-        except torch.OutOfMemoryError:  # its fp32 weights and autocast copies need more than the engine's plan
+            plain = plain_loop(hf_config, train, schedule, batch, loss_kwargs, args.warmup, args.steps, dist.device)
+        except torch.OutOfMemoryError:  # no ZeRO partitioning of its own; one rank holds what the plan splits
             print(f"plain loop: out of memory at micro-batch {micro}; the engine row still runs", file=sys.stderr)
         gc.collect()  # outside the handler: its traceback held the loop's model and optimizer
         if on_gpu:
@@ -160,55 +178,87 @@ def main() -> None:
         folder = Path(tempfile.mkdtemp(prefix="bench-base-"))
         build_model(hf_config).save_pretrained(folder)
         make_model = lambda: build_model(hf_config, dist.device, init_from=folder)
-    engine, _ = build_engine(train, arch, hf_config, ds_config, Schedule.for_run(train, steps + 2), dist.device,
-                             make_model)
+    engine, engine_kwargs = build_engine(train, arch, hf_config, ds_config, schedule, dist.device,
+                                         make_model)
+    assert engine_kwargs == loss_kwargs, (engine_kwargs, loss_kwargs)  # one decision: devices.loss_path
+    step = functools.partial(train_step, engine, [batch], _NeverStop(),
+                             functools.partial(forward_loss, **engine_kwargs))  # TrainLoop.forward's call
 
-    stop = _NeverStop()
-    first = train_step(engine, [batch], stop)
+    first = step()
     first_loss = float(first.loss)  # the untrained model's loss (one sync, before timing)
     for _ in range(args.warmup - 1):
-        train_step(engine, [batch], stop)
+        step()
     synchronize(dist.device)
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     with counted_synchronizes() as device_syncs:
         start = time.perf_counter()
         for _ in range(args.steps):
-            result = train_step(engine, [batch], stop)
+            result = step()
         synchronize(dist.device)
         seconds = time.perf_counter() - start
     loss_value = float(result.loss)
-    syncs = host_syncs(lambda: train_step(engine, [batch], stop)) if on_gpu else None
+    syncs = host_syncs(step) if on_gpu else None
 
     tokens_per_s = args.steps * micro * args.seq * dist.world_size / seconds
-    flops_full = flops_per_token(shape, args.seq, parameters if args.base else None)
-    flops_causal = flops_full - 6 * shape.num_layers * shape.num_attn_heads * shape.head_dim * args.seq
+    total = parameters if args.base else None
+    flops = {convention: flops_per_token(shape, args.seq, total, causal=convention == "causal")
+             for convention in ("full", "causal")}
     name = torch.cuda.get_device_name(0) if on_gpu else "CPU"
-    peak = peak_flops(name, args.precision, args.peak_tflops) if on_gpu else None
+    peak = (peak_flops(name, args.precision, args.peak_tflops) if on_gpu
+            else args.peak_tflops * 1e12 if args.peak_tflops else None)
+
+    def mfu(speed: float | None) -> dict[str, float | None]:
+        """MFU in both conventions (None without a peak or a speed)."""
+        return {c: f * speed / (peak * dist.world_size) if peak and speed else None for c, f in flops.items()}
+
     planned = memory_of(settings).total / 2**30
     measured = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else float("nan")
     if not dist.is_main:
         return
+    engine_mfu, plain_mfu = mfu(tokens_per_s), mfu(plain.tokens_per_s if plain else None)
     row = {"label": args.label or (args.base or f"{args.arch} {args.preset}"), "device": name,
            "ranks": dist.world_size, "seq": args.seq, "micro": micro, "micro_planned": args.micro == "auto",
            "precision": args.precision, "zero": args.zero, "checkpointing": args.checkpointing,
-           "compile": args.compile, "liger": loss.fused, "parameters": parameters, "tokens_per_s": tokens_per_s,
-           "mfu_full": flops_full * tokens_per_s / (peak * dist.world_size) if peak else None,
-           "mfu_causal": flops_causal * tokens_per_s / (peak * dist.world_size) if peak else None,
+           "compile": args.compile, "liger": loss.fused, "loss_kwargs": sorted(engine_kwargs),
+           "parameters": parameters, "tokens_per_s": tokens_per_s, "mfu_headline": HEADLINE,
+           "flops_per_token_full": flops["full"], "flops_per_token_causal": flops["causal"],
+           "mfu_full": engine_mfu["full"], "mfu_causal": engine_mfu["causal"],
            "peak_gib": measured, "planned_gib": planned,
            "budget_gib": budget.usable / 2**30 if budget else None, "first_loss": first_loss, "loss": loss_value,
-           "plain_tokens_per_s": plain, "engine_vs_plain": tokens_per_s / plain if plain else None,
+           "plain_loop": PLAIN_LOOP if args.plain else None,
+           "plain_tokens_per_s": plain.tokens_per_s if plain else None,
+           "plain_mfu_full": plain_mfu["full"], "plain_mfu_causal": plain_mfu["causal"],
+           "plain_peak_gib": plain.peak_gib if plain else None,
+           "plain_first_loss": plain.first_loss if plain else None, "plain_loss": plain.loss if plain else None,
+           "engine_vs_plain": tokens_per_s / plain.tokens_per_s if plain else None,
            "host_syncs_per_step": None if syncs is None else len(syncs), "host_sync_sites": syncs,
            "device_synchronizes": device_syncs[0],
            "command": f"python {' '.join(sys.argv)}"}
-    mfu = (f"MFU {row['mfu_full']:.1%} (causal {row['mfu_causal']:.1%})" if peak else "MFU n/a (CPU)")
-    ratio = f" | plain {plain:,.0f} tok/s, engine {row['engine_vs_plain']:.2f}×" if plain else ""
-    print(f"| {row['label']} | seq {args.seq} | micro {micro}{' (plan)' if args.micro == 'auto' else ''} | "
-          f"{args.precision} ZeRO-{args.zero}{' ckpt' if args.checkpointing else ''}"
-          f"{' compile' if args.compile else ''}{' liger' if loss.fused else ''}"
-          f"{' init_from' if args.continued else ''} | {name} ×{dist.world_size} | {tokens_per_s:,.0f} tok/s | {mfu} | "
-          f"peak {measured:.1f} GiB (planned {planned:.1f}) | loss {first_loss:.3f} → {loss_value:.3f}{ratio} | "
-          f"syncs/step: host {row['host_syncs_per_step']}, DeepSpeed {device_syncs[0]} in {args.steps} steps |")
+    settings_text = (f"{args.precision} ZeRO-{args.zero}{' ckpt' if args.checkpointing else ''}"
+                     f"{' compile' if args.compile else ''}{' liger' if loss.fused else ''}"
+                     f"{' init_from' if args.continued else ''}")
+    micro_text = f"{micro}{' (plan)' if args.micro == 'auto' else ''}"
+
+    def percent(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.1%}"
+
+    print(f"| row | loop | seq | micro | settings | device | tokens/s | MFU {HEADLINE} 12·L·h·s (headline) | "
+          "MFU causal 6·L·h·s | peak GiB (planned) | loss 1 → n | syncs/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| {row['label']} | engine: `gptpipe train`'s step | {args.seq} | {micro_text} | {settings_text} | "
+          f"{name} ×{dist.world_size} | {tokens_per_s:,.0f} | {percent(engine_mfu['full'])} | "
+          f"{percent(engine_mfu['causal'])} | {measured:.2f} ({planned:.2f}) | {first_loss:.4f} → {loss_value:.4f} | "
+          f"host {row['host_syncs_per_step']}, DeepSpeed {device_syncs[0]} in {args.steps} steps |")
+    if plain:
+        plain_settings = (f"{args.precision}{' ckpt' if args.checkpointing else ''}"  # uncompiled, no ZeRO
+                          f"{' liger' if loss.fused else ''}")
+        print(f"| {row['label']} | {PLAIN_LOOP} | {args.seq} | {micro_text} | {plain_settings} | "
+              f"{name} ×1 | {plain.tokens_per_s:,.0f} (engine {row['engine_vs_plain']:.2f}×) | "
+              f"{percent(plain_mfu['full'])} | {percent(plain_mfu['causal'])} | {plain.peak_gib:.2f} | "
+              f"{plain.first_loss:.4f} → {plain.loss:.4f} | |")
+    elif args.plain:
+        print(f"| {row['label']} | {PLAIN_LOOP} | out of memory at micro-batch {micro} | | | | | | | | | |")
     if syncs:
         print(f"host syncs of one step: {', '.join(syncs)}")
     print(f"command: {os.path.basename(sys.executable)} {' '.join(sys.argv)}", file=sys.stderr)
@@ -217,6 +267,8 @@ def main() -> None:
             out.write(json.dumps(row) + "\n")
     if not math.isfinite(loss_value):  # CI runs --smoke: a diverged step is a broken training path, not a slow one
         sys.exit(f"loss is {loss_value}: the training step is broken")
+    if args.smoke and plain and abs(plain.loss - loss_value) > PLAIN_AGREES * loss_value:
+        sys.exit(f"the plain loop's loss {plain.loss:.5f} is not the engine's {loss_value:.5f}: not the same numerics")
     if device_syncs[0]:  # DeepSpeed's throughput timer (engine.deepspeed_config turns it off) and the like
         sys.exit(f"DeepSpeed synchronized the device {device_syncs[0]} times in {args.steps} steps")
 
@@ -274,36 +326,69 @@ def host_syncs(step: Any) -> list[str]:
     return sites
 
 
-def plain_loop(hf_config: Any, train: Any, batch: dict[str, torch.Tensor], loss_kwargs: dict[str, Any],
-               warmup: int, steps: int, device: torch.device) -> float:
-    """Tokens/s of the same model in a plain PyTorch loop: fp32 weights under bf16/fp16 autocast (fp32: none),
-    torch's fused AdamW with the engine's groups, gradient clipping; the memory is freed before returning."""
+@dataclass
+class PlainRun:
+    tokens_per_s: float
+    first_loss: float  # the untrained model's: the engine row's, when the numerics are the same
+    loss: float  # after the last timed step
+    peak_gib: float  # torch's peak allocation over the timed steps (nan on CPU)
+
+
+def plain_loop(hf_config: Any, train: Any, schedule: Schedule, batch: dict[str, torch.Tensor],
+               loss_kwargs: dict[str, Any], warmup: int, steps: int, device: torch.device) -> PlainRun:
+    """The same model in a plain PyTorch loop with the engine's numerics (DeepSpeed's bf16 optimizer): bf16
+    weights (fp32: fp32), and in bf16 an fp32 master copy that receives the gradients, is clipped to
+    train.grad_clip and stepped by torch's fused AdamW with the engine's groups and learning rates (`schedule`),
+    then copied back into the bf16 weights. The same initial weights as the engine's (the same seed, rounded to
+    bf16 as DeepSpeed rounds them); the memory is freed before returning."""
     torch.manual_seed(0)
     model = build_model(hf_config, device)
+    if train.precision == "bf16":
+        model.to(torch.bfloat16)
     if train.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = torch.optim.AdamW(parameter_groups(model, train.weight_decay), lr=train.lr,
-                                  betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, fused=True)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(train.precision)
+    weights = [p for p in model.parameters() if p.requires_grad]
+    master = weights
+    if train.precision == "bf16":
+        master = [torch.nn.Parameter(p.detach().float()) for p in weights]
+        for m in master:
+            m.grad = torch.zeros_like(m)
+    master_of = {id(p): m for p, m in zip(weights, master)}
+    groups = [{**group, "params": [master_of[id(p)] for p in group["params"]]}
+              for group in parameter_groups(model, train.weight_decay)]
+    optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
+                                  eps=train.adam_eps, fused=True)
+    scheduler = schedule.scheduler_factory()(optimizer)
     model.train()
-    start = 0.0
+    start, first_loss = 0.0, float("nan")
     for i in range(warmup + steps):
         if i == warmup:
             synchronize(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
-        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            loss, _ = forward_loss(model, batch, **loss_kwargs)
+        loss, _ = forward_loss(model, batch, **loss_kwargs)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if i == 0:
+            first_loss = float(loss)  # one sync, before timing
+        with torch.no_grad():
+            if master is not weights:
+                torch._foreach_copy_([m.grad for m in master], [p.grad for p in weights])
+            torch.nn.utils.clip_grad_norm_(master, train.grad_clip, foreach=True)
+            optimizer.step()
+            scheduler.step()
+            if master is not weights:
+                torch._foreach_copy_(weights, master)  # rounds to bf16
+        model.zero_grad(set_to_none=True)  # the master's fp32 gradients stay: the next copy overwrites them
     synchronize(device)
     seconds = time.perf_counter() - start
-    del model, optimizer, loss
+    run = PlainRun(steps * batch["input_ids"].numel() / seconds, first_loss, float(loss),
+                   torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"))
+    del model, optimizer, scheduler, loss, weights, master, master_of, groups
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return steps * batch["input_ids"].numel() / seconds
+    return run
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@
 #   3. Liger on/off: every model type Liger patches, the same weights and batch (bench/bench_liger.py), and the
 #      125m llama's step-1 loss with and without Liger at one micro-batch;
 #   4. at seq 2048 in bf16, at the planner's micro-batch: llama 125m and 1b, gpt2 125m, mixtral 125m and a
-#      Qwen3-0.6B-shaped base (random weights, 151,936 vocabulary): tokens/s, MFU (dense peak), peak memory against
-#      the plan, host-device syncs per step and where they are (logs/), and a plain PyTorch loop on the same model
+#      Qwen3-0.6B-shaped base (random weights, 151,936 vocabulary): tokens/s, MFU (dense peak; full attention the
+#      headline, causal beside it), peak memory against the plan, host-device syncs per step and where they are
+#      (logs/), and a plain PyTorch loop on the same model with the engine's numerics (bf16 weights, fp32 master)
 #      (bench/bench_train.py);
 #   5. the real loop: `gptpipe train` (data loading, logging, evaluation, a checkpoint) on the demo's stage-2
 #      data (demo/ after `bash demo.sh`, or its stages 0-2; copied from another machine, keep the files' mtimes to

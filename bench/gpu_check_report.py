@@ -1,7 +1,10 @@
 """bench/gpu_check.sh's table: the rows of <folder>/rows.jsonl (bench/bench_train.py --json) and the real loop's
 <folder>/real-loop/metrics.jsonl as markdown, each row with its verdict against issue 30's targets: MFU (dense peak)
 >= 45% for llama 125m and >= 50% for 1b, peak memory within ±10% of the plan at the planner's micro-batch, the
-engine >= 0.95x the plain loop, Liger on/off step-1 losses equal within bf16 noise.
+engine >= 0.95x the plain loop (bf16 weights and an fp32 master copy, the engine's numerics: its loss after the
+timed steps within 1% of the engine's), Liger on/off step-1 losses equal within bf16 noise. MFU's headline counts
+attention over the full s×s square (12·L·h·s, the targets' convention), "causal" the half flash attention computes.
+Rows of runs before the fair plain loop (no plain_mfu_full) print without the plain loop's MFU and loss.
 
     python bench/gpu_check_report.py bench/results/gpu-check-<date>-<time>
 """
@@ -22,9 +25,9 @@ def percent(value: float | None) -> str:
 out = Path(sys.argv[1])
 rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines() if line.strip()]
 targets = {"llama-125m": 0.45, "llama-1b": 0.50}
-print("| row | micro | tok/s | MFU dense (causal) | peak / plan GiB | plain tok/s (engine ×) | host syncs/step "
-      "| loss 1 → n | verdict |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("| row | micro | tok/s | MFU full 12·L·h·s, headline (causal 6·L·h·s) | peak / plan GiB | plain tok/s "
+      "(engine ×) | plain MFU full (causal) | host syncs/step | loss 1 → n (plain's n) | verdict |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 by_label = {row["label"]: row for row in rows}
 for row in rows:
     notes = []
@@ -36,12 +39,18 @@ for row in rows:
         notes.append(f"peak {ratio:.2f}× plan")
     if row["engine_vs_plain"] is not None and row["engine_vs_plain"] < 0.95:
         notes.append("engine < 0.95× plain")
+    plain_loss = row.get("plain_loss")
+    if plain_loss is not None and abs(plain_loss - row["loss"]) > 0.01 * row["loss"]:
+        notes.append("plain loss ≠ engine's")
     plain = (f"{row['plain_tokens_per_s']:,.0f} ({row['engine_vs_plain']:.2f}×)" if row["plain_tokens_per_s"]
              else "-")
+    plain_mfu = (f"{percent(row['plain_mfu_full'])} ({percent(row['plain_mfu_causal'])})"
+                 if row.get("plain_mfu_full") is not None else "-")
+    loss_n = f"{row['loss']:.3f}" + (f" ({plain_loss:.3f})" if plain_loss is not None else "")
     print(f"| {row['label']} | {row['micro']}{' plan' if row['micro_planned'] else ''} | {row['tokens_per_s']:,.0f} | "
           f"{percent(mfu)} ({percent(row['mfu_causal'])}) | {row['peak_gib']:.1f} / {row['planned_gib']:.1f} "
           f"({ratio:.2f}×) | "
-          f"{plain} | {row['host_syncs_per_step']} | {row['first_loss']:.4f} → {row['loss']:.3f} | "
+          f"{plain} | {plain_mfu} | {row['host_syncs_per_step']} | {row['first_loss']:.4f} → {loss_n} | "
           f"{'; '.join(notes) or 'ok'} |")
 on, off = by_label.get("llama-125m-micro8-liger"), by_label.get("llama-125m-micro8-no-liger")
 if on and off:

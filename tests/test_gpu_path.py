@@ -21,13 +21,14 @@ from gptpipe.runtime.engine import deepspeed_config, fused_loss_kwargs, uncompil
 
 COUNTED_STEPS = """
 import json
+from functools import partial
 from types import SimpleNamespace
 
 import torch
 from deepspeed.accelerator import get_accelerator
 
 from gptpipe.runtime.config import ModelConfig
-from gptpipe.runtime.engine import build_engine, deepspeed_config, setup_distributed, train_step
+from gptpipe.runtime.engine import build_engine, deepspeed_config, forward_loss, setup_distributed, train_step
 from gptpipe.runtime.model import build_model_config
 from gptpipe.train.config import TrainConfig
 from gptpipe.runtime.schedule import Schedule
@@ -60,10 +61,10 @@ for name, timers in (("gptpipe", None), ("deepspeed's default", {})):
     ds_config, _ = deepspeed_config(train, 2, 2, 1, on_gpu=False)
     if timers is not None:
         ds_config["timers"] = timers  # DeepSpeed's own default: the throughput timer on, synchronized
-    engine, _ = build_engine(train, "llama", config, ds_config, Schedule.for_run(train, 10), dist.device)
+    engine, loss_kwargs = build_engine(train, "llama", config, ds_config, Schedule.for_run(train, 10), dist.device)
     calls[0] = 0
     for _ in range(4):  # two micro-batches each
-        train_step(engine, [batch, batch], Go())
+        train_step(engine, [batch, batch], Go(), partial(forward_loss, **loss_kwargs))
     counts[name] = calls[0]
 print(json.dumps(counts))
 """

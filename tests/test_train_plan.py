@@ -38,21 +38,24 @@ def test_planner_parameter_count_equals_the_model(arch: str, preset: str) -> Non
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_planned_flops_per_token_are_what_the_model_multiplies(arch: str, preset: str) -> None:
-    """The plan's FLOPs per token (6·N plus 12·L·h·s of attention scores: full attention, the headline MFU's
-    convention) against torch's own count of every matrix product a training step runs (FlopCounterMode over
-    forward and backward, eager attention so the scores are products too, and eager experts, whose products it
-    sees): within 0.5%. Llama on the meta device (no memory), every preset; GPT-2 and Mixtral need values (GPT-2's
-    mask, Mixtral's routing: the tokens each expert really gets), so they run on the CPU, their small presets."""
+    """The plan's FLOPs per token in both MFU conventions against torch's own count of every matrix product a
+    training step runs (FlopCounterMode over forward and backward, eager attention so that the scores are products
+    too, its aten.bmm, and eager experts, whose products it sees): "full" (6·N plus 12·L·h·s, the headline) within
+    0.5% of the whole count, "causal" (6·N plus 6·L·h·s) of the count less half the score products (the lower
+    triangle causal flash attention computes), and the scores exactly. Every preset of every architecture: llama
+    on the meta device (no memory), whole; GPT-2 and Mixtral need values (GPT-2's mask, Mixtral's routing: the
+    tokens each expert really gets), so they run on the CPU, the small presets whole and the big ones' widths with
+    one layer at a short sequence (per-layer terms are the same in every layer; the small presets check the sum
+    over layers)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM
 
     from gptpipe.runtime.model import flops_per_token
 
-    if arch != "llama" and preset not in ("tiny", "125m"):
-        pytest.skip("a big step on the CPU: the small presets check the same formula")
-    seq_len = 256
-    model_cfg = ModelConfig(arch=arch, preset=preset)
+    whole = arch == "llama" or preset in ("tiny", "125m")
+    seq_len = 256 if whole else 32
+    model_cfg = ModelConfig(arch=arch, preset=preset, **({} if whole else {"num_layers": 1}))
     config = build_model_config(model_cfg, TOKENIZER, seq_len)
     device = "meta" if arch == "llama" else "cpu"
     torch.manual_seed(0)
@@ -64,8 +67,12 @@ def test_planned_flops_per_token_are_what_the_model_multiplies(arch: str, preset
     with counter:
         model(input_ids=tokens, labels=tokens).loss.backward()
     counted = counter.get_total_flops() / seq_len
-    planned = flops_per_token(resolve_shape(model_cfg, TOKENIZER.vocab_size), seq_len)
-    assert planned == pytest.approx(counted, rel=0.005), (counted, planned)
+    scores = counter.get_flop_counts()["Global"][torch.ops.aten.bmm] / seq_len  # q·kᵀ and ·v, both passes
+    shape = resolve_shape(model_cfg, TOKENIZER.vocab_size)
+    full, causal = flops_per_token(shape, seq_len), flops_per_token(shape, seq_len, causal=True)
+    assert full == pytest.approx(counted, rel=0.005), (counted, full)
+    assert causal == pytest.approx(counted - scores / 2, rel=0.005), (counted - scores / 2, causal)
+    assert 2 * (full - causal) == scores  # 12·L·h·s: the attention term alone, exactly
 
 
 def test_model_config_uses_the_tokenizer_ids_and_a_padded_vocab() -> None:

@@ -28,7 +28,7 @@ import torch
 from gptpipe.log import get_logger
 from gptpipe.ports import free_port
 from gptpipe.runtime.config import LoopConfig
-from gptpipe.runtime.devices import LIGER_ARCHS, host_threads_per_rank, loss_path, triton_missing
+from gptpipe.runtime.devices import LIGER_ARCHS, LossPath, host_threads_per_rank, loss_path, triton_missing
 from gptpipe.runtime.memory import gradient_bytes
 from gptpipe.runtime.model import RouterStats, build_model, lm_forward, parameter_groups, router_loss
 from gptpipe.runtime.schedule import Schedule
@@ -221,11 +221,18 @@ def fused_loss_kwargs(train: LoopConfig) -> dict[str, Any]:
     return {"skip_logits": True, **({"accum_dtype": torch.float32} if fp32 else {})}
 
 
+def forward_kwargs(train: LoopConfig, loss: LossPath) -> dict[str, Any]:
+    """The keyword arguments every forward with labels passes on the loss path `loss` (devices.loss_path;
+    build_engine returns them): `fused_loss_kwargs` where Liger's fused linear cross-entropy computes the loss,
+    else none. A loop without an engine (the GPU bench's plain loop) takes them from here too."""
+    return fused_loss_kwargs(train) if loss.fused else {}
+
+
 def build_engine(train: LoopConfig, arch: str, hf_config: Any, ds_config: dict[str, Any], schedule: Schedule,
                  device: torch.device, make_model: Callable[[], Any] | None = None) -> tuple[Any, dict[str, Any]]:
     """The model (freshly initialized from the current RNG state, or `make_model()`'s, e.g. pretrained
     weights for fine-tuning) inside a DeepSpeed engine, and the keyword arguments every forward with labels
-    passes (`fused_loss_kwargs` where Liger's fused linear cross-entropy computes the loss, else none).
+    passes (`forward_kwargs`: Liger's fused loss needs them; train_step's `forward` must pass them).
 
     The LR scheduler goes into `deepspeed.initialize`, so DeepSpeed checkpoints it. `make_model` is called
     after Liger has patched the model classes, so its model gets the fused kernels too.
@@ -263,7 +270,7 @@ def build_engine(train: LoopConfig, arch: str, hf_config: Any, ds_config: dict[s
             engine.compile(backend=train.compile_backend)
         elif main:
             log.warning(f"train.compile: running uncompiled: {why_not}")
-    return engine, fused_loss_kwargs(train) if loss.fused else {}
+    return engine, forward_kwargs(train, loss)
 
 
 def uncompiled_because(train: LoopConfig, on_gpu: bool, liger: bool) -> str | None:
@@ -331,9 +338,11 @@ class StepResult:
 
 def train_step(engine: Any, batches: Iterable[dict[str, torch.Tensor]], stop: StopFlag,
                forward: Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, RouterStats | None]]
-               = forward_loss) -> StepResult | None:
+               ) -> StepResult | None:
     """One optimizer step over `batches` (the micro-batches of one global batch on this rank); `forward`
-    gives each micro-batch's (loss, aux loss): pretraining's by default, fine-tuning passes its own.
+    gives each micro-batch's (loss, aux loss): pretraining's is forward_loss with build_engine's loss arguments,
+    fine-tuning passes its own. No default: a bare forward_loss left them out (the GPU bench summed lm_head's
+    gradient in bf16 where `gptpipe train` sums it in fp32).
 
     Returns None when a stop was requested before the step finished: the model and optimizer are then
     exactly as after the previous step, and that is what gets saved.

@@ -184,11 +184,13 @@ def active_matmul_parameters(shape: Shape, seq_len: int, total: int | None = Non
     return total - lookups - shape.num_layers * unused_experts
 
 
-def flops_per_token(shape: Shape, seq_len: int, total: int | None = None) -> float:
+def flops_per_token(shape: Shape, seq_len: int, total: int | None = None, causal: bool = False) -> float:
     """Training FLOPs per token: 6·N for the matmuls plus 12·L·(heads·head_dim)·s for attention scores
-    (forward+backward); `total` as in active_matmul_parameters."""
-    return (6 * active_matmul_parameters(shape, seq_len, total)
-            + 12 * shape.num_layers * shape.num_attn_heads * shape.head_dim * seq_len)
+    (forward+backward) over the full s×s square (the planner's, Megatron-LM's and llm-foundry's convention; the
+    headline MFU's), or with `causal` 6·L·(heads·head_dim)·s, the lower triangle that causal flash attention
+    computes; `total` as in active_matmul_parameters."""
+    attention = (6 if causal else 12) * shape.num_layers * shape.num_attn_heads * shape.head_dim * seq_len
+    return 6 * active_matmul_parameters(shape, seq_len, total) + attention
 
 
 def build_model_config(model_cfg: ModelConfig, tokenizer_info: TokenizerInfo, seq_len: int) -> PretrainedConfig:
