@@ -248,7 +248,7 @@ def test_decontamination_config_errors_name_the_key(tmp_path: Path, capfd: pytes
     err = capfd.readouterr().err
     assert "corpus.decontamination.files.0" in err and "missing.jsonl does not exist" in err
     assert "corpus.decontamination.files.1" in err and "not an item file or task (.jsonl, .txt, .yaml" in err
-    assert "corpus.decontamination.files.2" in err  # a folder: no kind of folder is known yet
+    assert "corpus.decontamination.files.2" in err and "llm-jp-eval task files (*.json), and it holds none" in err
     # The paths are looked at once the values are right: these come first.
     config.write_text(yaml.safe_dump({"corpus": {"decontamination": {
         "files": ["missing.jsonl"], "min_char_ngram": 60, "acton": "drop"}}}), encoding="utf-8")

@@ -321,6 +321,9 @@ def config_problems(config: DecontaminationConfig) -> list[tuple[str, str]]:
             problems.append((f"files.{i}", f"{path} does not exist"))
         elif ("/" if path.is_dir() else path.suffix) not in PATH_KINDS:
             problems.append((f"files.{i}", f"{path}: not an item file or task ({', '.join(PATH_KINDS)})"))
+        elif path.is_dir() and not any(path.glob("*.json")):
+            problems.append((f"files.{i}", f"{path}: a folder here is one of llm-jp-eval task files (*.json), and "
+                                           "it holds none"))
     return problems
 
 
