@@ -127,13 +127,13 @@ def test_a_document_masked_sample_gives_each_document_its_logits_alone(arch: str
     seq_len, split, seed = 1024, "90,9,1", SHIPPED.data.seed  # room for several man pages
     data_cfg = DataConfig(prefixes=[dataset_prefix], split=split, seed=seed)
     counts = [count_dataset(dataset_prefix, split, seed)]
-    masked, plain = (build_datasets(data_cfg, counts, seq_len, [16, 8, 8], tmp_path / str(on), tokenizer.vocab_size,
+    masked, plain = (build_datasets(data_cfg, counts, seq_len, [64, 8, 8], tmp_path / str(on), tokenizer.vocab_size,
                                     tokenizer.eod_id, document_mask=on)[0] for on in (True, False))
     torch.manual_seed(0)
     config = build_model_config(ModelConfig(arch=arch, preset="tiny"), tokenizer, seq_len)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    # The sample with the most documents among the first sixteen.
-    sample = max(range(16), key=lambda i: int((masked[i]["tokens"] == tokenizer.eod_id).sum()))
+    # The sample with the most documents among the first 64 (a corpus of long pages packs few in 1,024 tokens).
+    sample = max(range(64), key=lambda i: int((masked[i]["tokens"] == tokenizer.eod_id).sum()))
     batch, whole = collate(masked, [sample], "cpu"), collate(plain, [sample], "cpu")
     assert torch.equal(batch["input_ids"], whole["input_ids"]) and "position_ids" not in whole
     tokens, positions = batch["input_ids"][0], batch["position_ids"][0]
