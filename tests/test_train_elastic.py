@@ -50,7 +50,7 @@ def test_a_two_rank_run_resumes_on_another_number_of_ranks(two_rank_runs, worksp
                            f"train.output_model_dir={run}", ranks=ranks)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"global_step{SAVED} was saved by 2 rank(s), this run has {ranks}: converted" in done.stderr
-    assert not list((run / "checkpoints").glob(".tmp-universal-*"))  # the copy goes once loaded
+    assert not list((run / "checkpoints").glob("*universal*"))  # the copy (and DeepSpeed's pointer) go once loaded
     expected = {step: loss for step, loss in train_losses(reference).items() if step > SAVED}
     # Step 4's loss is the restored weights' (measured: equal to 1e-7); step 5's follows an update with the restored
     # optimizer moments (measured: 2e-5 apart at ZeRO-3 on 3 ranks, reduction order; 0.6% apart when a resume

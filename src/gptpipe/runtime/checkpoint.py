@@ -50,6 +50,7 @@ STATE = "gptpipe_state.json"
 LATEST = "latest"
 BEST = "best"
 UNIVERSAL_PREFIX = ".tmp-universal-"  # remove_stale clears a leftover copy
+UNIVERSAL_LATEST = "latest_universal"  # what ds_to_universal writes beside the copy it makes
 _TAG = re.compile(r"^global_step(\d+)$")
 
 
@@ -234,8 +235,9 @@ def universal_copy(folder: Path, dist: Dist, converts: bool) -> Path:
             failed = (done.stderr or done.stdout)[-2000:]
     _barrier()
     if failed is not None:
-        raise StageInputError(f"{folder} was saved by {saved_ranks(folder)} ranks and this run has {dist.world_size}; "
-                              f"DeepSpeed's ds_to_universal could not convert it for the new number:\n{failed}\n"
+        raise StageInputError(f"{folder} was saved by {saved_ranks(folder)} rank(s) and this run has "
+                              f"{dist.world_size}; DeepSpeed's ds_to_universal could not convert it for the new "
+                              f"number:\n{failed}\n"
                               "Resume on the number of ranks that saved it")
     return target
 
@@ -284,6 +286,7 @@ def load(engine: Any, folder: Path, dist: Dist, converts: bool | None = None) ->
         _barrier()  # every rank has read the copy
         if converts if converts is not None else dist.is_main:
             shutil.rmtree(source, ignore_errors=True)
+            (source.parent / UNIVERSAL_LATEST).unlink(missing_ok=True)  # ds_to_universal's pointer to the copy
     rng_file = folder / f"rng_state_rank{dist.rank}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than saved: those keep their fresh seed
         set_rng_state(torch.load(rng_file, weights_only=False))
