@@ -16,7 +16,7 @@ import yaml
 from conftest import corpus_texts, require_manpages
 from gptpipe.artifacts import read_corpus
 from gptpipe.cli import main
-from gptpipe.corpus import executor, shards
+from gptpipe.corpus import dedup, executor, shards
 from gptpipe.corpus.config import CorpusConfig, SourceConfig
 from gptpipe.stage import Manifest
 from test_corpus_neardup import MAN, manpage_texts, near_copy, write_jsonl
@@ -132,6 +132,41 @@ def test_a_run_that_died_continues_from_its_finished_shards(documents: Path, tmp
     assert judged[0] == 0
 
 
+def test_a_run_killed_while_deduplicating_continues_without_judging_again(
+        documents: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shards, "MB", 24 << 10)
+    clean = run_stage0(documents, tmp_path / "clean", "corpus.shard_mb=2", "corpus.workers=1")
+    searched: list[dedup.Search] = []
+    real = dedup.search
+
+    def dies_at_the_second(config, item, work):  # search's signature
+        if len(searched) == 1 and not os.environ.get("SHARDS_LIVE"):
+            raise KeyboardInterrupt  # as a kill between two partitions
+        searched.append(item)
+        return real(config, item, work)
+
+    monkeypatch.setattr(dedup, "search", dies_at_the_second)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        run_stage0(documents, out, "corpus.shard_mb=2", "corpus.workers=1")
+    assert not (out / "corpus.jsonl").exists() and (out / ".work" / "dedup").is_dir()
+    judged: list[int] = []
+    monkeypatch.setattr(executor, "judge_shard", lambda config, shard, work: judged.append(shard.index))
+    monkeypatch.setenv("SHARDS_LIVE", "1")
+    again = run_stage0(documents, out, "corpus.shard_mb=2", "corpus.workers=1")
+    assert judged == []  # every shard was finished: only the duplicate steps ran again
+    assert (out / "corpus.jsonl").read_bytes() == (tmp_path / "clean" / "corpus.jsonl").read_bytes()
+    assert again.counts["dropped"] == clean.counts["dropped"] and samples(out) == samples(tmp_path / "clean")
+
+
+def test_an_origin_in_a_cut_file_moves_to_the_files_line_with_what_its_example_says() -> None:
+    assert shards.relocate("big.jsonl:5", 10) == "big.jsonl:15"
+    assert shards.relocate("/d:x/big.jsonl:5 (duplicate of big.jsonl:3)", 10) == \
+        "/d:x/big.jsonl:15 (duplicate of big.jsonl:3)"
+    assert shards.relocate('big.jsonl:5 (overlaps jcqa item 3: "a:7") (left 9 characters)', 1) == \
+        'big.jsonl:6 (overlaps jcqa item 3: "a:7") (left 9 characters)'
+
+
 def test_two_node_ray_cluster_writes_the_same_corpus(documents: Path, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch,
                                                      caplog: pytest.LogCaptureFixture) -> None:
@@ -155,6 +190,9 @@ def test_two_node_ray_cluster_writes_the_same_corpus(documents: Path, tmp_path: 
         assert not ray.is_initialized()  # stage 0 left the cluster as it found it
     finally:
         cluster.shutdown()
-    assert "on Ray (2 node(s), 2 CPU(s))" in caplog.text
+    # Every step ran as Ray tasks: judging, bucketing, the search of the partitions and the filtering.
+    for what in ("shard(s) to judge", "shard(s) to bucket for duplicates", "partition(s) to search for duplicates",
+                 "shard(s) to filter"):
+        assert f"{what} on Ray (2 node(s), 2 CPU(s))" in caplog.text, what
     assert (tmp_path / "ray" / "corpus.jsonl").read_bytes() == (tmp_path / "local" / "corpus.jsonl").read_bytes()
     assert on_ray.counts == local.counts and samples(tmp_path / "ray") == samples(tmp_path / "local")

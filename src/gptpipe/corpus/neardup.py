@@ -6,20 +6,21 @@ tokenizer finds one "word" per sentence there, the failure datatrove #234 and El
 words otherwise; rensa's MinHash (Rust; the one HojiChar's LSH dedup uses) turns them into bands x rows 32-bit
 hashes, which the caller appends to a signature file (`bands * rows` little-endian uint32 per document).
 
-Over the signature file (`duplicate_of`), in bounded RAM whatever the corpus size:
-1. each band of each document becomes one (key, document) record, key a 64-bit hash of the band's hashes and
-   its number; the records go to partition files by the key's top bits, about RECORDS_PER_PARTITION each;
-2. each partition is sorted in memory by key; documents with the same key are candidates, each paired with the
-   first (lowest-numbered) document of its bucket;
-3. a candidate pair is a duplicate when its signatures agree in at least `threshold` of their hashes (the
-   estimated Jaccard similarity), read from the memory-mapped signature file;
-4. duplicates are joined with union-find over an on-disk array of document numbers, vectorised with numpy (the
-   root of a cluster is always its lowest number, so the first document in input order is the one kept).
-   datatrove's clustering step holds every pair in a Python dict and slows at terabyte scale (#298).
-RAM: one chunk of band keys (DOC_CHUNK documents), one partition being sorted (at most ~200 MB up to 200 M
-documents), one chunk of candidate pairs' signatures (~16 MB), and the page cache of the memory-mapped files;
-disk: 4 x bands x rows bytes of signature and 16 x bands bytes of records per document.
-Exact duplicates across stage 0's shards (`exact_duplicate_of`) go through the same partitions and sort, one
+Over all shards (corpus/dedup.py runs each step as engine tasks; RAM bounded per task whatever the corpus):
+1. per shard (`write_buckets`): each band of each document becomes one (key, document) record, key a 64-bit
+   hash of the band's hashes and its number, written grouped by partition (the key's top bits, about
+   RECORDS_PER_PARTITION records per partition over the corpus) into one file per shard;
+2. per partition (`partition_records`, `bucket_pairs`): its slice of every shard's file, sorted by key;
+   documents with the same key are candidates, each paired with the first (lowest-numbered) of its bucket;
+3. in the same task (`similar_pairs`): a candidate pair is a duplicate when the signatures agree in at least
+   `threshold` of their hashes (the estimated Jaccard similarity), read from the shards' signature files;
+4. once (`clusters`): the duplicate pairs are joined with union-find over the documents that are in a pair,
+   vectorised with numpy (the root of a cluster is always its lowest number, so the first document in input
+   order is the one kept). Memory grows with the duplicate pairs, not the corpus; datatrove's clustering step
+   holds every pair in a Python dict and slows at terabyte scale (#298).
+RAM per task: one shard's records, or one partition being sorted (~200 MB up to 200 M documents), one chunk of
+candidate pairs' signatures (~16 MB); disk: 4 x bands x rows bytes of signature and 16 x bands bytes of records
+per document. Exact duplicates across shards go through the same partitions and sort (corpus/dedup.py), one
 64-bit digest of the text per document instead of its band keys.
 """
 
@@ -28,25 +29,21 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 from rensa import RMinHash
 
 from gptpipe.corpus.charclass import SPACE, SPACELESS, class_counts
-from gptpipe.log import get_logger
 
 if TYPE_CHECKING:  # a leaf: the config module imports nothing from here
     from gptpipe.corpus.config import NearDedupConfig
 
-log = get_logger("prepare")
-
 SEED = 42  # rensa's permutations; any fixed value, the same in every worker
 DOC_CHUNK = 1 << 15  # documents whose band keys are computed at once (~30 MB at 20 x 6)
 RECORDS_PER_PARTITION = 1 << 22  # (key, document) records sorted at once: 64 MB, ~3 times that while sorting
-MAX_PARTITIONS = 1 << 10  # open files while partitioning; past 1024 x 4 M records (200 M documents at 20 bands)
-# a partition grows with the corpus
+MAX_PARTITIONS = 1 << 10  # tasks of step 2, each reading a slice of every shard's file: past 1024 x 4 M records
+# (200 M documents at 20 bands) a partition grows with the corpus
 PAIR_CHUNK = 1 << 14  # candidate pairs verified at once: their two signatures, 2 x 16 k x 480 bytes at 20 x 6
 RECORD = np.dtype([("key", "<u8"), ("doc", "<u8")])
 WORD = re.compile(r"\w+")
@@ -107,46 +104,82 @@ def _band_keys(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
     return keys
 
 
-def _partition(count: int, keys_of: Callable[[int, int], np.ndarray], work: Path, name: str) -> list[Path]:
-    """Write every (key, document) record to the partition file its key's top bits pick; `keys_of(a, b)` gives
-    the keys of documents a to b-1, (documents, keys per document) uint64."""
-    per_doc = keys_of(0, min(count, 1)).shape[1]
-    total = count * per_doc
+def partition_bits(records: int) -> int:
+    """How many top bits of a key pick its partition: about RECORDS_PER_PARTITION records in each, at most
+    MAX_PARTITIONS partitions (past 1 G records a partition grows with the corpus)."""
     bits = 0
-    while (1 << bits) < min(MAX_PARTITIONS, -(-total // RECORDS_PER_PARTITION)):
+    while (1 << bits) < min(MAX_PARTITIONS, -(-records // RECORDS_PER_PARTITION)):
         bits += 1
-    paths = [work / f"{name}-{p:04d}.bin" for p in range(1 << bits)]
-    files = [open(path, "wb") for path in paths]
-    try:
-        for start in range(0, count, DOC_CHUNK):
-            keys = keys_of(start, min(start + DOC_CHUNK, count))
-            records = np.empty(keys.size, dtype=RECORD)
-            records["key"] = keys.ravel()
-            records["doc"] = np.repeat(np.arange(start, start + len(keys), dtype=np.uint64), per_doc)
-            if bits == 0:
-                records.tofile(files[0])
-                continue
-            part = (records["key"] >> np.uint64(64 - bits)).astype(np.int64)
-            order = np.argsort(part, kind="stable")  # keeps document order within a partition
-            bounds = np.searchsorted(part[order], np.arange(len(files) + 1))
-            for p, file in enumerate(files):
-                records[order[bounds[p]:bounds[p + 1]]].tofile(file)
-    finally:
-        for file in files:
-            file.close()
-    return paths
+    return bits
 
 
-def _candidates(path: Path) -> tuple[np.ndarray, np.ndarray]:
+def _index_of(path: Path) -> Path:
+    return path.with_name(path.name + ".idx")
+
+
+def write_buckets(path: Path, keys: np.ndarray, first_doc: int, bits: int) -> None:
+    """One shard's (key, document) records, `keys` (documents, keys per document) being those of documents
+    first_doc, first_doc + 1, ..., written to `path` grouped by partition (the key's top `bits`; documents in
+    order within each), and beside it (`.idx`) where each partition starts: a partition's task then reads one
+    slice of every shard's file, and a shard writes one file whatever the number of partitions."""
+    records = np.empty(keys.size, dtype=RECORD)
+    records["key"] = keys.ravel()
+    records["doc"] = np.repeat(np.arange(first_doc, first_doc + len(keys), dtype=np.uint64), keys.shape[1])
+    part = ((records["key"] >> np.uint64(64 - bits)).astype(np.int64) if bits
+            else np.zeros(len(records), dtype=np.int64))
+    order = np.argsort(part, kind="stable")  # keeps document order within a partition
+    records[order].tofile(path)
+    np.searchsorted(part[order], np.arange((1 << bits) + 1)).astype("<i8").tofile(_index_of(path))
+
+
+def partition_records(paths: list[Path], partition: int) -> np.ndarray:
+    """Partition `partition`'s records from the shards' bucket files, in shard order, hence in document order."""
+    parts = []
+    for path in paths:
+        start, end = np.fromfile(_index_of(path), dtype="<i8", count=2, offset=8 * partition)
+        parts.append(np.fromfile(path, dtype=RECORD, count=int(end - start), offset=int(start) * RECORD.itemsize))
+    return np.concatenate(parts) if parts else np.empty(0, dtype=RECORD)
+
+
+def bucket_pairs(records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Pairs (first document of a bucket, another document of it) among one partition's records."""
-    records = np.fromfile(path, dtype=RECORD)
-    # Stable: a bucket's documents stay in input order (they were written in it), so the first is the lowest.
+    # Stable: a bucket's documents stay in input order (they were read in it), so the first is the lowest.
     records = records[np.argsort(records["key"], kind="stable")]
     keys, docs = records["key"], records["doc"]
     opens = np.concatenate(([True], keys[1:] != keys[:-1]))  # the first record of each bucket
     first = docs[opens][np.cumsum(opens) - 1]
     others = docs != first
     return first[others], docs[others]
+
+
+class Signatures:
+    """The signatures of documents by number, read from the shards' signature files (`starts[i]`: the number
+    of shard i's first document; one more entry for the end)."""
+
+    def __init__(self, paths: list[Path], starts: np.ndarray, num_perm: int) -> None:
+        self.paths, self.starts, self.num_perm = paths, starts, num_perm
+
+    def rows(self, docs: np.ndarray) -> np.ndarray:
+        shard_of = np.searchsorted(self.starts, docs, side="right") - 1
+        rows = np.empty((len(docs), self.num_perm), dtype=np.uint32)
+        for shard in np.unique(shard_of):
+            count = int(self.starts[shard + 1] - self.starts[shard])
+            file = np.memmap(self.paths[shard], dtype="<u4", mode="r", shape=(count, self.num_perm))
+            mine = shard_of == shard
+            rows[mine] = file[(docs[mine] - self.starts[shard]).astype(np.int64)]
+        return rows
+
+
+def similar_pairs(first: np.ndarray, other: np.ndarray, signatures: Signatures,
+                  threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    """The candidate pairs whose signatures agree in at least `threshold` of their hashes, checked a chunk at
+    a time."""
+    keep = [np.empty(0, dtype=np.uint64)] * 2
+    for start in range(0, len(first), PAIR_CHUNK):
+        a, b = first[start:start + PAIR_CHUNK], other[start:start + PAIR_CHUNK]
+        similar = estimated_jaccard(signatures.rows(a), signatures.rows(b)) >= threshold
+        keep = [np.concatenate((keep[0], a[similar])), np.concatenate((keep[1], b[similar]))]
+    return keep[0], keep[1]
 
 
 def _find(parent: np.ndarray, nodes: np.ndarray) -> np.ndarray:
@@ -172,59 +205,13 @@ def _union(parent: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
     parent[touched] = _find(parent, touched)  # path compression: later finds from these take one step
 
 
-def duplicate_of(signature_file: Path, config: NearDedupConfig, work: Path) -> np.ndarray:
-    """For each document of `signature_file` (in order), the number of the document it is a near duplicate of
-    (the first of its cluster), or its own number when it is kept. A memory-mapped array in `work`."""
-    assert config.threshold is not None
-    num_perm = config.bands * config.rows
-    size = signature_file.stat().st_size
-    count = size // (4 * num_perm)
-    if size != count * 4 * num_perm:
-        raise ValueError(f"{signature_file}: {size} bytes is not a whole number of {num_perm}-hash signatures")
-    parent = _own_numbers(work / "parent.bin", count)
-    if count == 0:
-        return parent
-    dtype = parent.dtype
-    signatures = np.memmap(signature_file, dtype="<u4", mode="r", shape=(count, num_perm))
-    candidates = duplicates = 0
-    for path in _partition(count, lambda a, b: _band_keys(np.asarray(signatures[a:b]), config.bands, config.rows),
-                           work, "bands"):
-        first, other = _candidates(path)
-        path.unlink()
-        candidates += len(first)
-        for start in range(0, len(first), PAIR_CHUNK):
-            a, b = first[start:start + PAIR_CHUNK], other[start:start + PAIR_CHUNK]
-            similar = estimated_jaccard(signatures[a], signatures[b]) >= config.threshold
-            duplicates += int(similar.sum())
-            _union(parent, a[similar].astype(dtype), b[similar].astype(dtype))
-    for start in range(0, count, DOC_CHUNK):
-        parent[start:start + DOC_CHUNK] = _find(parent, np.arange(start, min(start + DOC_CHUNK, count)))
-    log.info(f"near duplicates: {candidates:,} pairs in a shared bucket ({config.bands} bands x {config.rows} rows; "
-             f"a pair counts once per band it shares), {duplicates:,} of them at estimated Jaccard >= "
-             f"{config.threshold:g}")
-    return parent
-
-
-def _own_numbers(path: Path, count: int) -> np.ndarray:
-    """A memory-mapped array at `path` holding 0 .. count-1 (every document its own first)."""
-    dtype = np.uint32 if count < 2**32 else np.uint64
-    numbers = np.memmap(path, dtype=dtype, mode="w+", shape=(max(count, 1),))
-    for start in range(0, count, DOC_CHUNK):
-        numbers[start:start + DOC_CHUNK] = np.arange(start, min(start + DOC_CHUNK, count), dtype=dtype)
-    return numbers[:count]
-
-
-def exact_duplicate_of(digest_file: Path, work: Path) -> np.ndarray:
-    """For each document of `digest_file` (one little-endian 64-bit digest of its text each, in order), the
-    number of the first document with the same digest, or its own number: stage 0's exact duplicates across
-    shards, bucketed on disk as the bands are. A memory-mapped array in `work`."""
-    count = digest_file.stat().st_size // 8
-    first = _own_numbers(work / "first-equal.bin", count)
-    if count == 0:
-        return first
-    digests = np.memmap(digest_file, dtype="<u8", mode="r", shape=(count,))
-    for path in _partition(count, lambda a, b: np.asarray(digests[a:b], dtype=np.uint64)[:, None], work, "digests"):
-        earliest, later = _candidates(path)
-        path.unlink()
-        first[later] = earliest
-    return first
+def clusters(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The near-duplicate pairs (a[i], b[i]) joined transitively: the documents that are not the first (lowest
+    numbered) of their cluster, in order, and the first of each. Memory grows with the pairs, not the corpus:
+    the union-find runs over the documents that are in a pair, renumbered in order."""
+    nodes, inverse = np.unique(np.concatenate((a, b)), return_inverse=True)
+    parent = np.arange(len(nodes), dtype=np.int64)
+    _union(parent, inverse[:len(a)], inverse[len(a):])
+    roots = _find(parent, np.arange(len(nodes)))
+    later = roots != np.arange(len(nodes))
+    return nodes[later], nodes[roots[later]]

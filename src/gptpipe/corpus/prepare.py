@@ -3,9 +3,10 @@
 The sources are cut into shards (corpus/shards.py), judged by workers (corpus/executor.py: processes on this
 machine, or Ray tasks on a cluster) into output_dir/.work/ (corpus/firstpass.py: the unreadable records, the
 exact duplicates within a shard and what a rule of corpus/judge.py rejects are dropped; the kept documents are
-written with their digests and MinHash signatures). Then, over all shards, corpus/neardup.py finds the exact
-duplicates across shards and the near-duplicate clusters on disk, and the kept documents are copied to one
-corpus.jsonl in shard order without them: the same file whatever the number of workers. A killed run leaves its
+written with their digests and MinHash signatures). Then, over all shards, corpus/dedup.py finds the exact
+duplicates across shards and the near-duplicate clusters as tasks on the same engine (the driver holds only the
+duplicate pairs), each shard's kept documents are filtered by its own task, and the filtered shards are copied
+to one corpus.jsonl in shard order: the same file whatever the number of workers or nodes. A killed run leaves its
 finished shards in .work/, and a rerun of the same config and inputs continues from them; .work/ is removed
 when the stage succeeds. `--explain FILE` prints the verdicts on FILE's documents and writes nothing;
 `--contamination-report` prints which evaluation items (corpus.decontamination, corpus/decontaminate.py) an
@@ -35,14 +36,15 @@ from tqdm import tqdm
 
 from gptpipe.artifacts import PREPARE
 from gptpipe.config.core import to_plain
-from gptpipe.corpus.config import CorpusConfig, CorpusRun, NearDedupConfig, SourceConfig
+from gptpipe.corpus.config import CorpusConfig, CorpusRun, SourceConfig
 from gptpipe.corpus.decontaminate import INDEX_FILE, Index
 from gptpipe.corpus.decontaminate import fingerprint as decontamination_inputs
-from gptpipe.corpus.dropped import EXAMPLES_PER_REASON, SAMPLES_FOLDER, Drops, sample_name
-from gptpipe.corpus.executor import judged
-from gptpipe.corpus.firstpass import DIGESTS, KEPT, ORIGINS, SIGNATURES, ShardResult, finished
+from gptpipe.corpus.dedup import deduplicated, near_dup_reason
+from gptpipe.corpus.dropped import SAMPLES_FOLDER, Drops, sample_name
+from gptpipe.corpus.executor import Executor, judged
+from gptpipe.corpus.firstpass import ShardResult, finished
 from gptpipe.corpus.judge import Check, Judge
-from gptpipe.corpus.neardup import MinHasher, duplicate_of, estimated_jaccard, exact_duplicate_of
+from gptpipe.corpus.neardup import MinHasher, estimated_jaccard
 from gptpipe.corpus.shards import LineBases, Shard, plan_shards, relocate
 from gptpipe.corpus.sources import SUFFIXES, fingerprint, read_source
 from gptpipe.lock import locked
@@ -62,10 +64,6 @@ def _settings(config: CorpusConfig) -> dict[str, Any]:
     decontamination section while it is off (a corpus made before it existed stays current)."""
     return {key: value for key, value in to_plain(config).items()
             if key not in OUTPUT_NEUTRAL and (key != "decontamination" or config.decontamination.on)}
-
-
-def near_dup_reason(config: NearDedupConfig) -> str:
-    return f"near duplicate (Jaccard ≥ {config.threshold:g})"
 
 
 def build_corpus(config: CorpusConfig, inputs: dict[str, Any], force: bool = False) -> StageResult:
@@ -90,17 +88,18 @@ def build_corpus(config: CorpusConfig, inputs: dict[str, Any], force: bool = Fal
         if results:
             log.info(f"continuing: {len(results):,} of {len(shards):,} shards were finished by an earlier run")
         todo = [shard for shard in shards if shard.index not in results]
-        with tqdm(total=sum(s.size for s in shards), initial=sum(shards[i].size for i in results), unit="B",
-                  unit_scale=True, desc="stage 0: shards judged", mininterval=1.0) as bar:
-            for result in judged(config, todo, work):
-                results[result.index] = result
-                bar.update(shards[result.index].size)
-                bar.set_postfix(shards=f"{len(results)}/{len(shards)}", refresh=False)
-        judged_s = time.perf_counter() - started
-        ordered = [results[shard.index] for shard in shards]
-        with atomic_path(output) as tmp, atomic_dir(config.output_dir / SAMPLES_FOLDER) as samples:
-            drops = Drops(samples, config.dropped_samples)
-            kept, chars = _join(config, shards, ordered, work, tmp, drops)
+        with Executor(config) as engine:
+            with tqdm(total=sum(s.size for s in shards), initial=sum(shards[i].size for i in results), unit="B",
+                      unit_scale=True, desc="stage 0: shards judged", mininterval=1.0) as bar:
+                for result in judged(engine, todo, work):
+                    results[result.index] = result
+                    bar.update(shards[result.index].size)
+                    bar.set_postfix(shards=f"{len(results)}/{len(shards)}", refresh=False)
+            judged_s = time.perf_counter() - started
+            ordered = [results[shard.index] for shard in shards]
+            with atomic_path(output) as tmp, atomic_dir(config.output_dir / SAMPLES_FOLDER) as samples:
+                drops = Drops(samples, config.dropped_samples)
+                kept, chars = _join(engine, config, shards, ordered, work, tmp, drops)
             for reason, n in drops.counts.most_common():
                 log.info(f"dropped {n:>7,} {reason}: e.g. {', '.join(drops.examples[reason])}")
             if kept == 0:
@@ -125,7 +124,8 @@ def build_corpus(config: CorpusConfig, inputs: dict[str, Any], force: bool = Fal
                                "main_languages": dict(languages.most_common()),
                                **({"decontamination": {"items": index.counts, "digest": index.digest}}
                                   if index is not None else {})},
-                       timings={"judge_s": round(judged_s, 3)})
+                       timings={"judge_s": round(judged_s, 3),
+                                "deduplicate_and_join_s": round(time.perf_counter() - started - judged_s, 3)})
 
 
 @contextlib.contextmanager
@@ -149,77 +149,23 @@ def _work_folder(config: CorpusConfig, inputs: dict[str, Any], force: bool) -> I
     shutil.rmtree(work, ignore_errors=True)
 
 
-def _join(config: CorpusConfig, shards: list[Shard], results: list[ShardResult], work: Path, out: Path,
-          drops: Drops) -> tuple[int, int]:
+def _join(engine: Executor, config: CorpusConfig, shards: list[Shard], results: list[ShardResult], work: Path,
+          out: Path, drops: Drops) -> tuple[int, int]:
     """Write the shards' kept documents to `out` in shard order, without the exact duplicates across shards and
-    the later members of each near-duplicate cluster; add the shards' drops to `drops` first. The number of
-    documents written and their characters."""
-    bases = LineBases()
-    relocations = [bases.base(shard, result.records) for shard, result in zip(shards, results)]
-    for shard, result, base in zip(shards, results, relocations):
+    the later members of each near-duplicate cluster (corpus/dedup.py, as engine tasks); add the shards' drops
+    to `drops` first. The number of documents written and their characters."""
+    lines = LineBases()
+    bases = [lines.base(shard, result.records) for shard, result in zip(shards, results)]
+    for shard, result, base in zip(shards, results, bases):
         drops.merge(result.dropped, result.examples, work / shard.name() / SAMPLES_FOLDER,
                     lambda origin, base=base: relocate(origin, base))
-    near = config.near_dedup if config.near_dedup.threshold is not None else None
-    exact = (exact_duplicate_of(_concatenated(work, shards, DIGESTS), work)
-             if config.dedup and len(shards) > 1 else None)
-    similar = duplicate_of(_concatenated(work, shards, SIGNATURES), near, work) if near else None
-    kept = sum(r.kept for r in results)
-    chars = sum(r.chars for r in results)
-    if exact is None and similar is None:  # nothing to take out: the kept documents as they are
-        with open(out, "wb") as dst:
-            for shard in shards:
-                with open(work / shard.name() / KEPT, "rb") as src:
-                    shutil.copyfileobj(src, dst, 1 << 20)
-        return kept, chars
-    reason = near_dup_reason(near) if near else ""
-    # The first near duplicates dropped are the ones whose examples and samples are written: remember the origins
-    # of the documents they duplicate as the pass goes by (each comes first), not every origin.
-    wanted: set[int] = set()
-    if similar is not None:
-        for start in range(0, len(similar), 1 << 20):
-            chunk = np.asarray(similar[start:start + (1 << 20)])
-            later = np.flatnonzero(chunk != np.arange(start, start + len(chunk)))
-            wanted.update(chunk[later[:drops.samples + EXAMPLES_PER_REASON]].tolist())
-            if len(wanted) >= drops.samples + EXAMPLES_PER_REASON:
-                break
-    origin_of: dict[int, str] = {}
-    index = 0
+    files, dropped, dropped_chars = deduplicated(engine, config, results, bases, work, drops)
+    # The one serial pass: kept lines copied as bytes, at disk speed.
     with open(out, "wb") as dst:
-        for shard, base in zip(shards, relocations):
-            folder = work / shard.name()
-            with open(folder / KEPT, "rb") as src, open(folder / ORIGINS, encoding="utf-8") as origins:
-                for line, origin_line in zip(src, origins):
-                    first = int(similar[index]) if similar is not None else index
-                    if exact is not None and exact[index] != index:
-                        dropped_as = "exact duplicate"
-                    elif first != index:
-                        dropped_as = reason
-                    else:
-                        dst.write(line)
-                        if index in wanted:
-                            origin_of[index] = relocate(json.loads(origin_line), base)
-                        index += 1
-                        continue
-                    index += 1
-                    text = json.loads(line)["text"]
-                    kept -= 1
-                    chars -= len(text)
-                    origin = relocate(json.loads(origin_line), base)
-                    if dropped_as == reason and drops.wants(reason):
-                        drops.drop(reason, origin, text, duplicate_of=origin_of.get(first, f"document {first}"))
-                    else:
-                        drops.drop(dropped_as, origin, text if drops.wants(dropped_as) else None)
-    return kept, chars
-
-
-def _concatenated(work: Path, shards: list[Shard], name: str) -> Path:
-    """The shards' `name` files (digests, signatures: one fixed-size row per kept document) in one file."""
-    path = work / name
-    with open(path, "wb") as dst:
-        for shard in shards:
-            with open(work / shard.name() / name, "rb") as src:
+        for path in files:
+            with open(path, "rb") as src:
                 shutil.copyfileobj(src, dst, 1 << 20)
-    return path
+    return sum(r.kept for r in results) - dropped, sum(r.chars for r in results) - dropped_chars
 
 
 def explain(config: CorpusConfig, path: Path) -> Iterator[str]:

@@ -15,6 +15,7 @@ when the shards are joined, from the line counts of the ranges before it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from gptpipe.corpus.config import CorpusConfig, SourceConfig
@@ -22,6 +23,8 @@ from gptpipe.corpus.sources import SUFFIXES, open_bytes, source_sizes
 
 MANPAGES_PER_SHARD = 200  # ~4 s of groff on one core
 MB = 1 << 20  # the unit of corpus.shard_mb
+# "file:line", maybe followed by what a drop's example says about it: " (duplicate of other.jsonl:3)"
+ORIGIN = re.compile(r"(.*):(\d+)((?: \(.*\))?)", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,12 @@ class Shard:
         return None if self.end is None else (self.start, self.end)
 
     def name(self) -> str:
-        return f"shard-{self.index:06d}"
+        return shard_name(self.index)
+
+
+def shard_name(index: int) -> str:
+    """The folder of shard number `index` in stage 0's work folder."""
+    return f"shard-{index:06d}"
 
 
 def plan_shards(config: CorpusConfig) -> list[Shard]:
@@ -107,8 +115,9 @@ class LineBases:
 
 
 def relocate(origin: str, base: int) -> str:
-    """`origin` (file:line within a range) as file:line within the file."""
+    """`origin` (file:line within a range, maybe followed by what a drop's example says about it, e.g.
+    "(duplicate of other.jsonl:3)") as file:line within the file."""
     if not base:
         return origin
-    path, line = origin.rsplit(":", 1)
-    return f"{path}:{int(line) + base}"
+    path, line, about = ORIGIN.fullmatch(origin).groups()
+    return f"{path}:{int(line) + base}{about}"
