@@ -42,7 +42,8 @@ import sentencepiece as spm
 from gptpipe.config.core import load_config
 from gptpipe.pipeline import PipelineConfig
 from gptpipe.data.indexed import bin_path, idx_path, token_dtype
-from gptpipe.data.tokenize import default_workers, tokenize_files
+from gptpipe.data.tokenize import tokenize_files
+from gptpipe.taskpool import local_cores as default_workers
 from gptpipe.data.worker import WorkerSettings
 from gptpipe.artifacts import read_tokenizer
 

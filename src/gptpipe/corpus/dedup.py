@@ -221,13 +221,13 @@ def deduplicated(engine: Executor, config: CorpusConfig, results: list[ShardResu
     plan = Plan(np.concatenate(([0], np.cumsum([r.kept for r in results]))).tolist(), bits)
     plan.save(work)
     shards = list(range(len(results)))
-    for _ in tqdm(engine.each(bucket, shards, work, "shard(s) to bucket for duplicates"), total=len(shards),
+    for _ in tqdm(engine.run(bucket, shards, work, "shard(s) to bucket for duplicates"), total=len(shards),
                   desc="stage 0: shards bucketed", mininterval=1.0):
         pass
     searches = [Search(kind, p) for kind, b in bits.items() for p in range(1 << b)]
     found: Counter[str] = Counter()
     for kind, (candidates, duplicates) in tqdm(
-            ((s.kind, counts) for s, counts in zip(searches, engine.each(search, searches, work,
+            ((s.kind, counts) for s, counts in zip(searches, engine.run(search, searches, work,
                                                                          "partition(s) to search for duplicates"))),
             total=len(searches), desc="stage 0: partitions searched", mininterval=1.0):
         found[kind + " candidates"] += candidates
@@ -250,7 +250,7 @@ def deduplicated(engine: Executor, config: CorpusConfig, results: list[ShardResu
                  f"them at estimated Jaccard >= {near_config.threshold:g}, {removed['near']:,} documents in a "
                  "cluster after its first")
     items = [Keep(shard, bases[shard], firsts) for shard in shards]
-    outcome = {r.shard: r for r in tqdm(engine.each(keep, items, work, "shard(s) to filter"), total=len(items),
+    outcome = {r.shard: r for r in tqdm(engine.run(keep, items, work, "shard(s) to filter"), total=len(items),
                                         desc="stage 0: shards filtered", mininterval=1.0)}
     dropped = dropped_chars = 0
     for shard in shards:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from typing import Protocol
+from typing import Literal, Protocol
 
 from gptpipe.config.core import Url, option
 from gptpipe.storage import url_problems
@@ -29,7 +29,15 @@ class TokenizeConfig:
         Path("data/tokenized/ja"), "writes <output_prefix>_text_document.bin/.idx; or a URL prefix: written "
                                    "locally, then uploaded with the manifest last")
     text_key: str = option("text", "the field of each json object that holds the document")
-    workers: int = option(0, "worker processes (0: all cores); does not change the output")
+    workers: int = option(0, "worker processes (0: all cores; executor ray: all the cluster's CPUs); does not "
+                             "change the output")
+    executor: Literal["local", "ray"] = option(
+        "local", "local: worker processes on this machine; ray: Ray tasks on the cluster at ray_address, as stage "
+        "0's corpus.executor (pip install -e .[ray]; the input, tokenizer_dir and output_prefix's folder at the "
+        "same paths on every node, e.g. a shared filesystem); does not change the output")
+    ray_address: str | None = option(
+        None, "executor ray: the cluster to join (auto, or host:port of its head); null starts Ray on this "
+              "machine only")
     task_bytes: int = option(
         0, "input bytes per worker task (0: automatic, 1-64 MiB, ~8 tasks per worker); does not change the output")
     max_document_chars: int = option(
@@ -46,6 +54,8 @@ class TokenizeConfig:
             problems.append(("task_bytes", "must be >= 0"))
         if self.max_document_chars < 1:
             problems.append(("max_document_chars", "must be >= 1"))
+        if self.ray_address is not None and self.executor != "ray":
+            problems.append(("ray_address", "is read only with executor: ray"))
         return problems + url_problems(self, ("tokenizer_dir", "output_prefix"))
 
     @property

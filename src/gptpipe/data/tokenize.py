@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import argparse
 import glob
-import multiprocessing
 import os
 import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from contextlib import closing
+from functools import partial
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from tqdm import tqdm
@@ -35,10 +35,11 @@ from gptpipe.data.indexed import IndexedDatasetWriter, bin_path, idx_path, token
 from gptpipe.data.jsonl import Reasons
 from gptpipe.data.ranges import BLOCK_BYTES, LineNumbers, plan_tasks
 from gptpipe.data.shards import parse_shard, read_shards, shard_prefix
-from gptpipe.data.worker import WorkerSettings, encode_task, init_worker
+from gptpipe.data.worker import WorkerSettings, encode_task
 from gptpipe.log import get_logger
+from gptpipe.taskpool import TaskPool, local_cores
 from gptpipe.remote import staging
-from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_path
+from gptpipe.stage import StageInputError, StageResult, atomic_path
 from gptpipe.artifacts import PREPARE, TOKENIZE, TRAIN_TOKENIZER, check_input_files, read_tokenizer
 from gptpipe.storage import is_url
 from gptpipe.data.base_tokenizer import is_pretrained_tokenizer, read_pretrained_tokenizer, tokenizer_folder
@@ -49,24 +50,12 @@ log = get_logger(STAGE)
 merge_log = get_logger("merge")
 # Settings that change how fast the output is made, never the output: left out of the manifest's config,
 # so changing them does not make a finished dataset look stale.
-OUTPUT_NEUTRAL = ("workers", "task_bytes")
-
-
-def default_workers() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+OUTPUT_NEUTRAL = ("workers", "task_bytes", "executor", "ray_address")
 
 
 def _manifest_config(cfg: TokenizeConfig, **extra: object) -> dict:
     plain = {k: v for k, v in to_plain(cfg).items() if k not in OUTPUT_NEUTRAL}
     return {**plain, **extra}
-
-
-def _pool_context() -> multiprocessing.context.BaseContext:
-    # fork starts workers in milliseconds with everything already imported; elsewhere spawn is the safe choice.
-    return multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
 
 
 def _alive(pid: int) -> bool:
@@ -94,7 +83,8 @@ def _counts(documents: int, tokens: int, dtype: np.dtype, lines: int, input_byte
 
 
 def tokenize_files(files: list[Path], prefix: Path, settings: WorkerSettings, workers: int, task_bytes: int,
-                   shard: tuple[int, int] | None) -> StageResult:
+                   shard: tuple[int, int] | None, executor: Literal["local", "ray"] = "local",
+                   ray_address: str | None = None) -> StageResult:
     """The work of stage 2: tokenize ``files`` into <prefix>.bin/.idx (written atomically)."""
     tasks, total_bytes = plan_tasks(files, workers, task_bytes, shard)
     workers = max(1, min(workers, len(tasks)))
@@ -105,21 +95,15 @@ def tokenize_files(files: list[Path], prefix: Path, settings: WorkerSettings, wo
     reasons = Reasons()
     lines = documents = tokens = 0
     line_numbers = LineNumbers()
-    pool = None
     started = time.perf_counter()
+    log.info(f"{total_bytes / 1e6:,.1f} MB in {len(tasks)} range(s) → {prefix}")
+    died = f"nothing was written to {prefix}. Try fewer tokenize.workers or a lower tokenize.max_document_chars"
     try:
-        if workers > 1:
-            # An executor, not multiprocessing.Pool: when a worker dies (the OOM killer) it raises instead of
-            # waiting forever for the lost range.
-            pool = ProcessPoolExecutor(workers, mp_context=_pool_context(), initializer=init_worker,
-                                       initargs=(settings,))
-            results = pool.map(encode_task, tasks)
-        else:  # one worker: no processes to start, no results to pass around
-            init_worker(settings)
-            results = map(encode_task, tasks)
-        log.info(f"{total_bytes / 1e6:,.1f} MB in {len(tasks)} range(s), {workers} worker(s) → {prefix}")
-        with atomic_path(bin_path(prefix)) as tmp_bin, atomic_path(idx_path(prefix)) as tmp_idx, \
-                tqdm(total=total_bytes, unit="B", unit_scale=True, desc=STAGE, file=sys.stderr) as bar:
+        with (TaskPool(executor, workers, ray_address, log, died) as pool,
+              closing(pool.each(partial(encode_task, settings), tasks, "range(s) to encode", in_order=True))
+              as results,
+              atomic_path(bin_path(prefix)) as tmp_bin, atomic_path(idx_path(prefix)) as tmp_idx,
+              tqdm(total=total_bytes, unit="B", unit_scale=True, desc=STAGE, file=sys.stderr) as bar):
             writer = IndexedDatasetWriter(tmp_bin, dtype)
             try:
                 for result in results:
@@ -138,12 +122,7 @@ def tokenize_files(files: list[Path], prefix: Path, settings: WorkerSettings, wo
                 raise StageInputError(f"no documents in {', '.join(map(str, files))}: all {lines:,} lines were "
                                       f"skipped ({reasons.summary()})")
             writer.finalize(tmp_idx)
-    except BrokenProcessPool:
-        raise StageFailed(f"a tokenize worker process died (killed for memory?); nothing was written to "
-                           f"{prefix}. Try fewer tokenize.workers or a lower tokenize.max_document_chars") from None
-    finally:
-        if pool is not None:  # after a failure, the ranges in flight finish before their folder goes
-            pool.shutdown(cancel_futures=True)
+    finally:  # the workers have stopped (results closed): the ranges in flight finished before their folder goes
         shutil.rmtree(parts_dir, ignore_errors=True)
     elapsed = time.perf_counter() - started
     log.info(f"{documents:,} documents, {tokens:,} tokens ({dtype.name}) in {elapsed:.1f} s "
@@ -166,7 +145,13 @@ def run(config: TokenizeRun, args: argparse.Namespace) -> int:
                               f"local path for the shard runs (it is {cfg.output_prefix}), or tokenize in one run")
     files, fingerprints = check_input_files(cfg.input, "tokenize.input", PREPARE)
     prefix = cfg.dataset_prefix if shard is None else shard_prefix(cfg.dataset_prefix, *shard)
-    scratch = tempfile.TemporaryDirectory(prefix="gptpipe-tokenize-")  # the tokenizer.json transformers builds
+    local = staging(TOKENIZE, prefix)  # a URL prefix is written here first, then uploaded (gptpipe.remote)
+    # The tokenizer.json transformers builds of a base model's tokenizer: beside the output with Ray, whose
+    # workers on other nodes see that folder (a shared filesystem) but not this machine's /tmp.
+    if cfg.executor == "ray":
+        local.parent.mkdir(parents=True, exist_ok=True)
+    scratch = tempfile.TemporaryDirectory(prefix="gptpipe-tokenize-",
+                                          dir=local.parent if cfg.executor == "ray" else None)
     # a base model's own tokenizer (continued pretraining), or one stage 1 extended (its output_dir: its hf/)
     hf_dir = cfg.tokenizer_dir if is_url(cfg.tokenizer_dir) else tokenizer_folder(cfg.tokenizer_dir)
     if not is_url(hf_dir) and not TRAIN_TOKENIZER.has_manifest(hf_dir) and is_pretrained_tokenizer(hf_dir):
@@ -190,14 +175,13 @@ def run(config: TokenizeRun, args: argparse.Namespace) -> int:
         model_path=model_path, eod_id=eod_id, bos_id=bos_id, dtype=dtype.name, text_key=cfg.text_key,
         max_chars=cfg.max_document_chars, max_line_bytes=cfg.max_line_bytes,
         block_bytes=min(BLOCK_BYTES, cfg.task_bytes or BLOCK_BYTES), parts_dir="")
-    workers = cfg.workers or default_workers()
+    workers = cfg.workers or local_cores()
     extra = {"shard": f"{shard[0]}/{shard[1]}"} if shard else {}
-
-    local = staging(TOKENIZE, prefix)  # a URL prefix is written here first, then uploaded (gptpipe.remote)
 
     def work() -> StageResult:
         remove_stale_temporaries(local)
-        result = tokenize_files(files, local, settings, workers, cfg.task_bytes, shard)
+        result = tokenize_files(files, local, settings, workers, cfg.task_bytes, shard, cfg.executor,
+                                cfg.ray_address)
         result.counts["boundaries"] = boundaries
         return result
 

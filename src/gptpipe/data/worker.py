@@ -4,7 +4,8 @@ A worker decodes and parses each line on its own (a bad line costs only itself),
 texts with one batched call per block (sentencepiece for a stage-1 tokenizer, the `tokenizers` library for the
 pipeline transformers builds of a base model's tokenizer), puts BOS before every document where the base model's
 tokenizer adds one, appends EOD to every document and writes its ids to a part file, which the main process
-concatenates in order (data/tokenize.py).
+concatenates in order (data/tokenize.py). With Ray the worker is a Ray task on any node (the input, the
+tokenizer file and the parts folder at the same paths everywhere).
 """
 
 from __future__ import annotations
@@ -66,15 +67,13 @@ def _encoder(model_path: str) -> Encoder:
     return lambda texts: sp.encode(texts, return_type="numpy")
 
 
-def init_worker(settings: WorkerSettings) -> None:
+def encode_task(settings: WorkerSettings, task: Task) -> TaskResult:
+    """Read, check and encode one range; write its ids to a part file. The encoder is loaded once per process
+    (a worker process, a Ray worker, or the stage's own process with one worker)."""
     global _worker
-    _worker = (settings, _encoder(settings.model_path))
-
-
-def encode_task(task: Task) -> TaskResult:
-    """Read, check and encode one range; write its ids to a part file."""
-    assert _worker is not None, "worker not initialised"
-    settings, encode = _worker
+    if _worker is None or _worker[0] != settings:
+        _worker = (settings, _encoder(settings.model_path))
+    encode = _worker[1]
     text_key, max_chars, max_line_bytes = settings.text_key, settings.max_chars, settings.max_line_bytes
     dtype = np.dtype(settings.dtype)  # ids < vocab size, so the int32 → uint16 cast below never wraps
     eod = np.array([settings.eod_id], dtype=np.int32)
