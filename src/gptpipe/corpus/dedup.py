@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections import Counter
 from dataclasses import dataclass
 from itertools import islice
@@ -48,6 +49,18 @@ REMOVED = np.dtype([("doc", "<u8"), ("first", "<u8")])
 
 def near_dup_reason(config: NearDedupConfig) -> str:
     return f"near duplicate (Jaccard ≥ {config.threshold:g})"
+
+
+class Clock:
+    """Wall seconds per step, into a stage's timings."""
+
+    def __init__(self, timings: dict[str, float]) -> None:
+        self.timings, self.last = timings, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.timings[name] = round(now - self.last, 3)
+        self.last = now
 
 
 @dataclass(frozen=True)
@@ -204,9 +217,10 @@ def _origins(work: Path, plan: Plan, bases: list[int], docs: list[int]) -> dict[
 
 
 def deduplicated(engine: Executor, config: CorpusConfig, results: list[ShardResult], bases: list[int], work: Path,
-                 drops: Drops) -> tuple[list[Path], int, int]:
+                 drops: Drops, timings: dict[str, float]) -> tuple[list[Path], int, int]:
     """Steps 1-4 over the judged shards (`results`, in shard order; `bases`, their line bases): the files whose
-    concatenation is the corpus, and the documents and characters the steps dropped (added to `drops`)."""
+    concatenation is the corpus, and the documents and characters the steps dropped (added to `drops`); each
+    step's wall seconds go into `timings`."""
     kept = [work / shard_name(r.index) / KEPT for r in results]
     bits = {}
     total = sum(r.kept for r in results)
@@ -221,9 +235,11 @@ def deduplicated(engine: Executor, config: CorpusConfig, results: list[ShardResu
     plan = Plan(np.concatenate(([0], np.cumsum([r.kept for r in results]))).tolist(), bits)
     plan.save(work)
     shards = list(range(len(results)))
+    clock = Clock(timings)
     for _ in tqdm(engine.run(bucket, shards, work, "shard(s) to bucket for duplicates"), total=len(shards),
                   desc="stage 0: shards bucketed", mininterval=1.0):
         pass
+    clock.lap("bucket_s")
     searches = [Search(kind, p) for kind, b in bits.items() for p in range(1 << b)]
     found: Counter[str] = Counter()
     for kind, (candidates, duplicates) in tqdm(
@@ -232,6 +248,7 @@ def deduplicated(engine: Executor, config: CorpusConfig, results: list[ShardResu
             total=len(searches), desc="stage 0: partitions searched", mininterval=1.0):
         found[kind + " candidates"] += candidates
         found[kind] += duplicates
+    clock.lap("search_s")
     removed = {}
     if "exact" in bits:
         earliest, later = _pairs(work, "exact")
@@ -249,9 +266,11 @@ def deduplicated(engine: Executor, config: CorpusConfig, results: list[ShardResu
                  f"bands x {near_config.rows} rows; a pair counts once per band it shares), {found['near']:,} of "
                  f"them at estimated Jaccard >= {near_config.threshold:g}, {removed['near']:,} documents in a "
                  "cluster after its first")
+    clock.lap("cluster_s")
     items = [Keep(shard, bases[shard], firsts) for shard in shards]
     outcome = {r.shard: r for r in tqdm(engine.run(keep, items, work, "shard(s) to filter"), total=len(items),
                                         desc="stage 0: shards filtered", mininterval=1.0)}
+    clock.lap("filter_s")
     dropped = dropped_chars = 0
     for shard in shards:
         result = outcome[shard]

@@ -95,11 +95,11 @@ def build_corpus(config: CorpusConfig, inputs: dict[str, Any], force: bool = Fal
                     results[result.index] = result
                     bar.update(shards[result.index].size)
                     bar.set_postfix(shards=f"{len(results)}/{len(shards)}", refresh=False)
-            judged_s = time.perf_counter() - started
+            timings = {"judge_s": round(time.perf_counter() - started, 3)}
             ordered = [results[shard.index] for shard in shards]
             with atomic_path(output) as tmp, atomic_dir(config.output_dir / SAMPLES_FOLDER) as samples:
                 drops = Drops(samples, config.dropped_samples)
-                kept, chars = _join(engine, config, shards, ordered, work, tmp, drops)
+                kept, chars = _join(engine, config, shards, ordered, work, tmp, drops, timings)
             for reason, n in drops.counts.most_common():
                 log.info(f"dropped {n:>7,} {reason}: e.g. {', '.join(drops.examples[reason])}")
             if kept == 0:
@@ -124,8 +124,7 @@ def build_corpus(config: CorpusConfig, inputs: dict[str, Any], force: bool = Fal
                                "main_languages": dict(languages.most_common()),
                                **({"decontamination": {"items": index.counts, "digest": index.digest}}
                                   if index is not None else {})},
-                       timings={"judge_s": round(judged_s, 3),
-                                "deduplicate_and_join_s": round(time.perf_counter() - started - judged_s, 3)})
+                       timings=timings)
 
 
 @contextlib.contextmanager
@@ -150,7 +149,7 @@ def _work_folder(config: CorpusConfig, inputs: dict[str, Any], force: bool) -> I
 
 
 def _join(engine: Executor, config: CorpusConfig, shards: list[Shard], results: list[ShardResult], work: Path,
-          out: Path, drops: Drops) -> tuple[int, int]:
+          out: Path, drops: Drops, timings: dict[str, float]) -> tuple[int, int]:
     """Write the shards' kept documents to `out` in shard order, without the exact duplicates across shards and
     the later members of each near-duplicate cluster (corpus/dedup.py, as engine tasks); add the shards' drops
     to `drops` first. The number of documents written and their characters."""
@@ -159,12 +158,14 @@ def _join(engine: Executor, config: CorpusConfig, shards: list[Shard], results: 
     for shard, result, base in zip(shards, results, bases):
         drops.merge(result.dropped, result.examples, work / shard.name() / SAMPLES_FOLDER,
                     lambda origin, base=base: relocate(origin, base))
-    files, dropped, dropped_chars = deduplicated(engine, config, results, bases, work, drops)
+    files, dropped, dropped_chars = deduplicated(engine, config, results, bases, work, drops, timings)
     # The one serial pass: kept lines copied as bytes, at disk speed.
+    started = time.perf_counter()
     with open(out, "wb") as dst:
         for path in files:
             with open(path, "rb") as src:
                 shutil.copyfileobj(src, dst, 1 << 20)
+    timings["join_s"] = round(time.perf_counter() - started, 3)
     return sum(r.kept for r in results) - dropped, sum(r.chars for r in results) - dropped_chars
 
 
