@@ -7,8 +7,8 @@ seconds per step (judging, the duplicate steps, the join), from which docs/bench
 The corpus is bench/bench_corpus_peer.py's: the documents of a stage-0 corpus.jsonl (`--pages`, the first
 `--count`) and English man pages, then 2k-1 near copies of each page of 1,500+ characters for scale k, as one
 jsonl. Stage 0 runs with `shard_mb` 2 (so that scale 1 has shards for two workers) and keeps Japanese; stage 1
-trains an 8,000-piece tokenizer on scale 1's output once; stage 2 tokenizes each scale's stage-0 output with
-`task_bytes` 1 MB. Every run is a fresh process (`gptpipe` through its CLI) that reports its own peak RSS
+trains an 8,000-piece tokenizer on scale 1's output once; stage 2 tokenizes each scale's whole input (stage 0's
+output is ~5 MB at any scale: the copies are dropped) with `task_bytes` 1 MB. Every run is a fresh process (`gptpipe` through its CLI) that reports its own peak RSS
 (VmHWM); with local workers their largest peak is reported too (RUSAGE_CHILDREN), Ray's workers are not the
 driver's children.
 """
@@ -107,16 +107,15 @@ def main() -> None:
                 if not tokenizer.exists():
                     run(["train-tokenizer", "--config", str(write_yaml(folder / "sp.yaml", {
                         "input": str(outputs["1 worker"]), "output_dir": str(tokenizer), "vocab_size": 8000}))])
-                corpus_mb = outputs["1 worker"].stat().st_size / 1e6
                 datasets = []
                 for name, keys in engines.items():
                     prefix = folder / f"tok-{scale}-{len(datasets)}"
                     wall, own, worker = run(["tokenize", "--config", str(config),
-                                             f"tokenize.input=[{outputs['1 worker']}]",
+                                             f"tokenize.input=[{documents}]",
                                              f"tokenize.output_prefix={prefix}", *(f"tokenize.{key}" for key in keys)])
                     cores = 1 if name == "1 worker" else 2
-                    print(f"  stage 2, {name:21}: {wall:6.1f} s, {corpus_mb / wall / cores:5.2f} MB/s per core "
-                          f"({corpus_mb:.1f} MB), driver {own:,.0f} MiB, largest worker {worker:,.0f} MiB")
+                    print(f"  stage 2, {name:21}: {wall:6.1f} s, {mb / wall / cores:5.2f} MB/s per core, driver "
+                          f"{own:,.0f} MiB, largest worker {worker:,.0f} MiB")
                     datasets.append(Path(f"{prefix}_text_document.bin"))
                 first = datasets[0].read_bytes()
                 print(f"  stage 2 outputs identical: {all(p.read_bytes() == first for p in datasets)}")

@@ -196,3 +196,40 @@ def test_two_node_ray_cluster_writes_the_same_corpus(documents: Path, tmp_path: 
         assert f"{what} on Ray (2 node(s), 2 CPU(s))" in caplog.text, what
     assert (tmp_path / "ray" / "corpus.jsonl").read_bytes() == (tmp_path / "local" / "corpus.jsonl").read_bytes()
     assert on_ray.counts == local.counts and samples(tmp_path / "ray") == samples(tmp_path / "local")
+
+
+def test_an_hf_dataset_in_a_folder_splits_by_its_data_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save_to_disk folder in 3 arrow files (a DatasetDict's train split) and a folder of 3 parquet files
+    are planned a shard or more per file at a small shard_mb, read in row order, each row's origin its file and
+    row; the corpus is the one whole shards give."""
+    datasets = pytest.importorskip("datasets")
+    require_manpages()
+    texts = manpage_texts(MAN / "ja", 41, 12)
+    rows = {"text": [*texts[:5], "短い", *texts[5:]]}  # one row dropped as too short: its origin is shown
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}).save_to_disk(str(tmp_path / "saved"),
+                                                                                    num_shards={"train": 3})
+    (tmp_path / "parquet").mkdir()
+    for i in range(3):
+        datasets.Dataset.from_dict({"text": texts[4 * i:4 * i + 4]}).to_parquet(str(tmp_path / "parquet" /
+                                                                                 f"part-{i}.parquet"))
+    config = {"corpus": {"sources": [{"type": "hf_dataset", "path": str(tmp_path / "saved")},
+                                     {"type": "hf_dataset", "path": str(tmp_path / "parquet")}],
+                         "output_dir": str(tmp_path / "whole"), "languages": [],
+                         "near_dedup": {"threshold": None}, "dedup": False}}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    assert main(["prepare", "--config", str(path), "corpus.workers=1"]) == 0
+    monkeypatch.setattr(shards, "MB", 1 << 10)  # shard_mb 1 = 1 KB: every data file a shard of its own
+    plan = shards.plan_shards(CorpusConfig(sources=[SourceConfig(type="hf_dataset", path=tmp_path / "saved"),
+                                                    SourceConfig(type="hf_dataset", path=tmp_path / "parquet")],
+                                           shard_mb=1))
+    arrow = sorted(str(p) for p in (tmp_path / "saved" / "train").glob("*.arrow"))
+    parquet = [str(tmp_path / "parquet" / f"part-{i}.parquet") for i in range(3)]
+    assert [s.files for s in plan] == [(f,) for f in arrow + parquet]
+    assert main(["prepare", "--config", str(path), f"corpus.output_dir={tmp_path / 'split'}", "corpus.shard_mb=1",
+                 "corpus.workers=2"]) == 0
+    kept = corpus_texts(tmp_path / "split")
+    assert kept == corpus_texts(tmp_path / "whole") == texts + texts
+    manifest = Manifest.read(tmp_path / "split" / "manifest.json")
+    assert manifest.counts["shards"] == 6
+    assert manifest.counts["dropped_examples"]["shorter than min_chars (50)"] == [f"{arrow[1]}[0]"]

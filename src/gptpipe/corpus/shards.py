@@ -5,8 +5,10 @@ A shard is some consecutive files of one source (about `shard_mb` of them, or MA
 whose cost is groff's per page, not their bytes), or one line range of a plain .jsonl file or object larger than
 `shard_mb` (a line belongs to the range its first byte falls in: data/ranges.py, as stage 2 cuts its input; an
 object is read from its range with ranged reads). Files in a bucket are sized from one listing and planned as
-local ones are. A source read through a hub, compressed or JSON-array files, and a source with `max_documents` are
-not cut below their files (the first N documents of a source are only known by reading it in order).
+local ones are. An HF dataset in a folder or a bucket is planned by its data files (parquet, or a save_to_disk
+folder's arrow files); one named on the hub is one shard. Compressed or JSON-array files, data files and a
+source with `max_documents` are not cut below their files (the first N documents of a source are only known by
+reading it in order).
 
 The plan depends on the sources and `shard_mb` only, never on the workers: the shards are joined in plan order.
 A line range's records are numbered from its own first line; `LineBases` turns them into the file's line numbers
@@ -61,7 +63,7 @@ def plan_shards(config: CorpusConfig) -> list[Shard]:
         shards.append(Shard(len(shards), source, tuple(files), size, start, end))
 
     for number, source in enumerate(config.sources):
-        if source.type == "hf_dataset":
+        if source.type == "hf_dataset" and source.name:  # streamed from the hub in its order: one shard
             add(number, [], 0)
             continue
         sizes = source_sizes(source)

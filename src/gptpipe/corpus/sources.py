@@ -73,12 +73,13 @@ def source_files(source: SourceConfig) -> list[Path] | list[str]:
 def source_sizes(source: SourceConfig) -> dict[str, int]:
     """{file: bytes} of the files a source reads, in `source_files`' order: a bucket's from one listing (its
     objects' sizes), local ones from the file system."""
+    hf = source.type == "hf_dataset"  # its data files only (not a save_to_disk folder's state.json)
     if is_url(source.path):
-        objects = _remote_objects(source)
+        objects = {url: info for url, info in _remote_objects(source).items() if not hf or url.endswith(".parquet")}
         if not objects:
-            source_files(source)  # the error naming the source
+            hf_data_files(source) if hf else source_files(source)  # the error naming the source
         return {url: int(info.get("size") or 0) for url, info in objects.items()}
-    return {str(f): Path(f).stat().st_size for f in source_files(source)}
+    return {str(f): Path(f).stat().st_size for f in (hf_data_files(source) if hf else source_files(source))}
 
 
 def _remote_objects(source: SourceConfig) -> dict[str, dict[str, Any]]:
@@ -130,7 +131,7 @@ def read_source(source: SourceConfig, files: list[Path] | list[str] | None = Non
     paragraph or a text file may hold before it is dropped unread (max_line_bytes)."""
     cap = max_line_bytes(max_chars)
     if source.type == "hf_dataset":
-        records = _hf_dataset(source)
+        records = _hf_dataset(source, [str(f) for f in files] if files else None)
     elif source.type == "jsonl":
         records = _jsonl(source, files or source_files(source), span, cap)
     elif source.type == "text":
@@ -264,47 +265,50 @@ def _text(source: SourceConfig, files: list, cap: int) -> Iterator[Record]:
                     block.append(raw)
 
 
-def _hf_dataset(source: SourceConfig) -> Iterator[Record]:
-    try:
-        import datasets
-    except ImportError:
-        raise StageInputError("an hf_dataset source needs the datasets package: pip install -e .[datasets]") from None
+def hf_data_files(source: SourceConfig) -> list[str]:
+    """The data files of an hf_dataset source with a path, in the dataset's row order: a save_to_disk folder's
+    arrow files (of its `split`, for a DatasetDict), or .parquet files (local, or objects in a bucket)."""
+    path = source.path
+    assert path is not None
+    if not is_url(path) and path.is_dir():
+        folder = path / source.split if (path / "dataset_dict.json").is_file() else path
+        if (folder / "state.json").is_file():
+            state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+            return [str(folder / data["filename"]) for data in state["_data_files"]]
+    files = [str(f) for f in source_files(source) if str(f).endswith(".parquet")]
+    if not files:
+        raise StageInputError(f"hf_dataset {path}: " + ("a URL source reads .parquet objects, and it names none"
+                                                        if is_url(path) else
+                                                        "neither a save_to_disk folder nor .parquet files"))
+    return files
+
+
+def _hf_dataset(source: SourceConfig, files: list[str] | None) -> Iterator[Record]:
+    """A hub dataset's rows (streamed by `datasets`), or the rows of a local or bucket dataset's data files
+    (`files`: a shard's, corpus/shards.py; else all), a record batch at a time, numbered within each file
+    (`datasets` would first copy a bucket's files whole into its own cache)."""
     if source.name:
+        try:
+            import datasets
+        except ImportError:
+            raise StageInputError("an hf_dataset source named on the hub needs the datasets package: pip install "
+                                  "-e .[datasets]") from None
         ds = datasets.load_dataset(source.name, source.subset, split=source.split, streaming=True)
-        label = source.name
-    elif is_url(source.path):
-        yield from _remote_parquet(source)
+        for i, row in enumerate(ds):
+            yield Record(f"{source.name}[{i}]", *object_text(row, source.text_key))
         return
-    else:
-        path = source.path
-        assert path is not None
-        label = str(path)
-        if path.is_dir() and ((path / "state.json").exists() or (path / "dataset_dict.json").exists()):
-            ds = datasets.load_from_disk(str(path))
-            if isinstance(ds, datasets.DatasetDict):
-                ds = ds[source.split]
-        else:
-            files = [str(p) for p in source_files(source) if p.suffix == ".parquet"]
-            if not files:
-                raise StageInputError(f"hf_dataset {path}: neither a save_to_disk folder nor .parquet files")
-            ds = datasets.load_dataset("parquet", data_files=files, split="train")
-    for i, row in enumerate(ds):
-        yield Record(f"{label}[{i}]", *object_text(row, source.text_key))
-
-
-def _remote_parquet(source: SourceConfig) -> Iterator[Record]:
-    """The rows of parquet objects in a bucket, one row group at a time (``datasets`` would first copy every
-    file whole into its own cache)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    files = [f for f in source_files(source) if str(f).endswith(".parquet")]
-    if not files:
-        raise StageInputError(f"hf_dataset {source.path}: a URL source reads .parquet objects, and it names none")
-    for url in files:
-        with filesystem(str(url)).open(str(url), "rb") as fh:
-            parquet = pq.ParquetFile(fh)
+    for file in files or hf_data_files(source):
+        with contextlib.ExitStack() as stack:
+            if file.endswith(".arrow"):  # save_to_disk's files: Arrow IPC streams, memory-mapped
+                batches = iter(pa.ipc.open_stream(stack.enter_context(pa.memory_map(file))))
+            else:
+                fh = stack.enter_context(filesystem(file).open(file, "rb") if is_url(file) else open(file, "rb"))
+                batches = pq.ParquetFile(fh).iter_batches(batch_size=1024)
             i = 0
-            for batch in parquet.iter_batches(batch_size=1024):
+            for batch in batches:
                 for row in batch.to_pylist():
-                    yield Record(f"{url}[{i}]", *object_text(row, source.text_key))
+                    yield Record(f"{file}[{i}]", *object_text(row, source.text_key))
                     i += 1
