@@ -7,10 +7,10 @@ seconds per step (judging, the duplicate steps, the join), from which docs/bench
 The corpus is bench/bench_corpus_peer.py's: the documents of a stage-0 corpus.jsonl (`--pages`, the first
 `--count`) and English man pages, then 2k-1 near copies of each page of 1,500+ characters for scale k, as one
 jsonl. Stage 0 runs with `shard_mb` 2 (so that scale 1 has shards for two workers) and keeps Japanese; stage 1
-trains an 8,000-piece tokenizer on scale 1's output once; stage 2 tokenizes each scale's whole input (stage 0's
-output is ~5 MB at any scale: the copies are dropped) with `task_bytes` 1 MB. Every run is a fresh process (`gptpipe` through its CLI) that reports its own peak RSS
-(VmHWM); with local workers their largest peak is reported too (RUSAGE_CHILDREN), Ray's workers are not the
-driver's children.
+trains an 8,000-piece tokenizer on scale 1's output once; stage 2 tokenizes each scale's whole input (stage
+0's output is ~5 MB at any scale: the copies are dropped) with `task_bytes` 1 MB. Every run is a fresh process
+(`gptpipe` through its CLI) that reports its own peak RSS (VmHWM); with local workers their largest peak is
+reported too (RUSAGE_CHILDREN), Ray's workers are not the driver's children.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def run(argv: list[str]) -> tuple[float, float, float]:
     """Wall seconds, the process's peak RSS and its largest worker's, in MiB."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", REPORT, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, env=env)
+    done = subprocess.run([sys.executable, "-c", REPORT, *argv], capture_output=True, text=True,
+                          env=env)
     if done.returncode:
         raise SystemExit(f"{' '.join(argv)} failed:\n{done.stderr[-3000:]}")
     wall = time.perf_counter() - started
