@@ -9,6 +9,7 @@ import contextlib
 import gzip
 import json
 import os
+import random
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -219,3 +220,79 @@ def test_stage4_exports_to_a_bucket_and_stage6_uploads_from_it(s3, hub, workspac
                  "huggingface_name=from-bucket"]) == 0
     out = capsys.readouterr()
     assert "from-bucket" in out.out and TOKEN not in out.out + out.err
+
+
+@pytest.mark.slow
+def test_a_bucket_source_through_stages_0_and_2_on_a_ray_cluster_then_training(
+        s3, workspace: Path, corpus_dir: Path, tokenizer_dir: Path, tmp_path: Path, capfd,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 43's cluster path end to end: a source of 25 objects and a second source of near copies of some
+    of their documents, in a local S3 server, through stage 0 and stage 2 as Ray tasks on a two-node cluster on
+    this machine: the same corpus and dataset bytes as one local process, the near copies found across objects
+    and sources; stage 3 trains on the dataset."""
+    if os.environ.get("CI"):
+        import ray
+    else:
+        ray = pytest.importorskip("ray", reason="pip install -e .[ray]")
+    from ray.cluster_utils import Cluster
+    from test_corpus_neardup import near_copy
+
+    lines = (corpus_dir / "corpus.jsonl").read_bytes().splitlines(keepends=True)
+    raw = tmp_path / "raw"
+    (raw / "web").mkdir(parents=True)
+    (raw / "copies").mkdir()
+    for k in range(25):  # objects of 1 to 25 lines
+        (raw / "web" / f"part-{k:02d}.jsonl").write_bytes(b"".join(lines[k * (k + 1) // 2:(k + 1) * (k + 2) // 2]))
+    rng = random.Random(3)
+    originals = [json.loads(line)["text"] for line in lines[100:300:20]]
+    originals = [text for text in originals if len(text) > 1500][:4]
+    (raw / "copies" / "copies.jsonl").write_text("".join(
+        json.dumps({"text": near_copy(text, "ja", rng)}, ensure_ascii=False) + "\n" for text in originals),
+        encoding="utf-8")
+    s3.fs.put(str(raw) + "/", f"{s3.bucket}/raw/", recursive=True)
+    sources = [{"type": "jsonl", "path": f"{s3.url}/raw/web/*.jsonl"},
+               {"type": "jsonl", "path": f"{s3.url}/raw/copies"}]
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({**yaml.safe_load((workspace / "config.yaml").read_text(encoding="utf-8")),
+                                      "corpus": {"sources": sources, "output_dir": str(tmp_path / "local"),
+                                                 "shard_mb": 1, "workers": 1}}), encoding="utf-8")
+    run_cli("prepare", "--config", config)
+    local = Manifest.read(tmp_path / "local" / "manifest.json")
+    tokenized = (f"tokenize.tokenizer_dir={tokenizer_dir}", f"tokenize.input=[{tmp_path / 'local' / 'corpus.jsonl'}]")
+    run_cli("tokenize", "--config", config, *tokenized, f"tokenize.output_prefix={tmp_path / 'local'}")
+
+    # The cluster's nodes start with this process's environment: the S3 server's endpoint and keys. Ray's
+    # sockets live under its temp folder, whose path must stay short (TMPDIR is under tmp_path here).
+    monkeypatch.setenv("RAY_TMPDIR", "/tmp")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray_keys = ("executor=ray", f"ray_address={cluster.address}")
+        run_cli("prepare", "--config", config, f"corpus.output_dir={tmp_path / 'ray'}",
+                *(f"corpus.{key}" for key in ray_keys))
+        run_cli("tokenize", "--config", config, *tokenized, f"tokenize.output_prefix={tmp_path / 'ray'}",
+                *(f"tokenize.{key}" for key in ray_keys))
+        assert not ray.is_initialized()
+    finally:
+        cluster.shutdown()
+    err = capfd.readouterr().err
+    assert "partition(s) to search for duplicates on Ray (2 node(s), 2 CPU(s))" in err
+    assert "range(s) to encode on Ray (2 node(s), 2 CPU(s))" in err
+    assert (tmp_path / "ray" / "corpus.jsonl").read_bytes() == (tmp_path / "local" / "corpus.jsonl").read_bytes()
+    on_ray = Manifest.read(tmp_path / "ray" / "manifest.json")
+    assert on_ray.counts == local.counts and local.counts["shards"] >= 3
+    # Every near copy (the second source) is found as a duplicate of its original in one of the 25 objects.
+    near = local.counts["dropped_examples"]["near duplicate (Jaccard ≥ 0.8)"]
+    assert local.counts["dropped"]["near duplicate (Jaccard ≥ 0.8)"] == len(originals) >= 3
+    assert all("/raw/copies/copies.jsonl:" in e and "(duplicate of s3://" in e and "/raw/web/part-" in e
+               for e in near), near
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"ray_text_document{suffix}").read_bytes() == \
+            (tmp_path / f"local_text_document{suffix}").read_bytes()
+
+    done = run_train("--config", config, *TINY_RUN, tokenized[0], "data.split=90,9,1",
+                     f"data.prefixes=[{tmp_path / 'ray_text_document'}]",
+                     f"train.output_model_dir={tmp_path / 'run'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert train_losses(tmp_path / "run")
