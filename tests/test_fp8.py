@@ -149,7 +149,7 @@ def test_the_plan_shows_the_fp8_choice_its_casts_and_the_bf16_peak(dataset_prefi
 
     def plan(*overrides: str):
         config = load_config(PipelineConfig, workspace / "config.yaml",
-                             ["model.preset=1b", "train.seq_len=2048", "train.micro_batch_size=4",
+                             ["model.preset=1b", "train.seq_len=2048", "train.micro_batch_size=4", "data.split=90,9,1",
                               "train.global_batch_size=8", *overrides])
         tokenizer, hf_config, _ = stage3_model(config)
         return config, make_plan(config, tokenizer.vocab_size, dp=1, device_memory_gib=80, device_name="H100",
@@ -169,3 +169,68 @@ def test_the_plan_shows_the_fp8_choice_its_casts_and_the_bf16_peak(dataset_prefi
     assert "fp8 tensorwise" in str(fp8_plan.setup)  # speeds measured in bf16 are not taken for fp8's
     with pytest.raises(PlanError, match="train.precision fp8: model.arch gpt2 has no nn.Linear"):
         plan("train.precision=fp8", "model.arch=gpt2")
+
+
+FP8_ENGINE = """
+import sys
+from types import SimpleNamespace
+import torch
+from gptpipe.runtime.config import ModelConfig
+from gptpipe.train.config import TrainConfig
+from gptpipe.runtime.engine import build_engine, deepspeed_config, forward_loss, setup_distributed
+from gptpipe.runtime.model import build_model_config
+from gptpipe.runtime.schedule import Schedule
+
+dist = setup_distributed()
+ids = torch.load(sys.argv[1])
+for precision in ("bf16", "fp8"):
+    train = TrainConfig(precision=precision, global_batch_size=1, micro_batch_size=1, seq_len=64, lr=1e-3)
+    train.resolve_schedule(continued=False)
+    config = build_model_config(ModelConfig(preset="custom", num_layers=1, hidden_size=64, num_attn_heads=4,
+                                            ffn_hidden_size=1040),
+                                SimpleNamespace(vocab_size=int(ids.max()) + 1, bos_id=1, eos_id=2, pad_id=3), 64)
+    ds_config, _ = deepspeed_config(train, 1, 1, 1, on_gpu=False)
+    torch.manual_seed(0)
+    engine, kwargs = build_engine(train, "llama", config, ds_config, Schedule.for_run(train, 10), dist.device)
+    losses = []
+    for _ in range(4):
+        loss, _ = forward_loss(engine, {"input_ids": ids, "labels": ids}, **kwargs)
+        engine.backward(loss)
+        engine.step()
+        losses.append(round(loss.item(), 4))
+    engine.save_checkpoint(sys.argv[2] + "/" + precision, tag="step4")
+    print(precision, type(engine.module.model.layers[0].mlp.up_proj).__name__, *losses)
+"""
+
+
+@pytest.mark.slow  # two DeepSpeed engines in a subprocess: about a minute on 2 cores
+def test_the_fp8_engine_trains_and_saves_a_bf16_runs_checkpoint(dataset_prefix: Path, tmp_path: Path) -> None:
+    """build_engine with train.precision fp8 (on CPU, which `gptpipe train` refuses but torchao runs): the MLP
+    up-projections are Float8Linear inside the DeepSpeed bf16 engine at ZeRO-1, the loss falls with the bf16
+    engine's from the same weights, and the checkpoint's model states have the bf16 run's keys, dtypes and shapes
+    (what resume and stage 4 read)."""
+    import subprocess
+
+    import torch
+
+    from conftest import train_env
+    from gptpipe.data.indexed import IndexedDataset
+
+    dataset = IndexedDataset(dataset_prefix)
+    tokens = np.concatenate([dataset[i] for i in range(50)])[:64]
+    torch.save(torch.from_numpy(tokens.astype(np.int64))[None], tmp_path / "ids.pt")
+    done = subprocess.run([sys.executable, "-c", FP8_ENGINE, str(tmp_path / "ids.pt"), str(tmp_path)],
+                          env=train_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines() if line.split()[:1] in (["bf16"],
+                                                                                                      ["fp8"])}
+    assert rows["bf16"][0] == "Linear" and rows["fp8"][0] == "Float8Linear", done.stdout
+    bf16, fp8_losses = [float(x) for x in rows["bf16"][1:]], [float(x) for x in rows["fp8"][1:]]
+    assert fp8_losses[-1] < fp8_losses[0] and abs(fp8_losses[-1] / bf16[-1] - 1) < 0.02, (bf16, fp8_losses)
+    assert "fp8: tensorwise scaling, 2 of 8 linears in FP8" in done.stderr, done.stderr[-3000:]
+
+    def states(precision: str) -> dict[str, tuple[torch.dtype, torch.Size]]:
+        saved = torch.load(tmp_path / precision / "step4" / "mp_rank_00_model_states.pt", weights_only=False)
+        return {k: (v.dtype, v.shape) for k, v in saved["module"].items()}
+
+    assert states("fp8") == states("bf16")
