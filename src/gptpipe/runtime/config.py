@@ -117,7 +117,7 @@ class LoopConfig:
                 "bf16/fp32 as in a bf16 run")
     fp8_recipe: Literal["tensorwise", "rowwise"] = option(
         "tensorwise", "with precision fp8: torchao's scaling, one scale per tensor (tensorwise: the fastest, "
-                      "torchtitan's default) or per row (rowwise: more robust to outliers, slower)")
+                      "torchao's default) or per row (rowwise: more accurate with outliers, slower)")
     zero_stage: int = option(1, "DeepSpeed ZeRO stage 0-3")
     offload_optimizer: bool = option(False, "ZeRO: keep optimizer states in host RAM")
     fp32_gradients: bool = option(

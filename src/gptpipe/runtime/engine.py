@@ -258,8 +258,8 @@ def build_engine(train: LoopConfig, arch: str, hf_config: Any, ds_config: dict[s
     if train.precision == "fp8":
         choices = fp8.convert(model, train.fp8_recipe)
         if main:
-            log.info(f"fp8: {fp8.describe(choices, train.fp8_recipe)}; MFU counts against the dense bf16 peak\n  "
-                     + "\n  ".join(c.line() for c in choices))
+            log.info(f"fp8: {fp8.describe(choices, train.fp8_recipe)}; MFU counts against the dense bf16 peak")
+            log.debug("fp8 layer by layer:\n  " + "\n  ".join(c.line() for c in choices))
     if loss.fused and train.zero_stage == 3:
         # Liger reads lm_head.weight outside lm_head's forward: ZeRO-3 must gather it for the whole model.
         deepspeed.zero.register_external_parameter(model, model.lm_head.weight)
