@@ -2,7 +2,8 @@
 
 On CUDA: NCCL, SDPA attention, Liger's fused kernels (devices.LIGER_ARCHS) when installed (RMSNorm, RoPE, SwiGLU
 and the fused linear cross-entropy, so the vocab-sized logits never materialize), torch's fused AdamW, optional
-torch.compile and activation checkpointing. On CPU: gloo, torch's fused AdamW, OMP_NUM_THREADS set.
+torch.compile and activation checkpointing, and with train.precision fp8 torchao's float8 linears (runtime/fp8.py)
+inside the bf16 engine. On CPU: gloo, torch's fused AdamW, OMP_NUM_THREADS set.
 No C++ extension is built at run time: the optimizer is torch's ("torch_adam": true, not DeepSpeed's
 JIT-built FusedAdam/CPUAdam), and DeepSpeed's CPU shared-memory allreduce op, which JIT-builds on first
 use, is switched off (gloo's allreduce does the same job). Liger and torch.compile are Triton, which compiles
@@ -277,8 +278,8 @@ def build_engine(train: LoopConfig, arch: str, hf_config: Any, ds_config: dict[s
         elif main:
             log.warning(f"train.compile: running uncompiled: {why_not}")
     if train.precision == "fp8" and not (train.compile and why_not is None):
-        # torchao's casts and scales are separate kernels unless compiled: compile the converted linears alone
-        # (Liger's kernels around them stay eager, see uncompiled_because), as inductor can
+        # torchao's casts and scales are separate kernels unless compiled: compile the converted linears alone,
+        # so Liger's kernels around them stay eager (uncompiled_because: under inductor they gave a NaN loss)
         inductor = train.compile_backend == "inductor"
         missing = ("inductor compiles for CUDA only" if inductor and not on_gpu else
                    triton_missing() if inductor else None)
