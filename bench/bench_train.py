@@ -11,6 +11,7 @@ markdown row for docs/benchmarks.md (--json also appends the figures to a file, 
     .venv/bin/python bench/bench_train.py --base qwen3             # Qwen3-0.6B's shape, 151,936 vocabulary
     .venv/bin/python bench/bench_train.py --smoke                  # tiny preset on CPU, bf16, both loops: runs
     .venv/bin/python bench/bench_train.py --continued              # the weights from a saved folder (init_from)
+    .venv/bin/python bench/bench_train.py --preset 1b --micro 8 --precision fp8   # torchao float8 (H100-class)
 
 MFU = FLOPs per token × tokens/s ÷ the GPU's dense peak (H100/H200 989 TFLOP/s bf16, not the 1,979 "with
 sparsity"; override with --peak-tflops, which also gives a CPU one). Every row prints MFU in two conventions
@@ -90,7 +91,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--micro", default="auto",
                         help="micro-batch (no accumulation: one per step); auto: the planner's largest that fits")
-    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"],
+                        help="fp8: train.precision fp8, the bf16 engine with torchao's float8 linears (MFU still "
+                             "against the dense bf16 peak)")
+    parser.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
     parser.add_argument("--zero", type=int, default=1)
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--compile", action="store_true")
@@ -110,8 +114,9 @@ def main() -> None:
     if args.smoke:
         args.preset, args.seq, args.micro, args.precision, args.steps, args.warmup = "tiny", 128, "4", "bf16", 3, 1
         args.plain = True
-    if args.plain and args.precision == "fp16":
-        sys.exit("--plain runs bf16 or fp32: an fp16 plain loop would need the engine's loss scaling too")
+    if args.plain and args.precision in ("fp16", "fp8"):
+        sys.exit("--plain runs bf16 or fp32: an fp16 plain loop would need the engine's loss scaling too, an fp8 "
+                 "one the float8 conversion")
 
     dist = setup_distributed()
     on_gpu = dist.device.type == "cuda"
@@ -119,7 +124,7 @@ def main() -> None:
                  f"train.precision={args.precision}", f"train.zero_stage={args.zero}",
                  f"train.activation_checkpointing={str(args.checkpointing).lower()}",
                  f"train.compile={str(args.compile).lower()}", f"train.liger_kernels={str(not args.no_liger).lower()}",
-                 "train.warmup_fraction=0.1"]
+                 f"train.fp8_recipe={args.fp8_recipe}", "train.warmup_fraction=0.1"]
     config = load_config(PipelineConfig, None, overrides)
     train = config.train
     if args.base:
@@ -134,6 +139,15 @@ def main() -> None:
         shape, arch = resolve_shape(config.model, VOCAB), args.arch
         parameters = count_parameters(shape, args.seq)
     vocab = shape.vocab_size
+    if args.precision == "fp8":
+        from gptpipe.runtime import fp8
+
+        why = fp8.unavailable()
+        if why:
+            sys.exit(f"--precision fp8: {why}")
+        fp8_layer = fp8.largest_converted(fp8.model_choice(hf_config, args.fp8_recipe))
+    else:
+        fp8_layer = None
 
     # The planner's figures: its loss path, its budget for this device and its micro-batch
     loss = loss_path(arch, on_gpu, train.liger_kernels)
@@ -141,8 +155,8 @@ def main() -> None:
     budget = memory_budget(device_bytes, on_gpu) if on_gpu else None
 
     def memory_of(settings: EngineSettings) -> Any:
-        return estimate_memory(shape, parameters, args.seq, args.precision, dist.world_size, settings, loss.fused,
-                               train.fp32_gradients)
+        return estimate_memory(shape, parameters, args.seq, train.engine_precision, dist.world_size, settings,
+                               loss.fused, train.fp32_gradients, fp8_layer=fp8_layer)
 
     settings = EngineSettings(1 if args.micro == "auto" else int(args.micro), args.zero, args.checkpointing, False)
     if args.micro == "auto":
@@ -205,7 +219,7 @@ def main() -> None:
     flops = {convention: flops_per_token(shape, args.seq, total, causal=convention == "causal")
              for convention in ("full", "causal")}
     name = torch.cuda.get_device_name(0) if on_gpu else "CPU"
-    peak = (peak_flops(name, args.precision, args.peak_tflops) if on_gpu
+    peak = (peak_flops(name, train.engine_precision, args.peak_tflops) if on_gpu
             else args.peak_tflops * 1e12 if args.peak_tflops else None)
 
     def mfu(speed: float | None) -> dict[str, float | None]:
@@ -219,7 +233,8 @@ def main() -> None:
     engine_mfu, plain_mfu = mfu(tokens_per_s), mfu(plain.tokens_per_s if plain else None)
     row = {"label": args.label or (args.base or f"{args.arch} {args.preset}"), "device": name,
            "ranks": dist.world_size, "seq": args.seq, "micro": micro, "micro_planned": args.micro == "auto",
-           "precision": args.precision, "zero": args.zero, "checkpointing": args.checkpointing,
+           "precision": args.precision, "fp8_recipe": args.fp8_recipe if args.precision == "fp8" else None,
+           "zero": args.zero, "steps": args.steps, "checkpointing": args.checkpointing,
            "compile": args.compile, "liger": loss.fused, "loss_kwargs": sorted(engine_kwargs),
            "parameters": parameters, "tokens_per_s": tokens_per_s, "mfu_headline": HEADLINE,
            "flops_per_token_full": flops["full"], "flops_per_token_causal": flops["causal"],
@@ -235,7 +250,8 @@ def main() -> None:
            "host_syncs_per_step": None if syncs is None else len(syncs), "host_sync_sites": syncs,
            "device_synchronizes": device_syncs[0],
            "command": f"python {' '.join(sys.argv)}"}
-    settings_text = (f"{args.precision} ZeRO-{args.zero}{' ckpt' if args.checkpointing else ''}"
+    recipe = f" {args.fp8_recipe}" if args.precision == "fp8" else ""
+    settings_text = (f"{args.precision}{recipe} ZeRO-{args.zero}{' ckpt' if args.checkpointing else ''}"
                      f"{' compile' if args.compile else ''}{' liger' if loss.fused else ''}"
                      f"{' init_from' if args.continued else ''}")
     micro_text = f"{micro}{' (plan)' if args.micro == 'auto' else ''}"

@@ -57,6 +57,13 @@ if on and off:
     rel = abs(on["first_loss"] - off["first_loss"]) / off["first_loss"]
     print(f"\nLiger on/off, llama 125m, micro 8, step 1: {on['first_loss']:.5f} vs {off['first_loss']:.5f} "
           f"(rel {rel:.1e}; bf16 noise is ~4e-3): {'ok' if rel < 1e-2 else 'DIFFERENT'}")
+bf16, fp8 = by_label.get("llama-1b-bf16-200"), by_label.get("llama-1b-fp8-200")
+if bf16 and fp8:  # issue 45: fp8 >= 1.15x bf16's tokens/s, its loss after the same 200 steps within 0.5%
+    speedup, rel = fp8["tokens_per_s"] / bf16["tokens_per_s"], fp8["loss"] / bf16["loss"] - 1
+    print(f"\nfp8 ({fp8.get('fp8_recipe')}) vs bf16, llama 1b, seq {fp8['seq']}, micro {fp8['micro']}: "
+          f"{fp8['tokens_per_s']:,.0f} vs {bf16['tokens_per_s']:,.0f} tokens/s ({speedup:.2f}×, target >= 1.15×); "
+          f"loss after {fp8.get('steps', 200)} steps {fp8['loss']:.4f} vs {bf16['loss']:.4f} ({rel:+.2%}, target "
+          f"within 0.5%): {'ok' if speedup >= 1.15 and abs(rel) <= 0.005 else 'MISSED'}")
 metrics = out / "real-loop" / "metrics.jsonl"
 if metrics.is_file():
     train_rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("kind") == "train"]

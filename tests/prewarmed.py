@@ -32,7 +32,10 @@ PRELOAD = ["torch", "deepspeed", "transformers", "wandb", "torch.utils.tensorboa
            "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
            "transformers.models.mixtral.modeling_mixtral", "transformers.models.t5.modeling_t5",
            "gptpipe.cli", "gptpipe.train.train", "gptpipe.finetune.finetune", "gptpipe.finetune.predict",
-           "gptpipe.export.convert"]
+           "gptpipe.export.convert",
+           # transformers imports its quantizers, torchao's too when the [fp8] extra is installed, when it first
+           # builds a model: ~2-6 s on this machine, paid once here instead of in every run
+           "transformers.quantizers.auto", "torchao.float8"]
 
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(PRELOAD)

@@ -170,6 +170,10 @@ class FinetuneTrainConfig(LoopConfig):
             problems.append(("seq_len", f"must be auto or an integer >= 1, got {self.seq_len}"))
         if not 0 < self.seq_len_percentile <= 100:
             problems.append(("seq_len_percentile", f"must be in (0, 100], got {self.seq_len_percentile}"))
+        if self.precision == "fp8":
+            # runtime/fp8.py converts stage 3's linears; LoRA's adapters wrap the same layers (peft's lora.Linear),
+            # and fine-tuning's small batches would not pay for the casts
+            problems.append(("precision", "fp8 is for pretraining (gptpipe train) only: use bf16 for fine-tuning"))
         return problems
 
 

@@ -2,7 +2,8 @@
 
 On CUDA: NCCL, SDPA attention, Liger's fused kernels (devices.LIGER_ARCHS) when installed (RMSNorm, RoPE, SwiGLU
 and the fused linear cross-entropy, so the vocab-sized logits never materialize), torch's fused AdamW, optional
-torch.compile and activation checkpointing. On CPU: gloo, torch's fused AdamW, OMP_NUM_THREADS set.
+torch.compile and activation checkpointing, and with train.precision fp8 torchao's float8 linears (runtime/fp8.py)
+inside the bf16 engine. On CPU: gloo, torch's fused AdamW, OMP_NUM_THREADS set.
 No C++ extension is built at run time: the optimizer is torch's ("torch_adam": true, not DeepSpeed's
 JIT-built FusedAdam/CPUAdam), and DeepSpeed's CPU shared-memory allreduce op, which JIT-builds on first
 use, is switched off (gloo's allreduce does the same job). Liger and torch.compile are Triton, which compiles
@@ -27,6 +28,7 @@ import torch
 
 from gptpipe.log import get_logger
 from gptpipe.ports import free_port
+from gptpipe.runtime import fp8
 from gptpipe.runtime.config import LoopConfig
 from gptpipe.runtime.devices import LIGER_ARCHS, LossPath, host_threads_per_rank, loss_path, triton_missing
 from gptpipe.runtime.memory import gradient_bytes
@@ -134,7 +136,7 @@ def deepspeed_config(train: LoopConfig, micro_batch: int, accumulation: int, dp:
         raise EngineConfigError(f"DeepSpeed template {path} is not valid JSON: {exc}") from None
     config = copy.deepcopy(template)
     wandb_block = config.pop("wandb", {}) or {}
-    precision = train.precision
+    precision = train.engine_precision  # fp8: a bf16 engine, runtime/fp8.py converts the linears
     owned: dict[str, Any] = {
         "train_batch_size": micro_batch * accumulation * dp,
         "train_micro_batch_size_per_gpu": micro_batch,
@@ -217,7 +219,7 @@ def fused_loss_kwargs(train: LoopConfig) -> dict[str, Any]:
     accum_dtype: Liger sums lm_head's gradient over its chunks of tokens in the weight's dtype unless told
     otherwise: bf16, one rounding per chunk (32 chunks for 125m at micro-batch 64). With train.fp32_gradients
     the sum is fp32, as every other gradient's (memory.estimate_memory counts the fp32 buffer)."""
-    fp32 = gradient_bytes(train.precision, train.zero_stage, train.fp32_gradients) == 4
+    fp32 = gradient_bytes(train.engine_precision, train.zero_stage, train.fp32_gradients) == 4
     return {"skip_logits": True, **({"accum_dtype": torch.float32} if fp32 else {})}
 
 
@@ -254,6 +256,11 @@ def build_engine(train: LoopConfig, arch: str, hf_config: Any, ds_config: dict[s
         # torchrun starts each rank with one thread: the host AdamW step of the offload would run on one core.
         torch.set_num_threads(host_threads_per_rank(torch.distributed.get_world_size()))
     model = make_model() if make_model else build_model(hf_config, device)
+    if train.precision == "fp8":
+        choices = fp8.convert(model, train.fp8_recipe)
+        if main:
+            log.info(f"fp8: {fp8.describe(choices, train.fp8_recipe)}; MFU counts against the dense bf16 peak")
+            log.debug("fp8 layer by layer:\n  " + "\n  ".join(c.line() for c in choices))
     if loss.fused and train.zero_stage == 3:
         # Liger reads lm_head.weight outside lm_head's forward: ZeRO-3 must gather it for the whole model.
         deepspeed.zero.register_external_parameter(model, model.lm_head.weight)
@@ -264,12 +271,24 @@ def build_engine(train: LoopConfig, arch: str, hf_config: Any, ds_config: dict[s
     groups = parameter_groups(model, train.weight_decay, vocab_apart=schedule.frozen_steps > 0)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config,
                                       lr_scheduler=schedule.scheduler_factory())
+    why_not = uncompiled_because(train, on_gpu, loss.fused)
     if train.compile:
-        why_not = uncompiled_because(train, on_gpu, loss.fused)
         if why_not is None:
             engine.compile(backend=train.compile_backend)
         elif main:
             log.warning(f"train.compile: running uncompiled: {why_not}")
+    if train.precision == "fp8" and not (train.compile and why_not is None):
+        # torchao's casts and scales are separate kernels unless compiled: compile the converted linears alone,
+        # so Liger's kernels around them stay eager (uncompiled_because: under inductor they gave a NaN loss)
+        inductor = train.compile_backend == "inductor"
+        missing = ("inductor compiles for CUDA only" if inductor and not on_gpu else
+                   triton_missing() if inductor else None)
+        if missing and main:
+            log.warning(f"fp8: the float8 linears run uncompiled (slower casts): {missing}")
+        elif not missing:
+            count = fp8.compile_converted(engine.module, train.compile_backend)
+            if main:
+                log.info(f"fp8: {count} float8 linears compiled on their own ({train.compile_backend})")
     return engine, forward_kwargs(train, loss)
 
 

@@ -224,13 +224,26 @@ def activation_bytes_per_token(shape: Shape, precision: str, fused_kernels: bool
     return linear_inputs + norms + attention + mlp
 
 
+def fp8_cast_bytes(tokens: int, out_features: int, in_features: int) -> int:
+    """The float8 copies one torchao Float8Linear (runtime/fp8.py) holds while it computes, for `tokens` rows:
+    forward's input (tokens x in) and weight (out x in), backward's output gradient (tokens x out), each also
+    in the transposed layout the other products need, one byte a value (the scales are a few values per row
+    at most). Transient: the layer saves its bf16 input and weight for backward, not the casts, so a run's
+    activations are a bf16 run's and only the largest converted layer's casts are live at once. Estimated from
+    torchao 0.18's code (float8_linear.py), not measured."""
+    return 2 * (tokens * in_features + out_features * in_features + tokens * out_features)
+
+
 def estimate_memory(shape: Shape, parameters: int, seq_len: int, precision: str, dp: int, settings: EngineSettings,
-                    fused_loss: bool, fp32_gradients: bool, document_mask: bool = False) -> Memory:
+                    fused_loss: bool, fp32_gradients: bool, document_mask: bool = False,
+                    fp8_layer: tuple[int, int] | None = None) -> Memory:
     """Per-device bytes the allocator hands out for one configuration (see the module doc).
 
-    `fused_loss`: Liger's kernels are applied (devices.loss_path): its fused loss and its smaller activations.
-    `document_mask`: transformers passes every layer a mask (the documents' block-causal one) and SDPA keeps it,
-    as it does a sliding window's.
+    `precision`: the engine's (an fp8 run's is bf16). `fused_loss`: Liger's kernels are applied
+    (devices.loss_path): its fused loss and its smaller activations. `document_mask`: transformers passes every
+    layer a mask (the documents' block-causal one) and SDPA keeps it, as it does a sliding window's.
+    `fp8_layer`: an fp8 run's largest converted linear (out, in), whose casts (`fp8_cast_bytes`) are counted with
+    the activations.
     """
     p = bytes_per_value(precision)
     g = gradient_bytes(precision, settings.zero_stage, fp32_gradients)
@@ -254,6 +267,8 @@ def estimate_memory(shape: Shape, parameters: int, seq_len: int, precision: str,
         activations = tokens * (shape.num_layers * h * p + max(per_token for n, per_token in blocks if n))
     else:
         activations = tokens * sum(n * per_token for n, per_token in blocks)
+    if fp8_layer:
+        activations += fp8_cast_bytes(tokens, *fp8_layer)
     if fused_loss:
         # Liger's chunked loss (fused_linear_cross_entropy_forward, liger-kernel 0.8.5) at its peak: the gradient
         # of its input, the fp32 loss per token and lm_head's gradient, summed over the chunks in forward (in

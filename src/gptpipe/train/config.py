@@ -121,6 +121,9 @@ class TrainConfig(LoopConfig):
             problems += [("output_model_dir", p) for p in check_url(self.output_model_dir)]
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             problems.append(("peak_tflops", "must be > 0 (or null)"))
+        if self.precision == "fp8" and self.seq_len % 16:
+            problems.append(("seq_len", f"{self.seq_len}: precision fp8 needs a multiple of 16 (FP8 matmuls on "
+                                        "CUDA need each dimension, a micro-batch's tokens too, divisible by 16)"))
         return problems
 
     def resolve_schedule(self, continued: bool) -> list[tuple[str, str]]:

@@ -24,6 +24,7 @@ from gptpipe.train.data import blend_weights, check_splits, index_bytes
 from gptpipe.runtime.metrics_rows import SpeedSetup, TrainRow, of_kind, read_metrics
 from gptpipe.runtime.memory import (GIB, GPU_RANK_HOST_RAM, Budget, EngineSettings, Memory, bytes_per_value,
                                     estimate_memory, memory_budget, optimizer_bytes_per_parameter)
+from gptpipe.runtime import fp8
 from gptpipe.runtime.model import Shape, base_shape, count_parameters, flops_per_token, meta_parameters, resolve_shape
 from gptpipe.runtime.schedule import Schedule
 
@@ -51,6 +52,7 @@ class Plan:
     memory: Memory
     memory_checkpointed: Memory
     loss: LossPath
+    fp8: list[fp8.LayerChoice] | None  # train.precision fp8: each linear and whether it converts (runtime/fp8.py)
     ranks_per_node: int
     stats: list[DatasetCounts]
     weights: list[float] | None
@@ -108,11 +110,13 @@ def world_size() -> int:
 
 
 def make_plan(config: TrainingRun, vocab_size: int, dp: int | None = None, device_memory_gib: float | None = None,
-              device_name: str | None = None, gpus_per_node: int | None = None, base_config: Any = None) -> Plan:
+              device_name: str | None = None, gpus_per_node: int | None = None, base_config: Any = None,
+              model_config: Any = None) -> Plan:
     """Work out the run and check it fits; raises PlanError (or DataError) with a concrete fix.
 
     `base_config`: the transformers config of model.init_from's folder, which then decides the shape (its
-    parameters counted on the meta device, its vocabulary unpadded)."""
+    parameters counted on the meta device, its vocabulary unpadded). `model_config`: the transformers config of
+    the model the run trains, needed with train.precision fp8 (which linears convert is read from its layers)."""
     train, data = config.train, config.data
     dp = dp or world_size()
     node_ranks = min(dp, gpus_per_node or ranks_per_node(dp))
@@ -134,6 +138,13 @@ def make_plan(config: TrainingRun, vocab_size: int, dp: int | None = None, devic
         shape = resolve_shape(config.model, vocab_size)
         parameters = count_parameters(shape, train.seq_len)
     loss = loss_path(shape.arch, on_gpu, train.liger_kernels, other_machine)
+    fp8_choice = None
+    if train.precision == "fp8":
+        fp8_choice = fp8.model_choice(model_config, train.fp8_recipe)
+        nothing = fp8.nothing_converts(fp8_choice, shape.arch)
+        if nothing:
+            raise PlanError(f"train.precision fp8: {nothing}")
+    fp8_layer = fp8.largest_converted(fp8_choice) if fp8_choice else None
 
     if train.global_batch_size % dp:
         raise PlanError(f"train.global_batch_size {train.global_batch_size} is not divisible by the {dp} "
@@ -176,8 +187,8 @@ def make_plan(config: TrainingRun, vocab_size: int, dp: int | None = None, devic
     index_ram = index_bytes(stats, weights, sizes, train.seq_len)
 
     def memory_of(settings: EngineSettings) -> Memory:
-        return estimate_memory(shape, parameters, train.seq_len, train.precision, dp, settings, loss.fused,
-                               train.fp32_gradients, train.document_mask)
+        return estimate_memory(shape, parameters, train.seq_len, train.engine_precision, dp, settings, loss.fused,
+                               train.fp32_gradients, train.document_mask, fp8_layer)
 
     def fits(settings: EngineSettings) -> bool:
         return memory_of(settings).total <= budget.usable
@@ -190,7 +201,7 @@ def make_plan(config: TrainingRun, vocab_size: int, dp: int | None = None, devic
         raise PlanError(_refusal(memory_of(settings), budget, name, settings, per_rank, dp,
                                  train.global_batch_size, fits, memory_of))
 
-    offloaded = (parameters * optimizer_bytes_per_parameter(train.precision, settings.zero_stage) / dp
+    offloaded = (parameters * optimizer_bytes_per_parameter(train.engine_precision, settings.zero_stage) / dp
                  if settings.offload else 0)
     # megatron's index arrays (and the split order) are cached in a folder and memory-mapped by a node's ranks, so
     # the page cache holds them once. The nodes of a bucket run without data.cache_dir may stage on disks of their
@@ -206,24 +217,26 @@ def make_plan(config: TrainingRun, vocab_size: int, dp: int | None = None, devic
             "is available. Fix: lower train.train_tokens or train.train_epochs"
             + (", or set train.offload_optimizer=false" if settings.offload else ""))
 
-    setup = SpeedSetup(shape, train.precision, train.seq_len, name, dp)
+    precision = f"fp8 {train.fp8_recipe}" if train.precision == "fp8" else train.precision
+    setup = SpeedSetup(shape, precision, train.seq_len, name, dp)
     measured, elsewhere = ((None, None) if is_url(train.output_model_dir) else
                            measured_tokens_per_s(train.output_model_dir, tokens_per_step, setup))
-    p = bytes_per_value(train.precision)
+    p = bytes_per_value(train.engine_precision)
     checkpoint_bytes = parameters * (p + 8 + (4 if settings.zero_stage > 0 or p == 2 else 0))
     return Plan(shape=shape, parameters=parameters, dp=dp,
                 flops_per_token=flops_per_token(shape, train.seq_len, parameters),
                 on_gpu=on_gpu, device_name=name, budget=budget, settings=settings,
                 accumulation=per_rank // settings.micro_batch,
                 memory=memory_of(replace(settings, checkpointing=False)),
-                memory_checkpointed=memory_of(replace(settings, checkpointing=True)), loss=loss,
+                memory_checkpointed=memory_of(replace(settings, checkpointing=True)), loss=loss, fp8=fp8_choice,
                 ranks_per_node=node_ranks, stats=stats, weights=weights,
                 tokens_per_step=tokens_per_step, steps=steps, run_length=run_length, schedule=schedule,
                 train_samples=sizes[0],
                 eval_samples=eval_samples, index_ram=index_ram, index_copies=index_copies,
                 host_ram_needed=host_needed, host_ram=host_ram,
                 checkpoint_bytes=checkpoint_bytes,
-                peak_flops=peak_flops(name, train.precision, train.peak_tflops) if on_gpu else None,
+                # fp8 runs too: MFU against the dense bf16 peak (the FP8 matmuls' own peak is twice it)
+                peak_flops=peak_flops(name, train.engine_precision, train.peak_tflops) if on_gpu else None,
                 setup=setup, measured_tokens_per_s=measured, measured_elsewhere=elsewhere)
 
 

@@ -9,7 +9,8 @@ from gptpipe.log import get_logger
 from gptpipe.artifacts import EXIT_BAD_INPUT
 from gptpipe.storage import is_url
 from gptpipe.train.data import DataError, mixture
-from gptpipe.runtime.memory import GIB
+from gptpipe.runtime.fp8 import describe, largest_converted
+from gptpipe.runtime.memory import GIB, fp8_cast_bytes
 from gptpipe.train.plan import ASSUMED_MFU, Plan, PlanError, check_parameter_count, make_plan
 
 
@@ -62,10 +63,16 @@ def format_plan(plan: Plan, config: TrainingRun) -> str:
             f" (warmup from train.warmup_fraction={train.warmup_fraction:g}")
          + ("; unset lr/min_lr/warmup default to continued pretraining's re-warm from model.init_from)" if base
             else ")")),
-        ("engine", f"{train.precision}, {plan.settings.describe(plan.dp, train.global_batch_size)}"),
+        ("engine", f"{train.precision}{' (a bf16 engine)' if plan.fp8 else ''}, "
+                   f"{plan.settings.describe(plan.dp, train.global_batch_size)}"),
+        *([("fp8", describe(plan.fp8, train.fp8_recipe) + "; weights, gradients, optimizer and checkpoints "
+                   "as in bf16; MFU counts against the dense bf16 peak")] if plan.fp8 else []),
         (f"memory/{'GPU' if plan.on_gpu else 'process'}",
          f"weights {g(m.weights)}, gradients {g(m.gradients)}, optimizer {g(m.optimizer)}, logits {g(m.logits)}"),
-        ("activations", f"{g(m.activations)} without checkpointing, {g(c.activations)} with"),
+        ("activations", f"{g(m.activations)} without checkpointing, {g(c.activations)} with"
+                        + (f" (each with {g(fp8_cast_bytes(plan.settings.micro_batch * train.seq_len, *largest))} "
+                           f"of FP8 casts of the largest converted linear, estimated)"
+                           if (largest := plan.fp8 and largest_converted(plan.fp8)) else "")),
         ("loss", f"{'fused' if plan.loss.fused else 'unfused'}: {plan.loss.why}"),
         ("total", f"~{g(plan.planned_memory.total)} on {plan.device_name}: {plan.budget.describe()}"),
         ("host RAM", f"dataset index {g(plan.index_ram)}"
@@ -108,7 +115,7 @@ def run(config: TrainingRun, args: argparse.Namespace) -> int:
     try:
         plan = make_plan(config, tokenizer.vocab_size, dp=args.gpus, device_memory_gib=args.gpu_memory,
                          device_name=args.gpu_name, gpus_per_node=args.gpus_per_node,
-                         base_config=base.config if base else None)
+                         base_config=base.config if base else None, model_config=hf_config)
     except (PlanError, DataError) as exc:
         log.error(f"refused: {exc}")
         return EXIT_BAD_INPUT

@@ -27,7 +27,7 @@ from gptpipe.config.core import to_plain
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError
 from gptpipe.artifacts import EXIT_BAD_INPUT
-from gptpipe.runtime import checkpoint
+from gptpipe.runtime import checkpoint, fp8
 from gptpipe.runtime.base_model import BASE_STATE_KEY, BaseModel, base_record, check_unchanged
 from gptpipe.train.continued import gate_batch, new_row_problems, old_rows_loss, reference_loss, stage3_model
 from gptpipe.data.tokenizer_check import tokenizer_problems
@@ -48,13 +48,20 @@ log = get_logger("train")
 
 def run(config: TrainingRun, args: argparse.Namespace) -> int:
     """`gptpipe train`: returns the exit code documented in the module doc."""
+    if config.train.precision == "fp8":
+        # an explicit request: refused here, before any rank starts or writes, never trained in bf16 instead
+        why = fp8.unavailable()
+        if why:
+            raise StageInputError(f"train.precision fp8 cannot run here: {why}; on this machine use "
+                                  "train.precision=bf16")
     return run_ranks(lambda dist: _train(config, dist))
 
 
 def _train(config: TrainingRun, dist: Dist) -> int:
     tokenizer, hf_config, base = stage3_model(config)
     try:
-        plan = make_plan(config, tokenizer.vocab_size, dp=dist.world_size, base_config=base.config if base else None)
+        plan = make_plan(config, tokenizer.vocab_size, dp=dist.world_size, base_config=base.config if base else None,
+                         model_config=hf_config)
         ds_config, wandb_block = deepspeed_config(config.train, plan.settings.micro_batch, plan.accumulation,
                                                   dist.world_size, dist.device.type == "cuda")
     except (PlanError, DataError, EngineConfigError) as exc:
