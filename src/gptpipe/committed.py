@@ -145,8 +145,9 @@ class CommittedFolder:
             keep.unlink(missing_ok=True)  # nothing local vouches for files while they are replaced
         if clean:
             shutil.rmtree(target, ignore_errors=True)
+        mtimes = mtimes or {}
         wanted = {name: size for name, size in files.items()
-                  if (mtimes or {}).get(name) is None or not _has(target / name, size, (mtimes or {})[name])}
+                  if mtimes.get(name) is None or not _has(target / name, size, mtimes[name])}
         # Downloaded beside their places under a temporary name, checked, then moved in.
         parts = {name: (target / name).with_name(f".{Path(name).name}.part-{os.getpid()}") for name in wanted}
         try:
@@ -160,7 +161,7 @@ class CommittedFolder:
                     got = f"{part.stat().st_size:,} bytes" if part.is_file() else "nothing"
                     raise OSError(f"{self.path(name)} changed while it was downloaded ({got}, its record lists "
                                   f"{wanted[name]:,})")
-                if (mtime := (mtimes or {}).get(name)) is not None:
+                if (mtime := mtimes.get(name)) is not None:
                     os.utime(part, ns=(mtime, mtime))
                 os.replace(part, target / name)
         finally:

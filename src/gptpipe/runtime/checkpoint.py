@@ -267,10 +267,11 @@ def load(engine: Any, folder: Path, dist: Dist, converts: bool | None = None) ->
     check_checkpoint(folder)  # DeepSpeed unpickles every file whole
     ranks = saved_ranks(folder)
     elastic = ranks != dist.world_size and partitioned(folder)
+    converts = dist.is_main if converts is None else converts
     source, switch = folder, contextlib.nullcontext()
     if elastic:
         started = time.perf_counter()
-        source = universal_copy(folder, dist, dist.is_main if converts is None else converts)
+        source = universal_copy(folder, dist, converts)
         switch = _loading_universal(engine)
         if dist.is_main:
             get_logger("checkpoint").info(
@@ -284,7 +285,7 @@ def load(engine: Any, folder: Path, dist: Dist, converts: bool | None = None) ->
         raise RuntimeError(f"DeepSpeed could not load the checkpoint {folder}")
     if elastic:
         _barrier()  # every rank has read the copy
-        if converts if converts is not None else dist.is_main:
+        if converts:
             shutil.rmtree(source, ignore_errors=True)
             (source.parent / UNIVERSAL_LATEST).unlink(missing_ok=True)  # ds_to_universal's pointer to the copy
     rng_file = folder / f"rng_state_rank{dist.rank}.pt"
