@@ -63,8 +63,8 @@ def test_planned_flops_per_token_are_what_the_model_multiplies(arch: str, preset
     device = "meta" if arch == "llama" else "cpu"
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
-                                                 **({} if arch in ("llama", "gpt2") else {"experts_implementation": "eager"}))
+        experts = {} if arch in ("llama", "gpt2") else {"experts_implementation": "eager"}
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", **experts)
         tokens = torch.randint(0, TOKENIZER.vocab_size, (1, seq_len))
     counter = FlopCounterMode(display=False)
     with counter:
@@ -421,7 +421,8 @@ def _cuda_attention_on_cpu(shape, precision: str, windowed: bool):
     ("gemma3_text", {"sliding_window": 64}),  # its sliding layers then get a mask
     ("gpt2", {}),  # a base GPT-2's gelu_new
     ("gpt2", {"activation_function": "gelu_pytorch_tanh"}),  # GPT-2 from scratch (build_model_config)
-    ("mixtral", {}), ("ernie4_5_moe", {})], ids=lambda v: ",".join(f"{k}={v[k]}" for k in v) or "defaults" if isinstance(v, dict) else v)
+    ("mixtral", {}), ("ernie4_5_moe", {})],
+    ids=lambda v: ",".join(f"{k}={v[k]}" for k in v) or "defaults" if isinstance(v, dict) else v)
 def test_planned_activations_are_what_autograd_keeps(model_type: str, overrides: dict, precision: str) -> None:
     """One block's saved tensors (a 2-layer model's less a 1-layer one's) per token, against the planner's
     figure, for every supported architecture as build_model runs it (Gemma 2's eager attention), with the
