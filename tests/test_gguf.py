@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import (HEAD_DIM, HEADS, KV_HEADS, SHIPPED_STAGE1, SMALLER, byte_level_bpe, chat_args, corpus_texts,
-                      gptpipe_command, random_model, train_small_tokenizer)
+from conftest import (HEAD_DIM, HEADS, KV_HEADS, MOE_BIAS_EXPORT, MOE_BIAS_HEAD_DIM, SHIPPED_STAGE1, SMALLER,
+                      byte_level_bpe, chat_args, corpus_texts, gptpipe_command, random_model, train_small_tokenizer)
 from gptpipe.artifacts import EXIT_FAILED
 from gptpipe.cli import main
 from gptpipe.export import agreement, gguf as export_gguf
@@ -67,6 +67,14 @@ def byte_level_llama(corpus_dir: Path, tokenizer_export, tmp_path_factory: pytes
                          pad_token_id=tokenizer.pad_token_id)
     random_model(config, folder, tokenizer=tokenizer)
     return tokenizer_export("gguf-byte-level", folder, base=folder)
+
+
+@pytest.fixture(scope="module")
+def moe_bias(tiny_export) -> Path:
+    """A mixture of experts balanced by a selection bias (model.moe_balance bias: Ernie 4.5's class), on the
+    workspace's unigram tokenizer."""
+    name, overrides = MOE_BIAS_EXPORT
+    return tiny_export(name, *overrides, head_dim=MOE_BIAS_HEAD_DIM)
 
 
 def write(workspace: Path, model: Path, outtype: str) -> Path:
@@ -300,12 +308,13 @@ def test_llamacpp_reads_special_token_text_as_a_chat_tokenizer_does(bpe_llama: P
 
 @pytest.mark.llamacpp
 @needs_llamacpp
-@pytest.mark.parametrize("model", ["unigram_llama", "bpe_llama", "bpe_gpt2", "byte_level_llama"])
+@pytest.mark.parametrize("model", ["unigram_llama", "bpe_llama", "bpe_gpt2", "byte_level_llama", "moe_bias"])
 def test_llamacpp_tokenizes_and_generates_as_transformers(model: str, request: pytest.FixtureRequest,
                                                           corpus_dir: Path, workspace: Path) -> None:
     """The stage-1 SentencePiece tokenizers (UGM, SPM) on a Llama and (SPM) on a GPT-2, and a byte-level BPE one
-    (llama.cpp's BPE vocabulary, with BOS) on a Llama. llama.cpp's greedy ids agree with the fp32 model's up to
-    near-ties at every weight type's tolerance (agreement.py; these random models have many: their logits are
+    (llama.cpp's BPE vocabulary, with BOS) on a Llama, and the unigram on an Ernie 4.5 mixture of experts whose
+    router's selection bias llama.cpp must add as transformers does. llama.cpp's greedy ids agree with the fp32
+    model's up to near-ties at every weight type's tolerance (agreement.py; these random models have many: their logits are
     large, so a rounding step moves them far)."""
     folder = request.getfixturevalue(model)
     texts = heldout_texts(corpus_dir)
@@ -318,7 +327,7 @@ def test_llamacpp_tokenizes_and_generates_as_transformers(model: str, request: p
         if outtype == "q8_0":
             continue  # the tokenizer is the same in every file
         report = llamacpp_report(gguf_path, folder, texts)
-        if model != "unigram_llama":  # llama.cpp's SPM vocabulary has byte fallback, its BPE one bytes
+        if model not in ("unigram_llama", "moe_bias"):  # llama.cpp's SPM vocabulary has byte fallback, BPE bytes
             assert report["ids_differing"] == 0, report["examples"]
         else:  # its UGM one has none: only texts with characters no piece covers may differ
             assert report["ids_differing"] == report["ids_differing_with_byte_fallback"], report["examples"]
