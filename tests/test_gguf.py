@@ -314,8 +314,8 @@ def test_llamacpp_tokenizes_and_generates_as_transformers(model: str, request: p
     """The stage-1 SentencePiece tokenizers (UGM, SPM) on a Llama and (SPM) on a GPT-2, and a byte-level BPE one
     (llama.cpp's BPE vocabulary, with BOS) on a Llama, and the unigram on an Ernie 4.5 mixture of experts whose
     router's selection bias llama.cpp must add as transformers does. llama.cpp's greedy ids agree with the fp32
-    model's up to near-ties at every weight type's tolerance (agreement.py; these random models have many: their logits are
-    large, so a rounding step moves them far)."""
+    model's up to near-ties at every weight type's tolerance (agreement.py; these random models have many: their
+    logits are large, so a rounding step moves them far)."""
     folder = request.getfixturevalue(model)
     texts = heldout_texts(corpus_dir)
     for outtype in export_gguf.OUTTYPES:
