@@ -145,9 +145,12 @@ def routing_runs(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytest
 
 @pytest.mark.slow
 def test_the_bias_keeps_every_expert_in_use_without_a_loss_term(routing_runs: dict[str, Path]) -> None:
-    """200 steps: at the closing validation every expert of every layer gets at least a quarter of a fair share of
-    the top-2 choices on held-out text (none starved), and the validation loss is no worse than the per-layer
-    load-balancing loss's on the same run, within the noise of the run (docs/benchmarks.md, "Mixtral routing")."""
+    """200 steps at the default rate (1e-2): at the closing validation every expert of every layer gets at least a
+    quarter of a fair share of the top-2 choices on held-out text (none starved), and the validation loss is the
+    per-layer load-balancing loss's within the noise of the run. Measured (docs/benchmarks.md, "Mixtral routing",
+    two data orders): none starved from step 100 on, closing smallest shares 4.9-10.7% (a quarter: 3.1%), and the
+    validation loss 0.005-0.021 above aux_loss's, while between the seeds the two balances' order changes at 1e-3
+    (-0.012 and +0.028): the bound 0.05 is over twice the largest gap seen."""
     bias, aux = closing_routing(routing_runs["bias"]), closing_routing(routing_runs["aux_loss"])
     fair = 1 / 8
     assert all(share >= fair / 4 for share in bias.expert_share_min), bias
