@@ -355,27 +355,35 @@ def routing_gap(model, ids: list[int]) -> float:
 @pytest.mark.llamacpp
 @needs_llamacpp
 def test_llamacpp_routes_a_bias_balanced_mixture_of_experts_as_transformers(moe_bias: Path, workspace: Path) -> None:
-    """An Ernie 4.5 mixture of experts (model.moe_balance bias) in every weight type: llama.cpp adds the selection
-    bias (exp_probs_b) as transformers does, giving its greedy tokens except where transformers' own choice of
-    experts for the context was a near-tie (the 2nd and 3rd scores within 1e-3: rounded weights pick either, and
-    the experts' outputs differ by far more than a logit near-tie). Without the bias this model's tokens differ
-    from the first prompt's 16th and the second's 3rd on (test_moe_balance checks the bias changes its logits)."""
+    """An Ernie 4.5 mixture of experts (model.moe_balance bias) in every weight type: llama.cpp departs from
+    transformers' greedy tokens only at a near-tie, of the logits (agreement.py) or of transformers' own choice of
+    experts for the context (the k-th and next scores within 1e-3: rounded weights pick either, and the experts'
+    outputs then differ by far more than a logit near-tie; this random model, init std 0.3, has such ties in its
+    third prompt). And it adds the selection bias (exp_probs_b) as transformers does: in f16 it gives the biased
+    model's tokens on a prompt where the same model without the bias gives others."""
+    import copy
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(moe_bias).eval()
     tokenizer = AutoTokenizer.from_pretrained(moe_bias)
-    exact = 0
+    reports = {}
     for outtype in export_gguf.OUTTYPES:
-        report = llamacpp_report(write(workspace, moe_bias, outtype), moe_bias, list(PROMPTS), agreement.GREEDY_TOKENS)
+        report = reports[outtype] = llamacpp_report(write(workspace, moe_bias, outtype), moe_bias, list(PROMPTS),
+                                                    agreement.GREEDY_TOKENS)
         print(outtype, json.dumps(report, ensure_ascii=False))
         for entry in report["requests"]:
             assert entry["prompt_ids_equal"], entry
-            exact += entry["tokens_equal"]
-            if not entry["tokens_equal"]:
+            if entry["verdict"] == DEPARTS:
                 context = tokenizer(entry["prompt"])["input_ids"] + entry["transformers_tokens"][
                     :entry["first_difference"]]
                 assert routing_gap(model, context) < 1e-3, entry
-    assert exact >= len(PROMPTS)  # most requests route as transformers does, bias and all
+    unbiased = copy.deepcopy(model)
+    for layer in unbiased.model.layers:
+        layer.mlp.gate.moe_statics.e_score_correction_bias.data.zero_()
+    followed = [entry["prompt"] for entry in reports["f16"]["requests"] if entry["tokens_equal"] and agreement.greedy(
+        unbiased, tokenizer(entry["prompt"])["input_ids"]) != entry["transformers_tokens"]]
+    assert followed, reports["f16"]["summary"]
 
 
 @pytest.mark.llamacpp
