@@ -403,6 +403,13 @@ TINY_EXPORT_RUN = (*QUIET_RUN, "train.seq_len=256", "train.global_batch_size=2",
                    "model.tie_word_embeddings=false")
 
 
+# tiny_export's mixture of experts balanced by a selection bias (model.moe_balance: bias, transformers' Ernie 4.5
+# class), one step at a rate that moves every bias by 0.05: enough to change some tokens' experts. Its heads are
+# vLLM's smallest (head_dim 32).
+MOE_BIAS_EXPORT = ("moe-bias", ("model.arch=mixtral", "model.moe_balance=bias", "model.moe_bias_update_rate=0.05"))
+MOE_BIAS_HEAD_DIM = 32
+
+
 # The same step continued from a base model's folder (model.init_from decides the shape).
 CONTINUED_EXPORT_RUN = (*(o for o in TINY_EXPORT_RUN if not o.startswith("model.")), "model.arch=null",
                         "model.preset=null")

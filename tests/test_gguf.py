@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import (HEAD_DIM, HEADS, KV_HEADS, SHIPPED_STAGE1, SMALLER, byte_level_bpe, chat_args, corpus_texts,
-                      gptpipe_command, random_model, train_small_tokenizer)
+from conftest import (HEAD_DIM, HEADS, KV_HEADS, MOE_BIAS_EXPORT, MOE_BIAS_HEAD_DIM, SHIPPED_STAGE1, SMALLER,
+                      byte_level_bpe, chat_args, corpus_texts, gptpipe_command, random_model, train_small_tokenizer)
 from gptpipe.artifacts import EXIT_FAILED
 from gptpipe.cli import main
 from gptpipe.export import agreement, gguf as export_gguf
@@ -67,6 +67,14 @@ def byte_level_llama(corpus_dir: Path, tokenizer_export, tmp_path_factory: pytes
                          pad_token_id=tokenizer.pad_token_id)
     random_model(config, folder, tokenizer=tokenizer)
     return tokenizer_export("gguf-byte-level", folder, base=folder)
+
+
+@pytest.fixture(scope="module")
+def moe_bias(tiny_export) -> Path:
+    """A mixture of experts balanced by a selection bias (model.moe_balance bias: Ernie 4.5's class), on the
+    workspace's unigram tokenizer."""
+    name, overrides = MOE_BIAS_EXPORT
+    return tiny_export(name, *overrides, head_dim=MOE_BIAS_HEAD_DIM)
 
 
 def write(workspace: Path, model: Path, outtype: str) -> Path:
@@ -322,6 +330,60 @@ def test_llamacpp_tokenizes_and_generates_as_transformers(model: str, request: p
             assert report["ids_differing"] == 0, report["examples"]
         else:  # its UGM one has none: only texts with characters no piece covers may differ
             assert report["ids_differing"] == report["ids_differing_with_byte_fallback"], report["examples"]
+
+
+def routing_gap(model, ids: list[int]) -> float:
+    """The smallest margin, over the layers and positions of `ids`, between the last expert a token is routed to
+    and the next one (Ernie 4.5's scores: softmax plus selection bias): below rounding, the choice is a coin toss."""
+    import torch
+
+    scores = []
+
+    def record(router, _inputs, out) -> None:  # out: the router's logits, gating weights and choices
+        scores.append(torch.softmax(out[0], -1) + router.moe_statics.e_score_correction_bias)
+
+    hooks = [layer.mlp.gate.register_forward_hook(record) for layer in model.model.layers]
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids]))
+    for hook in hooks:
+        hook.remove()
+    k = model.config.moe_k
+    ranked = [s.sort(-1, descending=True).values for s in scores]
+    return min(float((r[:, k - 1] - r[:, k]).min()) for r in ranked)
+
+
+@pytest.mark.llamacpp
+@needs_llamacpp
+def test_llamacpp_routes_a_bias_balanced_mixture_of_experts_as_transformers(moe_bias: Path, workspace: Path) -> None:
+    """An Ernie 4.5 mixture of experts (model.moe_balance bias) in every weight type: llama.cpp departs from
+    transformers' greedy tokens only at a near-tie, of the logits (agreement.py) or of transformers' own choice of
+    experts for the context (the k-th and next scores within 1e-3: rounded weights pick either, and the experts'
+    outputs then differ by far more than a logit near-tie; this random model, init std 0.3, has such ties in its
+    third prompt). And it adds the selection bias (exp_probs_b) as transformers does: in f16 it gives the biased
+    model's tokens on a prompt where the same model without the bias gives others."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(moe_bias).eval()
+    tokenizer = AutoTokenizer.from_pretrained(moe_bias)
+    reports = {}
+    for outtype in export_gguf.OUTTYPES:
+        report = reports[outtype] = llamacpp_report(write(workspace, moe_bias, outtype), moe_bias, list(PROMPTS),
+                                                    agreement.GREEDY_TOKENS)
+        print(outtype, json.dumps(report, ensure_ascii=False))
+        for entry in report["requests"]:
+            assert entry["prompt_ids_equal"], entry
+            if entry["verdict"] == DEPARTS:
+                context = tokenizer(entry["prompt"])["input_ids"] + entry["transformers_tokens"][
+                    :entry["first_difference"]]
+                assert routing_gap(model, context) < 1e-3, entry
+    unbiased = copy.deepcopy(model)
+    for layer in unbiased.model.layers:
+        layer.mlp.gate.moe_statics.e_score_correction_bias.data.zero_()
+    followed = [entry["prompt"] for entry in reports["f16"]["requests"] if entry["tokens_equal"] and agreement.greedy(
+        unbiased, tokenizer(entry["prompt"])["input_ids"]) != entry["transformers_tokens"]]
+    assert followed, reports["f16"]["summary"]
 
 
 @pytest.mark.llamacpp

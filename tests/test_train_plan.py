@@ -21,21 +21,24 @@ from gptpipe.runtime.model import PRESETS, build_model_config, count_parameters,
 from gptpipe.runtime.schedule import Schedule
 
 TOKENIZER = SimpleNamespace(vocab_size=32000, bos_id=1, eos_id=2, pad_id=3)
+# Every model a from-scratch run builds: model.arch, and mixtral balanced by a selection bias (Ernie 4.5's class).
+BUILT = {"llama": {"arch": "llama"}, "gpt2": {"arch": "gpt2"}, "mixtral": {"arch": "mixtral"},
+         "mixtral-bias": {"arch": "mixtral", "moe_balance": "bias"}}
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])
+@pytest.mark.parametrize("arch", list(BUILT))
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_planner_parameter_count_equals_the_model(arch: str, preset: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model_cfg = ModelConfig(arch=arch, preset=preset)
+    model_cfg = ModelConfig(**BUILT[arch], preset=preset)
     with torch.device("meta"):  # no memory, even for the 1b and the mixtral presets
         model = AutoModelForCausalLM.from_config(build_model_config(model_cfg, TOKENIZER, 2048))
     assert count_parameters(resolve_shape(model_cfg, TOKENIZER.vocab_size), 2048) == model.num_parameters()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])
+@pytest.mark.parametrize("arch", list(BUILT))
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_planned_flops_per_token_are_what_the_model_multiplies(arch: str, preset: str) -> None:
     """The plan's FLOPs per token in both MFU conventions against torch's own count of every matrix product a
@@ -55,13 +58,13 @@ def test_planned_flops_per_token_are_what_the_model_multiplies(arch: str, preset
 
     whole = arch == "llama" or preset in ("tiny", "125m")
     seq_len = 256 if whole else 32
-    model_cfg = ModelConfig(arch=arch, preset=preset, **({} if whole else {"num_layers": 1}))
+    model_cfg = ModelConfig(**BUILT[arch], preset=preset, **({} if whole else {"num_layers": 1}))
     config = build_model_config(model_cfg, TOKENIZER, seq_len)
     device = "meta" if arch == "llama" else "cpu"
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
-                                                 **({"experts_implementation": "eager"} if arch == "mixtral" else {}))
+        experts = {} if arch in ("llama", "gpt2") else {"experts_implementation": "eager"}
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", **experts)
         tokens = torch.randint(0, TOKENIZER.vocab_size, (1, seq_len))
     counter = FlopCounterMode(display=False)
     with counter:
@@ -77,8 +80,8 @@ def test_planned_flops_per_token_are_what_the_model_multiplies(arch: str, preset
 
 def test_model_config_uses_the_tokenizer_ids_and_a_padded_vocab() -> None:
     tokenizer = SimpleNamespace(vocab_size=32003, bos_id=1, eos_id=2, pad_id=3)
-    for arch in ("llama", "gpt2", "mixtral"):
-        config = build_model_config(ModelConfig(arch=arch), tokenizer, 256)
+    for settings in BUILT.values():
+        config = build_model_config(ModelConfig(**settings), tokenizer, 256)
         assert config.vocab_size == 32128 and config.vocab_size % 128 == 0
         assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (1, 2, 3)
 
@@ -388,7 +391,11 @@ def _tiny_base_config(model_type: str, layers: int, **overrides):
         return AutoConfig.for_model("gpt2", vocab_size=1000, n_embd=256, n_layer=layers, n_head=4, n_inner=512,
                                     n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **overrides)
     own = {"head_dim": 96} if model_type in ("qwen3", "gemma2", "gemma3_text") else {}
-    experts = {"num_local_experts": 4, "num_experts_per_tok": 2} if model_type == "mixtral" else {}
+    experts = {"mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+               # as build_model_config makes it: every layer a mixture, no shared experts
+               "ernie4_5_moe": {"moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 512,
+                                "moe_num_shared_experts": 0, "moe_layer_start_index": 0,
+                                "moe_layer_end_index": layers - 1, "tie_word_embeddings": False}}.get(model_type, {})
     return AutoConfig.for_model(model_type, vocab_size=1000, hidden_size=256, intermediate_size=512,
                                 num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                                 max_position_embeddings=128, **own, **experts, **overrides)
@@ -414,7 +421,8 @@ def _cuda_attention_on_cpu(shape, precision: str, windowed: bool):
     ("gemma3_text", {"sliding_window": 64}),  # its sliding layers then get a mask
     ("gpt2", {}),  # a base GPT-2's gelu_new
     ("gpt2", {"activation_function": "gelu_pytorch_tanh"}),  # GPT-2 from scratch (build_model_config)
-    ("mixtral", {})], ids=lambda v: ",".join(f"{k}={v[k]}" for k in v) or "defaults" if isinstance(v, dict) else v)
+    ("mixtral", {}), ("ernie4_5_moe", {})],
+    ids=lambda v: ",".join(f"{k}={v[k]}" for k in v) or "defaults" if isinstance(v, dict) else v)
 def test_planned_activations_are_what_autograd_keeps(model_type: str, overrides: dict, precision: str) -> None:
     """One block's saved tensors (a 2-layer model's less a 1-layer one's) per token, against the planner's
     figure, for every supported architecture as build_model runs it (Gemma 2's eager attention), with the
@@ -443,7 +451,7 @@ def test_planned_activations_are_what_autograd_keeps(model_type: str, overrides:
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
-@pytest.mark.parametrize("model_type", ["llama", "gpt2", "mixtral"])
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "mixtral", "ernie4_5_moe"])
 def test_planned_activations_count_a_document_mask(model_type: str, precision: str) -> None:
     """train.document_mask: position ids restarting within each sample (two documents of 64 tokens) make
     transformers pass every layer the documents' block-causal mask, which the planner counts as a sliding

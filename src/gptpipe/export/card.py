@@ -167,6 +167,8 @@ def _architecture_rows(config: Any, parameters: int) -> list[tuple[str, Any]]:
             ("MLP width", get("intermediate_size", get("n_inner"))),
             ("experts / active per token", f"{get('num_local_experts')} / {get('num_experts_per_tok')}"
              if get("num_local_experts") else None),
+            ("experts / active per token", f"{get('moe_num_experts')} / {get('moe_k')}, balanced by a selection "
+             "bias" if get("moe_num_experts") else None),  # Ernie 4.5's names
             ("vocabulary", get("vocab_size")),
             ("context length", get("max_position_embeddings", get("n_positions"))),
             ("dtype", get("dtype"))]

@@ -11,8 +11,10 @@ Written with llama.cpp's own `gguf` package, reading the folder's tokenizer.json
   unknown character follows the lowest normal score); the special ids (with the end-of-turn token at which
   generation_config.json stops, when it is not EOS), whether BOS/EOS are added, and the chat template when the
   tokenizer has one;
-- tensors under llama.cpp's names (the `gguf` package's own map); a Llama's Q and K rows are permuted from
-  HF's rotate-half RoPE layout to llama.cpp's interleaved pairs; 1-D tensors stay float32.
+- tensors under llama.cpp's names (the `gguf` package's own map), as each architecture's Layout writes them: a
+  Llama's Q and K rows are permuted from HF's rotate-half RoPE layout to llama.cpp's interleaved pairs; an Ernie 4.5
+  mixture of experts (model.moe_balance bias) has its experts stacked per layer and its router's selection bias as
+  llama.cpp's exp_probs_b; 1-D tensors and a router stay float32.
 
 llama.cpp's UGM tokenizer has no byte fallback: a character no piece covers becomes one <unk> (a run of
 them, one) where the HF tokenizer writes its UTF-8 bytes. The llama.cpp check (export/runtimes/llamacpp.py,
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -234,29 +237,55 @@ def hf_tensors(folder: Path) -> Iterator[tuple[str, np.ndarray]]:
                 yield name, handle.get_tensor(name).float().numpy()
 
 
-def model_config(folder: Path) -> tuple[str, Any]:
-    """(llama.cpp architecture, transformers config) of the folder; refuses what this writer does not map."""
-    from transformers import AutoConfig
+class Layout:
+    """How one HF architecture is written for llama.cpp: its hyperparameters and its tensors under llama.cpp's
+    names and layout (the `gguf` package's map for `model_arch`). This base writes GPT-2's."""
 
-    if not (folder / "config.json").is_file():
-        raise StageInputError(f"{folder / 'config.json'} not found: --model must be an exported HuggingFace folder")
-    config = AutoConfig.from_pretrained(str(folder))
-    names = config.architectures or [config.model_type]
-    arch = next((ARCHITECTURES[n] for n in names if n in ARCHITECTURES), None)
-    if arch is None:
-        raise StageInputError(f"{folder / 'config.json'}: architecture {names} is not supported by `gptpipe gguf` "
-                              f"(supported: {', '.join(ARCHITECTURES)})")
-    if arch == "llama":
+    model_arch = "GPT2"  # gguf.MODEL_ARCH's member
+    kept_f32: tuple[str, ...] = ()  # GGUF names of matrices written in float32 whatever the outtype
+
+    def check(self, folder: Path, config: Any) -> None:
+        """Refuse what this writer does not map (StageInputError)."""
+
+    def layers(self, config: Any) -> int:
+        return config.n_layer
+
+    def hyperparameters(self, writer: Any, config: Any) -> None:
+        writer.add_context_length(config.n_positions)
+        writer.add_embedding_length(config.n_embd)
+        writer.add_feed_forward_length(config.n_inner or 4 * config.n_embd)
+        writer.add_block_count(config.n_layer)
+        writer.add_head_count(config.n_head)
+        writer.add_layer_norm_eps(config.layer_norm_epsilon)
+
+    def arrays(self, config: Any, tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+        """(HF name, array in llama.cpp's layout) for every weight: buffers dropped."""
+        for name, data in tensors:
+            if name.endswith((".attn.bias", ".attn.masked_bias")):  # buffers, not weights
+                continue
+            if data.ndim == 2 and not name.endswith(("wte.weight", "wpe.weight", "lm_head.weight")):
+                data = data.T  # GPT-2's Conv1D stores (in, out)
+            yield name, data
+
+
+class LlamaLayout(Layout):
+    """Llama: Q and K rows permuted from HF's rotate-half RoPE to llama.cpp's interleaved pairs."""
+
+    model_arch = "LLAMA"
+    rotate_half = True  # HF's Q/K rows pair each head's first half with its second (llama.cpp pairs neighbours)
+
+    def check(self, folder: Path, config: Any) -> None:
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
         if rope.get("rope_type", "default") != "default":
             raise StageInputError(f"{folder / 'config.json'}: RoPE scaling {rope} is not written to GGUF here")
-        if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-            raise StageInputError(f"{folder / 'config.json'}: Llama biases are not written to GGUF here")
-    return arch, config
+        if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False) or \
+                getattr(config, "use_bias", False):
+            raise StageInputError(f"{folder / 'config.json'}: projection biases are not written to GGUF here")
 
+    def layers(self, config: Any) -> int:
+        return config.num_hidden_layers
 
-def _add_hyperparameters(writer: Any, arch: str, config: Any) -> None:
-    if arch == "llama":
+    def hyperparameters(self, writer: Any, config: Any) -> None:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rope = getattr(config, "rope_parameters", None) or {}
         writer.add_context_length(config.max_position_embeddings)
@@ -270,13 +299,86 @@ def _add_hyperparameters(writer: Any, arch: str, config: Any) -> None:
         writer.add_rope_dimension_count(head_dim)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    else:
-        writer.add_context_length(config.n_positions)
-        writer.add_embedding_length(config.n_embd)
-        writer.add_feed_forward_length(config.n_inner or 4 * config.n_embd)
-        writer.add_block_count(config.n_layer)
-        writer.add_head_count(config.n_head)
-        writer.add_layer_norm_eps(config.layer_norm_epsilon)
+
+    def arrays(self, config: Any, tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+        for name, data in tensors:
+            if name.endswith("rotary_emb.inv_freq"):  # a buffer, not a weight
+                continue
+            if self.rotate_half and name.endswith("q_proj.weight"):
+                data = permute_rope_rows(data, config.num_attention_heads)
+            elif self.rotate_half and name.endswith("k_proj.weight"):
+                data = permute_rope_rows(data, config.num_key_value_heads)
+            yield name, data
+
+
+class Ernie45MoeLayout(LlamaLayout):
+    """Ernie 4.5's mixture of experts (what model.moe_balance bias trains): Llama's block, RoPE already on
+    interleaved pairs (llama.cpp's own order), each layer's experts stacked into one tensor per projection, and the
+    router's selection bias (e_score_correction_bias) as llama.cpp's exp_probs_b, which it adds for the choice of
+    experts only, as transformers does."""
+
+    model_arch = "ERNIE4_5_MOE"
+    rotate_half = False
+    kept_f32 = ("ffn_gate_inp.weight",)  # the router, fp32 in transformers' class too (as llama.cpp's converter)
+
+    def check(self, folder: Path, config: Any) -> None:
+        super().check(folder, config)
+        if config.moe_num_shared_experts or config.moe_layer_interval != 1 or \
+                config.moe_layer_end_index != config.num_hidden_layers - 1:
+            raise StageInputError(f"{folder / 'config.json'}: only an Ernie 4.5 MoE without shared experts whose "
+                                  "mixtures run from moe_layer_start_index to the last layer is written to GGUF here")
+
+    def hyperparameters(self, writer: Any, config: Any) -> None:
+        super().hyperparameters(writer, config)
+        writer.add_expert_count(config.moe_num_experts)
+        writer.add_expert_used_count(config.moe_k)
+        writer.add_interleave_moe_layer_step(config.moe_layer_interval)
+        writer.add_leading_dense_block_count(config.moe_layer_start_index)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_count(0)
+
+    def arrays(self, config: Any, tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+        experts: dict[str, dict[int, np.ndarray]] = {}
+        for name, data in super().arrays(config, tensors):
+            match = EXPERT.match(name)
+            if match:  # model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight, as save_pretrained writes them
+                stack = experts.setdefault(f"{match['layer']}.mlp.experts.{match['proj']}.weight", {})
+                stack[int(match["expert"])] = data
+                if len(stack) == config.moe_num_experts:
+                    yield match["layer"] + f".mlp.experts.{match['proj']}.weight", np.stack(
+                        [stack[e] for e in range(config.moe_num_experts)])
+                    del experts[f"{match['layer']}.mlp.experts.{match['proj']}.weight"]
+            elif name.endswith(".e_score_correction_bias"):
+                yield name.replace("e_score_correction_bias", "e_score_correction.bias"), data.reshape(-1)
+            else:
+                yield name, data
+        if experts:
+            raise StageInputError(f"experts missing from the folder's tensors: {sorted(experts)[:3]}")
+
+
+EXPERT = re.compile(r"^(?P<layer>.+)\.mlp\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+# llama.cpp's architecture name (ARCHITECTURES' values) → how it is written
+LAYOUTS: dict[str, Layout] = {"llama": LlamaLayout(), "gpt2": Layout(), "ernie4_5-moe": Ernie45MoeLayout()}
+
+
+def model_config(folder: Path) -> tuple[str, Any]:
+    """(llama.cpp architecture, transformers config) of the folder; refuses what this writer does not map."""
+    from transformers import AutoConfig
+
+    if not (folder / "config.json").is_file():
+        raise StageInputError(f"{folder / 'config.json'} not found: --model must be an exported HuggingFace folder")
+    config = AutoConfig.from_pretrained(str(folder))
+    names = config.architectures or [config.model_type]
+    arch = next((ARCHITECTURES[n] for n in names if n in ARCHITECTURES), None)
+    if arch is None:
+        raise StageInputError(f"{folder / 'config.json'}: architecture {names} is not supported by `gptpipe gguf` "
+                              f"(supported: {', '.join(ARCHITECTURES)})")
+    LAYOUTS[arch].check(folder, config)
+    return arch, config
+
+
+def _add_hyperparameters(writer: Any, arch: str, config: Any) -> None:
+    LAYOUTS[arch].hyperparameters(writer, config)
     writer.add_vocab_size(config.vocab_size)
 
 
@@ -304,22 +406,14 @@ def _add_vocabulary(writer: Any, vocab: Vocabulary) -> None:
 
 def gguf_tensors(arch: str, config: Any, tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
     """(GGUF name, float32 array in llama.cpp's layout) for every HF tensor."""
-    from gguf import MODEL_ARCH, get_tensor_name_map
+    import gguf
 
-    layers = config.num_hidden_layers if arch == "llama" else config.n_layer
-    names = get_tensor_name_map(MODEL_ARCH.LLAMA if arch == "llama" else MODEL_ARCH.GPT2, layers)
-    for name, data in tensors:
-        if name.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")):  # buffers, not weights
-            continue
+    layout = LAYOUTS[arch]
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, layout.model_arch), layout.layers(config))
+    for name, data in layout.arrays(config, tensors):
         new_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if new_name is None:
             raise StageInputError(f"tensor {name} has no llama.cpp {arch} name")
-        if arch == "llama" and name.endswith("q_proj.weight"):
-            data = permute_rope_rows(data, config.num_attention_heads)
-        elif arch == "llama" and name.endswith("k_proj.weight"):
-            data = permute_rope_rows(data, config.num_key_value_heads)
-        elif arch == "gpt2" and data.ndim == 2 and not name.endswith(("wte.weight", "wpe.weight", "lm_head.weight")):
-            data = data.T  # GPT-2's Conv1D stores (in, out)
         yield new_name, np.ascontiguousarray(data)
 
 
@@ -343,7 +437,8 @@ def write_gguf(folder: Path, path: Path, outtype: str, name: str) -> dict[str, A
         kept_f16 = 0
         tensors = 0
         for new_name, data in gguf_tensors(arch, config, hf_tensors(folder)):
-            tensor_type = qtype if data.ndim == 2 else gguf.GGMLQuantizationType.F32
+            matrix = data.ndim >= 2 and not new_name.endswith(LAYOUTS[arch].kept_f32)  # experts: one 3-D tensor
+            tensor_type = qtype if matrix else gguf.GGMLQuantizationType.F32
             if tensor_type == gguf.GGMLQuantizationType.Q8_0 and data.shape[-1] % 32:
                 tensor_type, kept_f16 = gguf.GGMLQuantizationType.F16, kept_f16 + 1  # Q8_0 blocks are 32 wide
             writer.add_tensor(new_name, gguf.quants.quantize(data, tensor_type), raw_dtype=tensor_type)

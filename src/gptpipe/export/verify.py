@@ -200,9 +200,16 @@ class GateSpec:
 
 
 def cast_parameters(model: Any, dtype: torch.dtype) -> Any:
-    """Cast the weights only, like from_pretrained(dtype=...) does; buffers such as RoPE's inv_freq stay fp32."""
-    for param in model.parameters():
-        param.data = param.data.to(dtype)
+    """Cast the weights only, like from_pretrained(dtype=...) does: buffers such as RoPE's inv_freq stay fp32, and
+    so do the weights the class keeps in fp32 at `dtype` (its _keep_in_fp32_modules_strict, matched as transformers
+    matches them: Ernie 4.5's router and selection bias, which a bf16 file then holds in fp32, as trained)."""
+    from transformers.core_model_loading import build_glob_alternation
+
+    kept = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    pattern = build_glob_alternation(list(kept))[0] if kept else None
+    for name, param in model.named_parameters():
+        if pattern is None or not pattern.search(name):
+            param.data = param.data.to(dtype)
     return model
 
 

@@ -44,8 +44,22 @@ class ModelConfig:
     ffn_hidden_size: int | None = option(None, "MLP width (None: from the preset / the architecture's rule)")
     num_experts: int = option(8, "mixtral: experts per layer")
     experts_top_k: int = option(2, "mixtral: experts each token is routed to")
-    router_aux_loss_coef: float = option(
-        0.01, "mixtral: weight of each layer's load-balancing loss (1.0 when balanced; the mean is logged)")
+    router_aux_loss_coef: float | None = option(
+        None, "mixtral: weight of each layer's load-balancing loss (1.0 when balanced; the mean is logged) (None: "
+              "0.01 with moe_balance aux_loss, 0 with bias, which refuses any other value: the bias replaces the loss)")
+    moe_balance: Literal["aux_loss", "bias"] = option(
+        "aux_loss", "mixtral: how the experts are kept in use: aux_loss (the per-layer load-balancing loss above) or "
+                    "bias (DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the router's "
+                    "scores for the top-k choice only, moved after each optimizer step by moe_bias_update_rate "
+                    "towards the step's mean load; no loss term). bias trains transformers' "
+                    "Ernie4_5_MoeForCausalLM (Mixtral's routing with that bias, e_score_correction_bias; model type "
+                    "ernie4_5_moe), so the export routes as training did; not with init_from")
+    moe_bias_update_rate: float = option(
+        1e-2, "moe_balance bias: how far each expert's bias moves per optimizer step, towards an even load. The "
+              "scores it shifts are softmax probabilities (1/num_experts on average), and an expert that collapsed "
+              "early sits ~0.2-0.3 below the chosen ones: 1e-2 revives it within ~100 steps of a demo-sized run, "
+              "DeepSeek-V3's 1e-3 (for runs of ~10^5 steps) within 150-250, and each bias jitters by the rate "
+              "around balance (docs/benchmarks.md, \"Mixtral routing\"): lower it for long runs")
     init_std: float | None = option(None, "initializer std (None: from the preset; the original used 0.02 / 0.018)")
     rope_theta: float = option(10000.0, "llama/mixtral: RoPE base")
     dropout: float = option(0.0, "dropout everywhere (0 for pretraining)")
@@ -80,6 +94,28 @@ class ModelConfig:
             problems.append(("experts_top_k", f"must be between 1 and num_experts ({self.num_experts})"))
         if not 0 <= self.dropout < 1:
             problems.append(("dropout", "must be in [0, 1)"))
+        return problems + self.balance_problems()
+
+    def balance_problems(self) -> list[tuple[str, str]]:
+        """moe_balance bias: a mixtral from scratch, no load-balancing loss, no dropout (Ernie's attention has
+        none), a positive update rate."""
+        if self.moe_balance != "bias":
+            return []
+        problems = []
+        if self.init_from is not None:
+            problems.append(("moe_balance", f"bias trains a new Ernie4_5_MoeForCausalLM and cannot continue the base "
+                                            f"model {self.init_from} (a Mixtral's router has no bias to carry); "
+                                            "use aux_loss with init_from"))
+        elif self.arch != "mixtral":
+            problems.append(("moe_balance", f"bias balances a mixture of experts: needs arch mixtral, got {self.arch}"))
+        if self.router_aux_loss_coef not in (None, 0):
+            problems.append(("router_aux_loss_coef", f"is {self.router_aux_loss_coef} with moe_balance bias, which "
+                                                     "replaces the load-balancing loss: set 0 or remove it"))
+        if self.dropout:
+            problems.append(("dropout", "must be 0 with moe_balance bias (Ernie4_5_MoeForCausalLM's attention has "
+                                        "no dropout)"))
+        if not self.moe_bias_update_rate > 0:
+            problems.append(("moe_bias_update_rate", "must be > 0"))
         return problems
 
 

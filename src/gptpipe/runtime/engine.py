@@ -32,7 +32,7 @@ from gptpipe.runtime import fp8
 from gptpipe.runtime.config import LoopConfig
 from gptpipe.runtime.devices import LIGER_ARCHS, LossPath, host_threads_per_rank, loss_path, triton_missing
 from gptpipe.runtime.memory import gradient_bytes
-from gptpipe.runtime.model import RouterStats, build_model, lm_forward, parameter_groups, router_loss
+from gptpipe.runtime.model import RouterStats, build_model, expert_biases, lm_forward, parameter_groups, router_loss
 from gptpipe.runtime.schedule import Schedule
 
 # Package data, so a plain `pip install .` has it too; original_codes/ds_config_gpt_TEMPLATE.json links here.
@@ -312,13 +312,14 @@ def forward_loss(engine: Any, batch: dict[str, torch.Tensor],
     build_engine's. `engine` may also be the plain model (bench/bench_liger.py, bench_train.py's plain loop).
 
     A mixture of experts asks for its router logits here (its saved config leaves them off) and adds each
-    layer's load-balancing loss (model.router_loss) with the config's router_aux_loss_coef."""
+    layer's load-balancing loss (model.router_loss) with the config's router_aux_loss_coef (0 where a selection
+    bias balances instead: the statistics then count the biased choices)."""
     config = getattr(engine, "module", engine).config
     moe = hasattr(config, "output_router_logits")
     out = lm_forward(engine, batch, **loss_kwargs, **({"output_router_logits": True} if moe else {}))
     if not moe:
         return out.loss, None
-    stats = router_loss(out.router_logits, config.num_experts_per_tok)
+    stats = router_loss(out.router_logits, config.num_experts_per_tok, expert_biases(engine))
     return out.loss + config.router_aux_loss_coef * stats.losses.sum(), stats
 
 

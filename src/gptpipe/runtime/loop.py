@@ -32,6 +32,7 @@ from gptpipe.runtime import checkpoint
 from gptpipe.runtime.config import LoopConfig
 from gptpipe.runtime.engine import Dist, StepResult, StopFlag, forward_loss, setup_distributed, train_step
 from gptpipe.runtime.logging import RunLogger
+from gptpipe.runtime.model import ExpertBias
 from gptpipe.runtime.mirror import open_mirror
 from gptpipe.runtime.uploader import SIDE_SYNC_SECONDS
 
@@ -101,6 +102,7 @@ class TrainLoop(ABC):
     loss_kwargs: dict[str, Any]  # build_engine's: what every forward with labels passes (Liger's fused loss)
     hf_config: Any  # the transformers config; a checkpoint of another model is refused on resume
     steps: int  # optimizer steps of the whole run
+    balance: ExpertBias | None = None  # a selection bias that balances the experts (model.moe_balance bias)
 
     def __init__(self, config: Any, train_cfg: LoopConfig, dist: Dist, ds_config: dict[str, Any],
                  wandb_block: dict[str, Any]):
@@ -278,6 +280,9 @@ class TrainLoop(ABC):
             result = train_step(self.engine, self.batches(), self.stop, forward=self.forward)
             if result is None:
                 break  # a signal arrived mid-step: the state is still that of the last finished step
+            if self.balance is not None and result.applied:
+                # After the optimizer step, from the whole step's choices; a skipped step leaves it, as the weights.
+                self.balance.update(result.aux_loss.counts)
             self.step += 1
             self.last_loss = result.loss
             self.after_step()

@@ -26,7 +26,7 @@ ADAPTER_MARK = "lora_"  # peft's adapter weights are named ...lora_A.default.wei
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"), PROJECTIONS),
-    "mixtral": PROJECTIONS[:4], "gpt2": ("c_attn", "c_proj", "c_fc"),
+    "mixtral": PROJECTIONS[:4], "ernie4_5_moe": PROJECTIONS[:4], "gpt2": ("c_attn", "c_proj", "c_fc"),
     **dict.fromkeys(("t5", "mt5", "umt5"), ("q", "k", "v", "o"))}
 
 

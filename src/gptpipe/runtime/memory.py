@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gptpipe.runtime.model import Shape
+from gptpipe.runtime.model import MOE_ARCHS, Shape
 
 GIB = 1024**3
 ZERO_BUCKET = 50_000_000  # elements; reduce/allgather bucket sizes in the DeepSpeed template, ZeRO-3's prefetch
@@ -147,7 +147,8 @@ class Block:
 # 2's GeGLU (gelu_pytorch_tanh) keeps what Llama's SwiGLU does, as does Liger's GeGLU what its SwiGLU does.
 BLOCKS = {"llama": Block(2, "llama"), "mistral": Block(2, "llama"), "qwen2": Block(2, "llama"),
           "qwen3": Block(2, "llama", qk_norm=True), "gemma2": Block(4, "gemma"),
-          "gemma3_text": Block(4, "gemma", qk_norm=True), "gpt2": Block(2, "layer"), "mixtral": Block(2, "llama")}
+          "gemma3_text": Block(4, "gemma", qk_norm=True), "gpt2": Block(2, "layer"), "mixtral": Block(2, "llama"),
+          "ernie4_5_moe": Block(2, "llama")}
 
 
 def _norm_bytes(kind: str, p: int, n: int, rows: int, fused: bool) -> int:
@@ -210,11 +211,13 @@ def activation_bytes_per_token(shape: Shape, precision: str, fused_kernels: bool
         norms += (_norm_bytes(block.norm, p, q, heads, fused)
                   + _norm_bytes(block.norm, p, kv, shape.num_kv_heads, fused))
     attention = _attention_bytes(shape, p, seq_len, windowed)
-    if shape.arch == "mixtral":
+    if shape.arch in MOE_ARCHS:
         e, k = shape.num_experts, shape.experts_top_k
         # router softmax (fp32 and cast), routing indices and weights, each routed token's input, gate/up,
         # activation, product and expert output (the MLP always eager: Liger's mixtral patch has no SwiGLU)
         mlp = e * (4 + p) + 4 + 48 * k + 2 * k * h * p + 4 * k * f * p
+        if shape.arch == "ernie4_5_moe" and p != 4:
+            mlp += 4 * h  # Ernie's router multiplies in fp32: its input's fp32 copy
     elif shape.arch == "gpt2":
         # gelu_pytorch_tanh (build_model_config's): one kernel keeping its input, and its output (c_proj's input);
         # a base GPT-2's gelu_new is a Python composite that keeps its input, tanh's output, 0.5x and 1+tanh

@@ -21,7 +21,11 @@ if TYPE_CHECKING:  # torch/transformers load only when a model is actually built
     from gptpipe.artifacts import TokenizerInfo
 
 VOCAB_MULTIPLE = 128
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "mixtral": "MixtralForCausalLM",
+                 "ernie4_5_moe": "Ernie4_5_MoeForCausalLM"}
+# The mixtures of experts built from scratch: model.arch mixtral with moe_balance aux_loss, and with bias (Ernie 4.5's
+# class: Mixtral's routing plus a per-expert selection bias, no shared experts, every layer a mixture).
+MOE_ARCHS = ("mixtral", "ernie4_5_moe")
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,7 @@ class Shape:
     vocab_size: int  # padded from scratch; a base model's own
     init_std: float
     tie_word_embeddings: bool
-    num_experts: int  # 1 unless mixtral
+    num_experts: int  # 1 unless a mixture of experts (MOE_ARCHS)
     experts_top_k: int
     explicit_head_dim: int | None = None  # a base model's head_dim where it is not hidden / heads (Gemma, Qwen3)
     eager_attention: bool = False  # build_model runs the eager attention (Gemma 2), not SDPA
@@ -103,8 +107,9 @@ def resolve_shape(model_cfg: ModelConfig, vocab_size: int) -> Shape:
         tie = model_cfg.arch == "gpt2"  # GPT-2 and Megatron's GPT share them; Llama does not
     if model_cfg.arch == "gpt2":
         kv_heads = heads  # GPT-2 has no grouped-query attention
+    moe = model_cfg.arch == "mixtral"
     return Shape(
-        arch=model_cfg.arch,
+        arch="ernie4_5_moe" if moe and model_cfg.moe_balance == "bias" else model_cfg.arch,
         num_layers=pick("num_layers"),
         hidden_size=hidden,
         num_attn_heads=heads,
@@ -113,8 +118,8 @@ def resolve_shape(model_cfg: ModelConfig, vocab_size: int) -> Shape:
         vocab_size=padded_vocab_size(vocab_size),
         init_std=model_cfg.init_std if model_cfg.init_std is not None else (preset.init_std if preset else 0.02),
         tie_word_embeddings=tie,
-        num_experts=model_cfg.num_experts if model_cfg.arch == "mixtral" else 1,
-        experts_top_k=model_cfg.experts_top_k if model_cfg.arch == "mixtral" else 1,
+        num_experts=model_cfg.num_experts if moe else 1,
+        experts_top_k=model_cfg.experts_top_k if moe else 1,
     )
 
 
@@ -135,7 +140,8 @@ def base_shape(config: PretrainedConfig) -> Shape:
                  num_attn_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                  ffn_hidden_size=config.intermediate_size, vocab_size=config.vocab_size,
                  init_std=config.initializer_range, tie_word_embeddings=bool(config.tie_word_embeddings),
-                 num_experts=getattr(config, "num_local_experts", 1),
+                 # Ernie 4.5 names them moe_num_experts (num_experts, through its attribute map)
+                 num_experts=getattr(config, "num_local_experts", None) or getattr(config, "moe_num_experts", 1),
                  experts_top_k=getattr(config, "num_experts_per_tok", 1),
                  explicit_head_dim=getattr(config, "head_dim", None),
                  eager_attention=attention_implementation(config) == "eager",
@@ -163,8 +169,10 @@ def count_parameters(shape: Shape, seq_len: int) -> int:
         return embeddings + seq_len * h + L * (attention + mlp + norms) + 2 * h + head
     attention = h * h + 2 * h * kv + h * h  # q, k, v, o without biases
     norms = 2 * h  # two RMSNorm weights per block
-    if shape.arch == "mixtral":
+    if shape.arch in MOE_ARCHS:
         mlp = shape.num_experts * 3 * h * f + h * shape.num_experts  # experts + router
+        if shape.arch == "ernie4_5_moe":
+            mlp += shape.num_experts  # the router's selection bias (e_score_correction_bias)
     else:
         mlp = 3 * h * f
     return embeddings + L * (attention + mlp + norms) + h + head
@@ -198,7 +206,7 @@ def build_model_config(model_cfg: ModelConfig, tokenizer_info: TokenizerInfo, se
 
     `tokenizer_info` is stage 1's: vocab_size, bos_id, eos_id, pad_id.
     """
-    from transformers import GPT2Config, LlamaConfig, MixtralConfig
+    from transformers import Ernie4_5_MoeConfig, GPT2Config, LlamaConfig, MixtralConfig
 
     shape = resolve_shape(model_cfg, tokenizer_info.vocab_size)
     pad_id = tokenizer_info.pad_id if tokenizer_info.pad_id is not None and tokenizer_info.pad_id >= 0 else None
@@ -223,8 +231,19 @@ def build_model_config(model_cfg: ModelConfig, tokenizer_info: TokenizerInfo, se
         # output_router_logits stays off in every saved config: with it on, generation with a padded batch fails
         # in transformers' load-balancing loss. Training asks for the router logits itself (engine.forward_loss).
         return MixtralConfig(num_local_experts=shape.num_experts, num_experts_per_tok=shape.experts_top_k,
-                             router_aux_loss_coef=model_cfg.router_aux_loss_coef, output_router_logits=False,
+                             router_aux_loss_coef=0.01 if model_cfg.router_aux_loss_coef is None
+                             else model_cfg.router_aux_loss_coef, output_router_logits=False,
                              sliding_window=None, **common)
+    if shape.arch == "ernie4_5_moe":
+        # Mixtral's shape in Ernie 4.5's class: every layer a mixture (from layer 0, step 1), no shared experts,
+        # no biases in the projections; its attention has no dropout (model.dropout must be 0). The router's
+        # load-balancing loss is off: the selection bias balances (ExpertBias).
+        common.pop("attention_dropout")
+        return Ernie4_5_MoeConfig(moe_num_experts=shape.num_experts, moe_k=shape.experts_top_k,
+                                  moe_intermediate_size=shape.ffn_hidden_size, moe_num_shared_experts=0,
+                                  moe_layer_start_index=0, moe_layer_end_index=shape.num_layers - 1,
+                                  moe_layer_interval=1, use_bias=False, hidden_act="silu", router_aux_loss_coef=0.0,
+                                  output_router_logits=False, **common)
     return LlamaConfig(**common)
 
 
@@ -253,7 +272,7 @@ def load_pretrained(folder: Path, seq2seq: bool = False) -> PreTrainedModel:
 
     model_class = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
     attention = attention_implementation(AutoConfig.from_pretrained(folder))
-    return model_class.from_pretrained(folder, dtype=torch.float32, attn_implementation=attention)
+    return expert_bias_buffers(model_class.from_pretrained(folder, dtype=torch.float32, attn_implementation=attention))
 
 
 def extend_vocabulary(model: PreTrainedModel, vocab_size: int, new_rows: dict[int, tuple[int, ...]]) -> None:
@@ -308,7 +327,35 @@ def build_model(hf_config: PretrainedConfig, device: torch.device | str = "cpu",
         # transformers adds its load-balancing loss, pooled over the layers, to the loss it returns; the
         # per-layer ones (router_loss) replace it, added by engine.forward_loss with the configured weight.
         model.router_aux_loss_coef = 0.0
+    return expert_bias_buffers(model)
+
+
+BIAS = "e_score_correction_bias"  # the selection bias of Ernie 4.5's router (in its Ernie4_5_MoeStatics)
+
+
+def expert_bias_buffers(model: PreTrainedModel) -> PreTrainedModel:
+    """`model` with each router's selection bias (Ernie 4.5's e_score_correction_bias, a parameter without a
+    gradient) turned into an fp32 buffer of the same name, so the state dict and the export are unchanged.
+
+    As a parameter, DeepSpeed would cast it to bf16 (an update of 1e-3 is lost on a bias of 0.5, where bf16's step
+    is 2e-3), ZeRO-3 would partition it, and runtime/checkpoint.py would leave it out of a checkpoint as a frozen
+    weight (LoRA's base). A buffer stays fp32 (DeepSpeed casts parameters only) and whole, and is saved with the
+    module. Every other model is returned as it is."""
+    for module in model.modules():
+        bias = module._parameters.get(BIAS)
+        if bias is not None:
+            del module._parameters[BIAS]
+            module.register_buffer(BIAS, bias.detach().float())
     return model
+
+
+def expert_biases(model: Any) -> list[torch.Tensor] | None:
+    """Each layer's selection bias ([1, experts]) of a model whose routers have one, in layer order; else None.
+    `model` may be a DeepSpeed engine."""
+    found = [module._buffers[BIAS] if BIAS in module._buffers else module._parameters[BIAS]
+             for module in getattr(model, "module", model).modules()
+             if BIAS in module._buffers or BIAS in module._parameters]
+    return found or None
 
 
 def inference_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -343,11 +390,14 @@ class RouterStats:
         return float(self.losses.mean())
 
 
-def router_loss(router_logits: tuple[torch.Tensor, ...], top_k: int) -> RouterStats:
+def router_loss(router_logits: tuple[torch.Tensor, ...], top_k: int,
+                biases: list[torch.Tensor] | None = None) -> RouterStats:
     """Switch Transformer's load-balancing loss of each layer, as Megatron-LM computes it:
     num_experts · Σ_i f_i · P_i, f_i the share of the layer's top-k choices that go to expert i and P_i its
     mean router probability; 1.0 when the layer routes uniformly. Training adds the sum over the layers
-    times router_aux_loss_coef (Megatron attaches each layer's loss with the coefficient).
+    times router_aux_loss_coef (Megatron attaches each layer's loss with the coefficient). `biases`
+    (expert_biases): the choices are the top-k of probability plus bias, as Ernie 4.5's router makes them (the
+    same fp32 softmax, so the same experts).
 
     transformers' load_balancing_loss_func pools the statistics of all layers by expert index instead, so
     expert i dying in one layer is paid for by expert i of another: the pooled loss sits at its minimum
@@ -356,15 +406,38 @@ def router_loss(router_logits: tuple[torch.Tensor, ...], top_k: int) -> RouterSt
     import torch
 
     losses, counts = [], []
-    for logits in router_logits:  # [tokens, experts] per layer
+    for layer, logits in enumerate(router_logits):  # [tokens, experts] per layer
         probs = torch.softmax(logits.float(), dim=-1)
-        chosen = torch.topk(logits, top_k, dim=-1).indices.reshape(-1)
+        scores = logits if biases is None else probs + biases[layer].squeeze()
+        chosen = torch.topk(scores, top_k, dim=-1).indices.reshape(-1)
         # scatter_add, not bincount: no device-to-host sync for the output size
         count = torch.zeros(probs.shape[-1], device=probs.device).scatter_add_(
             0, chosen, torch.ones_like(chosen, dtype=torch.float32))
         losses.append(probs.shape[-1] * torch.sum(count / chosen.numel() * probs.mean(dim=0)))
         counts.append(count)
     return RouterStats(torch.stack(losses), torch.stack(counts))
+
+
+class ExpertBias:
+    """DeepSeek-V3's auxiliary-loss-free load balancing (model.moe_balance bias): after each optimizer step every
+    layer's selection bias moves by rate · sign(mean load − expert load), the load being the top-k choices of the
+    whole step (all micro-batches, summed over the data-parallel ranks). An overloaded expert's bias falls, an
+    idle one's rises, and only the choice of experts sees it: the gating weights stay the unbiased ones."""
+
+    def __init__(self, biases: list[torch.Tensor], rate: float):
+        self.biases, self.rate = biases, rate
+
+    def update(self, counts: torch.Tensor) -> None:
+        """Move the biases by this rank's RouterStats.counts of the step ([layers, experts]; any scale: the sign
+        of each expert's difference from its layer's mean decides). Collective (an all-reduce); no host sync."""
+        import torch
+
+        load = counts.detach().float().clone()
+        torch.distributed.all_reduce(load)
+        step = self.rate * torch.sign(load.mean(dim=-1, keepdim=True) - load)
+        with torch.no_grad():
+            for bias, delta in zip(self.biases, step):
+                bias.add_(delta.to(bias.device).view_as(bias))
 
 
 def expert_shares(counts: torch.Tensor) -> tuple[list[float], int]:

@@ -38,7 +38,7 @@ from gptpipe.train.eval_tasks import STATE_KEY as TASKS_STATE_KEY, TaskScorer, c
 from gptpipe.runtime.loop import LogWindow, TrainLoop, run_ranks
 from gptpipe.runtime.metrics_rows import MixtureRow, TrainRow, ValidationRow
 from gptpipe.tolerance import loss_tolerance
-from gptpipe.runtime.model import build_model, expert_shares, lm_forward, router_loss
+from gptpipe.runtime.model import ExpertBias, build_model, expert_biases, expert_shares, lm_forward, router_loss
 from gptpipe.train.plan import Plan, PlanError, check_parameter_count, make_plan
 from gptpipe.train.plan_report import format_plan
 
@@ -113,6 +113,8 @@ class Pretrainer(TrainLoop):
             else None
         self.engine, self.loss_kwargs = build_engine(train, plan.shape.arch, hf_config, ds_config, plan.schedule,
                                                      dist.device, make_model)
+        biases = expert_biases(self.engine)
+        self.balance = ExpertBias(biases, config.model.moe_bias_update_rate) if biases else None
         self.consumed = 0
         self.last_val_loss: float | None = None
         # lm-eval tasks on the live model at each evaluation, with the tokenizer the data was encoded with
@@ -324,7 +326,8 @@ class Pretrainer(TrainLoop):
             count = (batch["labels"] != -100).sum()
             totals[source] += torch.stack([out.loss.double() * count, count.double()])
             if moe:
-                step_counts = router_loss(out.router_logits, self.hf_config.num_experts_per_tok).counts
+                step_counts = router_loss(out.router_logits, self.hf_config.num_experts_per_tok,
+                                          expert_biases(engine)).counts
                 counts = step_counts if counts is None else counts + step_counts
         torch.distributed.all_reduce(totals)
         overall = totals.sum(0)

@@ -18,7 +18,7 @@ LLAMACPP_HOME = Path(os.environ.get("GPTPIPE_LLAMACPP", Path.home() / ".cache" /
 GREEDY_TOOL = "gptpipe-llama-greedy"  # scripts/llamacpp_greedy.cpp, built beside llama.cpp's tools
 TOKENIZE_TOOL = "gptpipe-llama-tokenize"  # scripts/llamacpp_tokenize.cpp, likewise
 # The HF architectures export/gguf.py writes, under llama.cpp's names for them.
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt2", "Ernie4_5_MoeForCausalLM": "ernie4_5-moe"}
 
 
 def llamacpp_tool(name: str) -> Path | None:
