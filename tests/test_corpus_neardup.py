@@ -246,3 +246,8 @@ def test_near_dedup_config_errors_name_the_key(tmp_path: Path, capfd: pytest.Cap
         assert message in err, err
     assert main(["prepare", "--config", str(write_config(tmp_path, tmp_path / "none.jsonl", dropped_samples=-1))]) == 2
     assert "corpus.dropped_samples: must be >= 0" in capfd.readouterr().err
+
+
+def test_a_partition_without_records_has_no_pairs() -> None:
+    first, other = neardup.bucket_pairs(np.empty(0, dtype=neardup.RECORD))
+    assert len(first) == len(other) == 0

@@ -228,7 +228,7 @@ def deduplicated(engine: Executor, config: CorpusConfig, results: list[ShardResu
         bits["exact"] = partition_bits(total)
     if config.near_dedup.threshold is not None:
         bits["near"] = partition_bits(total * config.near_dedup.bands)
-    if not bits:
+    if not bits or total == 0:  # nothing to compare
         return kept, 0, 0
     shutil.rmtree(work / FOLDER, ignore_errors=True)  # a killed run's steps are redone, the judged shards kept
     (work / FOLDER).mkdir()

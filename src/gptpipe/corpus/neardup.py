@@ -143,6 +143,8 @@ def partition_records(paths: list[Path], partition: int) -> np.ndarray:
 
 def bucket_pairs(records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Pairs (first document of a bucket, another document of it) among one partition's records."""
+    if not len(records):
+        return np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.uint64)
     # Stable: a bucket's documents stay in input order (they were read in it), so the first is the lowest.
     records = records[np.argsort(records["key"], kind="stable")]
     keys, docs = records["key"], records["doc"]
