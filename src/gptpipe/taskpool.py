@@ -66,6 +66,13 @@ class TaskPool:
         if self._started:
             self._ray.shutdown()
 
+    @property
+    def capacity(self) -> int:
+        """How many tasks run at once: `workers`, or (0) every core of this machine, every CPU of the cluster."""
+        if self.workers:
+            return self.workers
+        return int(self._ray.cluster_resources().get("CPU", 1)) if self._ray is not None else local_cores()
+
     def each(self, task: Callable[[Item], Result], items: list[Item], what: str,
              in_order: bool = False) -> Iterator[Result]:
         """`task(item)` for every item, yielding each return value as its task finishes (`in_order`: in the
@@ -75,7 +82,7 @@ class TaskPool:
         if self._ray is not None:
             yield from self._on_ray(task, items, what, in_order)
             return
-        workers = min(self.workers or local_cores(), len(items))
+        workers = min(self.capacity, len(items))
         self.log.info(f"{len(items):,} {what}, {workers} worker process(es)")
         if workers == 1:  # no processes to start, no records to pass around
             yield from map(task, items)

@@ -37,7 +37,7 @@ from gptpipe.data.ranges import BLOCK_BYTES, LineNumbers, plan_tasks
 from gptpipe.data.shards import parse_shard, read_shards, shard_prefix
 from gptpipe.data.worker import WorkerSettings, encode_task
 from gptpipe.log import get_logger
-from gptpipe.taskpool import TaskPool, local_cores
+from gptpipe.taskpool import TaskPool
 from gptpipe.remote import staging
 from gptpipe.stage import StageInputError, StageResult, atomic_path
 from gptpipe.artifacts import PREPARE, TOKENIZE, TRAIN_TOKENIZER, check_input_files, read_tokenizer
@@ -85,55 +85,57 @@ def _counts(documents: int, tokens: int, dtype: np.dtype, lines: int, input_byte
 def tokenize_files(files: list[Path], prefix: Path, settings: WorkerSettings, workers: int, task_bytes: int,
                    shard: tuple[int, int] | None, executor: Literal["local", "ray"] = "local",
                    ray_address: str | None = None) -> StageResult:
-    """The work of stage 2: tokenize ``files`` into <prefix>.bin/.idx (written atomically)."""
-    tasks, total_bytes = plan_tasks(files, workers, task_bytes, shard)
-    workers = max(1, min(workers, len(tasks)))
-    parts_dir = prefix.parent / f".{prefix.name}.parts-{os.getpid()}"
-    parts_dir.mkdir(parents=True, exist_ok=True)
-    settings = WorkerSettings(**{**settings.__dict__, "parts_dir": str(parts_dir)})
-    dtype = np.dtype(settings.dtype)
-    reasons = Reasons()
-    lines = documents = tokens = 0
-    line_numbers = LineNumbers()
-    started = time.perf_counter()
-    log.info(f"{total_bytes / 1e6:,.1f} MB in {len(tasks)} range(s) → {prefix}")
+    """The work of stage 2: tokenize ``files`` into <prefix>.bin/.idx (written atomically); `workers` as
+    tokenize.workers (0: every core here, or every CPU of the Ray cluster)."""
+    # The pool first: with Ray, the ranges are sized for the cluster's CPUs (workers 0), not this machine's.
     died = f"nothing was written to {prefix}. Try fewer tokenize.workers or a lower tokenize.max_document_chars"
-    try:
-        with (TaskPool(executor, workers, ray_address, log, died) as pool,
-              closing(pool.each(partial(encode_task, settings), tasks, "range(s) to encode", in_order=True))
-              as results,
-              atomic_path(bin_path(prefix)) as tmp_bin, atomic_path(idx_path(prefix)) as tmp_idx,
-              tqdm(total=total_bytes, unit="B", unit_scale=True, desc=STAGE, file=sys.stderr) as bar):
-            writer = IndexedDatasetWriter(tmp_bin, dtype)
-            try:
-                for result in results:
-                    writer.add_raw(Path(result.part), result.sizes)
-                    os.unlink(result.part)
-                    documents += len(result.sizes)
-                    tokens += int(result.sizes.sum(dtype=np.int64))
-                    lines += result.lines
-                    reasons.merge(result.reasons.counts,
-                                  line_numbers.locate(result.task, result.lines, result.reasons.examples))
-                    bar.update(result.task.end - result.task.start)
-                    bar.set_postfix_str(f"{documents / (time.perf_counter() - started):,.0f} docs/s", refresh=False)
-            finally:
-                writer.close()
-            if documents == 0 and shard is None:
-                raise StageInputError(f"no documents in {', '.join(map(str, files))}: all {lines:,} lines were "
-                                      f"skipped ({reasons.summary()})")
-            writer.finalize(tmp_idx)
-    finally:  # the workers have stopped (results closed): the ranges in flight finished before their folder goes
-        shutil.rmtree(parts_dir, ignore_errors=True)
-    elapsed = time.perf_counter() - started
-    log.info(f"{documents:,} documents, {tokens:,} tokens ({dtype.name}) in {elapsed:.1f} s "
-             f"({total_bytes / 1e6 / elapsed:,.1f} MB/s, {documents / elapsed:,.0f} docs/s)")
-    reasons.report(STAGE, lines)
-    return StageResult(
-        outputs=[bin_path(prefix), idx_path(prefix)],
-        counts=_counts(documents, tokens, dtype, lines, total_bytes, reasons,
-                       workers=workers, **({"shard": f"{shard[0]}/{shard[1]}"} if shard else {})),
-        timings={"tokenize_s": round(elapsed, 3)},
-    )
+    with TaskPool(executor, workers, ray_address, log, died) as pool:
+        tasks, total_bytes = plan_tasks(files, pool.capacity, task_bytes, shard)
+        workers = max(1, min(pool.capacity, len(tasks)))
+        parts_dir = prefix.parent / f".{prefix.name}.parts-{os.getpid()}"
+        parts_dir.mkdir(parents=True, exist_ok=True)
+        settings = WorkerSettings(**{**settings.__dict__, "parts_dir": str(parts_dir)})
+        dtype = np.dtype(settings.dtype)
+        reasons = Reasons()
+        lines = documents = tokens = 0
+        line_numbers = LineNumbers()
+        started = time.perf_counter()
+        log.info(f"{total_bytes / 1e6:,.1f} MB in {len(tasks)} range(s) → {prefix}")
+        try:
+            with (closing(pool.each(partial(encode_task, settings), tasks, "range(s) to encode", in_order=True))
+                          as results,
+                  atomic_path(bin_path(prefix)) as tmp_bin, atomic_path(idx_path(prefix)) as tmp_idx,
+                  tqdm(total=total_bytes, unit="B", unit_scale=True, desc=STAGE, file=sys.stderr) as bar):
+                writer = IndexedDatasetWriter(tmp_bin, dtype)
+                try:
+                    for result in results:
+                        writer.add_raw(Path(result.part), result.sizes)
+                        os.unlink(result.part)
+                        documents += len(result.sizes)
+                        tokens += int(result.sizes.sum(dtype=np.int64))
+                        lines += result.lines
+                        reasons.merge(result.reasons.counts,
+                                      line_numbers.locate(result.task, result.lines, result.reasons.examples))
+                        bar.update(result.task.end - result.task.start)
+                        bar.set_postfix_str(f"{documents / (time.perf_counter() - started):,.0f} docs/s", refresh=False)
+                finally:
+                    writer.close()
+                if documents == 0 and shard is None:
+                    raise StageInputError(f"no documents in {', '.join(map(str, files))}: all {lines:,} lines were "
+                                          f"skipped ({reasons.summary()})")
+                writer.finalize(tmp_idx)
+        finally:  # the workers have stopped (results closed): the ranges in flight finished before their folder goes
+            shutil.rmtree(parts_dir, ignore_errors=True)
+        elapsed = time.perf_counter() - started
+        log.info(f"{documents:,} documents, {tokens:,} tokens ({dtype.name}) in {elapsed:.1f} s "
+                 f"({total_bytes / 1e6 / elapsed:,.1f} MB/s, {documents / elapsed:,.0f} docs/s)")
+        reasons.report(STAGE, lines)
+        return StageResult(
+            outputs=[bin_path(prefix), idx_path(prefix)],
+            counts=_counts(documents, tokens, dtype, lines, total_bytes, reasons,
+                           workers=workers, **({"shard": f"{shard[0]}/{shard[1]}"} if shard else {})),
+            timings={"tokenize_s": round(elapsed, 3)},
+        )
 
 
 def run(config: TokenizeRun, args: argparse.Namespace) -> int:
@@ -175,12 +177,11 @@ def run(config: TokenizeRun, args: argparse.Namespace) -> int:
         model_path=model_path, eod_id=eod_id, bos_id=bos_id, dtype=dtype.name, text_key=cfg.text_key,
         max_chars=cfg.max_document_chars, max_line_bytes=cfg.max_line_bytes,
         block_bytes=min(BLOCK_BYTES, cfg.task_bytes or BLOCK_BYTES), parts_dir="")
-    workers = cfg.workers or local_cores()
     extra = {"shard": f"{shard[0]}/{shard[1]}"} if shard else {}
 
     def work() -> StageResult:
         remove_stale_temporaries(local)
-        result = tokenize_files(files, local, settings, workers, cfg.task_bytes, shard, cfg.executor,
+        result = tokenize_files(files, local, settings, cfg.workers, cfg.task_bytes, shard, cfg.executor,
                                 cfg.ray_address)
         result.counts["boundaries"] = boundaries
         return result
