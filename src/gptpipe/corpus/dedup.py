@@ -152,13 +152,13 @@ def _pairs(work: Path, kind: str) -> tuple[np.ndarray, np.ndarray]:
     return both[0], both[1]
 
 
-def _removal(later: np.ndarray, first: np.ndarray, path: Path) -> int:
-    """Save the documents to drop and the first of each, sorted by document. Returns how many."""
+def _removal(later: np.ndarray, first: np.ndarray, path: Path) -> np.ndarray:
+    """Save the documents to drop and the first of each, sorted by document; returns what it saved."""
     removed = np.empty(len(later), dtype=REMOVED)
     removed["doc"], removed["first"] = later, first
     removed.sort(order="doc")
     np.save(path, removed)
-    return len(removed)
+    return removed
 
 
 def _removed_in(path: Path, start: int, end: int) -> dict[int, int]:
@@ -249,22 +249,20 @@ def deduplicated(engine: Executor, config: CorpusConfig, results: list[ShardResu
         found[kind + " candidates"] += candidates
         found[kind] += duplicates
     clock.lap("search_s")
-    removed = {}
     if "exact" in bits:
         earliest, later = _pairs(work, "exact")
-        removed["exact"] = _removal(later, earliest, work / FOLDER / "exact.npy")
+        _removal(later, earliest, work / FOLDER / "exact.npy")
     firsts: dict[int, str] = {}
     if "near" in bits:
         later, first = clusters(*_pairs(work, "near"))
-        removed["near"] = _removal(later, first, work / FOLDER / "near.npy")
-        near = np.load(work / FOLDER / "near.npy", mmap_mode="r")
+        near = _removal(later, first, work / FOLDER / "near.npy")
         # The near duplicates sampled or shown are the first ones: the documents they duplicate, by origin.
         wanted = near["first"][:config.dropped_samples + EXAMPLES_PER_REASON].tolist()
         firsts = _origins(work, plan, bases, wanted)
         near_config = config.near_dedup
         log.info(f"near duplicates: {found['near candidates']:,} pairs in a shared bucket ({near_config.bands} "
                  f"bands x {near_config.rows} rows; a pair counts once per band it shares), {found['near']:,} of "
-                 f"them at estimated Jaccard >= {near_config.threshold:g}, {removed['near']:,} documents in a "
+                 f"them at estimated Jaccard >= {near_config.threshold:g}, {len(near):,} documents in a "
                  "cluster after its first")
     clock.lap("cluster_s")
     items = [Keep(shard, bases[shard], firsts) for shard in shards]
