@@ -3,8 +3,10 @@ plain PyTorch loop on the same model.
 
 The default is the target setting: the 125m llama preset, seq 2048, bf16, one GPU, at the planner's micro-batch
 (target >= 45% MFU on an H100). It runs the real path: `build_engine` (DeepSpeed, SDPA, Liger kernels when
-installed, fused AdamW) and `train_step`, on random token ids (speed does not depend on the text), and prints a
-markdown row for docs/benchmarks.md (--json also appends the figures to a file, for bench/gpu_check.sh).
+installed, fused AdamW) and `train_step`, each step on a fresh batch of synthetic text (`bigram_batches`: speed
+does not depend on the text, but a loss after many steps only compares on text that can be learned and not
+memorized), and prints a markdown row for docs/benchmarks.md (--json also appends the figures to a file, for
+bench/gpu_check.sh).
 
     .venv/bin/python bench/bench_train.py                          # 125m, seq 2048, bf16, the planner's micro-batch
     .venv/bin/python bench/bench_train.py --micro 8 --checkpointing --compile --plain
@@ -36,6 +38,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import itertools
 import json
 import math
 import os
@@ -64,6 +67,8 @@ from gptpipe.train.plan import largest_micro_batch
 from gptpipe.runtime.schedule import Schedule
 
 VOCAB = 32000  # the shipped tokenizer's size (padded to 32,000 already)
+EOD = 2  # the end-of-document id of the bench's tokenizer (eos_id below)
+SUCCESSORS = 8  # the next tokens each token of the bench's synthetic text can have (bigram_batches)
 # Base-model shapes (model.init_from), random weights: what continued pretraining trains.
 BASES = {
     "qwen3": dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
@@ -99,6 +104,9 @@ def main() -> None:
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--no-liger", action="store_true")
+    parser.add_argument("--document-mask", type=int, default=0, metavar="MEAN_TOKENS",
+                        help="train.document_mask on a batch of documents of this mean length (geometric; an "
+                             "end-of-document token ends each, positions restart after it); 0: one causal mask")
     parser.add_argument("--plain", action="store_true", help="also time a plain PyTorch loop on the same model")
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (allocator, kernels, compile)")
@@ -124,7 +132,8 @@ def main() -> None:
                  f"train.precision={args.precision}", f"train.zero_stage={args.zero}",
                  f"train.activation_checkpointing={str(args.checkpointing).lower()}",
                  f"train.compile={str(args.compile).lower()}", f"train.liger_kernels={str(not args.no_liger).lower()}",
-                 f"train.fp8_recipe={args.fp8_recipe}", "train.warmup_fraction=0.1"]
+                 f"train.fp8_recipe={args.fp8_recipe}", "train.warmup_fraction=0.1",
+                 f"train.document_mask={str(args.document_mask > 0).lower()}"]
     config = load_config(PipelineConfig, None, overrides)
     train = config.train
     if args.base:
@@ -134,7 +143,7 @@ def main() -> None:
         hf_config = AutoConfig.for_model(base.pop("model_type"), bos_token_id=1, eos_token_id=2, **base)
         shape, parameters, arch = base_shape(hf_config), meta_parameters(hf_config), hf_config.model_type
     else:
-        tokenizer = SimpleNamespace(vocab_size=VOCAB, bos_id=1, eos_id=2, pad_id=3)
+        tokenizer = SimpleNamespace(vocab_size=VOCAB, bos_id=1, eos_id=EOD, pad_id=3)
         hf_config = build_model_config(config.model, tokenizer, args.seq)
         shape, arch = resolve_shape(config.model, VOCAB), args.arch
         parameters = count_parameters(shape, args.seq)
@@ -156,7 +165,7 @@ def main() -> None:
 
     def memory_of(settings: EngineSettings) -> Any:
         return estimate_memory(shape, parameters, args.seq, train.engine_precision, dist.world_size, settings,
-                               loss.fused, train.fp32_gradients, fp8_layer=fp8_layer)
+                               loss.fused, train.fp32_gradients, train.document_mask, fp8_layer=fp8_layer)
 
     settings = EngineSettings(1 if args.micro == "auto" else int(args.micro), args.zero, args.checkpointing, False)
     if args.micro == "auto":
@@ -168,9 +177,16 @@ def main() -> None:
     loss_kwargs = forward_kwargs(train, loss)  # what build_engine returns: the plain loop's loss is the engine's
 
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab, (micro, args.seq + 1), generator=generator).to(dist.device)
-    batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
     steps = args.warmup + args.steps
+    tokens = bigram_batches(steps, micro, args.seq, vocab, generator)
+    if args.document_mask:
+        tokens[torch.rand(tokens.shape, generator=generator) < 1 / args.document_mask] = EOD
+    tokens = tokens.to(dist.device)
+    batches = [{"input_ids": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()} for t in tokens]
+    for batch in batches if args.document_mask else ():
+        # what megatron's reset_position_ids/eod_mask_loss give stage 3 (train/data.py)
+        batch["position_ids"] = document_positions(batch["input_ids"])
+        batch["labels"][batch["input_ids"] == EOD] = -100
     schedule = Schedule.for_run(train, steps + 2)  # both loops' learning rates
 
     plain = None
@@ -178,7 +194,7 @@ def main() -> None:
         if loss.fused:
             apply_liger(arch)  # the same kernels as the engine's (build_engine applies them again: no change)
         try:
-            plain = plain_loop(hf_config, train, schedule, batch, loss_kwargs, args.warmup, args.steps, dist.device)
+            plain = plain_loop(hf_config, train, schedule, batches, loss_kwargs, args.warmup, dist.device)
         except torch.OutOfMemoryError:  # no ZeRO partitioning of its own; one rank holds what the plan splits
             print(f"plain loop: out of memory at micro-batch {micro}; the engine row still runs", file=sys.stderr)
         gc.collect()  # outside the handler: its traceback held the loop's model and optimizer
@@ -195,8 +211,11 @@ def main() -> None:
     engine, engine_kwargs = build_engine(train, arch, hf_config, ds_config, schedule, dist.device,
                                          make_model)
     assert engine_kwargs == loss_kwargs, (engine_kwargs, loss_kwargs)  # one decision: devices.loss_path
-    step = functools.partial(train_step, engine, [batch], _NeverStop(),
-                             functools.partial(forward_loss, **engine_kwargs))  # TrainLoop.forward's call
+    loss_of = functools.partial(forward_loss, **engine_kwargs)  # TrainLoop.forward's call
+    next_batch = itertools.cycle(batches).__next__  # host_syncs' extra step takes the first again
+
+    def step() -> Any:
+        return train_step(engine, [next_batch()], _NeverStop(), loss_of)
 
     first = step()
     first_loss = float(first.loss)  # the untrained model's loss (one sync, before timing)
@@ -234,7 +253,8 @@ def main() -> None:
     row = {"label": args.label or (args.base or f"{args.arch} {args.preset}"), "device": name,
            "ranks": dist.world_size, "seq": args.seq, "micro": micro, "micro_planned": args.micro == "auto",
            "precision": args.precision, "fp8_recipe": args.fp8_recipe if args.precision == "fp8" else None,
-           "zero": args.zero, "steps": args.steps, "checkpointing": args.checkpointing,
+           "zero": args.zero, "document_mask": args.document_mask, "steps": args.steps,
+           "checkpointing": args.checkpointing,
            "compile": args.compile, "liger": loss.fused, "loss_kwargs": sorted(engine_kwargs),
            "parameters": parameters, "tokens_per_s": tokens_per_s, "mfu_headline": HEADLINE,
            "flops_per_token_full": flops["full"], "flops_per_token_causal": flops["causal"],
@@ -253,7 +273,8 @@ def main() -> None:
     recipe = f" {args.fp8_recipe}" if args.precision == "fp8" else ""
     settings_text = (f"{args.precision}{recipe} ZeRO-{args.zero}{' ckpt' if args.checkpointing else ''}"
                      f"{' compile' if args.compile else ''}{' liger' if loss.fused else ''}"
-                     f"{' init_from' if args.continued else ''}")
+                     f"{' init_from' if args.continued else ''}"
+                     f"{f' document_mask ({args.document_mask} tokens/doc)' if args.document_mask else ''}")
     micro_text = f"{micro}{' (plan)' if args.micro == 'auto' else ''}"
 
     def percent(value: float | None) -> str:
@@ -287,6 +308,27 @@ def main() -> None:
         sys.exit(f"the plain loop's loss {plain.loss:.5f} is not the engine's {loss_value:.5f}: not the same numerics")
     if device_syncs[0]:  # DeepSpeed's throughput timer (engine.deepspeed_config turns it off) and the like
         sys.exit(f"DeepSpeed synchronized the device {device_syncs[0]} times in {args.steps} steps")
+
+
+def bigram_batches(count: int, micro: int, seq: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
+    """`count` batches of `micro` sequences of seq + 1 token ids from a sparse random bigram chain: each token is
+    followed by one of SUCCESSORS tokens, chosen uniformly. A model learns it (its loss falls from ln(vocab)
+    towards ln(SUCCESSORS)) but cannot memorize a fresh batch, so two runs' losses after many steps compare."""
+    successors = torch.randint(0, vocab, (vocab, SUCCESSORS), generator=generator)
+    tokens = torch.empty(count * micro, seq + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab, (count * micro,), generator=generator)
+    choices = torch.randint(0, SUCCESSORS, (count * micro, seq), generator=generator)
+    for i in range(seq):
+        tokens[:, i + 1] = successors[tokens[:, i], choices[:, i]]
+    return tokens.view(count, micro, seq + 1)
+
+
+def document_positions(input_ids: torch.Tensor) -> torch.Tensor:
+    """Positions that restart after every end-of-document token (the token itself ends its document)."""
+    index = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    starts = torch.zeros_like(index)
+    starts[:, 1:] = torch.where(input_ids[:, :-1] == EOD, index[:, 1:], 0)
+    return index - torch.cummax(starts, dim=1).values
 
 
 def synchronize(device: torch.device) -> None:
@@ -350,8 +392,8 @@ class PlainRun:
     peak_gib: float  # torch's peak allocation over the timed steps (nan on CPU)
 
 
-def plain_loop(hf_config: Any, train: Any, schedule: Schedule, batch: dict[str, torch.Tensor],
-               loss_kwargs: dict[str, Any], warmup: int, steps: int, device: torch.device) -> PlainRun:
+def plain_loop(hf_config: Any, train: Any, schedule: Schedule, batches: list[dict[str, torch.Tensor]],
+               loss_kwargs: dict[str, Any], warmup: int, device: torch.device) -> PlainRun:
     """The same model in a plain PyTorch loop with the engine's numerics (DeepSpeed's bf16 optimizer): bf16
     weights (fp32: fp32), and in bf16 an fp32 master copy that receives the gradients, is clipped to
     train.grad_clip and stepped by torch's fused AdamW with the engine's groups and learning rates (`schedule`),
@@ -377,7 +419,7 @@ def plain_loop(hf_config: Any, train: Any, schedule: Schedule, batch: dict[str, 
     scheduler = schedule.scheduler_factory()(optimizer)
     model.train()
     start, first_loss = 0.0, float("nan")
-    for i in range(warmup + steps):
+    for i, batch in enumerate(batches):
         if i == warmup:
             synchronize(device)
             if device.type == "cuda":
@@ -398,7 +440,7 @@ def plain_loop(hf_config: Any, train: Any, schedule: Schedule, batch: dict[str, 
         model.zero_grad(set_to_none=True)  # the master's fp32 gradients stay: the next copy overwrites them
     synchronize(device)
     seconds = time.perf_counter() - start
-    run = PlainRun(steps * batch["input_ids"].numel() / seconds, first_loss, float(loss),
+    run = PlainRun((len(batches) - warmup) * batch["input_ids"].numel() / seconds, first_loss, float(loss),
                    torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"))
     del model, optimizer, scheduler, loss, weights, master, master_of, groups
     gc.collect()

@@ -82,6 +82,13 @@ PY
 bench smoke-liger --preset tiny --seq 512 --micro 8
 bench llama-125m --plain
 bench llama-1b --preset 1b --plain
+# train.precision fp8 (issue 45): llama 1b at seq 2048, the same micro-batch, weights and batch, 200 timed steps
+# each (the loss after them compared too), bf16 then fp8 (torchao tensorwise; its float8 linears compiled on their
+# own, Liger's kernels eager). Target: fp8 >= 1.15x bf16's tokens/s, loss within 0.5% (gpu_check_report.py).
+run llama-1b-bf16-200 420 "$PY" bench/bench_train.py --json "$ROWS" --label llama-1b-bf16-200 --preset 1b \
+  --micro 8 --steps 200 --warmup 3
+run llama-1b-fp8-200 600 "$PY" bench/bench_train.py --json "$ROWS" --label llama-1b-fp8-200 --preset 1b \
+  --micro 8 --steps 200 --warmup 3 --precision fp8
 bench qwen3-base --base qwen3 --plain
 run liger-on-off 240 "$PY" bench/bench_liger.py --device cuda --precision bf16
 bench gpt2-125m --arch gpt2 --plain
@@ -98,17 +105,22 @@ if [ -f "$WORKSPACE/config.yaml" ]; then
     train.train_tokens=null train.train_epochs=8 train.train_iters=20 train.log_interval=5 train.eval_interval=10 \
     train.save_interval=10 train.eval_iters=1 train.sample_prompts=[] logging.wandb=false \
     data.split=90,9,1 train.output_model_dir="$OUT/real-loop"
+  # train.document_mask (issue 45): the same run with attention kept within each document; its validation loss
+  # after the same 20 steps beside the row above's
+  run real-loop-docmask 300 "$PY" -m gptpipe train --config "$WORKSPACE/config.yaml" model.preset=125m \
+    train.seq_len=2048 train.precision=bf16 train.global_batch_size=64 train.micro_batch_size=16 train.lr=6e-4 \
+    train.min_lr=6e-5 train.train_tokens=null train.train_epochs=8 train.train_iters=20 train.log_interval=5 \
+    train.eval_interval=10 train.save_interval=10 train.eval_iters=1 train.sample_prompts=[] logging.wandb=false \
+    data.split=90,9,1 train.document_mask=true train.output_model_dir="$OUT/real-loop-docmask"
   bench llama-125m-micro16 --micro 16
 else
   say "no $WORKSPACE/config.yaml: the real loop is skipped (run bash demo.sh, or set GPU_CHECK_WORKSPACE)"
 fi
-# train.precision fp8 (issue 45): llama 1b at seq 2048, the same micro-batch, weights and batch, 200 timed steps
-# each (the loss after them compared too), bf16 then fp8 (torchao tensorwise; its float8 linears compiled on their
-# own, Liger's kernels eager). Target: fp8 >= 1.15x bf16's tokens/s, loss within 0.5% (gpu_check_report.py).
-run llama-1b-bf16-200 420 "$PY" bench/bench_train.py --json "$ROWS" --label llama-1b-bf16-200 --preset 1b \
-  --micro 8 --steps 200 --warmup 3
-run llama-1b-fp8-200 600 "$PY" bench/bench_train.py --json "$ROWS" --label llama-1b-fp8-200 --preset 1b \
-  --micro 8 --steps 200 --warmup 3 --precision fp8
+# train.document_mask (issue 45): the step with and without, the same micro-batch, at seq 2048 and 8192; documents
+# of 512 tokens on average (geometric), so SDPA gets the block-causal mask transformers builds from the positions
+bench llama-125m-micro16-docmask --micro 16 --document-mask 512
+bench llama-125m-seq8192-micro4 --seq 8192 --micro 4
+bench llama-125m-seq8192-micro4-docmask --seq 8192 --micro 4 --document-mask 512
 # engine.uncompiled_because leaves a run with Liger's kernels uncompiled: compiled without them
 bench smoke-compile --preset tiny --seq 512 --micro 8 --compile --no-liger
 
