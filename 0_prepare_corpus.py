@@ -1,4 +1,4 @@
-"""Stage 0: build data/corpus/corpus.jsonl from the sources in config.yaml.
+"""Stage 0: build the corpus in data/corpus/ (corpus-00000.jsonl, ...) from the sources in config.yaml.
 
     python 0_prepare_corpus.py [--config config.yaml] [--force] [key=value ...]
 

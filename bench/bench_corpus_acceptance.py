@@ -309,7 +309,8 @@ def main() -> None:
                          "output_dir": str(args.out / "stage0"), "workers": args.workers}}
     (args.out / "config.yaml").write_text(yaml.safe_dump(config, allow_unicode=True), encoding="utf-8")
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "gptpipe", "prepare", "--config", str(args.out / "config.yaml"), "--force"],
+    subprocess.run([sys.executable, "-m", "gptpipe", "prepare", "--config", str(args.out / "config.yaml"), "--force",
+                    "corpus.join=true"],
                    check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - started
     with open(args.out / "stage0" / "corpus.jsonl", encoding="utf-8") as fh:

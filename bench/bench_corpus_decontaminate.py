@@ -123,7 +123,8 @@ def stage0(out: Path, documents: Path, items: Path | None, name: str) -> tuple[f
         corpus["decontamination"] = {"files": [str(items)]}
     (out / f"{name}.yaml").write_text(yaml.safe_dump({"corpus": corpus}, allow_unicode=True), encoding="utf-8")
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "gptpipe", "prepare", "--config", str(out / f"{name}.yaml"), "--force"],
+    subprocess.run([sys.executable, "-m", "gptpipe", "prepare", "--config", str(out / f"{name}.yaml"), "--force",
+                    "corpus.join=true"],
                    check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - started

@@ -1,5 +1,6 @@
 """Stage-0 benchmark: near-duplicate removal on man pages with near copies made from them.
 
+    python 0_prepare_corpus.py corpus.join=true     # the man pages' stage-0 corpus as one file
     PYTHONPATH=src:tests python bench/bench_corpus_neardup.py --ja data/corpus/corpus.jsonl --en 300 \
         [--copies 1 10] [--edit-every 300]
 
@@ -41,7 +42,8 @@ def run_stage0(folder: Path, documents: Path, near: bool) -> tuple[float, float,
     (folder / "config.yaml").write_text(yaml.safe_dump(config, allow_unicode=True), encoding="utf-8")
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", PEAK_RSS, "prepare", "--config", str(folder / "config.yaml"),
-                           "--force"], check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                           "--force", "corpus.join=true"], check=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True)
     wall = time.perf_counter() - started
     rss = int(done.stdout.split()[-1]) / 1024
     with open(folder / "out" / "corpus.jsonl", encoding="utf-8") as fh:

@@ -1,6 +1,7 @@
 """Stage-0 benchmark against a peer doing the same work: HojiChar (the library written for Japanese corpora whose
 rules corpus/quality.py reuses), on the same corpus and cores, in one run.
 
+    python 0_prepare_corpus.py corpus.join=true     # the man pages' stage-0 corpus as one file
     PYTHONPATH=src:tests python bench/bench_corpus_peer.py --ja data/corpus/corpus.jsonl [--pages 600] \
         [--scales 1 10] [--workers 2]
 
@@ -145,7 +146,8 @@ def main() -> None:
                                  "output_dir": str(folder / "out"), "dropped_samples": 0, "workers": args.workers,
                                  "shard_mb": args.shard_mb}}
             (folder / "config.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
-            runs = {"gptpipe": [sys.executable, "-c", GPTPIPE, "prepare", "--config", str(folder / "config.yaml")],
+            runs = {"gptpipe": [sys.executable, "-c", GPTPIPE, "prepare", "--config", str(folder / "config.yaml"),
+                                "corpus.join=true"],
                     "HojiChar": [sys.executable, "-c", HOJICHAR, str(documents), str(folder / "peer.jsonl"),
                                  str(args.workers)]}
             for name, argv in runs.items():

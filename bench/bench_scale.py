@@ -2,6 +2,7 @@
 this machine (one CPU each), in one run: wall seconds, MB/s per core, the driver's peak RSS, and stage 0's
 seconds per step (judging, the duplicate steps, the join), from which docs/benchmarks.md projects 1 TB and 10 TB.
 
+    python 0_prepare_corpus.py corpus.join=true     # the man pages' stage-0 corpus as one file
     PYTHONPATH=src:tests python bench/bench_scale.py --pages data/corpus/corpus.jsonl [--scales 1 10]
 
 The corpus is bench/bench_corpus_peer.py's: the documents of a stage-0 corpus.jsonl (`--pages`, the first
@@ -94,7 +95,7 @@ def main() -> None:
                 for name, keys in engines.items():
                     out = folder / f"out-{scale}-{len(outputs)}"
                     wall, own, worker = run(["prepare", "--config", str(config), f"corpus.output_dir={out}",
-                                             *(f"corpus.{key}" for key in keys)])
+                                             "corpus.join=true", *(f"corpus.{key}" for key in keys)])
                     manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
                     cores = 1 if name == "1 worker" else 2
                     steps = ", ".join(f"{k[:-2]} {v:.1f}" for k, v in manifest["timings"].items() if k != "total_s")

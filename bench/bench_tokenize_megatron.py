@@ -83,7 +83,7 @@ def demo_corpus(cache: Path) -> Path:
     if not corpus.is_file():
         work.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / "config.yaml", work / "config.yaml")
-        run([sys.executable, "-m", "gptpipe", "prepare", "--config", str(work / "config.yaml")],
+        run([sys.executable, "-m", "gptpipe", "prepare", "--config", str(work / "config.yaml"), "corpus.join=true"],
             env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "TQDM_DISABLE": "1"})
     return corpus
 

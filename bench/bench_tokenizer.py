@@ -2,6 +2,8 @@
 
     python bench/bench_tokenizer.py [--corpus data/corpus/corpus.jsonl] [--workdir DIR] [--unbounded]
 
+(--corpus: one jsonl file, e.g. stage 0's with corpus.join=true; without it stage 0 runs here.)
+
 Every training runs `gptpipe train-tokenizer` in its own child process; its peak RSS is that child's own
 rusage (os.wait4), so runs do not mask each other. Runs:
   1x          the corpus, the shipped 32k settings (input_sentence_size 3M: every line is used);
@@ -85,7 +87,8 @@ def gptpipe(*args: str, cwd: Path) -> tuple[float, float]:
 def corpus_stage(workdir: Path, jsonl: Path, name: str) -> None:
     """Stage 0 over an existing jsonl, without dedup (the repeated copies must stay), into data/<name>."""
     gptpipe("prepare", "--config", str(workdir / "config.yaml"), "corpus.sources.0.type=jsonl",
-            f"corpus.sources.0.path={jsonl}", "corpus.dedup=false", f"corpus.output_dir=data/{name}", cwd=workdir)
+            f"corpus.sources.0.path={jsonl}", "corpus.dedup=false", f"corpus.output_dir=data/{name}",
+            "corpus.join=true", cwd=workdir)
 
 
 def train(workdir: Path, corpus: str, label: str, *overrides: str) -> dict:
@@ -330,7 +333,7 @@ def main() -> None:
     source = args.corpus.resolve() if args.corpus else None
     if source is None:
         print("building the man-page corpus with stage 0 ...", file=sys.stderr)
-        gptpipe("prepare", "--config", str(workdir / "config.yaml"), cwd=workdir)
+        gptpipe("prepare", "--config", str(workdir / "config.yaml"), "corpus.join=true", cwd=workdir)
         source = workdir / "data" / "corpus" / "corpus.jsonl"
     else:
         corpus_stage(workdir, source, "corpus")

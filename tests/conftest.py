@@ -34,6 +34,7 @@ import pytest
 from filelock import FileLock
 from prewarmed import Forked, run_gptpipe, run_ranks
 
+from gptpipe.artifacts import read_corpus
 from gptpipe.cli import main
 from gptpipe.config.core import load_config
 from gptpipe.pipeline import PipelineConfig
@@ -119,9 +120,14 @@ def run_cli(*argv: object) -> None:
 
 
 def corpus_texts(folder: Path) -> list[str]:
-    """The documents of a stage-0 folder's corpus.jsonl, in order."""
-    with open(folder / "corpus.jsonl", "rb") as fh:
-        return [orjson.loads(line)["text"] for line in fh]
+    """The documents of a stage-0 folder's corpus files, in order."""
+    return [orjson.loads(line)["text"] for line in corpus_bytes(folder).splitlines()]
+
+
+def corpus_bytes(folder: Path) -> bytes:
+    """A stage-0 folder's corpus files (as its manifest lists them) concatenated: the corpus whatever its
+    sharding."""
+    return b"".join(path.read_bytes() for path in read_corpus(folder).files)
 
 
 def manifest_counts(folder: Path) -> dict:
@@ -179,7 +185,7 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def corpus_dir(workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Stage 0 on the man pages: data/corpus/corpus.jsonl + manifest.json."""
+    """Stage 0 on the man pages: data/corpus/corpus-00000.jsonl, ... + manifest.json."""
     require_manpages()
     once(tmp_path_factory, "corpus", lambda: run_cli("prepare", "--config", workspace / "config.yaml"))
     return workspace / "data" / "corpus"

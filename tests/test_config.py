@@ -154,3 +154,24 @@ def test_help_lists_every_key_with_doc() -> None:
     sub = next(a for a in parser._actions if a.dest == "command")
     epilog = sub.choices["prepare"].epilog
     assert "corpus.min_chars (int, default 50)" in epilog
+
+
+def test_source_labels_are_derived_unique_and_checked(tmp_path: Path) -> None:
+    from gptpipe.corpus.config import SourceConfig, source_labels
+
+    sources = [SourceConfig(type="manpages", path=Path("/usr/share/man/ja")),
+               SourceConfig(type="jsonl", path=Path("raw/*.jsonl")),
+               SourceConfig(type="jsonl", path=Path("x.jsonl.gz")),
+               SourceConfig(type="hf_dataset", name="HuggingFaceFW/fineweb-2", subset="jpn_Jpan"),
+               SourceConfig(type="jsonl", path=Path("a/raw.jsonl"), label="raw"), SourceConfig()]
+    # derived from the path's or hub name's last part; one another source has gets its number
+    assert source_labels(sources) == ["ja", "raw-1", "x", "fineweb-2-jpn_Jpan", "raw", "manpages"]
+    config = tmp_path / "config.yaml"
+    for sources, problem in (("[{type: jsonl, path: a.jsonl, label: web}, {type: jsonl, path: b.jsonl, label: web}]",
+                              "corpus.sources: label 'web' is given to more than one source"),
+                             ("[{type: jsonl, path: c.jsonl, label: ../c}]",
+                              "corpus.sources.0.label: '../c': use letters")):
+        config.write_text(f"corpus:\n  sources: {sources}\n", encoding="utf-8")
+        with pytest.raises(ConfigError) as err:
+            load_config(PipelineConfig, config)
+        assert problem in str(err.value)

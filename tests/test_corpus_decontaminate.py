@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import corpus_texts, require_manpages, run_cli
+from conftest import corpus_bytes, corpus_texts, require_manpages, run_cli
 from gptpipe.cli import main
 from gptpipe.corpus.config import DecontaminationConfig
 from gptpipe.corpus.decontaminate import Index
@@ -153,11 +153,10 @@ def test_every_quoting_document_is_dropped_and_no_other(setup: dict, tmp_path: P
                                                         str(setup["folder"] / "task" / "heldout_task.yaml")}
 
     # The report reads a corpus and changes nothing: the quotes in the corpus without decontamination, none after.
-    before = (tmp_path / "drop" / "corpus.jsonl").read_bytes()
-    assert report(config, capsys, tmp_path / "baseline" / "corpus.jsonl") == {"heldout": (16, 16),
-                                                                           "heldout_task": (16, 16)}
+    before = corpus_bytes(tmp_path / "drop")
+    assert report(config, capsys, tmp_path / "baseline") == {"heldout": (16, 16), "heldout_task": (16, 16)}
     assert report(config, capsys) == {"heldout": (0, 0), "heldout_task": (0, 0)}
-    assert (tmp_path / "drop" / "corpus.jsonl").read_bytes() == before
+    assert corpus_bytes(tmp_path / "drop") == before
 
     # --explain names the check and the item; the rerun is current until the items change.
     one = tmp_path / "one.txt"

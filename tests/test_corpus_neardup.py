@@ -193,7 +193,7 @@ def test_rerun_is_identical_and_samples_are_capped(pages: dict[str, list[str]], 
     near = "near duplicate (Jaccard ≥ 0.8)"
     assert manifest.counts["dropped"] == {near: 5, "shorter than min_chars (50)": 1, "exact duplicate": 2}
     assert manifest.counts["dropped_samples"] == {near: 2, "shorter than min_chars (50)": 1, "exact duplicate": 2}
-    assert sorted(manifest.outputs) == ["corpus.jsonl", "dropped/exact_duplicate.jsonl",
+    assert sorted(manifest.outputs) == ["corpus-00000.jsonl", "dropped/exact_duplicate.jsonl",
                                         "dropped/near_duplicate_Jaccard_0.8.jsonl",
                                         "dropped/shorter_than_min_chars_50.jsonl"]
     samples = [json.loads(line) for line in first[Path("dropped/near_duplicate_Jaccard_0.8.jsonl")].splitlines()]
@@ -203,7 +203,7 @@ def test_rerun_is_identical_and_samples_are_capped(pages: dict[str, list[str]], 
     # No samples asked for: none written, none listed; near-dedup off keeps the copies.
     run_cli("prepare", "--config", config, "corpus.dropped_samples=0", "corpus.near_dedup.threshold=null")
     manifest = Manifest.read(out / "manifest.json")
-    assert list(manifest.outputs) == ["corpus.jsonl"] and not list((out / "dropped").iterdir())
+    assert list(manifest.outputs) == ["corpus-00000.jsonl"] and not list((out / "dropped").iterdir())
     assert len(corpus_texts(out)) == 9
 
 

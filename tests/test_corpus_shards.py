@@ -1,4 +1,4 @@
-"""Stage 0 in shards: the same corpus.jsonl whatever the shards and the workers (processes here, a two-node Ray
+"""Stage 0 in shards: the same corpus whatever the shards and the workers (processes here, a two-node Ray
 cluster on this machine), line numbers of cut files as in the file, and a run that died continuing from the
 shards it finished."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import corpus_texts, require_manpages
+from conftest import corpus_bytes, corpus_texts, require_manpages
 from gptpipe.artifacts import read_corpus
 from gptpipe.cli import main
 from gptpipe.corpus import dedup, executor, shards
@@ -75,7 +75,8 @@ def test_the_corpus_is_the_same_whatever_the_shards_and_workers(documents: Path,
     assert one.counts["shards"] == len(plan)
     kept = corpus_texts(tmp_path / "whole")
     assert corpus_texts(tmp_path / "one") == corpus_texts(tmp_path / "two") == kept
-    assert (tmp_path / "one" / "corpus.jsonl").read_bytes() == (tmp_path / "two" / "corpus.jsonl").read_bytes()
+    # Byte for byte, origins included: a cut file's lines carry the file's line numbers whatever the cut.
+    assert corpus_bytes(tmp_path / "one") == corpus_bytes(tmp_path / "two") == corpus_bytes(tmp_path / "whole")
     assert samples(tmp_path / "one") == samples(tmp_path / "two")
     assert one.counts == two.counts
     # The exact copies are of kept pages, so every drop is counted as without shards, with the file's line
@@ -92,8 +93,28 @@ def test_the_corpus_is_the_same_whatever_the_shards_and_workers(documents: Path,
         samples(tmp_path / "whole")["dropped/near_duplicate_Jaccard_0.8.jsonl"]
     # Where and how fast the shards are judged is left out of the manifest: another worker count is up to date.
     assert "workers" not in one.config and "executor" not in one.config
-    assert read_corpus(tmp_path / "one").files == (tmp_path / "one" / "corpus.jsonl",)  # not dropped/*.jsonl
+    # One file per shard that kept a document, in shard order (not dropped/*.jsonl), each document with its
+    # source's label and its origin.
+    files = read_corpus(tmp_path / "one").files
+    assert files == tuple(tmp_path / "one" / f"corpus-{n:05d}.jsonl" for n in range(len(files)))
+    assert all(path.stat().st_size for path in files) and len(files) < one.counts["shards"]  # more/ kept none
+    records = [json.loads(line) for path in files for line in path.read_text(encoding="utf-8").splitlines()]
+    assert {r["source"] for r in records} == {"big"}  # more/'s pages are copies of big's, or too short
+    assert one.counts["sources"] == {
+        "big": {"documents": len(records), "characters": one.counts["characters"], "files": [p.name for p in files]},
+        "more": {"documents": 0, "characters": 0, "files": []}}
+    lines = (documents / "big.jsonl").read_text(encoding="utf-8").splitlines()
+    for record in records:
+        path, line = record["origin"].rsplit(":", 1)
+        if path == str(documents / "big.jsonl"):
+            assert json.loads(lines[int(line) - 1])["text"].strip() == record["text"]
     assert not (tmp_path / "one" / ".work").exists()
+    # corpus.join: the same documents in one corpus.jsonl; the shards of the run before it are gone.
+    joined = run_stage0(documents, tmp_path / "one", "corpus.shard_mb=2", "corpus.workers=1", "corpus.join=true")
+    assert read_corpus(tmp_path / "one").files == (tmp_path / "one" / "corpus.jsonl",)
+    assert (tmp_path / "one" / "corpus.jsonl").read_bytes() == corpus_bytes(tmp_path / "two")
+    assert sorted(p.name for p in (tmp_path / "one").glob("corpus*")) == ["corpus.jsonl"]
+    assert joined.counts["documents"] == one.counts["documents"]
 
 
 def test_a_run_that_died_continues_from_its_finished_shards(documents: Path, tmp_path: Path,
@@ -113,13 +134,13 @@ def test_a_run_that_died_continues_from_its_finished_shards(documents: Path, tmp
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         run_stage0(documents, out, "corpus.shard_mb=2", "corpus.workers=1")
-    assert not (out / "corpus.jsonl").exists()
+    assert not list(out.glob("corpus*.jsonl"))
     assert sorted(p.name for p in (out / ".work").glob("shard-*")) == ["shard-000000", "shard-000001"]
     monkeypatch.setenv("SHARDS_LIVE", "1")
     judged.clear()
     again = run_stage0(documents, out, "corpus.shard_mb=2", "corpus.workers=1")
     assert judged == list(range(2, clean.counts["shards"]))  # the two finished shards were not judged again
-    assert (out / "corpus.jsonl").read_bytes() == (tmp_path / "clean" / "corpus.jsonl").read_bytes()
+    assert corpus_bytes(out) == corpus_bytes(tmp_path / "clean")
     assert again.counts["dropped"] == clean.counts["dropped"] and samples(out) == samples(tmp_path / "clean")
     # Another config is another plan: its shards start from nothing.
     monkeypatch.delenv("SHARDS_LIVE")
@@ -149,13 +170,13 @@ def test_a_run_killed_while_deduplicating_continues_without_judging_again(
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         run_stage0(documents, out, "corpus.shard_mb=2", "corpus.workers=1")
-    assert not (out / "corpus.jsonl").exists() and (out / ".work" / "dedup").is_dir()
+    assert not list(out.glob("corpus*.jsonl")) and (out / ".work" / "dedup").is_dir()
     judged: list[int] = []
     monkeypatch.setattr(executor, "judge_shard", lambda config, shard, work: judged.append(shard.index))
     monkeypatch.setenv("SHARDS_LIVE", "1")
     again = run_stage0(documents, out, "corpus.shard_mb=2", "corpus.workers=1")
     assert judged == []  # every shard was finished: only the duplicate steps ran again
-    assert (out / "corpus.jsonl").read_bytes() == (tmp_path / "clean" / "corpus.jsonl").read_bytes()
+    assert corpus_bytes(out) == corpus_bytes(tmp_path / "clean")
     assert again.counts["dropped"] == clean.counts["dropped"] and samples(out) == samples(tmp_path / "clean")
 
 
@@ -194,7 +215,7 @@ def test_two_node_ray_cluster_writes_the_same_corpus(documents: Path, tmp_path: 
     for what in ("shard(s) to judge", "shard(s) to bucket for duplicates", "partition(s) to search for duplicates",
                  "shard(s) to filter"):
         assert f"{what} on Ray (2 node(s), 2 CPU(s))" in caplog.text, what
-    assert (tmp_path / "ray" / "corpus.jsonl").read_bytes() == (tmp_path / "local" / "corpus.jsonl").read_bytes()
+    assert corpus_bytes(tmp_path / "ray") == corpus_bytes(tmp_path / "local")
     assert on_ray.counts == local.counts and samples(tmp_path / "ray") == samples(tmp_path / "local")
 
 

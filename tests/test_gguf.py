@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 
 from conftest import (HEAD_DIM, HEADS, KV_HEADS, MOE_BIAS_EXPORT, MOE_BIAS_HEAD_DIM, SHIPPED_STAGE1, SMALLER,
                       byte_level_bpe, chat_args, corpus_texts, gptpipe_command, random_model, train_small_tokenizer)
-from gptpipe.artifacts import EXIT_FAILED
+from gptpipe.artifacts import EXIT_FAILED, read_corpus
 from gptpipe.cli import main
 from gptpipe.export import agreement, gguf as export_gguf
 from gptpipe.export.agreement import DEPARTS, runtime_report
@@ -468,9 +468,9 @@ def test_the_default_tokenizers_gguf_reads_held_out_man_pages_as_transformers(
     from gptpipe.tokenizer.sample import sample_corpus, scan_corpus
 
     config = load_config(TokenizerConfig, workspace / SHIPPED_STAGE1)
-    corpus = corpus_dir / "corpus.jsonl"
+    corpus = list(read_corpus(corpus_dir).files)  # stage 1's input: the files stage 0's manifest lists
     with tempfile.TemporaryDirectory() as tmp:  # the documents stage 1 held out (they depend on the seed only)
-        held_out = sample_corpus([corpus], scan_corpus([corpus]), Path(tmp) / "sample.txt", 1000,
+        held_out = sample_corpus(corpus, scan_corpus(corpus), Path(tmp) / "sample.txt", 1000,
                                  config.max_sentence_length, config.heldout_documents, config.seed).heldout
     folder = tokenizer_export("gguf-shipped", shipped_tokenizer)
     texts = export_gguf.passages(held_out)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, train_env
+from conftest import REPO, corpus_texts, train_env
 
 from gptpipe.artifacts import EXIT_BAD_INPUT
 
@@ -324,7 +324,7 @@ def test_one_huge_line_in_a_small_gzip_is_dropped_without_holding_it(project: Pa
     assert done.returncode == 0, done.stderr[-3000:]
     assert peak < 400, f"peak RSS {peak:.0f} MiB"
     assert any("too long" in line and f"{path}:1" in line for line in done.stderr.splitlines()), done.stderr[-3000:]
-    kept = [json.loads(line)["text"] for line in (project / "out" / "corpus.jsonl").read_text().splitlines()]
+    kept = corpus_texts(project / "out")
     assert len(kept) == len(good.splitlines())
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import (FAKE_KEY_ID, FAKE_SECRET, FAKE_TOKEN, TINY_RUN, corpus_texts, open_store, run_cli, run_train,
-                      train_losses)
+from conftest import (FAKE_KEY_ID, FAKE_SECRET, FAKE_TOKEN, TINY_RUN, corpus_bytes, corpus_texts, open_store, run_cli,
+                      run_train, train_losses)
 from conftest import HUB_TOKEN as TOKEN
 
 from gptpipe.cli import main
@@ -100,7 +100,7 @@ def test_stage0_plans_a_bucket_source_in_shards_as_local_files(s3, corpus_dir: P
     into 1 MB line ranges read with ranged reads; stage 0 on two workers writes the same corpus from either."""
     from gptpipe.corpus.shards import plan_shards
 
-    lines = (corpus_dir / "corpus.jsonl").read_bytes().splitlines(keepends=True)
+    lines = corpus_bytes(corpus_dir).splitlines(keepends=True)
     raw = tmp_path / "raw"
     raw.mkdir()
     big, at = 0, 0
@@ -237,7 +237,7 @@ def test_a_bucket_source_through_stages_0_and_2_on_a_ray_cluster_then_training(
     from ray.cluster_utils import Cluster
     from test_corpus_neardup import near_copy
 
-    lines = (corpus_dir / "corpus.jsonl").read_bytes().splitlines(keepends=True)
+    lines = corpus_bytes(corpus_dir).splitlines(keepends=True)
     raw = tmp_path / "raw"
     (raw / "web").mkdir(parents=True)
     (raw / "copies").mkdir()
@@ -258,7 +258,7 @@ def test_a_bucket_source_through_stages_0_and_2_on_a_ray_cluster_then_training(
                                                  "shard_mb": 1, "workers": 1}}), encoding="utf-8")
     run_cli("prepare", "--config", config)
     local = Manifest.read(tmp_path / "local" / "manifest.json")
-    tokenized = (f"tokenize.tokenizer_dir={tokenizer_dir}", f"tokenize.input=[{tmp_path / 'local' / 'corpus.jsonl'}]")
+    tokenized = (f"tokenize.tokenizer_dir={tokenizer_dir}", f"tokenize.input=[{tmp_path / 'local'}]")
     run_cli("tokenize", "--config", config, *tokenized, f"tokenize.output_prefix={tmp_path / 'local'}")
 
     # The cluster's nodes start with this process's environment: the S3 server's endpoint and keys. Ray's
@@ -279,7 +279,7 @@ def test_a_bucket_source_through_stages_0_and_2_on_a_ray_cluster_then_training(
     err = capfd.readouterr().err
     assert "partition(s) to search for duplicates on Ray (2 node(s), 2 CPU(s))" in err
     assert "range(s) to encode on Ray (2 node(s), 2 CPU(s))" in err
-    assert (tmp_path / "ray" / "corpus.jsonl").read_bytes() == (tmp_path / "local" / "corpus.jsonl").read_bytes()
+    assert corpus_bytes(tmp_path / "ray") == corpus_bytes(tmp_path / "local")
     on_ray = Manifest.read(tmp_path / "ray" / "manifest.json")
     assert on_ray.counts == local.counts and local.counts["shards"] >= 3
     # Every near copy (the second source) is found as a duplicate of its original in one of the 25 objects.

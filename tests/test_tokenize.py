@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from conftest import corpus_texts, run_cli
+from conftest import corpus_bytes, corpus_texts, run_cli
 from gptpipe.cli import main
 from gptpipe.data.indexed import IndexedDataset, bin_path, idx_path
 from gptpipe.data.jsonl import (BLANK, EMPTY, INVALID_JSON, LONE_SURROGATE, MISSING_KEY, NOT_A_STRING, NOT_AN_OBJECT,
@@ -195,7 +195,7 @@ def wait_until_writing(proc: subprocess.Popen, folder: Path, name: str) -> None:
 
 def big_input(corpus_dir: Path, tmp_path: Path) -> Path:
     big = tmp_path / "big.jsonl"
-    big.write_bytes((corpus_dir / "corpus.jsonl").read_bytes() * 4)
+    big.write_bytes(corpus_bytes(corpus_dir) * 4)
     return big
 
 
@@ -282,3 +282,48 @@ def test_a_two_node_ray_cluster_writes_the_same_dataset(workspace: Path, dataset
     assert "range(s) to encode on Ray (2 node(s), 2 CPU(s))" in capfd.readouterr().err
     assert same_dataset(tmp_path / "ray_text_document", dataset_prefix)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no parts folder left
+
+
+def test_by_source_writes_one_dataset_per_source_and_weights_go_by_its_name(
+        workspace: Path, tokenizer_dir: Path, corpus_dir: Path, tmp_path: Path, capfd) -> None:
+    """Two sources through stage 0 (one cut into several shards) and stage 2 with tokenize.by_source: one dataset
+    per source label, whose documents are, in order, the one dataset's of the same corpus; count_tokens takes the
+    weights by those names."""
+    texts = corpus_texts(corpus_dir)
+    (tmp_path / "wiki").mkdir()
+    for path, part in ((tmp_path / "web.jsonl", texts[:400]), (tmp_path / "wiki" / "a.jsonl", texts[400:600])):
+        path.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in part), encoding="utf-8")
+    corpus = tmp_path / "corpus"
+    run_cli("prepare", "--config", workspace / "config.yaml", f"corpus.output_dir={corpus}", "corpus.shard_mb=1",
+            f"corpus.sources=[{{type: jsonl, path: {tmp_path / 'web.jsonl'}, label: web}}, "
+            f"{{type: jsonl, path: {tmp_path / 'wiki'}}}]")
+    sources = Manifest.read(corpus / "manifest.json").counts["sources"]
+    assert list(sources) == ["web", "wiki"] and len(sources["web"]["files"]) >= 2 and sources["wiki"]["files"]
+    common = (f"tokenize.tokenizer_dir={tokenizer_dir}", f"tokenize.input=[{corpus}]", "tokenize.workers=2")
+    tokenize(workspace, *common, f"tokenize.output_prefix={tmp_path / 'all'}")
+    tokenize(workspace, *common, f"tokenize.output_prefix={tmp_path / 'mix'}", "tokenize.by_source=true")
+    whole = IndexedDataset(tmp_path / "all_text_document")
+    parts = [IndexedDataset(tmp_path / "mix" / f"{label}_text_document") for label in ("web", "wiki")]
+    assert [len(p) for p in parts] == [sources[label]["documents"] for label in ("web", "wiki")]
+    assert [p[i].tolist() for p in parts for i in range(len(p))] == [whole[i].tolist() for i in range(len(whole))]
+    for label in ("web", "wiki"):
+        counts = TOKENIZE.require(tmp_path / "mix" / f"{label}_text_document").counts
+        assert counts["source"] == label and counts["documents"] == sources[label]["documents"]
+
+    prefixes = f"data.prefixes=[{tmp_path / 'mix' / 'web_text_document'}, {tmp_path / 'mix' / 'wiki_text_document'}]"
+    capfd.readouterr()
+    assert main(["count", "--config", str(workspace / "config.yaml"), "--no-write", prefixes, "data.split=90,9,1",
+                 "data.weights={wiki: 1, web: 3}"]) == 0
+    out = capfd.readouterr().out
+    assert "mixture (data.weights, normalised):" in out
+    assert "  web: " in out and "(75.0%)" in out and "  wiki: " in out and "(25.0%)" in out
+    assert main(["count", "--config", str(workspace / "config.yaml"), "--no-write", prefixes,
+                 "data.weights={web: 3, wik: 1}"]) == EXIT_BAD_INPUT
+    err = capfd.readouterr().err
+    assert "data.weights.wik: no prefix of data.prefixes has this name" in err and "did you mean 'wiki'?" in err
+    assert "no weight for wiki" in err
+    # Files whose source stage 0 did not record are refused before any work.
+    assert main(["tokenize", "--config", str(workspace / "config.yaml"), *common[:1],
+                 f"tokenize.input=[{tmp_path / 'web.jsonl'}]", f"tokenize.output_prefix={tmp_path / 'own'}",
+                 "tokenize.by_source=true"]) == EXIT_BAD_INPUT
+    assert "it is not a stage-0 output folder" in capfd.readouterr().err and not (tmp_path / "own").exists()

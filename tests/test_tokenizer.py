@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from conftest import SHIPPED_STAGE1, SHIPPED_TOKENIZER
 from conftest import train_small_tokenizer as train
 from conftest import corpus_texts as documents
+from gptpipe.artifacts import read_corpus
 from conftest import manifest_counts as counts
 from gptpipe.cli import main
 from gptpipe.config.core import ConfigError, load_config
@@ -304,13 +305,13 @@ def test_sample_holds_out_documents_and_cuts_long_lines(tmp_path: Path) -> None:
 def test_scan_predicts_the_sample_size(corpus_dir: Path, tmp_path: Path) -> None:
     """The RAM estimate logged before sampling rests on the scan's prediction of the sampled text: on the man
     pages (a third of their lines blank) it must match what sampling then writes, partial or whole."""
-    corpus = corpus_dir / "corpus.jsonl"
-    scan = scan_corpus([corpus])
+    corpus = list(read_corpus(corpus_dir).files)
+    scan = scan_corpus(corpus)
     lines = [line for text in documents(corpus_dir) for line in text.split("\n") if line]
     assert scan.lines_estimate == pytest.approx(len(lines), rel=0.01)
     assert scan.text_chars_estimate == pytest.approx(sum(map(len, lines)), rel=0.01)
     for size in (20_000, 3_000_000):
-        sample = sample_corpus([corpus], scan, tmp_path / "sample.txt", size=size, max_bytes=16384,
+        sample = sample_corpus(corpus, scan, tmp_path / "sample.txt", size=size, max_bytes=16384,
                                heldout_documents=200, seed=1)
         share = expected_sample_share(scan, size, heldout_documents=200)
         assert share * scan.text_bytes_estimate == pytest.approx(sample.bytes, rel=0.05)
@@ -386,22 +387,26 @@ def test_trains_on_several_files_and_glob_patterns(corpus_dir: Path, workspace: 
 
 def test_stage0_output_needs_its_complete_manifest(corpus_dir: Path, tokenizer_dir: Path, workspace: Path,
                                                    tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
-    # The shipped run trained on stage 0's output: its input is fingerprinted with stage 0's manifest.
-    corpus = corpus_dir / "corpus.jsonl"
-    assert Manifest.read(tokenizer_dir / "manifest.json").inputs == {"files": {str(corpus): {
-        **file_fingerprint(corpus), **manifest_fingerprint(corpus_dir / "manifest.json")}}}
+    # The shipped run trained on stage 0's output folder: its input is fingerprinted with stage 0's manifest.
+    assert Manifest.read(tokenizer_dir / "manifest.json").inputs == {"files": {str(corpus_dir): {
+        "size": sum(p.stat().st_size for p in read_corpus(corpus_dir).files),
+        **manifest_fingerprint(corpus_dir / "manifest.json")}}}
+    corpus = read_corpus(corpus_dir).files[0]  # one of its files, named on its own
 
     # A stage-0 rerun that failed (or was killed) leaves the folder's manifest marked incomplete: the file beside
     # it, an earlier run's output, is refused.
     copy = tmp_path / "corpus"
     copy.mkdir()
-    shutil.copy2(corpus, copy / "corpus.jsonl")
+    shutil.copy2(corpus, copy / corpus.name)
     shutil.copy2(corpus_dir / "manifest.json", copy / "manifest.json")
     mine = write_jsonl(tmp_path / "mine.jsonl", documents(corpus_dir)[:20])
     assert main(["prepare", "--config", str(workspace / "config.yaml"), "corpus.sources.0.type=jsonl",
                  f"corpus.sources.0.path={mine}", "corpus.min_chars=1000000000", f"corpus.output_dir={copy}"]) == 1
-    assert (copy / "corpus.jsonl").is_file() and not Manifest.read(copy / "manifest.json").complete
-    assert train(workspace, tmp_path / "tok", f"input=[{mine}, {copy / 'corpus.jsonl'}]") == 2
+    assert (copy / corpus.name).is_file() and not Manifest.read(copy / "manifest.json").complete
+    assert train(workspace, tmp_path / "tok", f"input=[{mine}, {copy / corpus.name}]") == 2
+    err = capfd.readouterr().err
+    assert "the manifest is not marked complete" in err and "0_prepare_corpus.py" in err
+    assert train(workspace, tmp_path / "tok", f"input={copy}") == 2  # the folder itself, likewise
     err = capfd.readouterr().err
     assert "the manifest is not marked complete" in err and "0_prepare_corpus.py" in err
     # An own file put into a stage-0 folder is not mistaken for its output.

@@ -135,16 +135,36 @@ def check_input_files(patterns: list[Path], key: str, upstream: Stage) -> tuple[
     """The plain jsonl files that config key ``key`` lists, checked before any work, and their fingerprints
     for the manifest's inputs. Every stage reading jsonl takes its input through here.
 
-    ``patterns`` are paths or glob patterns (each expanded in sorted order). Any readable file will do, a
-    user's own jsonl too, whatever its name, except an upstream stage's output that its manifest does not
-    vouch for: a file beside that stage's manifest (a run writes one marked incomplete before its outputs,
-    see ``Stage.run``) must be listed, intact, by a complete manifest. Its fingerprint then also holds the
-    manifest's hash, so rerunning the upstream stage reruns this one.
+    ``patterns`` are paths or glob patterns (each expanded in sorted order), or the upstream stage's output
+    folder, which stands for the files its complete manifest lists, in order (stage 0's corpus shards; its
+    fingerprint is the manifest's). Any readable file will do, a user's own jsonl too, whatever its name,
+    except an upstream stage's output that its manifest does not vouch for: a file beside that stage's manifest
+    (a run writes one marked incomplete before its outputs, see ``Stage.run``) must be listed, intact, by a
+    complete manifest. Its fingerprint then also holds the manifest's hash, so rerunning the upstream stage
+    reruns this one.
     """
     files: list[Path] = []
     problems: list[str] = []
+    fingerprints: dict[str, Any] = {}
+    listed: set[Path] = set()  # files a manifest of a folder in `patterns` vouches for
     for pattern in patterns:
-        if any(ch in str(pattern) for ch in "*?["):
+        if Path(pattern).is_dir():
+            if not upstream.has_manifest(pattern):
+                problems.append(f"{key}: {pattern} is a folder without a {upstream.title} manifest: name its "
+                                f"jsonl files (or a glob pattern), or run {upstream.script} with it as output")
+                continue
+            try:
+                manifest = upstream.require(pattern)
+            except StageInputError as exc:
+                problems.append(f"{key}: {exc}")
+                continue
+            folder_files = corpus_files(Path(pattern), manifest)
+            files += folder_files
+            listed.update(folder_files)
+            # the files' bytes too: `gptpipe merge` compares shard runs by input size (paths differ by machine)
+            fingerprints[str(pattern)] = {"size": sum(path.stat().st_size for path in folder_files),
+                                          **manifest_fingerprint(upstream.manifest_path(pattern))}
+        elif any(ch in str(pattern) for ch in "*?["):
             matched = sorted(p for p in Path(pattern.anchor).glob(str(pattern.relative_to(pattern.anchor)))
                              if p.is_file())
             if not matched:
@@ -152,8 +172,9 @@ def check_input_files(patterns: list[Path], key: str, upstream: Stage) -> tuple[
             files += matched
         else:
             files.append(pattern)
-    fingerprints: dict[str, Any] = {}
     for path in files:
+        if path in listed:
+            continue
         manifest_path = upstream.manifest_path(path.parent)
         if manifest_path.is_file():
             try:
@@ -201,9 +222,23 @@ class CorpusInfo:
 
 def read_corpus(folder: Path) -> CorpusInfo:
     manifest = PREPARE.require(folder)
-    # The outputs in subfolders (dropped/<reason>.jsonl) are samples of what stage 0 dropped, not corpus.
-    files = tuple(Path(folder) / name for name in manifest.outputs if name.endswith(".jsonl") and "/" not in name)
-    return CorpusInfo(Path(folder), files, int(manifest.counts.get("documents", 0)), manifest)
+    return CorpusInfo(Path(folder), tuple(corpus_files(folder, manifest)), int(manifest.counts.get("documents", 0)),
+                      manifest)
+
+
+def corpus_sources(folder: Path, manifest: Manifest) -> dict[str, list[Path]] | None:
+    """A stage-0 manifest's corpus files by source label, in order (None for a joined corpus.jsonl, whose
+    file mixes its sources)."""
+    sources = manifest.counts.get("sources", {})
+    if not sources or any("files" not in counts for counts in sources.values()):
+        return None
+    return {label: [Path(folder) / name for name in counts["files"]] for label, counts in sources.items()}
+
+
+def corpus_files(folder: Path, manifest: Manifest) -> list[Path]:
+    """A stage-0 manifest's corpus files, in order. The outputs in subfolders (dropped/<reason>.jsonl) are
+    samples of what stage 0 dropped, not corpus."""
+    return [Path(folder) / name for name in manifest.outputs if name.endswith(".jsonl") and "/" not in name]
 
 
 TOKENIZER_HF_DIR = "hf"

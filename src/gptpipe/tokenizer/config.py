@@ -16,8 +16,9 @@ class TokenizerConfig:
     pretraining, extend a base model's tokenizer with pieces learned on the corpus (base_tokenizer)."""
 
     input: Path | list[Path] = option(
-        Path("data/corpus/corpus.jsonl"), "training text: jsonl file(s) with a \"text\" string per line, e.g. the "
-        "stage-0 corpus or your own; a path, a list of paths, or glob patterns (data/*.jsonl)")
+        Path("data/corpus"), "training text: jsonl file(s) with a \"text\" string per line, e.g. the stage-0 "
+        "output folder (the corpus files its manifest lists) or your own; a path, a list of paths, or glob "
+        "patterns (data/*.jsonl)")
     output_dir: Path = option(Path("tokenizers/ja_32k"), "folder for tokenizer.model/.vocab, hf/ and the manifest")
     model_prefix: str = option("tokenizer", "file name stem of the .model/.vocab files")
     vocab_size: int = option(32000, "number of pieces, special tokens included")

@@ -25,7 +25,7 @@ from gptpipe.stage import StageInputError
 
 READ_CHUNK = 1 << 24
 TEXT_KEY = "text"  # the key stage 0 writes, and the original pipeline's
-RECORD_FRAMING = len(json.dumps({TEXT_KEY: ""}) + "\n")  # bytes of a stage-0 record that are not its text
+RECORD_FRAMING = len(json.dumps({TEXT_KEY: ""}) + "\n")  # bytes of a bare {"text": ...} record that are not its text
 UTF8_CONTINUATION = bytes(range(0x80, 0xC0))  # every other byte starts a character
 
 
@@ -58,12 +58,14 @@ def scan_corpus(files: list[Path]) -> CorpusScan:
     """Count documents (jsonl lines) and estimate their non-empty text lines and text bytes at disk speed:
     each escaped "\\n" starts one more line, an empty one when it follows another "\\n" (sampling skips those:
     a third of the man pages' lines are blank). Other escapes (quotes, backslashes) are rare enough to ignore."""
-    documents = escaped_newlines = empty_lines = size = continuation_bytes = 0
+    documents = escaped_newlines = empty_lines = size = continuation_bytes = framing = 0
     with tqdm(total=sum(p.stat().st_size for p in files), unit="B", unit_scale=True,
               desc="stage 1: scanning corpus", mininterval=1.0) as bar:
         for path in files:
-            last = b"\n"
+            last, before = b"\n", documents
             with open(path, "rb") as fh:
+                per_record = _framing(fh.readline(READ_CHUNK))
+                fh.seek(0)
                 while chunk := fh.read(READ_CHUNK):
                     documents += chunk.count(b"\n")
                     escaped_newlines += chunk.count(b"\\n")
@@ -75,10 +77,22 @@ def scan_corpus(files: list[Path]) -> CorpusScan:
                     # exactly up to k = 4 (and k = 6), at the speed of a count; longer runs are rare.
                     empty_lines += chunk.count(b"\\n\\n") + chunk.count(b"\\n\\n\\n")
             documents += last != b"\n"  # a last line without its newline
-    # Stage 0 writes {"text": ...} records; an escaped newline is 2 bytes, and sampled lines exclude it.
-    text_bytes = max(0, size - documents * RECORD_FRAMING - 2 * escaped_newlines)
+            framing += (documents - before) * per_record
+    # An escaped newline is 2 bytes, and sampled lines exclude it.
+    text_bytes = max(0, size - framing - 2 * escaped_newlines)
     return CorpusScan(documents, documents + escaped_newlines - empty_lines, size, text_bytes,
                       max(0, text_bytes - continuation_bytes))
+
+
+def _framing(line: bytes) -> int:
+    """The bytes of a file's records that are not their text, as its first record has them (stage 0's carry
+    their source and origin too; a user's may hold other fields), else a bare {"text": ...} record's."""
+    try:
+        record = json.loads(line)
+        text = record[TEXT_KEY]
+        return max(0, len(line.rstrip(b"\n")) + 1 - len(json.dumps(text, ensure_ascii=False).encode()) + 2)
+    except (ValueError, TypeError, KeyError):
+        return RECORD_FRAMING
 
 
 def cut_utf8(line: str, max_bytes: int) -> list[str]:

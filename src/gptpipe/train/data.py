@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from collections.abc import Iterator
 
-from gptpipe.data.config import DataConfig
+from gptpipe.data.config import DataConfig, source_names
 from gptpipe.data.count import DatasetCounts
 from gptpipe.data.split import document_order, split_problems
 from gptpipe.artifacts import TOKENIZE
@@ -47,26 +47,13 @@ def check_splits(stats: list[DatasetCounts], split: str, seq_len: int) -> None:
 
 
 def blend_weights(data_cfg: DataConfig, stats: list[DatasetCounts]) -> list[float] | None:
-    """Explicit weights, or the prefixes' token counts; None for a single prefix (no blending needed)."""
+    """Explicit weights (a list in prefix order, or by source name), or the prefixes' token counts; None for a
+    single prefix (no blending needed)."""
     if len(stats) == 1:
         return None
     if data_cfg.weights is not None:
-        return list(data_cfg.weights)
+        return data_cfg.weight_list()
     return [float(s.tokens) for s in stats]
-
-
-def source_names(prefixes: list[Any]) -> list[str]:
-    """A short unique name per prefix for its metrics (val_loss/<name>): the file name without stage 2's
-    `_text_document` suffix, with -2, -3... after a name already taken."""
-    names: list[str] = []
-    for prefix in prefixes:
-        stem = Path(str(prefix)).name.removesuffix("_text_document") or "data"
-        name, n = stem, 1
-        while name in names:
-            n += 1
-            name = f"{stem}-{n}"
-        names.append(name)
-    return names
 
 
 @dataclass

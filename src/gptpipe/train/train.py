@@ -31,7 +31,8 @@ from gptpipe.runtime import checkpoint, fp8
 from gptpipe.runtime.base_model import BASE_STATE_KEY, BaseModel, base_record, check_unchanged
 from gptpipe.train.continued import gate_batch, new_row_problems, old_rows_loss, reference_loss, stage3_model
 from gptpipe.data.tokenizer_check import tokenizer_problems
-from gptpipe.train.data import DataError, build_datasets, collate, eval_batches, mixture, source_counts, source_names
+from gptpipe.data.config import source_names
+from gptpipe.train.data import DataError, build_datasets, collate, eval_batches, mixture, source_counts
 from gptpipe.runtime.batching import sample_positions, to_device
 from gptpipe.runtime.engine import Dist, EngineConfigError, build_engine, deepspeed_config
 from gptpipe.train.eval_tasks import STATE_KEY as TASKS_STATE_KEY, TaskScorer, compare
