@@ -149,8 +149,10 @@ def test_ja_suite_runs_offline_on_the_export(exported_model: Path, tmp_path: Pat
         "train": TRAIN_ROWS, "validation": EVAL_ROWS}
     before = {v: os.environ.get(v) for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
     # num_fewshot is for other tasks: the suite's keep the leaderboard's shots
+    # the export holds 128 tokens: the generation tasks' default of 256 new ones would not fit
     args = ("evaluate", "--config", REPO / "evaluate_config.yaml", f"model_dir={exported_model}", "tasks=[]",
-            "suite=ja", f"suite_data_dir={data_dir}", "num_fewshot=2", "batch_size=4", f"output_dir={out}")
+            "suite=ja", f"suite_data_dir={data_dir}", "num_fewshot=2", "max_gen_toks=16", "batch_size=4",
+            f"output_dir={out}")
     run_cli(*args)
     assert {v: os.environ.get(v) for v in before} == before  # the offline modes are the run's only
 
@@ -167,6 +169,10 @@ def test_ja_suite_runs_offline_on_the_export(exported_model: Path, tmp_path: Pat
     metrics = {task: set(row["metrics"]) for task, row in results["tasks"].items()}
     assert metrics["ja_leaderboard_jnli"] == {"acc"} and metrics["ja_leaderboard_xlsum"] == {"rouge2 (whitespaces)"}
     assert metrics["ja_leaderboard_jsquad"] == {"exact_match (whitespaces)"}
+    generation = {t: c["generation_kwargs"] for t, c in results["configs"].items() if c.get("generation_kwargs")}
+    assert {t: g["max_gen_toks"] for t, g in generation.items()} == {
+        t: 16 for t in ("ja_leaderboard_jaqket_v2", "ja_leaderboard_jsquad", "ja_leaderboard_mgsm",
+                        "ja_leaderboard_xlsum")}
     # JNLI's three fixture rows have the labels 0, 1, 2 (ClassLabel ints, as JGLUE's): a third each
     assert results["tasks"]["ja_leaderboard_jnli"]["majority_baseline"] == pytest.approx(1 / 3)
     table = (out / "results.md").read_text(encoding="utf-8")
@@ -174,7 +180,7 @@ def test_ja_suite_runs_offline_on_the_export(exported_model: Path, tmp_path: Pat
         assert f"| {task} | {shots} | " in table
     manifest = Manifest.read(out / "manifest.json")
     assert str(data_dir / "Rakuten/JGLUE/JNLI") in manifest.inputs
-    assert manifest.settings["suite"] == "ja"
+    assert manifest.config["suite"] == "ja" and manifest.config["max_gen_toks"] == 16
 
     # Same data, same settings: nothing to redo.
     mtime = (out / "results.json").stat().st_mtime_ns
@@ -238,3 +244,30 @@ def test_fetch_without_the_hub_says_where_to_run_it(tmp_path: Path) -> None:
     assert "suite ja: 1 hub dataset(s) could not be fetched (0 saved in" in done.stderr
     assert "  - Rakuten/JGLUE (JNLI): " in done.stderr and "where the HuggingFace hub is reachable" in done.stderr
     assert not any(tmp_path.iterdir())  # nothing half-written
+
+
+def test_the_offline_modes_are_set_for_the_block_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also in datasets' and huggingface_hub's constants, which they read from the environment once, at import."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    from gptpipe.lm_tasks import hub_offline
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
+    was = (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE)
+    with hub_offline():
+        assert os.environ["HF_HUB_OFFLINE"] == os.environ["HF_DATASETS_OFFLINE"] == "1"
+        assert datasets.config.HF_HUB_OFFLINE and datasets.config.HF_DATASETS_OFFLINE
+        assert huggingface_hub.is_offline_mode()
+    assert "HF_HUB_OFFLINE" not in os.environ and os.environ["HF_DATASETS_OFFLINE"] == "0"
+    assert (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE) == was
+
+
+def test_which_tasks_need_the_hub(tmp_path: Path) -> None:
+    from gptpipe.lm_tasks import needs_hub
+
+    assert needs_hub("arc_easy") and needs_hub({"task": "t", "dataset_path": "Rakuten/JGLUE"})
+    assert not needs_hub({"task": "t", "dataset_path": "parquet", "dataset_kwargs": {"data_files": {}}})
+    assert not needs_hub({"task": "t", "dataset_path": str(tmp_path)})  # a local folder
+    assert not needs_hub({"task": "t", "custom_dataset": print})

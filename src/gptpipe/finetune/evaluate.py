@@ -56,6 +56,9 @@ class EvaluateConfig:
     num_fewshot: int = option(0, "examples from the task's few-shot split put before each question (llm-jp-eval "
                                  "tasks: unless the file's num_few_shots says; llm-jp-eval's own default is 4; "
                                  "a suite's tasks: their own)")
+    max_gen_toks: int | None = option(
+        None, "new tokens at most for the generation tasks that set no limit of their own (the ja suite's: lm-eval "
+              "then allows 256, more than a short-context model holds); None: lm-eval's default")
     batch_size: int = option(8, "documents per forward pass")
     limit: int | None = option(None, "evaluate only the first N documents of each task (None: all)")
     device: str = option("auto", "cpu, cuda, cuda:1, ... (auto: cuda when available)")
@@ -75,6 +78,8 @@ class EvaluateConfig:
             problems.append(("suite_tasks", "set suite too"))
         if self.num_fewshot < 0:
             problems.append(("num_fewshot", "must be >= 0"))
+        if self.max_gen_toks is not None and self.max_gen_toks < 1:
+            problems.append(("max_gen_toks", "must be >= 1 or null"))
         if self.batch_size < 1:
             problems.append(("batch_size", "must be >= 1"))
         if self.limit is not None and self.limit < 1:
@@ -179,7 +184,8 @@ def run_lm_eval(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
     inputs["model"] = (CONVERT.fingerprint(folder) if CONVERT.has_manifest(folder)
                        else tree_fingerprint([p for p in folder.iterdir() if p.is_file()]))
     settings = {k: getattr(config, k) for k in ("tasks", "task_yamls", "task_dirs", "suite", "suite_tasks",
-                                                 "num_fewshot", "batch_size", "limit", "device", "dtype", "seed")}
+                                                 "num_fewshot", "max_gen_toks", "batch_size", "limit", "device",
+                                                 "dtype", "seed")}
 
     def work() -> StageResult:
         import time
@@ -196,6 +202,9 @@ def run_lm_eval(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
                 # num_fewshot for every task but a suite's, and (lm-eval's rule) one whose config says 0
                 if name not in own_shots and task.get_config("num_fewshot") != 0:
                     task.set_config(key="num_fewshot", value=config.num_fewshot)
+                generation = task.get_config("generation_kwargs")
+                if config.max_gen_toks and generation is not None and "max_gen_toks" not in generation:
+                    task.set_config(key="generation_kwargs", value={"max_gen_toks": config.max_gen_toks}, update=True)
             device, dtype = _device_and_dtype(config)
             started = time.time()
             raw = lm_eval.simple_evaluate(
