@@ -5,9 +5,10 @@
 #                whose pip serves CPU wheels locally this is the CPU build; on a CUDA machine PyPI's wheel is
 #                the CUDA build. For a CPU-only build elsewhere, point PIP_EXTRA_INDEX_URL at PyTorch's CPU index.
 #   PYTHON       interpreter for the venv (default python3, 3.10+)
-#   EXTRAS       gptpipe's extras (default ja,datasets,notebook,eval,cloud,gguf,gpu,fp8,test; gpu is Liger's kernels
+#   EXTRAS       gptpipe's extras (default ja,datasets,notebook,eval,ja-eval,cloud,gguf,gpu,fp8,test; gpu is Liger's kernels
 #                and Triton, whose interpreter checks them on CPU in the tests; fp8 is torchao, train.precision fp8,
-#                whose float8 linears the tests run on CPU)
+#                whose float8 linears the tests run on CPU; ja-eval is the ja suite's packages, which the tests
+#                run on fixture data)
 #   CONSTRAINTS  the tested versions of every other package (default constraints.txt); empty: newest within
 #                pyproject.toml's ranges
 # pip runs only when .venv is new or one of these inputs changed since the last install (a hash in .venv).
@@ -17,7 +18,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-EXTRAS=${EXTRAS:-ja,datasets,notebook,eval,cloud,gguf,gpu,fp8,test}
+EXTRAS=${EXTRAS:-ja,datasets,notebook,eval,ja-eval,cloud,gguf,gpu,fp8,test}
 CONSTRAINTS=${CONSTRAINTS-constraints.txt}
 STAMP=.venv/gptpipe-setup.sha256
 

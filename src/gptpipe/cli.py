@@ -37,6 +37,12 @@ def _shard_arguments(parser: argparse.ArgumentParser) -> None:
                         "machines; join the parts with `gptpipe merge`")
 
 
+def _fetch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fetch", action="store_true",
+                        help="save the suite's hub datasets under suite_data_dir (needs the network, or the HF "
+                             "cache with HF_DATASETS_OFFLINE=1), then stop; --force fetches again")
+
+
 def _prepare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--explain", type=Path, metavar="FILE",
                         help="print, for each document of FILE (.jsonl: one per line; any other file: one "
@@ -110,7 +116,7 @@ COMMANDS = [
     Command("make-demo-task", "stage 7 demo: build the man-page section task (description → section) as "
             "train/validation/test TSV files", "gptpipe.finetune.demo_task:run", EVALUATE, "evaluate_config.yaml"),
     Command("evaluate", "stage 7: zero/few-shot evaluation of an exported HF folder with lm-evaluation-harness",
-            "gptpipe.finetune.evaluate:run", EVALUATE, "evaluate_config.yaml"),
+            "gptpipe.finetune.evaluate:run", EVALUATE, "evaluate_config.yaml", _fetch_arguments),
 ]
 
 

@@ -1,14 +1,17 @@
 """`gptpipe evaluate`: zero/few-shot evaluation of an exported HF folder with lm-evaluation-harness.
 
 Tasks are lm-eval registry names (their datasets come from the HuggingFace hub, so they need the network),
-local task YAMLs, folders of llm-jp-eval's JSON task files (gptpipe.llmjp_eval), or ``manpage_section``: the demo
-task `gptpipe make-demo-task` wrote, which runs offline.
+local task YAMLs, folders of llm-jp-eval's JSON task files (gptpipe.llmjp_eval), ``manpage_section``: the demo
+task `gptpipe make-demo-task` wrote, which runs offline, or a suite (``suite: ja``, gptpipe.eval_suite): registry
+tasks at their own shot counts, whose datasets `gptpipe evaluate --fetch` saved locally once. With no registry
+name among the tasks and every task's data local, the run sets the HF offline modes: nothing reaches the hub.
 Results (every metric ± its standard error, and for multiple-choice tasks the majority-class baseline beside
 them) go to ``<model folder>/evaluation/``: results.json, results.md, manifest.json last.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter
 from dataclasses import dataclass
@@ -17,8 +20,8 @@ from typing import Any, Literal
 
 from gptpipe.config.core import option
 from gptpipe.finetune.demo_task import TASK_NAME, DemoTaskConfig
-from gptpipe import llmjp_eval
-from gptpipe.lm_tasks import flatten, load_tasks, local_task, summarize
+from gptpipe import eval_suite, llmjp_eval
+from gptpipe.lm_tasks import built_objects, flatten, hub_offline, local_task, needs_hub, summarize
 from gptpipe.log import get_logger
 from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_path, tree_fingerprint
 from gptpipe.artifacts import CONVERT, DEMO_TASK, EVALUATE
@@ -42,8 +45,20 @@ class EvaluateConfig:
         factory=list, doc="folders of llm-jp-eval task files (its evaluation/test: one <task>.json per task), each "
                           "file a task llmjp_<task>, prompted, extracted and scored as llm-jp-eval does; few-shot "
                           "examples from ../train/<task>.json")
+    suite: str | None = option(
+        None, "a suite of registry tasks run offline from suite_data_dir, each at its own shot count (not "
+              "num_fewshot): ja (lm-eval's japanese_leaderboard; the ja-eval extra). Fetch its data once with "
+              "`gptpipe evaluate --fetch`")
+    suite_tasks: list[str] = option(factory=list, doc="only these of the suite's tasks (empty: all)")
+    suite_data_dir: Path = option(
+        Path("data/eval_datasets"), "the suite's hub datasets as `gptpipe evaluate --fetch` saved them: "
+                                    "<dataset_path>/<dataset_name or default>/<split>.parquet and dataset.json")
     num_fewshot: int = option(0, "examples from the task's few-shot split put before each question (llm-jp-eval "
-                                 "tasks: unless the file's num_few_shots says; llm-jp-eval's own default is 4)")
+                                 "tasks: unless the file's num_few_shots says; llm-jp-eval's own default is 4; "
+                                 "a suite's tasks: their own)")
+    max_gen_toks: int | None = option(
+        None, "new tokens at most for the generation tasks that set no limit of their own (the ja suite's: lm-eval "
+              "then allows 256, more than a short-context model holds); None: lm-eval's default")
     batch_size: int = option(8, "documents per forward pass")
     limit: int | None = option(None, "evaluate only the first N documents of each task (None: all)")
     device: str = option("auto", "cpu, cuda, cuda:1, ... (auto: cuda when available)")
@@ -55,10 +70,16 @@ class EvaluateConfig:
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
-        if not self.tasks and not self.task_yamls and not self.task_dirs:
-            problems.append(("tasks", "give at least one task name, task YAML or task folder (task_dirs)"))
+        if not self.tasks and not self.task_yamls and not self.task_dirs and not self.suite:
+            problems.append(("tasks", "give at least one task name, task YAML, task folder (task_dirs) or suite"))
+        if self.suite is not None and self.suite not in eval_suite.SUITES:
+            problems.append(("suite", f"unknown suite {self.suite!r} (known: {', '.join(eval_suite.SUITES)})"))
+        if self.suite_tasks and not self.suite:
+            problems.append(("suite_tasks", "set suite too"))
         if self.num_fewshot < 0:
             problems.append(("num_fewshot", "must be >= 0"))
+        if self.max_gen_toks is not None and self.max_gen_toks < 1:
+            problems.append(("max_gen_toks", "must be >= 1 or null"))
         if self.batch_size < 1:
             problems.append(("batch_size", "must be >= 1"))
         if self.limit is not None and self.limit < 1:
@@ -75,10 +96,22 @@ def model_folder(config: EvaluateConfig) -> Path:
     return folder
 
 
-def task_specs(config: EvaluateConfig) -> tuple[list[str | dict], dict[str, Any]]:
-    """(what lm-eval is given, the inputs' fingerprints for the manifest)."""
+def fetch_hint(config: EvaluateConfig) -> str:
+    """The command that fetches the suite's data (the config file is not known here: the default one)."""
+    return f"gptpipe evaluate --fetch suite={config.suite} suite_data_dir={config.suite_data_dir}"
+
+
+def task_specs(config: EvaluateConfig) -> tuple[list[str | dict], dict[str, Any], set[str]]:
+    """(what lm-eval is given, the inputs' fingerprints for the manifest, the tasks that keep their own shot
+    count: a suite's, which come first)."""
     specs: list[str | dict] = []
     inputs: dict[str, Any] = {}
+    own_shots: set[str] = set()
+    if config.suite:
+        suite_specs, inputs = eval_suite.offline_tasks(config.suite, config.suite_data_dir, config.suite_tasks,
+                                                       fetch_hint(config))
+        specs += suite_specs
+        own_shots = {spec["task"] for spec in suite_specs}
     yamls = list(config.task_yamls)
     for name in config.tasks:
         if name == TASK_NAME:
@@ -97,7 +130,7 @@ def task_specs(config: EvaluateConfig) -> tuple[list[str | dict], dict[str, Any]
     for folder, tasks in llmjp_eval.read_folders(config.task_dirs, config.num_fewshot).items():
         inputs[str(folder)] = llmjp_eval.fingerprint(tasks)
         specs += [llmjp_eval.lm_eval_task(t) for t in tasks]
-    return specs, inputs
+    return specs, inputs, own_shots
 
 
 def majority_baselines(raw: dict[str, Any]) -> dict[str, float]:
@@ -147,26 +180,38 @@ def run_lm_eval(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
     """Run the tasks on the model unless results for the same model, tasks and settings exist."""
     folder = model_folder(config)
     out = config.output_dir or folder / "evaluation"
-    specs, inputs = task_specs(config)
+    specs, inputs, own_shots = task_specs(config)
     inputs["model"] = (CONVERT.fingerprint(folder) if CONVERT.has_manifest(folder)
                        else tree_fingerprint([p for p in folder.iterdir() if p.is_file()]))
-    settings = {k: getattr(config, k) for k in ("tasks", "task_yamls", "task_dirs", "num_fewshot", "batch_size",
-                                                 "limit", "device", "dtype", "seed")}
+    settings = {k: getattr(config, k) for k in ("tasks", "task_yamls", "task_dirs", "suite", "suite_tasks",
+                                                 "num_fewshot", "max_gen_toks", "batch_size", "limit", "device",
+                                                 "dtype", "seed")}
 
     def work() -> StageResult:
         import time
 
         import lm_eval
 
-        manager = load_tasks(specs, f"tasks=[{TASK_NAME}], task_yamls=[your_task.yaml] or "
-                                   "task_dirs=[llm-jp-eval/evaluation/test]")
-        device, dtype = _device_and_dtype(config)
-        started = time.time()
-        raw = lm_eval.simple_evaluate(
-            model=_hf_lm(folder, dtype, config.batch_size, device),
-            tasks=specs, num_fewshot=config.num_fewshot, limit=config.limit, task_manager=manager, log_samples=True,
-            random_seed=config.seed, numpy_random_seed=config.seed, torch_random_seed=config.seed,
-            fewshot_random_seed=config.seed)
+        # every dataset local (the suite's, the demo task's, ...): the hub is not asked, even for a file's freshness
+        offline = contextlib.nullcontext() if any(map(needs_hub, specs)) else hub_offline()
+        with offline:
+            manager, built, tasks = built_objects(
+                specs, f"tasks=[{TASK_NAME}], task_yamls=[your_task.yaml], task_dirs=[llm-jp-eval/evaluation/test] "
+                       f"or suite: {', '.join(eval_suite.SUITES)}")
+            for name, task in tasks.items():
+                # num_fewshot for every task but a suite's, and (lm-eval's rule) one whose config says 0
+                if name not in own_shots and task.get_config("num_fewshot") != 0:
+                    task.set_config(key="num_fewshot", value=config.num_fewshot)
+                generation = task.get_config("generation_kwargs")
+                if config.max_gen_toks and generation is not None and "max_gen_toks" not in generation:
+                    task.set_config(key="generation_kwargs", value={"max_gen_toks": config.max_gen_toks}, update=True)
+            device, dtype = _device_and_dtype(config)
+            started = time.time()
+            raw = lm_eval.simple_evaluate(
+                model=_hf_lm(folder, dtype, config.batch_size, device),
+                tasks=built, num_fewshot=None, limit=config.limit, task_manager=manager, log_samples=True,
+                random_seed=config.seed, numpy_random_seed=config.seed, torch_random_seed=config.seed,
+                fewshot_random_seed=config.seed)
         if raw is None:
             raise StageFailed("lm-eval returned no results")
         tasks = summarize(raw)
@@ -194,5 +239,13 @@ def run_lm_eval(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
 
 def run(config: EvaluateConfig, args) -> int:
     """`gptpipe evaluate`."""
+    if getattr(args, "fetch", False):
+        if not config.suite:
+            raise StageInputError("--fetch needs a suite: suite=ja (the tasks' datasets it saves)")
+        for folder, manifest in eval_suite.fetch(config.suite, config.suite_data_dir, config.suite_tasks,
+                                                 force=args.force).items():
+            log.info(f"{folder}: {manifest['dataset_path']} {manifest['dataset_name'] or ''} revision "
+                     f"{manifest['revision']}: " + ", ".join(f"{s} {n} rows" for s, n in manifest["splits"].items()))
+        return 0
     run_lm_eval(config, force=args.force)
     return 0
