@@ -6,7 +6,7 @@ manifest, then starts --ranks processes on this machine (a gloo process group, a
 `gptpipe train` does before its first step minus the model: rank 0 counts the splits for the plan and gives the
 counts to all, every rank builds the datasets (`build_datasets`: one builder per cache folder, the others map its
 indices) and collates its first micro-batch. Each rank prints the seconds from its process start to that batch
-and its peak RSS; the builder also its child's. A cold start (empty cache folder) then a warm one (cache there).
+and its peak RSS (VmHWM); the builder also its child's. A cold start (empty cache folder) then a warm one (cache there).
 
     .venv/bin/python bench/bench_startup.py --documents 10_000_000 --ranks 1 4 [--work /tmp/bench-startup]
 """
@@ -73,11 +73,14 @@ def rank_main(prefix: Path, cache: Path, started: float) -> None:
     assert batch["input_ids"].shape == (MICRO, SEQ_LEN)
     first = time.time()
     td.barrier()
-    peak_mb = {f"{who}_peak_rss_mb": resource.getrusage(usage).ru_maxrss / 1024
-               for who, usage in (("rank", resource.RUSAGE_SELF), ("child", resource.RUSAGE_CHILDREN))}
+    # VmHWM: this process image's own peak (ru_maxrss would keep the launcher's, forked before the exec); the
+    # builder's child is an upper bound (it counts the rank's image forked before its exec)
+    hwm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM"))
+    peak_mb = {"rank_peak_rss_mb": int(hwm.split()[1]) / 1024,
+               "child_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
     print(json.dumps({"rank": rank, "world": world, "to_first_batch_s": first - started,
                       "python_and_imports_s": joined - started, "counts_s": counted - joined,
-                      "datasets_s": built - counted, **peak_mb}), flush=True)
+                      "datasets_s": built - counted, "cpu_s": sum(os.times()[:2]), **peak_mb}), flush=True)
     td.destroy_process_group()
 
 
