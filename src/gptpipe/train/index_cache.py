@@ -63,15 +63,18 @@ def build_in_child(folder: Path, build: Any, *args: Any) -> None:
     a process group, into a temporary sibling renamed into place when complete."""
     if folder.is_dir():
         return
-    for stale in folder.parent.glob(f"{folder.name}.tmp-*"):  # a build killed part-way
-        shutil.rmtree(stale, ignore_errors=True)
+    # A name of its own: another job sharing this cache folder may be building the same indices right now.
     temporary = folder.with_name(f"{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
     temporary.mkdir(parents=True)
     log.info(f"building the dataset indices into {folder}")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
                                                              "MASTER_PORT")}
     job = pickle.dumps((build, (*args, temporary)))
-    subprocess.run([sys.executable, "-m", "gptpipe.train.index_cache"], input=job, env=env, check=True)
+    try:
+        subprocess.run([sys.executable, "-m", "gptpipe.train.index_cache"], input=job, env=env, check=True)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
     try:
         os.rename(temporary, folder)
     except OSError:  # another job sharing this cache folder finished the same indices first
