@@ -84,6 +84,11 @@ def build_in_child(folder: Path, build: Any, *args: Any) -> None:
 
 
 def _child() -> None:
+    import warnings
+
+    # megatron-core's import notices, silenced as in the ranks (runtime/engine.py says why)
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning,
+                            module=r"megatron\.core")
     build, args = pickle.loads(sys.stdin.buffer.read())  # the bytes build_in_child wrote
     build(*args)
 
