@@ -223,23 +223,24 @@ def test_an_index_larger_than_host_ram_is_refused(dataset_prefix: Path, workspac
     assert code == 2 and "host RAM" in err and "epochs" in err and "Fix: lower train.train_tokens" in err, err
 
 
-def test_the_index_is_counted_once_per_node_unless_each_rank_builds_its_own(dataset_prefix: Path, workspace: Path,
-                                                                           capsys: pytest.CaptureFixture) -> None:
-    """Cached indices are memory-mapped by a node's ranks (one copy in the page cache); the nodes of a bucket run
-    without data.cache_dir may share no folder, and then each rank holds its own."""
+def test_the_index_is_counted_once_per_node_and_split_indices_per_rank(dataset_prefix: Path, workspace: Path,
+                                                                       capsys: pytest.CaptureFixture) -> None:
+    """Cached indices are memory-mapped by a node's ranks (one copy in the page cache), also where the nodes of a
+    bucket run share no folder (each node builds its own); each rank holds megatron's split indices itself."""
     def host_ram(*argv: str) -> tuple[str, float]:
-        code, err = _plan(workspace, capsys, "--gpus", "4", "--gpus-per-node", "2", "train.global_batch_size=8",
-                          "train.train_tokens=10_000_000_000", *argv)  # a ~2 GiB index
+        code, err = _plan(workspace, capsys, "--gpus", "4", "--gpus-per-node", *argv, "train.global_batch_size=8",
+                          "train.train_tokens=10_000_000_000")  # a ~2 GiB index
         assert code == 0, err
         line = next(line for line in err.splitlines() if "host RAM" in line)
         return line, float(re.search(r"~([\d.]+) (\w+) needed", line).group(1))
 
-    shared, shared_needed = host_ram()
-    assert "(cached, memory-mapped by the node's ranks)" in shared
-    own, own_needed = host_ram("train.output_model_dir=s3://bucket/run")
-    assert "in each of the node's ranks" in own and own_needed > shared_needed
-    cached, cached_needed = host_ram("train.output_model_dir=s3://bucket/run", "data.cache_dir=/shared/cache")
-    assert "(cached" in cached and cached_needed == shared_needed
+    two, two_needed = host_ram("2")
+    assert "(cached once per node, memory-mapped by its ranks)" in two and "of split indices in each rank" in two
+    _, bucket_needed = host_ram("2", "train.output_model_dir=s3://bucket/run")
+    assert bucket_needed == two_needed
+    _, four_needed = host_ram("4")
+    # two more ranks on the node add their own split indices (small), not more copies of the ~2 GiB index
+    assert two_needed <= four_needed < two_needed + 1
 
 
 def test_count_tokens_epoch_is_the_epoch_megatron_builds(dataset_prefix: Path, tmp_path: Path) -> None:

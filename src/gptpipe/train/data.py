@@ -24,6 +24,7 @@ from gptpipe.data.count import DatasetCounts
 from gptpipe.data.split import document_order, split_problems
 from gptpipe.artifacts import TOKENIZE
 from gptpipe.runtime.batching import to_device
+from gptpipe.train.index_cache import build_in_child, builds_here, indices_folder
 from gptpipe.trust import check_index_cache
 
 if TYPE_CHECKING:
@@ -127,9 +128,41 @@ def build_datasets(data_cfg: DataConfig, stats: list[DatasetCounts], seq_len: in
     `document_mask` (train.document_mask): a sample's positions restart after each end-of-document token and the
     token after one is not trained (see `collate`).
 
-    Call on every rank once torch.distributed is initialized: rank 0 builds the index cache, the others
-    wait at megatron's barrier and then read it; without `cache_dir` every rank builds the indices in memory.
+    Call on every rank once torch.distributed is initialized. With `cache_dir` the indices are built once per
+    folder (one process of the ranks that see it: per job, or per node where the nodes share none) and memory-
+    mapped by every rank (train/index_cache.py); without it every rank builds them in its own memory.
     """
+    check_splits(stats, data_cfg.split, seq_len)
+    build = (data_cfg.split, data_cfg.seed, seq_len, sizes, vocab_size, eod_id, document_mask)
+    # A URL prefix reads its verified local copy (the .bin fetched here, once per machine: gptpipe.remote).
+    blend = ([str(TOKENIZE.local_copy(s.prefix)) for s in stats], blend_weights(data_cfg, stats))
+    if cache_dir is None:
+        return megatron_datasets(blend, *build, None, None)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    check_index_cache(cache_dir)  # megatron-core loads its cached indices with allow_pickle
+    settings = dict(zip(("split", "seed", "seq_len", "sizes", "vocab_size", "eod", "document_mask"), build),
+                    weights=blend[1])
+    folder = indices_folder(cache_dir, [s.prefix for s in stats], settings)
+    if builds_here(folder):
+        build_in_child(folder, megatron_datasets, blend, *build, cache_dir)
+    _barrier()  # the builders are done: every rank finds the indices it opens
+    return megatron_datasets(blend, *build, cache_dir, folder, prebuilt=True)
+
+
+def _barrier() -> None:
+    import torch.distributed as td
+
+    if td.is_initialized():
+        td.barrier()
+
+
+def megatron_datasets(blend: tuple[list[str], list[float] | None], split: str, seed: int, seq_len: int,
+                      sizes: list[int], vocab_size: int, eod_id: int, document_mask: bool, order_dir: Path | None,
+                      path_to_cache: Path | None, prebuilt: bool = False) -> list[Any]:
+    """megatron-core's BlendedMegatronDatasetBuilder over `blend` (prefixes, weights), each split cut from
+    `document_order` (cached in `order_dir`); indices read from or saved into `path_to_cache` (None: built in
+    memory). Where a process group exists, megatron-core builds on global rank 0 and the others load after a
+    barrier, so a folder built beforehand (build_datasets: `prebuilt`) makes every rank's call a cache hit."""
     import logging
 
     import numpy
@@ -137,22 +170,16 @@ def build_datasets(data_cfg: DataConfig, stats: list[DatasetCounts], seq_len: in
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     logging.getLogger("megatron").setLevel(logging.WARNING)
-    check_splits(stats, data_cfg.split, seq_len)
-    weights = blend_weights(data_cfg, stats)
-    if cache_dir is not None:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        check_index_cache(cache_dir)  # megatron-core loads its cached indices with allow_pickle
-    else:  # megatron-core says so on every build; it is the intent here
+    if path_to_cache is None:  # megatron-core says so on every build; it is the intent here
         logging.getLogger("megatron.core.datasets").addFilter(
             lambda record: "because path_to_cache is None" not in record.getMessage())
     config = GPTDatasetConfig(
-        random_seed=data_cfg.seed,
+        random_seed=seed,
         sequence_length=seq_len,
-        # A URL prefix reads its verified local copy (the .bin fetched here, once per machine: gptpipe.remote).
-        blend=([str(TOKENIZE.local_copy(s.prefix)) for s in stats], weights),
-        split=data_cfg.split,
+        blend=blend,
+        split=split,
         # "" (not None, which megatron-core replaces with a folder beside the data) builds without a cache.
-        path_to_cache="" if cache_dir is None else str(cache_dir),
+        path_to_cache="" if path_to_cache is None else str(path_to_cache),
         tokenizer=_MegatronTokenizer(vocab_size, eod_id),
         # train.document_mask: positions restart after each end-of-document token, and no loss where the input is
         # one (its next token, the next document's first, is not predictable from the document before it).
@@ -161,15 +188,19 @@ def build_datasets(data_cfg: DataConfig, stats: list[DatasetCounts], seq_len: in
         eod_mask_loss=document_mask,
         create_attention_mask=False,  # SDPA builds the causal mask itself; a seq×seq mask per sample is waste
     )
+
     class ShuffledSplitGPTDataset(GPTDataset):
         """GPTDataset over the documents of its split in `document_order`, not a contiguous range."""
 
         def __init__(self, indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config):
-            # computed once per job where the ranks share the cache folder, else once per process
-            order = document_order(len(indexed_dataset.sequence_lengths), config.random_seed,
-                                   Path(config.path_to_cache) if config.path_to_cache else None)
-            super().__init__(indexed_dataset, dataset_path, numpy.sort(order[indexed_indices]), num_samples,
-                             index_split, config)
+            # computed once per folder and memory-mapped (or, without a cache folder, in every process)
+            order = document_order(len(indexed_dataset.sequence_lengths), config.random_seed, order_dir)
+            if prebuilt:  # megatron-core reads no indices on a cache hit: the split's slice of the mapped order
+                begin = int(indexed_indices[0]) if len(indexed_indices) else 0
+                documents = order[begin:begin + len(indexed_indices)]
+            else:
+                documents = numpy.sort(order[indexed_indices])
+            super().__init__(indexed_dataset, dataset_path, documents, num_samples, index_split, config)
 
     return BlendedMegatronDatasetBuilder(ShuffledSplitGPTDataset, sizes, lambda: True, config).build()
 

@@ -63,7 +63,7 @@ class Plan:
     train_samples: int
     eval_samples: int
     index_ram: float
-    index_copies: int  # 1: cached and memory-mapped by the node's ranks; else built in each rank's memory
+    rank_index_ram: int  # bytes of split indices each rank holds itself (the cached ones are mapped)
     host_ram_needed: float
     host_ram: float
     checkpoint_bytes: float
@@ -111,12 +111,13 @@ def world_size() -> int:
 
 def make_plan(config: TrainingRun, vocab_size: int, dp: int | None = None, device_memory_gib: float | None = None,
               device_name: str | None = None, gpus_per_node: int | None = None, base_config: Any = None,
-              model_config: Any = None) -> Plan:
+              model_config: Any = None, stats: list[DatasetCounts] | None = None) -> Plan:
     """Work out the run and check it fits; raises PlanError (or DataError) with a concrete fix.
 
     `base_config`: the transformers config of model.init_from's folder, which then decides the shape (its
     parameters counted on the meta device, its vocabulary unpadded). `model_config`: the transformers config of
-    the model the run trains, needed with train.precision fp8 (which linears convert is read from its layers)."""
+    the model the run trains, needed with train.precision fp8 (which linears convert is read from its layers).
+    `stats`: the datasets' counts where the caller has them (training counts on one rank for all), else counted."""
     train, data = config.train, config.data
     dp = dp or world_size()
     node_ranks = min(dp, gpus_per_node or ranks_per_node(dp))
@@ -156,7 +157,8 @@ def make_plan(config: TrainingRun, vocab_size: int, dp: int | None = None, devic
                         f"{per_rank} samples per rank and step (global_batch_size / {dp} ranks). Fix: set "
                         f"train.micro_batch_size={max(d for d in _divisors(per_rank) if d <= train.micro_batch_size)}")
 
-    stats = [count_dataset(p, data.split, data.seed, data.cache_dir) for p in data.prefixes]
+    if stats is None:
+        stats = [count_dataset(p, data.split, data.seed, data.cache_dir) for p in data.prefixes]
     check_splits(stats, data.split, train.seq_len)
     weights = blend_weights(data, stats)
     tokens_per_step = train.global_batch_size * train.seq_len
@@ -203,16 +205,15 @@ def make_plan(config: TrainingRun, vocab_size: int, dp: int | None = None, devic
 
     offloaded = (parameters * optimizer_bytes_per_parameter(train.engine_precision, settings.zero_stage) / dp
                  if settings.offload else 0)
-    # megatron's index arrays (and the split order) are cached in a folder and memory-mapped by a node's ranks, so
-    # the page cache holds them once. The nodes of a bucket run without data.cache_dir may stage on disks of their
-    # own (runtime/mirror.py): then nothing is cached and every rank builds them in its own memory.
-    index_copies = node_ranks if data.cache_dir is None and is_url(train.output_model_dir) and dp > node_ranks else 1
-    host_needed = index_ram * index_copies + node_ranks * (offloaded + (GPU_RANK_HOST_RAM if on_gpu else 0))
+    # megatron's index arrays (and the split order) are built once per cache folder (each node's own where the nodes
+    # share none: train/index_cache.py) and memory-mapped by the node's ranks, so the page cache holds them once.
+    # What each rank holds itself: megatron-core's arange of each split's document numbers (int32), one at a time.
+    rank_index = 4 * max(max(s.split_documents) for s in stats)
+    host_needed = index_ram + node_ranks * (rank_index + offloaded + (GPU_RANK_HOST_RAM if on_gpu else 0))
     host_ram = float(available_host_ram())
     if host_needed > 0.9 * host_ram:
         raise PlanError(
-            f"host RAM: this run needs ~{host_needed / GIB:.1f} GiB (dataset index {index_ram / GIB:.1f} GiB"
-            f"{f' in each of {index_copies} ranks' if index_copies > 1 else ''} for "
+            f"host RAM: this run needs ~{host_needed / GIB:.1f} GiB (dataset index {index_ram / GIB:.1f} GiB for "
             f"{sizes[0]:,} samples = {sizes[0] / max(epoch_samples, 1):,.1f} epochs) but {host_ram / GIB:.1f} GiB "
             "is available. Fix: lower train.train_tokens or train.train_epochs"
             + (", or set train.offload_optimizer=false" if settings.offload else ""))
@@ -232,7 +233,7 @@ def make_plan(config: TrainingRun, vocab_size: int, dp: int | None = None, devic
                 ranks_per_node=node_ranks, stats=stats, weights=weights,
                 tokens_per_step=tokens_per_step, steps=steps, run_length=run_length, schedule=schedule,
                 train_samples=sizes[0],
-                eval_samples=eval_samples, index_ram=index_ram, index_copies=index_copies,
+                eval_samples=eval_samples, index_ram=index_ram, rank_index_ram=rank_index,
                 host_ram_needed=host_needed, host_ram=host_ram,
                 checkpoint_bytes=checkpoint_bytes,
                 # fp8 runs too: MFU against the dense bf16 peak (the FP8 matmuls' own peak is twice it)

@@ -17,12 +17,15 @@ import argparse
 import contextlib
 import json
 import math
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from gptpipe.train.config import TrainingRun
+from gptpipe.data.count import DatasetCounts, count_dataset
+from gptpipe.storage import is_url
 from gptpipe.config.core import to_plain
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError
@@ -62,7 +65,7 @@ def _train(config: TrainingRun, dist: Dist) -> int:
     tokenizer, hf_config, base = stage3_model(config)
     try:
         plan = make_plan(config, tokenizer.vocab_size, dp=dist.world_size, base_config=base.config if base else None,
-                         model_config=hf_config)
+                         model_config=hf_config, stats=counted_once(config))
         ds_config, wandb_block = deepspeed_config(config.train, plan.settings.micro_batch, plan.accumulation,
                                                   dist.world_size, dist.device.type == "cuda")
     except (PlanError, DataError, EngineConfigError) as exc:
@@ -73,6 +76,24 @@ def _train(config: TrainingRun, dist: Dist) -> int:
         check_parameter_count(plan, hf_config)
         log.info(f"plan:\n{format_plan(plan, config)}")
     return Pretrainer(config, plan, ds_config, wandb_block, hf_config, tokenizer, dist, base).fit()
+
+
+def counted_once(config: TrainingRun) -> list[DatasetCounts]:
+    """The datasets' counts for the plan, made by rank 0 alone and given to every rank: each split's tokens need the
+    split order, which rank 0 caches for the index build where the run folder is local (a bucket run's staging
+    folder must stay empty until its mirror opens it)."""
+    data, out = config.data, config.train.output_model_dir
+    counts: list[Any] = [None]
+    if torch.distributed.get_rank() == 0:
+        cache = data.cache_dir or (None if is_url(out) else Path(out) / "data_cache")
+        try:
+            counts = [[count_dataset(p, data.split, data.seed, cache) for p in data.prefixes]]
+        except Exception as exc:  # every rank raises it, not only rank 0 (the others would wait forever)
+            counts = [exc]
+    torch.distributed.broadcast_object_list(counts, src=0)
+    if isinstance(counts[0], Exception):
+        raise counts[0]
+    return counts[0]
 
 
 class Pretrainer(TrainLoop):
@@ -91,10 +112,8 @@ class Pretrainer(TrainLoop):
         if self.mirror and dist.is_main:  # the plan of this run beside its checkpoints, in the bucket
             (self.run_dir / "plan.txt").write_text(format_plan(plan, config) + "\n", encoding="utf-8")
         sizes = [plan.train_samples, plan.eval_samples, plan.eval_samples]
-        # megatron-core builds the index cache on global rank 0 and the other ranks read it: nodes staging on their
-        # own disks share no folder for it, so there every rank builds the indices in memory (None) instead.
-        own_disks = self.mirror is not None and self.mirror.nodes > 1
-        cache = config.data.cache_dir or (None if own_disks else self.run_dir / "data_cache")
+        # Built once per folder and memory-mapped by every rank: nodes staging on disks of their own build one each.
+        cache = config.data.cache_dir or self.run_dir / "data_cache"
         self.train_data, self.valid_data, _ = build_datasets(config.data, plan.stats, train.seq_len, sizes, cache,
                                                              tokenizer.vocab_size, tokenizer.eod_id,
                                                              train.document_mask)

@@ -1,0 +1,97 @@
+"""megatron-core's index cache (data.cache_dir): built once per folder, by one process, mapped by every rank.
+
+megatron-core builds its document, sample and shuffle indices on global rank 0 and has every other rank load them
+from `path_to_cache` after a barrier; a rank that shares no cache folder with rank 0 (nodes staging on disks of
+their own) finds nothing there and fails. Here the ranks first find out who sees the same folder (`builds_here`):
+the lowest rank of each folder builds the indices, in a child process without a process group (megatron then builds
+and saves every index itself, and the rank's own memory never holds the build's arrays), into a temporary sibling
+renamed into place when complete. Every rank then opens the indices through megatron-core, all cache hits, each
+array memory-mapped: the page cache of a node holds them once, whatever its number of ranks.
+
+The cached indices sit in a folder named by what they are derived from (`indices_folder`): the datasets' stage-2
+manifests, the split, the seed, the sample counts and the sequence length; a rerun of stage 2 or another setting
+gets a new folder, so a stale cache is never read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from gptpipe.artifacts import TOKENIZE
+from gptpipe.log import get_logger
+
+log = get_logger("train")
+
+
+def indices_folder(cache_dir: Path, prefixes: list[Any], settings: dict[str, Any]) -> Path:
+    """The folder of `cache_dir` for the indices of these datasets (by their manifests) built with `settings`."""
+    key = json.dumps({"datasets": [TOKENIZE.fingerprint(p) for p in prefixes], **settings}, sort_keys=True,
+                     default=str)
+    return cache_dir / f"indices-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def builds_here(folder: Path) -> bool:
+    """Whether this process builds `folder`'s indices: the lowest rank among those that see the same folder (one
+    per job where the ranks share it, one per node where each node has its own). Every rank must call it."""
+    import torch.distributed as td
+
+    if not td.is_initialized():
+        return True
+    nonce: list[Any] = [uuid.uuid4().hex]
+    td.broadcast_object_list(nonce, src=0)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    probe = folder.parent / f".probe-{nonce[0]}-{td.get_rank()}"
+    probe.write_text("")
+    td.barrier()
+    seen = [int(p.name.rsplit("-", 1)[1]) for p in folder.parent.glob(f".probe-{nonce[0]}-*")]
+    td.barrier()  # every rank has looked before any probe goes
+    probe.unlink()
+    return min(seen) == td.get_rank()
+
+
+def build_in_child(folder: Path, build: Any, *args: Any) -> None:
+    """Build `folder` (unless it exists) by calling build(*args, path_to_cache) in a child Python process without
+    a process group, into a temporary sibling renamed into place when complete."""
+    if folder.is_dir():
+        return
+    # A name of its own: another job sharing this cache folder may be building the same indices right now.
+    temporary = folder.with_name(f"{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
+    temporary.mkdir(parents=True)
+    log.info(f"building the dataset indices into {folder}")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    job = pickle.dumps((build, (*args, temporary)))
+    try:
+        subprocess.run([sys.executable, "-m", "gptpipe.train.index_cache"], input=job, env=env, check=True)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    try:
+        os.rename(temporary, folder)
+    except OSError:  # another job sharing this cache folder finished the same indices first
+        if not folder.is_dir():
+            raise
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
+def _child() -> None:
+    import warnings
+
+    # megatron-core's import notices, silenced as in the ranks (runtime/engine.py says why)
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning,
+                            module=r"megatron\.core")
+    build, args = pickle.loads(sys.stdin.buffer.read())  # the bytes build_in_child wrote
+    build(*args)
+
+
+if __name__ == "__main__":
+    _child()
