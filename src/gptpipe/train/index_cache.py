@@ -3,7 +3,7 @@
 megatron-core builds its document, sample and shuffle indices on global rank 0 and has every other rank load them
 from `path_to_cache` after a barrier; a rank that shares no cache folder with rank 0 (nodes staging on disks of
 their own) finds nothing there and fails. Here the ranks first find out who sees the same folder (`builds_here`):
-the lowest rank of each folder builds the indices, in a child process without a process group (megatron then builds
+the lowest rank of each folder builds the indices, in a child process in a group of its own (megatron then builds
 and saves every index itself, and the rank's own memory never holds the build's arrays), into a temporary sibling
 renamed into place when complete. Every rank then opens the indices through megatron-core, all cache hits, each
 array memory-mapped: the page cache of a node holds them once, whatever its number of ranks.
@@ -59,8 +59,8 @@ def builds_here(folder: Path) -> bool:
 
 
 def build_in_child(folder: Path, build: Any, *args: Any) -> None:
-    """Build `folder` (unless it exists) by calling build(*args, path_to_cache) in a child Python process without
-    a process group, into a temporary sibling renamed into place when complete."""
+    """Build `folder` (unless it exists) by calling build(*args, path_to_cache) in a child Python process, rank 0
+    of a process group of its own, into a temporary sibling renamed into place when complete."""
     if folder.is_dir():
         return
     # A name of its own: another job sharing this cache folder may be building the same indices right now.
@@ -90,7 +90,15 @@ def _child() -> None:
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning,
                             module=r"megatron\.core")
     build, args = pickle.loads(sys.stdin.buffer.read())  # the bytes build_in_child wrote
-    build(*args)
+    import torch.distributed as td
+
+    # A group of this one process: megatron's blended dataset asks for the rank where its GPT datasets check
+    # first whether there is a group, and as rank 0 of its own group the child builds every index.
+    td.init_process_group("gloo", store=td.HashStore(), rank=0, world_size=1)
+    try:
+        build(*args)
+    finally:
+        td.destroy_process_group()
 
 
 if __name__ == "__main__":
