@@ -508,10 +508,10 @@ def test_seq2seq_finetune_exports_as_an_encoder_decoder(t5_run, workspace, tmp_p
     assert model.generation_config.decoder_start_token_id == model.config.decoder_start_token_id
 
     # Stage 6's check of the hub copy loads it as an encoder-decoder and shows the decoder's output alone.
-    from gptpipe.export.upload import check_hub_copy
+    from gptpipe.export.upload import check_hub_copy, repository_contents
     from gptpipe.artifacts import read_export
 
-    problems, sample = check_hub_copy(out, out, list(read_export(out).files), "入力: ls")
+    problems, sample = check_hub_copy(repository_contents(out, list(read_export(out).files)), out, "入力: ls")
     output = sample.split(" → ", 1)[1]
     assert problems == [] and sample.startswith("入力: ls → ") and "入力" not in output
 

@@ -15,6 +15,7 @@ from gptpipe.cli import main
 from gptpipe.stage import file_fingerprint, tree_fingerprint
 
 LOCAL_ONLY = {"manifest.json", "convert.resolved.yaml"}
+REPO_EVALUATE = Path(__file__).resolve().parents[1] / "evaluate_config.yaml"
 
 
 @pytest.fixture
@@ -154,3 +155,58 @@ def test_token_is_not_a_config_key(folder, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "hf_token" in err and "unknown key" in err
     assert TOKEN not in err
+
+
+@pytest.fixture(scope="module")
+def demo_task_yaml(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo task (make-demo-task on the man pages) in a folder of this module's own: its task YAML."""
+    from conftest import REPO, run_cli
+
+    folder = tmp_path_factory.mktemp("demo-task")
+    shutil.copy(REPO / "evaluate_config.yaml", folder / "evaluate_config.yaml")
+    run_cli("make-demo-task", "--config", folder / "evaluate_config.yaml", f"demo_task.output_dir={folder / 'task'}")
+    return folder / "task" / "manpage_section.yaml"
+
+
+def test_evaluation_results_of_the_export_go_up_with_it_and_into_the_card(
+        hub, folder, workspace, demo_task_yaml, monkeypatch, capsys):
+    """`gptpipe evaluate` on the export (default output_dir: <folder>/evaluation), then the upload: the results
+    files and a card with their table arrive; stage 4's README.md stays as verified; an evaluation made before the
+    export changed stays behind, said so."""
+    pytest.importorskip("lm_eval")
+    from gptpipe.artifacts import read_export
+    from gptpipe.export.card import with_evaluation
+
+    card = (folder / "README.md").read_bytes()
+    assert main(["evaluate", "--config", str(REPO_EVALUATE), f"model_dir={folder}", "tasks=[]",
+                 f"task_yamls=[{demo_task_yaml}]", "limit=6"]) == 0
+    results = folder / "evaluation"
+    table = (results / "results.md").read_text(encoding="utf-8")
+    assert "| manpage_section | 0 | acc |" in table
+    capsys.readouterr()
+
+    assert upload(workspace, folder, "--dry-run") == 0
+    listed = {line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert listed == uploaded_files(folder) | {"evaluation/results.json", "evaluation/results.md"}
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    assert upload(workspace, folder, "huggingface_name=evaluated", "organization=lab") == 0
+    files = hub.repos["lab/evaluated"].branches["main"]
+    assert set(files) == uploaded_files(folder) | {"evaluation/results.json", "evaluation/results.md"}
+    assert files["evaluation/results.json"] == (results / "results.json").read_bytes()
+    assert files["evaluation/results.md"] == table.encode()
+    hub_card = files["README.md"].decode()
+    assert hub_card == with_evaluation(card.decode(), json.loads((results / "results.json").read_text()), table,
+                                       "evaluation")
+    assert hub_card.index("## Results") < hub_card.index("## Evaluation") < hub_card.index("## Architecture")
+    assert table.strip() in hub_card
+    assert (folder / "README.md").read_bytes() == card
+    read_export(folder)  # still the verified export
+
+    # A new export of the folder (its manifest rewritten) leaves the old results behind, with the reason.
+    manifest = folder / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"created": "', '"created": "re-exported '))
+    capsys.readouterr()
+    assert upload(workspace, folder, "--dry-run") == 0
+    out, err = capsys.readouterr()
+    assert "evaluation/" not in out and "of an earlier export of this folder" in err

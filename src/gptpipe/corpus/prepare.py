@@ -103,10 +103,11 @@ def build_corpus(config: CorpusConfig, inputs: dict[str, Any], force: bool = Fal
             with atomic_dir(config.output_dir / SAMPLES_FOLDER) as samples:
                 drops = Drops(samples, config.dropped_samples)
                 files, kept, chars = _filtered(engine, config, shards, ordered, work, drops, timings)
-                # each corpus file's source (one per shard: a shard reads one source; joined: all of them)
-                file_sources = [shard.source for shard, path in zip(shards, files) if path.stat().st_size]
+                # the shards that kept something, each with its source (a shard reads one source)
+                written = [(shard.source, path) for shard, path in zip(shards, files) if path.stat().st_size]
+                file_sources = [source for source, _ in written]
                 # an earlier run's corpus stays in place when this one keeps nothing (it fails below)
-                outputs = _place(config, files, timings) if sum(kept) else []
+                outputs = _place(config, [path for _, path in written], timings) if sum(kept) else []
             for reason, n in drops.counts.most_common():
                 log.info(f"dropped {n:>7,} {reason}: e.g. {', '.join(drops.examples[reason])}")
             if sum(kept) == 0:
@@ -185,8 +186,8 @@ def _filtered(engine: Executor, config: CorpusConfig, shards: list[Shard], resul
 
 
 def _place(config: CorpusConfig, files: list[Path], timings: dict[str, float]) -> list[Path]:
-    """The filtered shards as the corpus: moved into output_dir as corpus-00000.jsonl, ... (the empty ones
-    skipped), or with corpus.join copied in order into one corpus.jsonl (the one serial pass: lines copied as
+    """The filtered shards that kept something, as the corpus: moved into output_dir as corpus-00000.jsonl, ...,
+    or with corpus.join copied in order into one corpus.jsonl (the one serial pass: lines copied as
     bytes, at disk speed). An earlier run's corpus files that this one does not write are removed. Returns the
     files written, in order."""
     started = time.perf_counter()
@@ -197,9 +198,8 @@ def _place(config: CorpusConfig, files: list[Path], timings: dict[str, float]) -
                 with open(path, "rb") as src:
                     shutil.copyfileobj(src, dst, 1 << 20)
     else:
-        outputs = [config.output_dir / SHARD_FILE.format(n)
-                   for n in range(sum(1 for path in files if path.stat().st_size))]
-        for path, output in zip((path for path in files if path.stat().st_size), outputs):
+        outputs = [config.output_dir / SHARD_FILE.format(n) for n in range(len(files))]
+        for path, output in zip(files, outputs):
             path.replace(output)
     for old in [config.output_dir / PREPARE.output_file, *config.output_dir.glob("corpus-[0-9]*.jsonl")]:
         if old.is_file() and old not in outputs:

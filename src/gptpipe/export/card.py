@@ -2,7 +2,9 @@
 
 One template; its source supplies optional blocks: the pretraining corpus (datasets, tokenizer, validation
 loss), the base model a run continued from, a fine-tune's task (label set or chat template, the validation
-metrics of the exported step beside the majority baseline and the baselines, the metric curve).
+metrics of the exported step beside the majority baseline and the baselines, the metric curve). Stage 6 adds the
+results `gptpipe evaluate` wrote for the export (`with_evaluation`): they come after the export, so stage 4's
+verified README.md cannot hold them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from gptpipe.finetune.task_kind import TaskFacts, TaskKind
 from gptpipe.runtime.metrics_rows import EVALUATIONS, Row, TaskEvalRow, TrainRow, of_kind
 
 LOSS_CURVE = "loss_curve.png"
+ARCHITECTURE = "## Architecture"  # the section an evaluation table goes before
 METRIC_CURVE = "metric_curve.png"
 
 
@@ -390,7 +393,7 @@ def render_card(facts: CardFacts, repo_id: str | None) -> str:
                               (b.task is not None and b.task.has_metric_curve, METRIC_CURVE, "validation metrics")):
         if shown:
             lines += ["", f"![{title}]({png})"]
-    lines += ["", "## Architecture", "", "| | |", "| --- | --- |"]
+    lines += ["", ARCHITECTURE, "", "| | |", "| --- | --- |"]
     lines += [f"| {k} | {v} |" for k, v in _architecture_rows(cfg, facts.parameters)]
     if b.training_config:
         lines += ["", "## Fine-tuning" if task else "## Training", "", "```yaml",
@@ -401,3 +404,18 @@ def render_card(facts: CardFacts, repo_id: str | None) -> str:
     if pipeline_tag == "text-generation":
         lines += _serving_rows(facts)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def with_evaluation(card: str, results: dict[str, Any], table: str, folder: str) -> str:
+    """`card` with an Evaluation section before its Architecture: `table` (gptpipe evaluate's results.md) and how
+    it was made (`results`: its results.json), the full results in `folder` of the repository."""
+    limit = f", the first {results['limit']} documents of each task" if results.get("limit") else ""
+    section = ["## Evaluation", "",
+               f"lm-evaluation-harness through `gptpipe evaluate` ({results.get('device')}, {results.get('dtype')}"
+               f"{limit}); every figure with its standard error, multiple-choice tasks beside the accuracy "
+               f"of always answering their most frequent label. Per-task settings and versions: "
+               f"[{folder}/results.json]({folder}/results.json).", "", table.strip(), "", ""]
+    head, marker, tail = card.partition(ARCHITECTURE)
+    if not marker:  # a card of an older gptpipe: the section goes last
+        return card.rstrip() + "\n\n" + "\n".join(section).rstrip() + "\n"
+    return head + "\n".join(section) + marker + tail

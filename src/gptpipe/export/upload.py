@@ -5,19 +5,26 @@ and only the files stage 4 wrote and verified; the repository is private unless 
 the token comes from ``HF_TOKEN`` or the huggingface_hub login store (``hf auth login``), never from the YAML
 or the command line, and is never printed. After the upload the files are downloaded back, compared byte
 for byte, loaded and asked for a greedy continuation of the test prompt.
+
+`gptpipe evaluate`'s results of this very export (its default output_dir, <folder>/evaluation, current for the
+export's manifest) go up with it: evaluation/results.json and results.md, and their table in the uploaded model
+card (export.card.with_evaluation); stage 4's README.md itself stays as verified.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from gptpipe.export.card import with_evaluation
 from gptpipe.export.config import ConvertConfig
 from gptpipe.log import get_logger
-from gptpipe.stage import StageFailed, StageInputError, file_sha256
-from gptpipe.artifacts import EXIT_OK, read_export
+from gptpipe.stage import Manifest, StageFailed, StageInputError, file_sha256
+from gptpipe.artifacts import CONVERT, EVALUATE, EXIT_OK, read_export
 from gptpipe.storage import is_url
 
 log = get_logger("upload")
@@ -32,18 +39,57 @@ def repo_name(config: ConvertConfig) -> str:
     return config.repo_name
 
 
-def check_hub_copy(local: Path, downloaded: Path, files: list[str], prompt: str) -> tuple[list[str], str]:
-    """(problems, greedy sample): the downloaded copy must be byte-identical, load and generate, like the original's
-    smoke test. Its sample is not compared with the gate's: another machine's kernels may break a near-tie."""
-    import json
+EVALUATION = "evaluation"  # gptpipe evaluate's default output folder in a model folder, and its place in the repo
+RESULTS = ("results.json", "results.md")
 
+
+def evaluation_files(folder: Path) -> dict[str, Path]:
+    """{path in the repository: local file} of `gptpipe evaluate`'s results of this export, if it wrote them to
+    its default place and they are current (complete, unchanged, made from the export as it is now); {} else,
+    saying why when there are results that do not qualify."""
+    out = folder / EVALUATION
+    if not EVALUATE.has_manifest(out):
+        return {}
+    manifest = Manifest.read(EVALUATE.manifest_path(out))
+    problems = EVALUATE.problems(manifest, out)
+    if not problems and manifest.inputs.get("model") != CONVERT.fingerprint(folder):
+        problems = ["they are of an earlier export of this folder"]
+    if problems:
+        log.warning(f"the evaluation results in {out} stay here: {'; '.join(problems)}. Run `gptpipe evaluate "
+                    f"model_dir={folder}` to upload this export's results with it")
+        return {}
+    return {f"{EVALUATION}/{name}": out / name for name in RESULTS}
+
+
+def repository_contents(folder: Path, files: list[str]) -> dict[str, Path | bytes]:
+    """{path in the repository: local file or bytes}: stage 4's files, and with current evaluation results those
+    files and a model card that shows their table."""
+    contents: dict[str, Path | bytes] = {name: folder / name for name in files}
+    evaluation = evaluation_files(folder)
+    if evaluation and "README.md" in contents:
+        card = (folder / "README.md").read_text(encoding="utf-8")
+        results = json.loads(evaluation[f"{EVALUATION}/results.json"].read_text(encoding="utf-8"))
+        table = evaluation[f"{EVALUATION}/results.md"].read_text(encoding="utf-8")
+        contents["README.md"] = with_evaluation(card, results, table, EVALUATION).encode()
+        contents.update(evaluation)
+    return contents
+
+
+def _sha256(content: Path | bytes) -> str:
+    return file_sha256(content) if isinstance(content, Path) else hashlib.sha256(content).hexdigest()
+
+
+def check_hub_copy(contents: dict[str, Path | bytes], downloaded: Path, prompt: str) -> tuple[list[str], str]:
+    """(problems, greedy sample): the downloaded copy must be byte-identical to what was sent, load and generate,
+    like the original's smoke test. Its sample is not compared with the gate's: another machine's kernels may
+    break a near-tie."""
     from transformers import AutoTokenizer
 
     from gptpipe.export.adapter import load_export
     from gptpipe.export.verify import greedy_continuation
 
-    problems = [f"{f} differs from the local file" for f in files
-                if not (downloaded / f).is_file() or file_sha256(downloaded / f) != file_sha256(local / f)]
+    problems = [f"{f} differs from the local file" for f, content in contents.items()
+                if not (downloaded / f).is_file() or file_sha256(downloaded / f) != _sha256(content)]
     if problems:
         return problems, ""
     task = downloaded / "task.json"  # a fine-tune export says whether it is an encoder-decoder
@@ -57,19 +103,22 @@ def run(config: ConvertConfig, args: Any) -> int:
     export = read_export(source)  # verified, and unchanged since (a URL: its verified local copy)
     folder = export.folder
     shown = f"{source} (verified copy in {folder})" if is_url(source) else str(folder)
-    from huggingface_hub import HfApi, constants, get_token, snapshot_download
+    from huggingface_hub import CommitOperationAdd, HfApi, constants, get_token, snapshot_download
 
-    # Exactly the files stage 4 wrote and verified; its manifest.json and resolved config (local paths) stay here.
-    files = list(export.files)
+    # Exactly the files stage 4 wrote and verified (its manifest.json and resolved config, with local paths, stay
+    # here), and this export's evaluation results.
+    contents = repository_contents(folder, list(export.files))
     name = repo_name(config)
     endpoint = os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
     target = f"{config.organization or '(your user)'}/{name}"
     where = (f"{endpoint}/{target} ({'private' if config.private else 'public'}, "
              f"branch {config.revision or 'main'})")
     if args.dry_run:
-        print(f"would upload {len(files)} files from {shown} to {where}:")
-        for f in files:
-            print(f"  {f}  ({(folder / f).stat().st_size:,} bytes)")
+        print(f"would upload {len(contents)} files from {shown} to {where}:")
+        for f, content in contents.items():
+            size = content.stat().st_size if isinstance(content, Path) else len(content)
+            note = "  (the model card with the evaluation table)" if isinstance(content, bytes) else ""
+            print(f"  {f}  ({size:,} bytes){note}")
         return EXIT_OK
 
     token = get_token()  # HF_TOKEN, else the login store; nothing else
@@ -77,7 +126,7 @@ def run(config: ConvertConfig, args: Any) -> int:
         raise StageInputError("no HuggingFace token: set HF_TOKEN or run `hf auth login` (a token is never read "
                               "from convert_config.yaml or the command line)")
     api = HfApi(endpoint=endpoint, token=token)
-    log.info(f"{len(files)} files from {shown} → {where}")
+    log.info(f"{len(contents)} files from {shown} → {where}")
     try:
         repo_url = api.create_repo(f"{config.organization}/{name}" if config.organization else name,
                                    private=config.private, exist_ok=True)
@@ -87,14 +136,16 @@ def run(config: ConvertConfig, args: Any) -> int:
                                   "true. Make it private on the hub, or set private: false to publish")
         if config.revision:
             api.create_branch(repo_id, branch=config.revision, exist_ok=True)
-        commit = api.upload_folder(repo_id=repo_id, folder_path=folder, allow_patterns=files,
-                                   revision=config.revision,
-                                   commit_message=f"gptpipe export of step {export.step} ({export.dtype}, verified)")
+        commit = api.create_commit(
+            repo_id, [CommitOperationAdd(path_in_repo=f, path_or_fileobj=str(c) if isinstance(c, Path) else c)
+                      for f, c in contents.items()],
+            revision=config.revision,
+            commit_message=f"gptpipe export of step {export.step} ({export.dtype}, verified)")
         log.info(f"uploaded as commit {commit.oid}; downloading it back to check it")
         with tempfile.TemporaryDirectory(prefix="gptpipe-upload-check-") as tmp:
             downloaded = Path(snapshot_download(repo_id, revision=config.revision, local_dir=tmp,
                                                 endpoint=endpoint, token=token))
-            problems, sample = check_hub_copy(folder, downloaded, files, export.test_prompt_text)
+            problems, sample = check_hub_copy(contents, downloaded, export.test_prompt_text)
     except StageInputError:
         raise
     except Exception as exc:  # network and hub errors of every kind: say what failed, keep the folder as it is
