@@ -5,8 +5,12 @@ child process), the others memory-map what it built; a second start builds nothi
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from conftest import train_env
@@ -89,3 +93,25 @@ def test_a_rerun_stage_2_gets_new_indices(dataset_prefix: Path, tmp_path: Path) 
     manifest = TOKENIZE.manifest_path(prefix)
     manifest.write_text(manifest.read_text().replace('"created"', '"created" ', 1))  # as a rerun writes another
     assert indices_folder(tmp_path, [prefix], settings) != first
+
+
+def test_a_killed_builder_leaves_its_temporary_to_the_next_builder(dataset_prefix: Path, tmp_path: Path) -> None:
+    """A rank SIGKILLed while its child builds (the whole process group: no cleanup runs) leaves a temporary folder;
+    the next start on this host removes it, says so, and builds."""
+    cache = tmp_path / "cache"
+    rank = subprocess.Popen([sys.executable, "-c", RANK, str(dataset_prefix), str(cache)],
+                            env={**train_env(1), **torchrun_env(0, 1, 1, free_port())}, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not list(cache.glob("indices-*.tmp-*")) and rank.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.killpg(rank.pid, signal.SIGKILL)
+    rank.wait()
+    [left] = cache.glob("indices-*.tmp-*")
+    assert left.name.endswith(f"-{rank.pid}@{socket.gethostname()}")
+
+    [(row, err)] = start_ranks(dataset_prefix, [cache])
+    assert f"removing {left}: left by a build that was killed (pid {rank.pid})" in err
+    assert "building the dataset indices" in err and all(row["mapped"])
+    [indices] = cache.glob("indices-*")
+    assert ".tmp-" not in indices.name and not left.exists()

@@ -35,6 +35,20 @@ def describe_holder(record: dict[str, Any]) -> str:
             f"{record.get('since')})")
 
 
+def process_gone(host: object, pid: object) -> bool:
+    """Whether the process a record names (its host and pid) is known to be gone: on this host, no process has
+    that pid any more (it was killed or crashed). Another host's process cannot be looked at: not known gone."""
+    if host != socket.gethostname() or not isinstance(pid, int) or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's live process
+        return False
+    return False
+
+
 def lock_path(folder: Path) -> Path:
     folder = Path(folder).absolute()
     return folder.with_name(f".{folder.name}.lock")

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import socket
 import threading
 import time
 import uuid
@@ -30,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gptpipe.committed import CommittedFolder
-from gptpipe.lock import describe_holder, holder_record
+from gptpipe.lock import describe_holder, holder_record, process_gone
 from gptpipe.log import get_logger
 from gptpipe.stage import StageInputError, write_text_atomic
 from gptpipe.storage import cache_folder, filesystem, is_url, join, strip_protocol
@@ -235,15 +233,7 @@ class Lease:
     @staticmethod
     def _holder_gone(held: dict[str, Any]) -> bool:
         """A holder on this machine whose process no longer exists (killed, crashed): its lease is free now."""
-        if held.get("host") != socket.gethostname() or not isinstance(held.get("pid"), int):
-            return False
-        try:
-            os.kill(held["pid"], 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # another user's live process
-            return False
-        return False
+        return process_gone(held.get("host"), held.get("pid"))
 
     def take(self) -> None:
         self._refuse_if_held()

@@ -5,7 +5,8 @@ from `path_to_cache` after a barrier; a rank that shares no cache folder with ra
 their own) finds nothing there and fails. Here the ranks first find out who sees the same folder (`builds_here`):
 the lowest rank of each folder builds the indices, in a child process in a group of its own (megatron then builds
 and saves every index itself, and the rank's own memory never holds the build's arrays), into a temporary sibling
-renamed into place when complete. Every rank then opens the indices through megatron-core, all cache hits, each
+renamed into place when complete (a temporary that a killed builder left is removed by the next builder on its
+host). Every rank then opens the indices through megatron-core, all cache hits, each
 array memory-mapped: the page cache of a node holds them once, whatever its number of ranks.
 
 The cached indices sit in a folder named by what they are derived from (`indices_folder`): the datasets' stage-2
@@ -20,6 +21,7 @@ import json
 import os
 import pickle
 import shutil
+import socket
 import subprocess
 import sys
 import uuid
@@ -27,9 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from gptpipe.artifacts import TOKENIZE
+from gptpipe.lock import process_gone
 from gptpipe.log import get_logger
 
 log = get_logger("train")
+TEMPORARY = ".tmp-"  # indices-<key>.tmp-<nonce>-<pid>@<host>: a builder's folder until it is complete
 
 
 def indices_folder(cache_dir: Path, prefixes: list[Any], settings: dict[str, Any]) -> Path:
@@ -63,8 +67,11 @@ def build_in_child(folder: Path, build: Any, *args: Any) -> None:
     of a process group of its own, into a temporary sibling renamed into place when complete."""
     if folder.is_dir():
         return
-    # A name of its own: another job sharing this cache folder may be building the same indices right now.
-    temporary = folder.with_name(f"{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
+    remove_killed_builds(folder.parent)
+    # A name of its own (another job sharing this cache folder may be building the same indices right now), with
+    # the process that removes it if the build fails, for the next builder to tell whether it was killed.
+    temporary = folder.with_name(f"{folder.name}{TEMPORARY}{uuid.uuid4().hex[:8]}-{os.getpid()}@"
+                                 f"{socket.gethostname()}")
     temporary.mkdir(parents=True)
     log.info(f"building the dataset indices into {folder}")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
@@ -81,6 +88,17 @@ def build_in_child(folder: Path, build: Any, *args: Any) -> None:
         if not folder.is_dir():
             raise
         shutil.rmtree(temporary, ignore_errors=True)
+
+
+def remove_killed_builds(cache_dir: Path) -> None:
+    """Remove the temporaries in `cache_dir` of builders on this host that were killed mid-build (a builder that
+    fails removes its own; SIGKILL, an OOM kill or a node's crash leave them, each as large as the indices)."""
+    for path in cache_dir.glob(f"indices-*{TEMPORARY}*"):
+        before, _, host = path.name.rpartition("@")  # a host name may hold "-", a pid does not
+        pid = before.rsplit("-", 1)[-1]
+        if pid.isdigit() and process_gone(host, int(pid)):
+            log.info(f"removing {path}: left by a build that was killed (pid {pid})")
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _child() -> None:
