@@ -235,7 +235,10 @@ def test_the_index_is_counted_once_per_node_and_split_indices_per_rank(dataset_p
         return line, float(re.search(r"~([\d.]+) (\w+) needed", line).group(1))
 
     two, two_needed = host_ram("2")
-    assert "(cached once per node, memory-mapped by its ranks)" in two and "of split indices in each rank" in two
+    assert "cached, memory-mapped by its ranks)" in two and "of split indices in each rank" in two
+    index, build = (float(x) for x in re.search(r"dataset index ([\d.]+) GiB \(built once per node by a process "
+                                                 r"holding up to ([\d.]+) GiB", two).groups())
+    assert index <= build <= two_needed  # the cold start's builder: the indices and the split order's temporaries
     _, bucket_needed = host_ram("2", "train.output_model_dir=s3://bucket/run")
     assert bucket_needed == two_needed
     _, four_needed = host_ram("4")

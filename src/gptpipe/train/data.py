@@ -113,6 +113,17 @@ def index_bytes(stats: list[DatasetCounts], weights: list[float] | None, sizes: 
     return total
 
 
+# What the index builder (train/index_cache.py's child) holds beyond the indices it writes: the split order's
+# permutation and its sort, int64 each, per document of every dataset. bench/bench_startup.py at 10^8 documents:
+# the child's peak 4.2 GB (its forked image of ~0.5 GB included) for 2.4 GB of indices (docs/benchmarks.md).
+BUILD_BYTES_PER_DOCUMENT = 16
+
+
+def index_build_bytes(stats: list[DatasetCounts], index_ram: int) -> int:
+    """Host RAM at the peak of building the indices (`index_ram`: index_bytes'), once per cache folder."""
+    return index_ram + BUILD_BYTES_PER_DOCUMENT * sum(s.documents for s in stats)
+
+
 class _MegatronTokenizer:
     """The little megatron-core needs from a tokenizer: vocab size, the document separator, an identity."""
 

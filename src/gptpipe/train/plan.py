@@ -20,7 +20,7 @@ from gptpipe.train.config import TrainingRun
 from gptpipe.data.count import DatasetCounts, count_dataset, epoch_schedule, stale_train_tokens
 from gptpipe.storage import is_url
 from gptpipe.runtime.devices import available_host_ram, LossPath, detect_device, loss_path, peak_flops, ranks_per_node
-from gptpipe.train.data import blend_weights, check_splits, index_bytes
+from gptpipe.train.data import blend_weights, check_splits, index_build_bytes, index_bytes
 from gptpipe.runtime.metrics_rows import SpeedSetup, TrainRow, of_kind, read_metrics
 from gptpipe.runtime.memory import (GIB, GPU_RANK_HOST_RAM, Budget, EngineSettings, Memory, bytes_per_value,
                                     estimate_memory, memory_budget, optimizer_bytes_per_parameter)
@@ -63,6 +63,7 @@ class Plan:
     train_samples: int
     eval_samples: int
     index_ram: float
+    index_build_ram: int  # bytes the builder of the indices holds at its peak (once per cache folder, cold start)
     rank_index_ram: int  # bytes of split indices each rank holds itself (the cached ones are mapped)
     host_ram_needed: float
     host_ram: float
@@ -208,8 +209,10 @@ def make_plan(config: TrainingRun, vocab_size: int, dp: int | None = None, devic
     # megatron's index arrays (and the split order) are built once per cache folder (each node's own where the nodes
     # share none: train/index_cache.py) and memory-mapped by the node's ranks, so the page cache holds them once.
     # What each rank holds itself: megatron-core's arange of each split's document numbers (int32), one at a time.
+    # A cold start's builder holds the indices and the split order's temporaries at once (index_build_bytes).
     rank_index = 4 * max(max(s.split_documents) for s in stats)
-    host_needed = index_ram + node_ranks * (rank_index + offloaded + (GPU_RANK_HOST_RAM if on_gpu else 0))
+    build_ram = index_build_bytes(stats, index_ram)
+    host_needed = build_ram + node_ranks * (rank_index + offloaded + (GPU_RANK_HOST_RAM if on_gpu else 0))
     host_ram = float(available_host_ram())
     if host_needed > 0.9 * host_ram:
         raise PlanError(
@@ -233,7 +236,7 @@ def make_plan(config: TrainingRun, vocab_size: int, dp: int | None = None, devic
                 ranks_per_node=node_ranks, stats=stats, weights=weights,
                 tokens_per_step=tokens_per_step, steps=steps, run_length=run_length, schedule=schedule,
                 train_samples=sizes[0],
-                eval_samples=eval_samples, index_ram=index_ram, rank_index_ram=rank_index,
+                eval_samples=eval_samples, index_ram=index_ram, index_build_ram=build_ram, rank_index_ram=rank_index,
                 host_ram_needed=host_needed, host_ram=host_ram,
                 checkpoint_bytes=checkpoint_bytes,
                 # fp8 runs too: MFU against the dense bf16 peak (the FP8 matmuls' own peak is twice it)

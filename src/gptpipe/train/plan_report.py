@@ -75,7 +75,8 @@ def format_plan(plan: Plan, config: TrainingRun) -> str:
                            if (largest := plan.fp8 and largest_converted(plan.fp8)) else "")),
         ("loss", f"{'fused' if plan.loss.fused else 'unfused'}: {plan.loss.why}"),
         ("total", f"~{g(plan.planned_memory.total)} on {plan.device_name}: {plan.budget.describe()}"),
-        ("host RAM", f"dataset index {g(plan.index_ram)} (cached once per node, memory-mapped by its ranks) and "
+        ("host RAM", f"dataset index {g(plan.index_ram)} (built once per node by a process holding up to "
+                     f"{g(plan.index_build_ram)}, cached, memory-mapped by its ranks) and "
                      f"{g(plan.rank_index_ram)} of split indices in each rank; ~{g(plan.host_ram_needed)} needed of "
                      f"{g(plan.host_ram)} available ({plan.ranks_per_node} ranks on this node)"),
         ("disk", f"~{g(plan.checkpoint_bytes)} per checkpoint, keeping {train.keep_checkpoints}"),
