@@ -5,11 +5,13 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -259,29 +261,73 @@ def test_rerun_skips_and_force_redoes(workspace: Path, dataset_prefix: Path, tmp
     assert [a[1] for a in after[:2]] == [b[1] for b in before[:2]]  # ... to the same bytes
 
 
-def test_a_two_node_ray_cluster_writes_the_same_dataset(workspace: Path, dataset_prefix: Path, tmp_path: Path,
-                                                         capfd) -> None:
-    """tokenize.executor: ray on a real Ray cluster on this machine (a head node and a second node, one CPU
-    each): every byte range encoded by a Ray task, the dataset byte for byte the local run's."""
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[str]:
+    """A real Ray cluster on this machine, a head node and a second node of one CPU each: its address."""
     if os.environ.get("CI"):
-        import ray
+        import ray  # noqa: F401
     else:
-        ray = pytest.importorskip("ray", reason="pip install -e .[ray]")
+        pytest.importorskip("ray", reason="pip install -e .[ray]")
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
         cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
-        prefix = tmp_path / "ray"
-        tokenize(workspace, f"tokenize.output_prefix={prefix}", "tokenize.executor=ray",
-                 f"tokenize.ray_address={cluster.address}", "tokenize.task_bytes=1000000")
-        assert not ray.is_initialized()  # stage 2 left the cluster as it found it
+        yield cluster.address
     finally:
         cluster.shutdown()
-    assert "range(s) to encode on Ray (2 node(s), 2 CPU(s))" in capfd.readouterr().err
+
+
+def test_a_two_node_ray_cluster_writes_the_same_dataset(workspace: Path, dataset_prefix: Path, tmp_path: Path,
+                                                         ray_cluster: str, capfd) -> None:
+    """tokenize.executor: ray: every byte range encoded by a Ray task into a partition, the partitions put in place
+    by Ray tasks; the dataset byte for byte the local run's, one source's dataset (by_source) too."""
+    import ray
+
+    on_ray = ("tokenize.executor=ray", f"tokenize.ray_address={ray_cluster}", "tokenize.task_bytes=1000000")
+    tokenize(workspace, f"tokenize.output_prefix={tmp_path / 'ray'}", *on_ray)
+    assert not ray.is_initialized()  # stage 2 left the cluster as it found it
+    err = capfd.readouterr().err
+    assert "range(s) to encode on Ray (2 node(s), 2 CPU(s))" in err
+    assert "partition(s) to put in place on Ray (2 node(s), 2 CPU(s))" in err
     assert same_dataset(tmp_path / "ray_text_document", dataset_prefix)
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no parts folder left
+    # The stage-0 corpus has one source, whose dataset is then the same again.
+    tokenize(workspace, f"tokenize.output_prefix={tmp_path / 'mix'}", "tokenize.by_source=true", *on_ray)
+    assert TOKENIZE.require(tmp_path / "mix" / "ja_text_document").counts["source"] == "ja"
+    assert same_dataset(tmp_path / "mix" / "ja_text_document", dataset_prefix)
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".") or p.name.endswith(".partitions")]
+
+
+def test_a_killed_ray_run_continues_from_its_finished_partitions(workspace: Path, dataset_prefix: Path,
+                                                                  tmp_path: Path, ray_cluster: str, capfd) -> None:
+    """The driver of a Ray run killed midway: the partitions finished so far are kept (each with its record), and
+    the rerun, with another number of workers, encodes only the others into the same bytes as the local run."""
+    prefix = tmp_path / "resumed_text_document"
+    folder = tmp_path / "resumed_text_document.partitions"
+    keys = (f"tokenize.output_prefix={tmp_path / 'resumed'}", "tokenize.executor=ray",
+            f"tokenize.ray_address={ray_cluster}", "tokenize.task_bytes=200000")
+    proc = start_tokenize(workspace, *keys, "tokenize.workers=1")  # one range at a time: ~70 in a row
+    try:
+        deadline = time.time() + 300
+        while len(list(folder.glob("part-*.json"))) < 3:
+            assert proc.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+            time.sleep(0.02)
+    finally:
+        proc.kill()
+        proc.communicate()
+    finished = len(list(folder.glob("part-*.json")))
+    planned = len(json.loads((folder / "plan.json").read_text())["tasks"])
+    assert 3 <= finished < planned and not bin_path(prefix).exists()
+    assert not Manifest.read(TOKENIZE.manifest_path(prefix)).complete
+
+    capfd.readouterr()
+    tokenize(workspace, *keys, "tokenize.workers=2")
+    err = capfd.readouterr().err
+    kept = int(re.search(r"in (\d+) partition\(s\) → .*; (\d+) finished by an earlier run, kept", err)[2])
+    assert finished <= kept < planned  # (the range in flight at the kill may have finished after it)
+    assert f"{planned - kept:,} range(s) to encode on Ray" in err
+    assert same_dataset(prefix, dataset_prefix) and not folder.exists()
 
 
 def test_by_source_writes_one_dataset_per_source_and_weights_go_by_its_name(
