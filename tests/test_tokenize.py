@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
+import logging
 import os
 import re
 import signal
@@ -12,6 +14,8 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
+from functools import partial
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +24,17 @@ import sentencepiece as spm
 
 from conftest import corpus_bytes, corpus_texts, run_cli
 from gptpipe.cli import main
+from gptpipe.data.config import TokenizeConfig
+from gptpipe.data.partitions import Partitioned, partition_key, partitions_folder
+from gptpipe.data.ranges import plan_tasks
+from gptpipe.data.tokenize import tokenize_files
+from gptpipe.data.worker import WorkerSettings
 from gptpipe.data.indexed import IndexedDataset, bin_path, idx_path
 from gptpipe.data.jsonl import (BLANK, EMPTY, INVALID_JSON, LONE_SURROGATE, MISSING_KEY, NOT_A_STRING, NOT_AN_OBJECT,
                                 NUL_STRIPPED, TOO_LONG, UNDECODABLE)
 from gptpipe.stage import Manifest, StageInputError
 from gptpipe.artifacts import EXIT_BAD_INPUT, TOKENIZE, read_tokenizer
+from gptpipe.taskpool import TaskPool
 
 
 def expected_ids(tokenizer_dir: Path, texts: list[str]) -> list[list[int]]:
@@ -373,3 +383,35 @@ def test_by_source_writes_one_dataset_per_source_and_weights_go_by_its_name(
                  f"tokenize.input=[{tmp_path / 'web.jsonl'}]", f"tokenize.output_prefix={tmp_path / 'own'}",
                  "tokenize.by_source=true"]) == EXIT_BAD_INPUT
     assert "it is not a stage-0 output folder" in capfd.readouterr().err and not (tmp_path / "own").exists()
+
+
+def test_partitions_are_kept_only_for_the_same_input_and_settings(tokenizer_dir: Path, corpus_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    """The partition mechanics in one process: a run stopped after two partitions leaves exactly those, a rerun
+    under the same key keeps them (not one whose record is torn), another key starts over, and the partitions put
+    in place are the local run's bytes."""
+    files = sorted(corpus_dir.glob("corpus-*.jsonl"))[:2]
+    info, cfg = read_tokenizer(tokenizer_dir), TokenizeConfig()
+    settings = WorkerSettings(model_path=str(info.model_path), eod_id=info.eod_id, dtype="uint16", text_key="text",
+                              max_chars=cfg.max_document_chars, max_line_bytes=cfg.max_line_bytes,
+                              block_bytes=1 << 20, parts_dir="")
+    key = partition_key(files, "the tokenizer", settings, None)
+    prefix, log = tmp_path / "p_text_document", logging.getLogger("test")
+    with TaskPool("local", 1, None, log, "") as pool:
+        plan = partial(plan_tasks, files, 1, 400_000, None)
+        made = Partitioned(pool, prefix, key, plan)
+        assert len(made.tasks) >= 5 and not made.records
+        assert [r.task.index for r in islice(made.encode(settings), 2)] == [0, 1]  # then the driver stops
+        assert set(Partitioned(pool, prefix, key, plan).records) == {0, 1}
+        (partitions_folder(prefix) / "part-0000001.json").write_text('{"key": ')  # a torn record
+        again = Partitioned(pool, prefix, key, plan)
+        assert set(again.records) == {0}
+        assert [r.task.index for r in again.encode(settings)] == list(range(1, len(made.tasks)))
+        again.put_together(np.dtype("uint16"))
+        tokenize_files(files, tmp_path / "local_text_document", settings, pool, 400_000, None)
+        assert same_dataset(prefix, tmp_path / "local_text_document") and not partitions_folder(prefix).exists()
+
+        assert list(islice(Partitioned(pool, prefix, key, plan).encode(settings), 1))
+        other = partition_key(files, "the tokenizer", dataclasses.replace(settings, max_chars=1000), None)
+        assert not Partitioned(pool, prefix, other, plan).records
+        assert [p.name for p in partitions_folder(prefix).iterdir()] == ["plan.json"]

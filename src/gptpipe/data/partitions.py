@@ -27,7 +27,7 @@ import numpy as np
 from gptpipe.data.indexed import Placement, allocate, bin_path, idx_path, place, write_index
 from gptpipe.data.ranges import Task
 from gptpipe.data.worker import WorkerSettings, encode_task
-from gptpipe.stage import atomic_path, file_fingerprint, write_text_atomic
+from gptpipe.stage import atomic_path, file_fingerprint, package_versions, write_text_atomic
 from gptpipe.taskpool import TaskPool
 
 # What the worker settings hold that does not decide a partition's bytes: the tokenizer file's place (a fresh
@@ -42,9 +42,11 @@ def partitions_folder(prefix: Path) -> Path:
 
 def partition_key(files: list[Path], tokenizer: Any, settings: WorkerSettings,
                   shard: tuple[int, int] | None) -> str:
-    """What a partition's bytes derive from: the input files as they are now, the tokenizer, the settings."""
+    """What a partition's bytes derive from: the input files as they are now, the tokenizer, the settings, the
+    encoding libraries (an upgrade between a kill and the rerun could change the ids of the rest)."""
     made_of = {"files": [[str(f), file_fingerprint(f)] for f in files], "tokenizer": tokenizer, "shard": shard,
-               "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k not in NOT_IN_KEY}}
+               "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k not in NOT_IN_KEY},
+               "versions": package_versions(("sentencepiece", "tokenizers"))}
     return hashlib.sha256(json.dumps(made_of, sort_keys=True, default=str).encode()).hexdigest()
 
 

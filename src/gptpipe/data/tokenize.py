@@ -35,7 +35,7 @@ from gptpipe.data.config import TokenizeConfig, TokenizeRun
 from gptpipe.data.indexed import IndexedDatasetWriter, bin_path, idx_path, token_dtype
 from gptpipe.data.jsonl import Reasons
 from gptpipe.data.ranges import BLOCK_BYTES, LineNumbers, plan_tasks
-from gptpipe.data.partitions import Partitioned, partition_key
+from gptpipe.data.partitions import Partitioned, partition_key, partitions_folder
 from gptpipe.data.shards import parse_shard, read_shards, shard_prefix
 from gptpipe.data.worker import WorkerSettings, encode_task
 from gptpipe.log import get_logger
@@ -124,6 +124,8 @@ def tokenize_files(files: list[Path], prefix: Path, settings: WorkerSettings, po
             writer.finalize(tmp_idx)
     finally:  # the workers have stopped (results closed): the ranges in flight finished before their folder goes
         shutil.rmtree(parts_dir, ignore_errors=True)
+    # The partitions of a Ray run killed before it put them in place are of no use now.
+    shutil.rmtree(partitions_folder(prefix), ignore_errors=True)
     return _result(prefix, documents, tokens, dtype, lines, total_bytes, reasons,
                    max(1, min(pool.capacity, len(tasks))), shard, started)
 
@@ -233,6 +235,8 @@ def run(config: TokenizeRun, args: argparse.Namespace) -> int:
 
             def work(group: list[Path] = group, local: Path = local, label: str | None = label) -> StageResult:
                 remove_stale_temporaries(local)
+                if args.force:  # redo everything, the partitions a killed Ray run kept too
+                    shutil.rmtree(partitions_folder(local), ignore_errors=True)
                 key = partition_key(group, inputs["tokenizer"], settings, shard) if cfg.executor == "ray" else ""
                 result = tokenize_files(group, local, settings, pool, cfg.task_bytes, shard, key)
                 result.counts["boundaries"] = boundaries
