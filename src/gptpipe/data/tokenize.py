@@ -41,7 +41,7 @@ from gptpipe.data.worker import WorkerSettings, encode_task
 from gptpipe.log import get_logger
 from gptpipe.taskpool import TaskPool
 from gptpipe.remote import staging
-from gptpipe.stage import StageInputError, StageResult, atomic_path
+from gptpipe.stage import Manifest, StageInputError, StageResult, atomic_path
 from gptpipe.artifacts import PREPARE, TOKENIZE, TRAIN_TOKENIZER, check_input_files, corpus_sources, read_tokenizer
 from gptpipe.storage import is_url
 from gptpipe.data.base_tokenizer import is_pretrained_tokenizer, read_pretrained_tokenizer, tokenizer_folder
@@ -256,7 +256,8 @@ def _by_source(patterns: list[Path]) -> dict[str | None, list[Path]]:
     (check_input_files has vouched for them)."""
     groups: dict[str | None, list[Path]] = {}
     for pattern in patterns:
-        manifest = PREPARE.require(pattern) if Path(pattern).is_dir() else None
+        # read, not verified again: check_input_files has just verified it
+        manifest = Manifest.read(PREPARE.manifest_path(pattern)) if Path(pattern).is_dir() else None
         sources = corpus_sources(Path(pattern), manifest) if manifest else None
         if sources is None:
             why = ("its manifest records no files per source (a corpus.jsonl joined from them with corpus.join: "
