@@ -103,15 +103,15 @@ def _plan(folder: Path, key: str, make: Callable[[], tuple[list[Task], int]]) ->
             return [Task(**t) for t in raw["tasks"]], raw["bytes"]
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    tasks, total = make()
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    tasks, total = make()
     write_text_atomic(saved, json.dumps({"key": key, "bytes": total, "tasks": [dataclasses.asdict(t) for t in tasks]}))
     return tasks, total
 
 
 class Partitioned:
-    """One dataset made as partitions on `pool`'s Ray cluster (see the module's docstring)."""
+    """One dataset made as partitions by `pool`'s tasks (Ray's in stage 2; see the module's docstring)."""
 
     def __init__(self, pool: TaskPool, prefix: Path, key: str, make_plan: Callable[[], tuple[list[Task], int]]):
         self.pool, self.prefix, self.key = pool, prefix, key
