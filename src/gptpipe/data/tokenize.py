@@ -24,7 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
-from contextlib import closing
+from contextlib import ExitStack, closing
 from functools import partial
 from pathlib import Path
 import numpy as np
@@ -223,22 +223,29 @@ def run(config: TokenizeRun, args: argparse.Namespace) -> int:
         model_path=model_path, eod_id=eod_id, bos_id=bos_id, dtype=dtype.name, text_key=cfg.text_key,
         max_chars=cfg.max_document_chars, max_line_bytes=cfg.max_line_bytes,
         block_bytes=min(BLOCK_BYTES, cfg.task_bytes or BLOCK_BYTES), parts_dir="")
-    # One pool for every dataset of the run (with Ray: the cluster joined once).
-    with scratch, TaskPool(cfg.executor, cfg.workers, cfg.ray_address, log, "") as pool:
+    # One pool for every dataset of the run (with Ray: the cluster joined once), started when a dataset is made.
+    with scratch, ExitStack() as stack:
+        started: list[TaskPool] = []
+
+        def pool() -> TaskPool:
+            if not started:
+                started.append(stack.enter_context(TaskPool(cfg.executor, cfg.workers, cfg.ray_address, log, "")))
+            return started[0]
+
         for label, group in groups.items():
             if label is not None:
                 log.info(f"source {label}: {len(group):,} file(s) → {prefixes[label]}")
             extra = {"shard": f"{shard[0]}/{shard[1]}"} if shard else {"source": label} if label else {}
             local = staging(TOKENIZE, prefixes[label])  # a URL prefix is written here, then uploaded (gptpipe.remote)
-            pool.died = (f"nothing was written to {local}. Try fewer tokenize.workers or a lower "
-                         "tokenize.max_document_chars")
 
             def work(group: list[Path] = group, local: Path = local, label: str | None = label) -> StageResult:
                 remove_stale_temporaries(local)
                 if args.force:  # redo everything, the partitions a killed Ray run kept too
                     shutil.rmtree(partitions_folder(local), ignore_errors=True)
                 key = partition_key(group, inputs["tokenizer"], settings, shard) if cfg.executor == "ray" else ""
-                result = tokenize_files(group, local, settings, pool, cfg.task_bytes, shard, key)
+                pool().died = (f"nothing was written to {local}. Try fewer tokenize.workers or a lower "
+                               "tokenize.max_document_chars")
+                result = tokenize_files(group, local, settings, pool(), cfg.task_bytes, shard, key)
                 result.counts["boundaries"] = boundaries
                 if label is not None:
                     result.counts["source"] = label
