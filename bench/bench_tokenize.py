@@ -42,8 +42,8 @@ import sentencepiece as spm
 from gptpipe.config.core import load_config
 from gptpipe.pipeline import PipelineConfig
 from gptpipe.data.indexed import bin_path, idx_path, token_dtype
-from gptpipe.data.tokenize import tokenize_files
-from gptpipe.taskpool import local_cores as default_workers
+from gptpipe.data.tokenize import log, tokenize_files
+from gptpipe.taskpool import TaskPool, local_cores as default_workers
 from gptpipe.data.worker import WorkerSettings
 from gptpipe.artifacts import read_tokenizer
 
@@ -124,7 +124,7 @@ def main() -> None:
         for workers in args.workers:
             prefix = tmp_dir / f"gptpipe_w{workers}"
             seconds = best_time(lambda prefix=prefix, workers=workers: tokenize_files(
-                files, prefix, settings, workers, 0, None), args.repeat)
+                files, prefix, settings, TaskPool("local", workers, None, log, ""), 0, None), args.repeat)
             assert same_files(prefix, reference), "the output depends on the number of workers"
             whole = best_time(lambda workers=workers: subprocess.run(
                 [sys.executable, "-m", "gptpipe", "tokenize", "--config", str(args.config), "--force",

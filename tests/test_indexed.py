@@ -10,8 +10,8 @@ import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronDataset
 
-from gptpipe.data.indexed import (IndexedDataset, IndexedDatasetWriter, bin_path, idx_path, read_index,
-                                  token_dtype)
+from gptpipe.data.indexed import (IndexedDataset, IndexedDatasetWriter, Placement, allocate, bin_path, idx_path,
+                                  place, read_index, token_dtype)
 
 
 def random_documents(seed: int, count: int, vocab: int) -> list[np.ndarray]:
@@ -89,6 +89,35 @@ def test_merge_is_byte_identical_to_megatron_add_index(tmp_path: Path) -> None:
     builder.finalize(str(idx_path(tmp_path / "megatron")))
     writer.finalize(idx_path(tmp_path / "ours"))
     assert_same_files(tmp_path / "ours", tmp_path / "megatron")
+
+
+def test_placed_parts_are_byte_identical_to_megatron_add_index(tmp_path: Path) -> None:
+    """Stage 2's parallel merge: parts copied into their places of an allocated dataset, in any order (an empty
+    part too), give megatron-core's bytes for the parts appended in order."""
+    dtype = token_dtype(32_000)
+    parts = []
+    for i, count in enumerate((40, 0, 1, 73)):
+        parts.append(tmp_path / f"part{i}")
+        megatron_build(parts[-1], random_documents(i, count, 32_000), dtype)
+    builder = IndexedDatasetBuilder(str(bin_path(tmp_path / "megatron")), dtype=dtype.type)
+    for part in parts:
+        builder.add_index(str(part))
+    builder.finalize(str(idx_path(tmp_path / "megatron")))
+
+    indexes = [read_index(idx_path(p)) for p in parts]
+    sequences, tokens = sum(i.sequences for i in indexes), sum(i.tokens for i in indexes)
+    ours = tmp_path / "ours"
+    allocate(bin_path(ours), idx_path(ours), dtype, sequences, tokens)
+    first_sequence = np.cumsum([0] + [i.sequences for i in indexes])
+    first_token = np.cumsum([0] + [i.tokens for i in indexes])
+    for k in (3, 1, 0, 2):
+        place(parts[k], Placement(str(bin_path(ours)), str(idx_path(ours)), dtype.name, sequences,
+                                  int(first_sequence[k]), int(first_token[k])))
+    assert_same_files(ours, tmp_path / "megatron")
+
+    megatron_build_sentences(tmp_path / "sentences", random_documents(9, 5, 32_000), dtype, pieces=3)
+    with pytest.raises(ValueError, match="one sequence per document"):
+        place(tmp_path / "sentences", Placement(str(bin_path(ours)), str(idx_path(ours)), dtype.name, sequences, 0, 0))
 
 
 def test_reader_matches_megatron_on_sentence_level_data(tmp_path: Path) -> None:

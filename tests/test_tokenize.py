@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
+from functools import partial
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -18,11 +24,17 @@ import sentencepiece as spm
 
 from conftest import corpus_bytes, corpus_texts, run_cli
 from gptpipe.cli import main
+from gptpipe.data.config import TokenizeConfig
+from gptpipe.data.partitions import Partitioned, partition_key, partitions_folder
+from gptpipe.data.ranges import plan_tasks
+from gptpipe.data.tokenize import tokenize_files
+from gptpipe.data.worker import WorkerSettings
 from gptpipe.data.indexed import IndexedDataset, bin_path, idx_path
 from gptpipe.data.jsonl import (BLANK, EMPTY, INVALID_JSON, LONE_SURROGATE, MISSING_KEY, NOT_A_STRING, NOT_AN_OBJECT,
                                 NUL_STRIPPED, TOO_LONG, UNDECODABLE)
 from gptpipe.stage import Manifest, StageInputError
 from gptpipe.artifacts import EXIT_BAD_INPUT, TOKENIZE, read_tokenizer
+from gptpipe.taskpool import TaskPool
 
 
 def expected_ids(tokenizer_dir: Path, texts: list[str]) -> list[list[int]]:
@@ -259,29 +271,73 @@ def test_rerun_skips_and_force_redoes(workspace: Path, dataset_prefix: Path, tmp
     assert [a[1] for a in after[:2]] == [b[1] for b in before[:2]]  # ... to the same bytes
 
 
-def test_a_two_node_ray_cluster_writes_the_same_dataset(workspace: Path, dataset_prefix: Path, tmp_path: Path,
-                                                         capfd) -> None:
-    """tokenize.executor: ray on a real Ray cluster on this machine (a head node and a second node, one CPU
-    each): every byte range encoded by a Ray task, the dataset byte for byte the local run's."""
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[str]:
+    """A real Ray cluster on this machine, a head node and a second node of one CPU each: its address."""
     if os.environ.get("CI"):
-        import ray
+        import ray  # noqa: F401
     else:
-        ray = pytest.importorskip("ray", reason="pip install -e .[ray]")
+        pytest.importorskip("ray", reason="pip install -e .[ray]")
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
         cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
-        prefix = tmp_path / "ray"
-        tokenize(workspace, f"tokenize.output_prefix={prefix}", "tokenize.executor=ray",
-                 f"tokenize.ray_address={cluster.address}", "tokenize.task_bytes=1000000")
-        assert not ray.is_initialized()  # stage 2 left the cluster as it found it
+        yield cluster.address
     finally:
         cluster.shutdown()
-    assert "range(s) to encode on Ray (2 node(s), 2 CPU(s))" in capfd.readouterr().err
+
+
+def test_a_two_node_ray_cluster_writes_the_same_dataset(workspace: Path, dataset_prefix: Path, tmp_path: Path,
+                                                         ray_cluster: str, capfd) -> None:
+    """tokenize.executor: ray: every byte range encoded by a Ray task into a partition, the partitions put in place
+    by Ray tasks; the dataset byte for byte the local run's, one source's dataset (by_source) too."""
+    import ray
+
+    on_ray = ("tokenize.executor=ray", f"tokenize.ray_address={ray_cluster}", "tokenize.task_bytes=1000000")
+    tokenize(workspace, f"tokenize.output_prefix={tmp_path / 'ray'}", *on_ray)
+    assert not ray.is_initialized()  # stage 2 left the cluster as it found it
+    err = capfd.readouterr().err
+    assert "range(s) to encode on Ray (2 node(s), 2 CPU(s))" in err
+    assert "partition(s) to put in place on Ray (2 node(s), 2 CPU(s))" in err
     assert same_dataset(tmp_path / "ray_text_document", dataset_prefix)
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no parts folder left
+    # The stage-0 corpus has one source, whose dataset is then the same again.
+    tokenize(workspace, f"tokenize.output_prefix={tmp_path / 'mix'}", "tokenize.by_source=true", *on_ray)
+    assert TOKENIZE.require(tmp_path / "mix" / "ja_text_document").counts["source"] == "ja"
+    assert same_dataset(tmp_path / "mix" / "ja_text_document", dataset_prefix)
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".") or p.name.endswith(".partitions")]
+
+
+def test_a_killed_ray_run_continues_from_its_finished_partitions(workspace: Path, dataset_prefix: Path,
+                                                                  tmp_path: Path, ray_cluster: str, capfd) -> None:
+    """The driver of a Ray run killed midway: the partitions finished so far are kept (each with its record), and
+    the rerun, with another number of workers, encodes only the others into the same bytes as the local run."""
+    prefix = tmp_path / "resumed_text_document"
+    folder = tmp_path / "resumed_text_document.partitions"
+    keys = (f"tokenize.output_prefix={tmp_path / 'resumed'}", "tokenize.executor=ray",
+            f"tokenize.ray_address={ray_cluster}", "tokenize.task_bytes=200000")
+    proc = start_tokenize(workspace, *keys, "tokenize.workers=1")  # one range at a time: ~70 in a row
+    try:
+        deadline = time.time() + 300
+        while len(list(folder.glob("part-*.json"))) < 3:
+            assert proc.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+            time.sleep(0.02)
+    finally:
+        proc.kill()
+        proc.communicate()
+    finished = len(list(folder.glob("part-*.json")))
+    planned = len(json.loads((folder / "plan.json").read_text())["tasks"])
+    assert 3 <= finished < planned and not bin_path(prefix).exists()
+    assert not Manifest.read(TOKENIZE.manifest_path(prefix)).complete
+
+    capfd.readouterr()
+    tokenize(workspace, *keys, "tokenize.workers=2")
+    err = capfd.readouterr().err
+    kept = int(re.search(r"in (\d+) partition\(s\) → .*; (\d+) finished by an earlier run, kept", err)[2])
+    assert finished <= kept < planned  # (the range in flight at the kill may have finished after it)
+    assert f"{planned - kept:,} range(s) to encode on Ray" in err
+    assert same_dataset(prefix, dataset_prefix) and not folder.exists()
 
 
 def test_by_source_writes_one_dataset_per_source_and_weights_go_by_its_name(
@@ -327,3 +383,35 @@ def test_by_source_writes_one_dataset_per_source_and_weights_go_by_its_name(
                  f"tokenize.input=[{tmp_path / 'web.jsonl'}]", f"tokenize.output_prefix={tmp_path / 'own'}",
                  "tokenize.by_source=true"]) == EXIT_BAD_INPUT
     assert "it is not a stage-0 output folder" in capfd.readouterr().err and not (tmp_path / "own").exists()
+
+
+def test_partitions_are_kept_only_for_the_same_input_and_settings(tokenizer_dir: Path, corpus_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    """The partition mechanics in one process: a run stopped after two partitions leaves exactly those, a rerun
+    under the same key keeps them (not one whose record is torn), another key starts over, and the partitions put
+    in place are the local run's bytes."""
+    files = sorted(corpus_dir.glob("corpus-*.jsonl"))[:2]
+    info, cfg = read_tokenizer(tokenizer_dir), TokenizeConfig()
+    settings = WorkerSettings(model_path=str(info.model_path), eod_id=info.eod_id, dtype="uint16", text_key="text",
+                              max_chars=cfg.max_document_chars, max_line_bytes=cfg.max_line_bytes,
+                              block_bytes=1 << 20, parts_dir="")
+    key = partition_key(files, "the tokenizer", settings, None)
+    prefix, log = tmp_path / "p_text_document", logging.getLogger("test")
+    with TaskPool("local", 1, None, log, "") as pool:
+        plan = partial(plan_tasks, files, 1, 400_000, None)
+        made = Partitioned(pool, prefix, key, plan)
+        assert len(made.tasks) >= 5 and not made.records
+        assert [r.task.index for r in islice(made.encode(settings), 2)] == [0, 1]  # then the driver stops
+        assert set(Partitioned(pool, prefix, key, plan).records) == {0, 1}
+        (partitions_folder(prefix) / "part-0000001.json").write_text('{"key": ')  # a torn record
+        again = Partitioned(pool, prefix, key, plan)
+        assert set(again.records) == {0}
+        assert [r.task.index for r in again.encode(settings)] == list(range(1, len(made.tasks)))
+        again.put_together(np.dtype("uint16"))
+        tokenize_files(files, tmp_path / "local_text_document", settings, pool, 400_000, None)
+        assert same_dataset(prefix, tmp_path / "local_text_document") and not partitions_folder(prefix).exists()
+
+        assert list(islice(Partitioned(pool, prefix, key, plan).encode(settings), 1))
+        other = partition_key(files, "the tokenizer", dataclasses.replace(settings, max_chars=1000), None)
+        assert not Partitioned(pool, prefix, other, plan).records
+        assert [p.name for p in partitions_folder(prefix).iterdir()] == ["plan.json"]

@@ -40,7 +40,9 @@ class TokenizeConfig:
     executor: Literal["local", "ray"] = option(
         "local", "local: worker processes on this machine; ray: Ray tasks on the cluster at ray_address, as stage "
         "0's corpus.executor (pip install -e .[ray]; the input, tokenizer_dir and output_prefix's folder at the "
-        "same paths on every node, e.g. a shared filesystem); does not change the output")
+        "same paths on every node, e.g. a shared filesystem), each range written as a partition "
+        "(<prefix>.partitions/) that a rerun after a kill keeps, the partitions then put in place by Ray tasks; "
+        "does not change the output")
     ray_address: str | None = option(
         None, "executor ray: the cluster to join (auto, or host:port of its head); null starts Ray on this "
               "machine only")

@@ -119,6 +119,52 @@ class IndexedDataset:
         return np.asarray(self.tokens[start:start + int(self.index.sizes[i])])
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where one dataset (a partition) goes in a dataset that is datasets concatenated in order, each sequence one
+    document: its first sequence and first token there, and that dataset's files (allocated) and size."""
+
+    bin_file: str
+    idx_file: str
+    dtype: str
+    sequences: int  # of the whole dataset
+    first_sequence: int
+    first_token: int
+
+
+def allocate(bin_file: Path, idx_file: Path, dtype: np.dtype, sequences: int, tokens: int) -> None:
+    """Create the files of a dataset of `sequences` documents and `tokens` ids at their full size (sparse), with
+    the .idx header; `place` then fills in each part, in any order and from any machine that sees the files."""
+    with open(bin_file, "wb") as fh:
+        fh.truncate(tokens * np.dtype(dtype).itemsize)
+    with open(idx_file, "wb") as fh:
+        fh.write(HEADER.pack(MAGIC, VERSION, CODE_OF_DTYPE[np.dtype(dtype)], sequences, sequences + 1))
+        fh.truncate(HEADER.size + 12 * sequences + 8 * (sequences + 1))  # the first document index is 0
+
+
+def place(prefix: Path, at: Placement) -> None:
+    """Copy the dataset at `prefix` (each sequence one document) into its place in the allocated dataset: the
+    bytes are those IndexedDatasetWriter writes appending the same datasets in order."""
+    index = read_index(idx_path(prefix))
+    if index.dtype != np.dtype(at.dtype) or index.documents != index.sequences:
+        raise ValueError(f"{idx_path(prefix)}: {index.dtype} ids in {index.documents} documents of "
+                         f"{index.sequences} sequences; expected {at.dtype}, one sequence per document")
+    n, itemsize = index.sequences, index.dtype.itemsize
+    with open(bin_path(prefix), "rb") as src, open(at.bin_file, "r+b") as dst:
+        dst.seek(at.first_token * itemsize)
+        shutil.copyfileobj(src, dst, 16 << 20)
+    pointers = np.zeros(n, dtype="<i8")
+    np.cumsum(index.sizes[:-1], dtype=np.int64, out=pointers[1:])
+    pointers = (pointers + at.first_token) * itemsize
+    with open(at.idx_file, "r+b") as fh:
+        fh.seek(HEADER.size + 4 * at.first_sequence)
+        fh.write(np.asarray(index.sizes, dtype="<i4").tobytes())
+        fh.seek(HEADER.size + 4 * at.sequences + 8 * at.first_sequence)
+        fh.write(pointers.tobytes())
+        fh.seek(HEADER.size + 12 * at.sequences + 8 * (at.first_sequence + 1))
+        fh.write(np.arange(at.first_sequence + 1, at.first_sequence + n + 1, dtype="<i8").tobytes())
+
+
 class IndexedDatasetWriter:
     """Append documents (or whole datasets) to a .bin; ``finalize`` writes the .idx.
 

@@ -6,6 +6,9 @@ process concatenates the parts in order into the final files, so the output does
 of workers, the range size or on sharding. Lines that cannot become a document are skipped and counted by
 reason, with file:line examples (data/jsonl.py names the reasons).
 
+With ``tokenize.executor: ray`` the ranges are Ray tasks that each write a partition, kept by a rerun after a
+kill, and the partitions are put in place by Ray tasks too (data/partitions.py): the same bytes again.
+
 ``--shard I/N`` tokenizes only the I-th of N equal byte ranges of the input, into
 <prefix>.shard-I-of-N.bin/.idx with its own manifest; ``gptpipe merge --shards N`` joins them into the
 prefix, byte-for-byte what a single run writes (data/shards.py).
@@ -21,11 +24,9 @@ import shutil
 import sys
 import tempfile
 import time
-from contextlib import closing
+from contextlib import ExitStack, closing
 from functools import partial
 from pathlib import Path
-from typing import Literal
-
 import numpy as np
 from tqdm import tqdm
 
@@ -34,12 +35,13 @@ from gptpipe.data.config import TokenizeConfig, TokenizeRun
 from gptpipe.data.indexed import IndexedDatasetWriter, bin_path, idx_path, token_dtype
 from gptpipe.data.jsonl import Reasons
 from gptpipe.data.ranges import BLOCK_BYTES, LineNumbers, plan_tasks
+from gptpipe.data.partitions import Partitioned, partition_key, partitions_folder
 from gptpipe.data.shards import parse_shard, read_shards, shard_prefix
 from gptpipe.data.worker import WorkerSettings, encode_task
 from gptpipe.log import get_logger
 from gptpipe.taskpool import TaskPool
 from gptpipe.remote import staging
-from gptpipe.stage import StageInputError, StageResult, atomic_path
+from gptpipe.stage import Manifest, StageInputError, StageResult, atomic_path
 from gptpipe.artifacts import PREPARE, TOKENIZE, TRAIN_TOKENIZER, check_input_files, corpus_sources, read_tokenizer
 from gptpipe.storage import is_url
 from gptpipe.data.base_tokenizer import is_pretrained_tokenizer, read_pretrained_tokenizer, tokenizer_folder
@@ -82,60 +84,97 @@ def _counts(documents: int, tokens: int, dtype: np.dtype, lines: int, input_byte
             "input_bytes": input_bytes, **reasons.manifest_counts(), **extra}
 
 
-def tokenize_files(files: list[Path], prefix: Path, settings: WorkerSettings, workers: int, task_bytes: int,
-                   shard: tuple[int, int] | None, executor: Literal["local", "ray"] = "local",
-                   ray_address: str | None = None) -> StageResult:
-    """The work of stage 2: tokenize ``files`` into <prefix>.bin/.idx (written atomically); `workers` as
-    tokenize.workers (0: every core here, or every CPU of the Ray cluster)."""
-    # The pool first: with Ray, the ranges are sized for the cluster's CPUs (workers 0), not this machine's.
-    died = f"nothing was written to {prefix}. Try fewer tokenize.workers or a lower tokenize.max_document_chars"
-    with TaskPool(executor, workers, ray_address, log, died) as pool:
-        tasks, total_bytes = plan_tasks(files, pool.capacity, task_bytes, shard)
-        workers = max(1, min(pool.capacity, len(tasks)))
-        parts_dir = prefix.parent / f".{prefix.name}.parts-{os.getpid()}"
-        parts_dir.mkdir(parents=True, exist_ok=True)
-        settings = WorkerSettings(**{**settings.__dict__, "parts_dir": str(parts_dir)})
-        dtype = np.dtype(settings.dtype)
-        reasons = Reasons()
-        lines = documents = tokens = 0
-        line_numbers = LineNumbers()
-        started = time.perf_counter()
-        log.info(f"{total_bytes / 1e6:,.1f} MB in {len(tasks)} range(s) → {prefix}")
-        try:
-            with (closing(pool.each(partial(encode_task, settings), tasks, "range(s) to encode", in_order=True))
-                          as results,
-                  atomic_path(bin_path(prefix)) as tmp_bin, atomic_path(idx_path(prefix)) as tmp_idx,
-                  tqdm(total=total_bytes, unit="B", unit_scale=True, desc=STAGE, file=sys.stderr) as bar):
-                writer = IndexedDatasetWriter(tmp_bin, dtype)
-                try:
-                    for result in results:
-                        writer.add_raw(Path(result.part), result.sizes)
-                        os.unlink(result.part)
-                        documents += len(result.sizes)
-                        tokens += int(result.sizes.sum(dtype=np.int64))
-                        lines += result.lines
-                        reasons.merge(result.reasons.counts,
-                                      line_numbers.locate(result.task, result.lines, result.reasons.examples))
-                        bar.update(result.task.end - result.task.start)
-                        bar.set_postfix_str(f"{documents / (time.perf_counter() - started):,.0f} docs/s", refresh=False)
-                finally:
-                    writer.close()
-                if documents == 0 and shard is None:
-                    raise StageInputError(f"no documents in {', '.join(map(str, files))}: all {lines:,} lines were "
-                                          f"skipped ({reasons.summary()})")
-                writer.finalize(tmp_idx)
-        finally:  # the workers have stopped (results closed): the ranges in flight finished before their folder goes
-            shutil.rmtree(parts_dir, ignore_errors=True)
-        elapsed = time.perf_counter() - started
-        log.info(f"{documents:,} documents, {tokens:,} tokens ({dtype.name}) in {elapsed:.1f} s "
-                 f"({total_bytes / 1e6 / elapsed:,.1f} MB/s, {documents / elapsed:,.0f} docs/s)")
-        reasons.report(STAGE, lines)
-        return StageResult(
-            outputs=[bin_path(prefix), idx_path(prefix)],
-            counts=_counts(documents, tokens, dtype, lines, total_bytes, reasons,
-                           workers=workers, **({"shard": f"{shard[0]}/{shard[1]}"} if shard else {})),
-            timings={"tokenize_s": round(elapsed, 3)},
-        )
+def tokenize_files(files: list[Path], prefix: Path, settings: WorkerSettings, pool: TaskPool, task_bytes: int,
+                   shard: tuple[int, int] | None, key: str = "") -> StageResult:
+    """The work of stage 2: tokenize ``files`` into <prefix>.bin/.idx (written atomically) on ``pool``; on a Ray
+    pool as partitions that a rerun under the same ``key`` (data/partitions.py: partition_key) keeps."""
+    started = time.perf_counter()
+    if pool.kind == "ray":
+        return _partitioned(files, prefix, settings, pool, task_bytes, shard, key, started)
+    # The ranges are sized for the pool (tokenize.workers 0: every core here).
+    tasks, total_bytes = plan_tasks(files, pool.capacity, task_bytes, shard)
+    parts_dir = prefix.parent / f".{prefix.name}.parts-{os.getpid()}"
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    settings = WorkerSettings(**{**settings.__dict__, "parts_dir": str(parts_dir)})
+    dtype = np.dtype(settings.dtype)
+    reasons = Reasons()
+    lines = documents = tokens = 0
+    line_numbers = LineNumbers()
+    log.info(f"{total_bytes / 1e6:,.1f} MB in {len(tasks)} range(s) → {prefix}")
+    try:
+        with (closing(pool.each(partial(encode_task, settings), tasks, "range(s) to encode", in_order=True))
+                      as results,
+              atomic_path(bin_path(prefix)) as tmp_bin, atomic_path(idx_path(prefix)) as tmp_idx,
+              tqdm(total=total_bytes, unit="B", unit_scale=True, desc=STAGE, file=sys.stderr) as bar):
+            writer = IndexedDatasetWriter(tmp_bin, dtype)
+            try:
+                for result in results:
+                    writer.add_raw(Path(result.part), result.sizes)
+                    os.unlink(result.part)
+                    documents += len(result.sizes)
+                    tokens += int(result.sizes.sum(dtype=np.int64))
+                    lines += result.lines
+                    reasons.merge(result.reasons.counts,
+                                  line_numbers.locate(result.task, result.lines, result.reasons.examples))
+                    bar.update(result.task.end - result.task.start)
+                    bar.set_postfix_str(f"{documents / (time.perf_counter() - started):,.0f} docs/s", refresh=False)
+            finally:
+                writer.close()
+            _check_not_empty(files, documents, lines, reasons, shard)
+            writer.finalize(tmp_idx)
+    finally:  # the workers have stopped (results closed): the ranges in flight finished before their folder goes
+        shutil.rmtree(parts_dir, ignore_errors=True)
+    # The partitions of a Ray run killed before it put them in place are of no use now.
+    shutil.rmtree(partitions_folder(prefix), ignore_errors=True)
+    return _result(prefix, documents, tokens, dtype, lines, total_bytes, reasons,
+                   max(1, min(pool.capacity, len(tasks))), shard, started)
+
+
+def _partitioned(files: list[Path], prefix: Path, settings: WorkerSettings, pool: TaskPool, task_bytes: int,
+                 shard: tuple[int, int] | None, key: str, started: float) -> StageResult:
+    """tokenize_files on Ray: each range a partition, kept across runs; then the partitions put in place."""
+    made = Partitioned(pool, prefix, key, lambda: plan_tasks(files, pool.capacity, task_bytes, shard))
+    kept = sum(made.tasks[i].end - made.tasks[i].start for i in made.records)
+    log.info(f"{made.total_bytes / 1e6:,.1f} MB in {len(made.tasks)} partition(s) → {prefix}"
+             + (f"; {len(made.records)} finished by an earlier run, kept" if made.records else ""))
+    with tqdm(total=made.total_bytes, initial=kept, unit="B", unit_scale=True, desc=STAGE, file=sys.stderr) as bar:
+        for record in made.encode(settings):
+            bar.update(record.task.end - record.task.start)
+    reasons, line_numbers = Reasons(), LineNumbers()
+    records = made.ordered()
+    for r in records:
+        reasons.merge(r.counts, line_numbers.locate(r.task, r.lines, r.examples))
+    documents, lines = sum(r.documents for r in records), sum(r.lines for r in records)
+    try:
+        _check_not_empty(files, documents, lines, reasons, shard)
+    except StageInputError:
+        shutil.rmtree(made.folder, ignore_errors=True)  # nothing worth keeping
+        raise
+    dtype = np.dtype(settings.dtype)
+    made.put_together(dtype)
+    return _result(prefix, documents, sum(r.tokens for r in records), dtype, lines, made.total_bytes, reasons,
+                   max(1, min(pool.capacity, len(made.tasks))), shard, started)
+
+
+def _check_not_empty(files: list[Path], documents: int, lines: int, reasons: Reasons,
+                     shard: tuple[int, int] | None) -> None:
+    if documents == 0 and shard is None:
+        raise StageInputError(f"no documents in {', '.join(map(str, files))}: all {lines:,} lines were "
+                              f"skipped ({reasons.summary()})")
+
+
+def _result(prefix: Path, documents: int, tokens: int, dtype: np.dtype, lines: int, total_bytes: int,
+            reasons: Reasons, workers: int, shard: tuple[int, int] | None, started: float) -> StageResult:
+    elapsed = time.perf_counter() - started
+    log.info(f"{documents:,} documents, {tokens:,} tokens ({dtype.name}) in {elapsed:.1f} s "
+             f"({total_bytes / 1e6 / elapsed:,.1f} MB/s, {documents / elapsed:,.0f} docs/s)")
+    reasons.report(STAGE, lines)
+    return StageResult(
+        outputs=[bin_path(prefix), idx_path(prefix)],
+        counts=_counts(documents, tokens, dtype, lines, total_bytes, reasons,
+                       workers=workers, **({"shard": f"{shard[0]}/{shard[1]}"} if shard else {})),
+        timings={"tokenize_s": round(elapsed, 3)},
+    )
 
 
 def run(config: TokenizeRun, args: argparse.Namespace) -> int:
@@ -184,7 +223,15 @@ def run(config: TokenizeRun, args: argparse.Namespace) -> int:
         model_path=model_path, eod_id=eod_id, bos_id=bos_id, dtype=dtype.name, text_key=cfg.text_key,
         max_chars=cfg.max_document_chars, max_line_bytes=cfg.max_line_bytes,
         block_bytes=min(BLOCK_BYTES, cfg.task_bytes or BLOCK_BYTES), parts_dir="")
-    with scratch:
+    # One pool for every dataset of the run (with Ray: the cluster joined once), started when a dataset is made.
+    with scratch, ExitStack() as stack:
+        started: list[TaskPool] = []
+
+        def pool() -> TaskPool:
+            if not started:
+                started.append(stack.enter_context(TaskPool(cfg.executor, cfg.workers, cfg.ray_address, log, "")))
+            return started[0]
+
         for label, group in groups.items():
             if label is not None:
                 log.info(f"source {label}: {len(group):,} file(s) → {prefixes[label]}")
@@ -193,8 +240,12 @@ def run(config: TokenizeRun, args: argparse.Namespace) -> int:
 
             def work(group: list[Path] = group, local: Path = local, label: str | None = label) -> StageResult:
                 remove_stale_temporaries(local)
-                result = tokenize_files(group, local, settings, cfg.workers, cfg.task_bytes, shard, cfg.executor,
-                                        cfg.ray_address)
+                if args.force:  # redo everything, the partitions a killed Ray run kept too
+                    shutil.rmtree(partitions_folder(local), ignore_errors=True)
+                key = partition_key(group, inputs["tokenizer"], settings, shard) if cfg.executor == "ray" else ""
+                pool().died = (f"nothing was written to {local}. Try fewer tokenize.workers or a lower "
+                               "tokenize.max_document_chars")
+                result = tokenize_files(group, local, settings, pool(), cfg.task_bytes, shard, key)
                 result.counts["boundaries"] = boundaries
                 if label is not None:
                     result.counts["source"] = label
@@ -212,7 +263,8 @@ def _by_source(patterns: list[Path]) -> dict[str | None, list[Path]]:
     (check_input_files has vouched for them)."""
     groups: dict[str | None, list[Path]] = {}
     for pattern in patterns:
-        manifest = PREPARE.require(pattern) if Path(pattern).is_dir() else None
+        # read, not verified again: check_input_files has just verified it
+        manifest = Manifest.read(PREPARE.manifest_path(pattern)) if Path(pattern).is_dir() else None
         sources = corpus_sources(Path(pattern), manifest) if manifest else None
         if sources is None:
             why = ("its manifest records no files per source (a corpus.jsonl joined from them with corpus.join: "
