@@ -49,6 +49,21 @@ def process_gone(host: object, pid: object) -> bool:
     return False
 
 
+def owner_suffix() -> str:
+    """`<pid>@<host>`: the end of a temporary file or folder's name, for `left_by_gone_process` to read."""
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
+def left_by_gone_process(name: str) -> bool:
+    """Whether a name ending in `-<owner_suffix()>` is a temporary of a process of this host that is gone. A name
+    ending in `-<pid>` alone (stage.atomic_path's) is taken as this host's."""
+    before, at, host = name.rpartition("@")  # a host name may hold "-", a pid does not
+    if not at:
+        before, host = name, socket.gethostname()
+    pid = before.rsplit("-", 1)[-1]
+    return pid.isdigit() and process_gone(host, int(pid))
+
+
 def lock_path(folder: Path) -> Path:
     folder = Path(folder).absolute()
     return folder.with_name(f".{folder.name}.lock")

@@ -38,6 +38,7 @@ from gptpipe.data.ranges import BLOCK_BYTES, LineNumbers, plan_tasks
 from gptpipe.data.partitions import Partitioned, partition_key, partitions_folder
 from gptpipe.data.shards import parse_shard, read_shards, shard_prefix
 from gptpipe.data.worker import WorkerSettings, encode_task
+from gptpipe.lock import left_by_gone_process, owner_suffix
 from gptpipe.log import get_logger
 from gptpipe.taskpool import TaskPool
 from gptpipe.remote import staging
@@ -60,21 +61,10 @@ def _manifest_config(cfg: TokenizeConfig, **extra: object) -> dict:
     return {**plain, **extra}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_temporaries(prefix: Path) -> None:
-    """Delete temporaries of earlier runs at this prefix that were killed (their process is gone)."""
+    """Delete temporaries of earlier runs at this prefix that were killed (their process, on this host, is gone)."""
     for path in prefix.parent.glob(f".{glob.escape(prefix.name)}.*"):
-        pid = path.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if left_by_gone_process(path.name):
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
@@ -93,7 +83,7 @@ def tokenize_files(files: list[Path], prefix: Path, settings: WorkerSettings, po
         return _partitioned(files, prefix, settings, pool, task_bytes, shard, key, started)
     # The ranges are sized for the pool (tokenize.workers 0: every core here).
     tasks, total_bytes = plan_tasks(files, pool.capacity, task_bytes, shard)
-    parts_dir = prefix.parent / f".{prefix.name}.parts-{os.getpid()}"
+    parts_dir = prefix.parent / f".{prefix.name}.parts-{owner_suffix()}"
     parts_dir.mkdir(parents=True, exist_ok=True)
     settings = WorkerSettings(**{**settings.__dict__, "parts_dir": str(parts_dir)})
     dtype = np.dtype(settings.dtype)

@@ -21,7 +21,6 @@ import json
 import os
 import pickle
 import shutil
-import socket
 import subprocess
 import sys
 import uuid
@@ -29,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from gptpipe.artifacts import TOKENIZE
-from gptpipe.lock import process_gone
+from gptpipe.lock import left_by_gone_process, owner_suffix
 from gptpipe.log import get_logger
 
 log = get_logger("train")
-TEMPORARY = ".tmp-"  # indices-<key>.tmp-<nonce>-<pid>@<host>: a builder's folder until it is complete
+TEMPORARY = ".tmp-"  # a builder's folder until complete: indices-<key>.tmp-<nonce>-<pid>@<host> (lock.owner_suffix)
 
 
 def indices_folder(cache_dir: Path, prefixes: list[Any], settings: dict[str, Any]) -> Path:
@@ -70,8 +69,7 @@ def build_in_child(folder: Path, build: Any, *args: Any) -> None:
     remove_killed_builds(folder.parent)
     # A name of its own (another job sharing this cache folder may be building the same indices right now), with
     # the process that removes it if the build fails, for the next builder to tell whether it was killed.
-    temporary = folder.with_name(f"{folder.name}{TEMPORARY}{uuid.uuid4().hex[:8]}-{os.getpid()}@"
-                                 f"{socket.gethostname()}")
+    temporary = folder.with_name(f"{folder.name}{TEMPORARY}{uuid.uuid4().hex[:8]}-{owner_suffix()}")
     temporary.mkdir(parents=True)
     log.info(f"building the dataset indices into {folder}")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
@@ -94,10 +92,8 @@ def remove_killed_builds(cache_dir: Path) -> None:
     """Remove the temporaries in `cache_dir` of builders on this host that were killed mid-build (a builder that
     fails removes its own; SIGKILL, an OOM kill or a node's crash leave them, each as large as the indices)."""
     for path in cache_dir.glob(f"indices-*{TEMPORARY}*"):
-        before, _, host = path.name.rpartition("@")  # a host name may hold "-", a pid does not
-        pid = before.rsplit("-", 1)[-1]
-        if pid.isdigit() and process_gone(host, int(pid)):
-            log.info(f"removing {path}: left by a build that was killed (pid {pid})")
+        if left_by_gone_process(path.name):
+            log.info(f"removing {path}: left by a build that was killed (pid {path.name.rsplit('-', 1)[1]})")
             shutil.rmtree(path, ignore_errors=True)
 
 
