@@ -38,6 +38,17 @@ from gptpipe.runtime.schedule import Schedule
 VOCAB = 32000  # the shipped tokenizer's size
 
 
+def tensors_copied(state: object) -> list[torch.Tensor]:
+    """A copy of every tensor in the nested dicts/lists `state` (a checkpoint's content)."""
+    if isinstance(state, torch.Tensor):
+        return [state.detach().clone()]
+    if isinstance(state, dict):
+        state = list(state.values())
+    if isinstance(state, (list, tuple)):
+        return [copy for item in state for copy in tensors_copied(item)]
+    return []
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="125m")
@@ -47,6 +58,7 @@ def main() -> None:
     parser.add_argument("--mib-per-s", type=float, default=32.0, help="the proxy's cap per connection; 0: none")
     parser.add_argument("--rtt-ms", type=float, default=20.0)
     parser.add_argument("--work", type=Path, default=None, help="where the checkpoints go (default: a temp folder)")
+    parser.add_argument("--no-transfers", action="store_true", help="time the saves (and the snapshot) only")
     args = parser.parse_args()
 
     dist = setup_distributed()
@@ -82,13 +94,23 @@ def main() -> None:
             stalls.append(time.perf_counter() - started)
             loads.append(os.getloadavg()[0])
             print(f"save {n}: {stalls[-1]:.2f} s, load {loads[-1]:.1f}", file=sys.stderr, flush=True)
-        sizes = {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()}
+        # The transfer's committed folder writes its own record (a bucket checkpoint's is `complete` too).
+        sizes = {p.name: p.stat().st_size for p in folder.iterdir()
+                 if p.is_file() and p.name != checkpoint.COMPLETE_MARKER}
         gib = sum(sizes.values()) / 2**30
+        # What a save that writes in the background would still stall for: a copy of every tensor it saves.
+        snapshots = []
+        for _ in range(3):
+            started = time.perf_counter()
+            copy = tensors_copied([engine.module.state_dict(), engine.optimizer.state_dict()])
+            snapshots.append(time.perf_counter() - started)
+            copied = sum(t.numel() * t.element_size() for t in copy) / 2**30
+            del copy
         moved: dict[bool, tuple[float, float]] = {}
         with bench_transfers.store(args.mib_per_s, args.rtt_ms):
-            for one_stream in (True, False):
+            for one_stream in () if args.no_transfers else (True, False):
                 moved[one_stream] = bench_transfers.transfer(f"s3://bench-transfers/{args.preset}-{one_stream}",
-                                                             folder, sizes, one_stream)
+                                                             folder, sizes, one_stream, read_timeout=900)
                 loads.append(os.getloadavg()[0])
                 print(("one stream" if one_stream else "now"), moved[one_stream], file=sys.stderr, flush=True)
     finally:
@@ -101,7 +123,10 @@ def main() -> None:
     print(f"| checkpoint (one rank's folder: {len(sizes)} files) | {gib:.2f} GiB |")
     print(f"| stall per save (checkpoint.save; median of {len(stalls)}: "
           f"{', '.join(f'{s:.1f}' for s in stalls)} s) | {stall:.1f} s ({gib / stall:.2f} GiB/s) |")
-    for i, what in enumerate(("upload (put + commit)", "download (fetch)")):
+    snapshot = statistics.median(snapshots)
+    print(f"| a copy in RAM of every saved tensor ({copied:.2f} GiB; median of 3: "
+          f"{', '.join(f'{s:.1f}' for s in snapshots)} s) | {snapshot:.1f} s ({copied / snapshot:.2f} GiB/s) |")
+    for i, what in enumerate(("upload (put + commit)", "download (fetch)") if moved else ()):
         one, now = mib / moved[True][i], mib / moved[False][i]
         print(f"| {what}: one stream / now | {one:.0f} s / {now:.0f} s ({moved[False][i] / moved[True][i]:.2f}x) |")
 

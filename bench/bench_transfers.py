@@ -48,13 +48,17 @@ def folder_of(work: Path, files: int, mib: int) -> dict[str, int]:
     return sizes
 
 
-def transfer(url: str, work: Path, sizes: dict[str, int], one_stream: bool) -> tuple[float, float]:
-    """(upload MiB/s, download MiB/s) of the folder through a committed folder at `url`."""
+def transfer(url: str, work: Path, sizes: dict[str, int], one_stream: bool,
+             read_timeout: float | None = None) -> tuple[float, float]:
+    """(upload MiB/s, download MiB/s) of the folder through a committed folder at `url`. `read_timeout`: s3fs's
+    defaults (storage.filesystem's concurrency) with this read timeout for both kinds, for files so large that
+    moto's completion of a multipart upload outlasts storage.filesystem's 60 s."""
     import s3fs
 
-    if one_stream:
+    if one_stream or read_timeout:
         fs = s3fs.S3FileSystem(endpoint_url=os.environ["AWS_ENDPOINT_URL"], skip_instance_cache=True,
-                               max_concurrency=1)
+                               max_concurrency=1 if one_stream else 10,
+                               config_kwargs={"read_timeout": read_timeout or 60})
     else:
         fs = storage.filesystem(url)
     folder = committed.CommittedFolder(url, "complete", fs)
