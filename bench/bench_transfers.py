@@ -33,9 +33,26 @@ from gptpipe.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 
-MOTO = ("from moto.server import ThreadedMotoServer; import time\n"
-        "ThreadedMotoServer(ip_address='127.0.0.1', port={port}, verbose=False).start()\n"
-        "time.sleep(1e9)")
+# moto's server, one change: a ranged GET reads only its range. moto answers one by reading the whole object and
+# slicing it (responses.py, _handle_range_header cuts key.value), so a file fetched in N ranged parts costs it N
+# whole reads where a real store pays for the ranges alone. Here an object's bytes are read once and kept (objects
+# are written whole through the value setter, which drops the kept copy).
+MOTO = """
+from moto.s3.models import FakeKey
+from moto.server import ThreadedMotoServer
+import time
+read, write = FakeKey.value.fget, FakeKey.value.fset
+def kept(key):
+    if '_bench_bytes' not in key.__dict__:
+        key.__dict__['_bench_bytes'] = read(key)
+    return key.__dict__['_bench_bytes']
+def replaced(key, value):
+    key.__dict__.pop('_bench_bytes', None)
+    write(key, value)
+FakeKey.value = property(kept, replaced)
+ThreadedMotoServer(ip_address='127.0.0.1', port={port}, verbose=False).start()
+time.sleep(1e9)
+"""
 
 
 def folder_of(work: Path, files: int, mib: int) -> dict[str, int]:
@@ -83,7 +100,7 @@ def store(mib_per_s: float, rtt_ms: float) -> Iterator[None]:
     the bucket `bench-transfers`; the environment points s3fs at it."""
     port = free_port()
     endpoint = port
-    children = [subprocess.Popen([sys.executable, "-c", MOTO.format(port=port)], stdout=subprocess.DEVNULL,
+    children = [subprocess.Popen([sys.executable, "-c", MOTO.replace("{port}", str(port))], stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL)]
     if mib_per_s:
         endpoint = free_port()
