@@ -24,6 +24,7 @@ from conftest import (FAKE_KEY_ID, FAKE_SECRET, QUICK_TRAIN, REFERENCE_RUN, REFE
 from gptpipe.config.core import ConfigError, Url, load_config
 from gptpipe.pipeline import PipelineConfig
 from gptpipe.artifacts import EXIT_PREEMPTED
+from gptpipe.runtime.checkpoint import complete_checkpoints
 
 STEPS = REFERENCE_STEPS
 # How long a SIGTERM save may wait for its upload (AWS spot's notice; the default is GCE's ~25 s). The servers run
@@ -280,7 +281,7 @@ def outage(s3, workspace: Path, tmp_path: Path) -> None:
         reader.join(timeout=10)
         stderr = "".join(lines)
         assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
-        assert f"the upload to {url} did not finish within 3 s" in stderr
+        assert f"the upload to {url} did not finish within train.preempt_grace_seconds (3 s from the signal)" in stderr
         saved = max(int(p.name.removeprefix("global_step")) for p in (machine / "checkpoints").glob("global_step*"))
         assert (machine / "checkpoints" / f"global_step{saved}" / "complete").is_file()
 
@@ -298,6 +299,30 @@ def outage(s3, workspace: Path, tmp_path: Path) -> None:
         if process.poll() is None:  # a failed check must not leave a 1000-step run behind
             process.kill()
             process.wait()
+
+
+def test_a_sigterm_save_that_cannot_fit_the_grace_is_skipped_and_the_resume_step_said(
+        dataset_prefix: Path, workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No grace at all (train.preempt_grace_seconds=0): the last periodic save's measured time does not fit, so
+    the step a SIGTERM stops at is not saved; the console says so, and which checkpoint the run resumes from."""
+    with open_store("s3", monkeypatch) as s3:
+        url = f"{s3.url}/runs/nograce"
+        machine = tmp_path / "machine"
+        process = start_train(workspace / "config.yaml", "train.train_iters=1000", "train.save_interval=3",
+                              "train.preempt_grace_seconds=0", f"train.output_model_dir={url}",
+                              f"train.local_dir={machine}")
+        wait_for_step(machine, 4, process)  # past the save at step 3: its time is known
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=300)
+    assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    assert re.search(r"saved \S+global_step3 in \d+\.\d s", stderr), stderr[-3000:]
+    stopped, resumed = map(int, re.search(r"SIGTERM: stopped at step (\d+), checkpoint at step (\d+)",
+                                          stderr).groups())
+    saved = [step for step, _ in complete_checkpoints(machine / "checkpoints")]
+    assert stopped > resumed == max(saved) and resumed % 3 == 0, (stopped, saved)
+    assert re.search(rf"SIGTERM: step {stopped} is not saved: a save takes ~\d+\.\d s \(the last one\) and "
+                     r"0\.0 s of train\.preempt_grace_seconds=0 are left", stderr), stderr[-3000:]
+    assert f"the upload to {url} did not finish within train.preempt_grace_seconds (0 s from the signal)" in stderr
 
 
 def test_a_committed_folder_exists_only_once_its_record_is_written_last(store, tmp_path: Path) -> None:

@@ -107,7 +107,8 @@ def test_the_training_process_waits_for_the_uploader_within_the_grace(store, tmp
     assert code == 75 and waited < 3.0 + 2.0
     if reachable:
         assert Bucket(url, None).newest()[0] == 5 and mirror.committed_step == 5
-        assert f"the run is mirrored in {url}" in caplog.text
+        assert f"the run is mirrored in {url}: a rerun anywhere resumes from global_step5" in caplog.text
     else:
         assert Bucket(url, None).newest() is None and waited >= 3.0
-        assert "did not finish within 3 s: it holds no complete checkpoint of this run" in caplog.text
+        assert ("did not finish within train.preempt_grace_seconds (3 s from the signal): it holds no complete "
+                "checkpoint of this run") in caplog.text

@@ -130,8 +130,9 @@ class LoopConfig:
     local_dir: Path | None = option(
         None, "with a bucket output_model_dir: the local staging folder (None: under the system temp folder)")
     preempt_grace_seconds: float = option(
-        25.0, "with a bucket output_model_dir: how long a SIGTERM save may wait for its upload before exit 75 "
-              "(GCE spot and Kubernetes give ~30 s, AWS spot 120 s)")
+        25.0, "with a bucket output_model_dir: the seconds from a SIGTERM to exit 75 (GCE spot and Kubernetes give "
+              "~30 s, AWS spot 120 s): the step is saved if the last save's time fits in them, and its upload "
+              "waits for what is left")
     seq_len: int = option(2048, "tokens per sample")
     global_batch_size: int = option(128, "samples per optimizer step, over all GPUs and accumulation steps")
     micro_batch_size: int | None = option(

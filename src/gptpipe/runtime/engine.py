@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -333,9 +334,17 @@ class StopFlag:
     def __init__(self, world_size: int):
         self._event = threading.Event()
         self.signal_name = ""
+        self.at: float | None = None  # time.monotonic() when this rank first learnt of the stop: its grace runs
         self._group = torch.distributed.new_group(backend="gloo") if world_size > 1 else None
 
+    @property
+    def group(self) -> Any:
+        """The ranks' gloo group (None on one rank): CPU collectives about stopping."""
+        return self._group
+
     def set(self, signal_name: str) -> None:
+        if self.at is None:
+            self.at = time.monotonic()
         self.signal_name = signal_name
         self._event.set()
 

@@ -127,6 +127,7 @@ class TrainLoop(ABC):
         seed_everything(train_cfg.seed)
         self.step, self.skipped = 0, 0
         self.finished = False  # the checkpoint resumed from was saved after the final evaluation
+        self.save_seconds: float | None = None  # the last save's stall (its wall time on this rank)
         self.last_loss: torch.Tensor | None = None  # the last finished step's loss, on device
         # The log window: per-step losses since the last log step (on device) and the training seconds they
         # took before window_start; both go into a checkpoint, so a resumed run logs the same rows.
@@ -218,13 +219,39 @@ class TrainLoop(ABC):
                  "log_window": {"losses": self._window_losses(), "seconds": self.window_seconds + self.paused_at
                                 - self.window_start},
                  **self.checkpoint_state()}
+        started = time.perf_counter()
         folder = checkpoint.save(self.engine, self.ckpt_root, self.step, state, self.hf_config.to_json_string(),
                                  self.dist, self.train_cfg.keep_checkpoints)
-        self.say(f"saved {folder}")
+        # The stall: training waits for every rank's local save (the bucket's upload runs beside the steps).
+        self.save_seconds = time.perf_counter() - started
+        self.say(f"saved {folder} in {self.save_seconds:.1f} s")
         if self.mirror:
             self.mirror.submit(self.step, folder)
         self.after_save(self.step)
         return self.step
+
+    def _grace_left(self) -> float | None:
+        """Seconds left of a bucket run's train.preempt_grace_seconds since the stop signal (None: no grace)."""
+        if self.mirror is None or self.stop.at is None:
+            return None
+        return self.train_cfg.preempt_grace_seconds - (time.monotonic() - self.stop.at)
+
+    def _save_fits(self) -> bool:
+        """Whether a save after a stop signal fits in what is left of the grace, judged by the last save's stall
+        (every rank judges the same: the stall is measured across the save's barriers and agreed by the max)."""
+        left = self._grace_left()
+        if left is None or self.save_seconds is None:
+            return True
+        needed = torch.tensor([self.save_seconds, -left], dtype=torch.float64)
+        if self.dist.world_size > 1:
+            torch.distributed.all_reduce(needed, op=torch.distributed.ReduceOp.MAX, group=self.stop.group)
+        stall, left = float(needed[0]), -float(needed[1])
+        if stall <= left:
+            return True
+        self.say(f"{self.stop.signal_name}: step {self.step} is not saved: a save takes ~{stall:.1f} s (the last "
+                 f"one) and {max(left, 0.0):.1f} s of train.preempt_grace_seconds="
+                 f"{self.train_cfg.preempt_grace_seconds:g} are left")
+        return False
 
     def _window_losses(self) -> list[float]:
         """The log window's per-step losses averaged over the ranks (collective; a sync, on log and save steps)."""
@@ -261,7 +288,10 @@ class TrainLoop(ABC):
             # A bucket run: the last save's upload must land (within the grace time on a signal) before exiting;
             # after a signal the handlers stay until it has, so a launcher's SIGTERM to the ranks it stops (once
             # one exits 75) cannot cut it off.
-            return self.mirror.finish(code, EXIT_PREEMPTED) if self.mirror else code
+            if self.mirror is None:
+                return code
+            left = self._grace_left() if code == EXIT_PREEMPTED else None
+            return self.mirror.finish(code, EXIT_PREEMPTED, None if left is None else max(left, 0.0))
         finally:
             restore_handlers()
             if self.lock is not None:  # the folder is free for the next run in this process too
@@ -322,7 +352,7 @@ class TrainLoop(ABC):
                 break
         if self.stop.agreed():
             self.paused_at = time.perf_counter()
-            if self.step > saved_at:
+            if self.step > saved_at and self._save_fits():
                 saved_at = self._save() or saved_at
             self.say(f"{self.stop.signal_name}: stopped at step {self.step}, checkpoint at step {saved_at}; "
                      f"exit {EXIT_PREEMPTED}. Run the same command again to resume.")

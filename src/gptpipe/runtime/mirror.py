@@ -61,6 +61,7 @@ class RunMirror:
         self._state: dict[str, Any] = {"failures": 0, "step": None, "committed": None}
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None  # reads the uploader's state lines
         self._group: Any = None  # the ranks' gloo group (restore), for the barrier at the end (finish)
         self.lease: Lease | None = None  # rank 0's hold on the bucket folder (bucket.Lease)
 
@@ -244,7 +245,8 @@ class RunMirror:
         self._send({"url": self.url, "endpoint_url": self.endpoint_url, "local": str(self.local), "keep": self.keep,
                     "synced": self._side_synced, "node": self.node, "nodes": self.nodes, "attempt": self.attempt,
                     "committed": self._state["committed"]})
-        threading.Thread(target=self._read_state, name="gptpipe-mirror-state", daemon=True).start()
+        self._reader = threading.Thread(target=self._read_state, name="gptpipe-mirror-state", daemon=True)
+        self._reader.start()
 
     def _send(self, message: dict[str, Any]) -> None:
         assert self._process is not None and self._process.stdin is not None
@@ -285,13 +287,14 @@ class RunMirror:
             return f"  upload of {what} failing ({self._state['failures']} tries, retrying)"
 
     # --- at the end ---------------------------------------------------------------------------------
-    def finish(self, code: int, preempted: int) -> int:
-        """Wait for the last checkpoint and the run's files to reach the bucket: within
-        train.preempt_grace_seconds after a signal, else up to FINAL_WAIT_SECONDS. Returns the exit code.
+    def finish(self, code: int, preempted: int, grace_left: float | None = None) -> int:
+        """Wait for the last checkpoint and the run's files to reach the bucket: after a signal within what is left
+        of train.preempt_grace_seconds since it came (`grace_left`; None: all of it), else up to
+        FINAL_WAIT_SECONDS. Returns the exit code; the console says which step a rerun resumes from.
 
         Collective: no rank returns before every uploader's commit has, since launchers (torchrun, deepspeed's)
         stop a node's other ranks as soon as one exits non-zero (75 after a signal), an uploader among them."""
-        code = self._finish_uploads(code, preempted)
+        code = self._finish_uploads(code, preempted, grace_left)
         if self._group is not None:
             import torch.distributed as td
 
@@ -300,17 +303,24 @@ class RunMirror:
             self.lease.release()
         return code
 
-    def _finish_uploads(self, code: int, preempted: int) -> int:
+    def _finish_uploads(self, code: int, preempted: int, grace_left: float | None) -> int:
         if self._process is None:
             return code
-        budget = self.grace_s if code == preempted else FINAL_WAIT_SECONDS
+        if code != preempted:
+            budget = FINAL_WAIT_SECONDS
+        else:
+            budget = self.grace_s if grace_left is None else grace_left
         try:
             self._send({"close": True})
             self._process.wait(timeout=budget)
         except (subprocess.TimeoutExpired, BrokenPipeError):
             pass
         if self._process.returncode == 0:
-            log.info(f"the run is mirrored in {self.url}" if self.is_main else
+            if self._reader is not None:  # its last state line (the step it committed) read to the end
+                self._reader.join(timeout=5.0)
+            committed = self.committed_step
+            resumes = "" if committed is None else f": a rerun anywhere resumes from global_step{committed}"
+            log.info(f"the run is mirrored in {self.url}{resumes}" if self.is_main else
                      f"node {self.node}: its part of the run is mirrored in {self.url}")
             return code
         self._process.kill()
@@ -319,7 +329,9 @@ class RunMirror:
         committed = self.committed_step
         where = (f"its newest complete checkpoint is global_step{committed}"
                  if committed is not None else "it holds no complete checkpoint of this run")
-        log.warning(f"the upload to {self.url} did not finish within {budget:.0f} s: {where}, and a new machine "
+        within = (f"train.preempt_grace_seconds ({self.grace_s:g} s from the signal)" if code == preempted
+                  else f"{budget:.0f} s")
+        log.warning(f"the upload to {self.url} did not finish within {within}: {where}, and a new machine "
                     f"resumes from there. This machine's staging folder {self.local} keeps everything: running "
                     f"the same command here uploads it first.")
         return code if code == preempted else 1
