@@ -11,10 +11,16 @@ for the same steps and tokens per step on each, scoring the demo task (make-demo
 character of the held-out Japanese, the loss on held-out English man pages (pages the base never saw) against the
 base's, training characters per second, and the task rows.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_vocab_extension.py --workdir /tmp/bench-vocab
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_vocab_extension.py --workdir /tmp/bench-vocab --replay 0.25
+The base is trained with a cosine from 3e-3 to 1e-4 and saved with a trainer_state.json recording its last rate, as
+transformers' Trainer does, so stage 3 re-warms from it (train.start_lr unset: the continued-run default). With
+--sweep, the extended tokenizer only, at each replay share (--replays) × peak rate (--lrs): the held-out English
+loss against the base's and the held-out Japanese bits per character of each, to choose the shipped defaults.
 
-(the second reuses the first's base, extension and datasets; figures in docs/benchmarks.md)
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_vocab_extension.py --workdir /tmp/bench-vocab --replay 0
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_vocab_extension.py --workdir /tmp/bench-vocab  # the defaults
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_vocab_extension.py --workdir /tmp/bench-vocab --sweep
+
+(later ones reuse the first's base, extension and datasets; figures in docs/benchmarks.md)
 """
 
 from __future__ import annotations
