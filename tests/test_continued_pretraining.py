@@ -246,6 +246,7 @@ def test_llama_with_a_large_bpe_vocabulary_end_to_end(datasets, tokenizers, work
             "trainer_state.json learning_rate, no gptpipe export manifest final_lr)) to 2.5e-05, 2.5e-06 at step 2 "
             "(warmup from train.warmup_steps=1000") in plan
     assert re.search(r"suggestion +no replay: only bpe_text_document is trained on", plan)
+    assert "the rate the re-warm starts from" not in plan  # min_lr is no end rate of the base's to judge a peak by
     done = run_train(*train_args(workspace, base, prefix, run, "train.save_interval=1"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step-0 gate passed" in done.stderr and f"initialised from {base}" in done.stderr

@@ -394,6 +394,29 @@ def test_the_bases_end_rate_is_read_from_its_trainer_state_or_gptpipe_export(tmp
     assert warmup_start(replace(train, start_lr=0.0), trainer) == (0.0, "train.start_lr")
 
 
+def test_a_continued_run_is_told_when_its_replay_or_peak_lies_outside_the_measured_range() -> None:
+    """The plan's suggestions for model.init_from runs: no second dataset, a smallest share below the measured
+    replay, a peak far above the base's recorded end rate; none inside the range, nor on a start that is no
+    record of the base's (train.start_lr, the min_lr fallback)."""
+    from gptpipe.train.config import CONTINUED_PEAK_RATIO_MAX, CONTINUED_REPLAY_MIN
+    from gptpipe.train.plan import suggestions
+
+    train = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10)
+    recorded = Schedule.for_run(train, 100, (1e-3 / CONTINUED_PEAK_RATIO_MAX, "base/trainer_state.json: ..."))
+    assert suggestions(["ja", "en"], [1 - CONTINUED_REPLAY_MIN, CONTINUED_REPLAY_MIN], recorded) == []
+    only = suggestions(["ja"], None, recorded)
+    assert len(only) == 1 and only[0].startswith("no replay: only ja is trained on")
+    low = suggestions(["ja", "en"], [0.97, 0.03], recorded)
+    assert low == [f"the smallest share, en at 3.0%, is below the {CONTINUED_REPLAY_MIN:.0%} replay measured to keep "
+                   "the base's language: if it is the replay, raise its data.weights share (bench/"
+                   "bench_vocab_extension.py, docs/benchmarks.md)"]
+    steep = Schedule.for_run(train, 100, (1e-4, "base/manifest.json: ..."))
+    assert [line.split(";")[0] for line in suggestions(["ja", "en"], [0.7, 0.3], steep)] == [
+        "train.lr 0.001 is 10.0x the rate the re-warm starts from (0.0001)"]
+    for origin in ("train.start_lr", "train.min_lr: base records no end rate"):
+        assert suggestions(["ja", "en"], [0.7, 0.3], Schedule.for_run(train, 100, (1e-4, origin))) == []
+
+
 def test_deepspeed_config_fills_the_template_consistently(tmp_path: Path) -> None:
     template = json.loads(TEMPLATE.read_text(encoding="utf-8"))  # valid JSON, no bare placeholders
     assert template["wandb"]["project"]

@@ -257,29 +257,37 @@ def warmup_start(train: Any, init_from: Path | None) -> tuple[float, str] | None
 
 
 def continued_suggestions(plan: Plan, config: TrainingRun) -> list[str]:
-    """What the plan suggests for a continued run (model.init_from) whose replay share or peak rate lies outside
-    what bench/bench_vocab_extension.py measured to keep the base's language (CONTINUED_* in train/config.py):
-    no second dataset blended (nothing replays the base's language), the smallest blended share (taken for the
-    replay) below CONTINUED_REPLAY_MIN, a peak above CONTINUED_PEAK_RATIO_MAX times the base's end rate."""
-    from gptpipe.train.config import CONTINUED_PEAK_RATIO_MAX, CONTINUED_REPLAY, CONTINUED_REPLAY_MIN
-
+    """What the plan suggests for a continued run (model.init_from): `suggestions` on its datasets' shares and
+    schedule; nothing for a new model."""
     if config.model.init_from is None:
         return []
+    shares = [w / sum(plan.weights) for w in plan.weights] if plan.weights else None
+    return suggestions([st.prefix.name for st in plan.stats], shares, plan.schedule)
+
+
+def suggestions(names: list[str], shares: list[float] | None, schedule: Schedule) -> list[str]:
+    """A continued run's replay share or peak rate outside what bench/bench_vocab_extension.py measured to keep
+    the base's language (CONTINUED_* in train/config.py): one dataset (`names`; nothing replays the base's
+    language), the smallest blended share (`shares`, taken for the replay) below CONTINUED_REPLAY_MIN, a peak
+    above CONTINUED_PEAK_RATIO_MAX times the base's recorded end rate."""
+    from gptpipe.train.config import CONTINUED_PEAK_RATIO_MAX, CONTINUED_REPLAY, CONTINUED_REPLAY_MIN
+
     found = []
     measured = "bench/bench_vocab_extension.py, docs/benchmarks.md"
-    if len(plan.stats) == 1:
-        found.append(f"no replay: only {plan.stats[0].prefix.name} is trained on, and a continued model forgets the "
-                     f"base's language fast; blend ~{CONTINUED_REPLAY:.0%} of text like the base's (a second "
-                     f"data.prefixes entry, data.weights [{1 - CONTINUED_REPLAY:g}, {CONTINUED_REPLAY:g}]; {measured})")
-    elif plan.weights:
-        shares = [w / sum(plan.weights) for w in plan.weights]
+    if len(names) == 1:
+        found.append(f"no replay: only {names[0]} is trained on, and a continued model forgets the base's language "
+                     f"fast; blend ~{CONTINUED_REPLAY:.0%} of text like the base's (a second data.prefixes entry, "
+                     f"data.weights [{1 - CONTINUED_REPLAY:g}, {CONTINUED_REPLAY:g}]; {measured})")
+    elif shares:
         smallest = min(range(len(shares)), key=shares.__getitem__)
         if shares[smallest] < CONTINUED_REPLAY_MIN:
-            found.append(f"the smallest share, {plan.stats[smallest].prefix.name} at {shares[smallest]:.1%}, is below "
-                         f"the {CONTINUED_REPLAY_MIN:.0%} replay measured to keep the base's language: if it is the "
+            found.append(f"the smallest share, {names[smallest]} at {shares[smallest]:.1%}, is below the "
+                         f"{CONTINUED_REPLAY_MIN:.0%} replay measured to keep the base's language: if it is the "
                          f"replay, raise its data.weights share ({measured})")
-    start, peak = plan.schedule.start_lr, plan.schedule.peak_lr
-    if start > 0 and peak > CONTINUED_PEAK_RATIO_MAX * start:
+    start, peak = schedule.start_lr, schedule.peak_lr
+    # the ratio was measured from the base's own end rate: not judged against a start set or fallen back to
+    recorded = not schedule.start_origin.startswith("train.")
+    if recorded and start > 0 and peak > CONTINUED_PEAK_RATIO_MAX * start:
         found.append(f"train.lr {peak:g} is {peak / start:.1f}x the rate the re-warm starts from ({start:g}); peaks "
                      f"above {CONTINUED_PEAK_RATIO_MAX:g}x it forgot more of the base's language ({measured})")
     return found
