@@ -49,9 +49,9 @@ JA_TRAIN = [Path("/usr/share/debian-reference"), Path("/usr/share/developers-ref
 JA_HELDOUT = [DOC / "debian" / "FAQ" / "ja", DOC / "maint-guide-ja" / "html"]
 SEQ = 128  # the base's and stage 3's sequence length
 BASE_LR, BASE_MIN_LR = 3e-3, 1e-4  # the base's cosine schedule; its trainer_state.json records the end rate
-# stage 3's peak rate by default: the sweep's best for this base (3x its end rate: train/config.py's
+# stage 3's peak rate by default: the sweep's best for this base (10x its end rate: train/config.py's
 # CONTINUED_PEAK_RATIO_MAX); the replay share by default: the shipped one (the plan's suggestion)
-PEAK_LR = 3e-4
+PEAK_LR = 1e-3
 JAPANESE = re.compile(r"[\u3040-\u30ff\u4e00-\u9fff]")
 
 
@@ -308,7 +308,9 @@ def continued_run(work: Path, args: argparse.Namespace, name: str, tokenizer_dir
     if replay:
         prefixes.append(f"{work / name}_en_text_document")
         weights = [f"data.weights=[{1 - replay:g},{replay:g}]"]
-    suffix = f"-replay{replay:g}" + (f"-lr{lr:g}" if args.sweep else "")
+    suffix = (f"-replay{replay:g}" + (f"-lr{lr:g}" if args.sweep else "")
+              + (f"-start{args.start_lr:g}" if args.start_lr is not None else ""))
+    start = [] if args.start_lr is None else [f"train.start_lr={args.start_lr}"]
     run, export = work / f"run-{name}{suffix}", work / f"hf-{name}{suffix}"
     started = time.time()
     log = gptpipe("train", "--config", REPO / "config.yaml", f"model.init_from={work / 'base'}", "model.arch=null",
@@ -316,7 +318,8 @@ def continued_run(work: Path, args: argparse.Namespace, name: str, tokenizer_dir
                   f"data.prefixes=[{','.join(prefixes)}]", *weights, "data.split=98,2,0",
                   f"train.output_model_dir={run}", f"train.train_iters={args.steps}", f"train.seq_len={SEQ}",
                   "train.global_batch_size=8", f"train.lr={lr}", f"train.min_lr={lr / 10}",
-                  f"train.warmup_steps={args.warmup}", f"train.eval_interval={args.steps // 4}", "train.eval_iters=4",
+                  f"train.warmup_steps={args.warmup}", *start, f"train.eval_interval={args.steps // 4}",
+                  "train.eval_iters=4",
                   "train.precision=fp32", f"train.save_interval={args.steps}", "train.log_interval=10",
                   "train.sample_prompts=[]", f"train.eval_task_yamls=[{','.join(map(str, tasks))}]",
                   f"train.eval_tasks_limit={args.task_limit}", "logging.wandb=false", "logging.tensorboard=false",
@@ -345,6 +348,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="stage-3 steps of each run")
     parser.add_argument("--lr", type=float, default=PEAK_LR, help="stage-3 peak learning rate")
     parser.add_argument("--warmup", type=int, default=10, help="stage-3 re-warm steps (train.warmup_steps)")
+    parser.add_argument("--start-lr", type=float, default=None,
+                        help="train.start_lr: where the warmup starts (default: the base's recorded end rate)")
     parser.add_argument("--task-limit", type=int, default=120, help="demo-task documents per evaluation")
     parser.add_argument("--heldout-chars", type=int, default=100_000,
                         help="held-out Japanese and English characters scored (the first documents up to this)")
@@ -439,7 +444,8 @@ def main() -> None:
         print(f"| {r['replay']:.0%} | {r['lr']:g} | {r['tokenizer']} | " + " | ".join(
             (f"{t['manpage_section']:.3f} / {t['man_section_en']:.3f}; " if "manpage_section" in t else "")
             + f"{t['debian_faq_ja']:.3f} / {t['man_en']:.3f} ({t['seconds']:.0f} s)" for t in r["tasks"]) + " |")
-    name = "results-sweep" if args.sweep else f"results-replay{args.replay:g}-lr{args.lr:g}"
+    name = ("results-sweep" if args.sweep else f"results-replay{args.replay:g}-lr{args.lr:g}") + (
+        f"-start{args.start_lr:g}" if args.start_lr is not None else "")
     (work / f"{name}.json").write_text(json.dumps({"base_en_loss": base_english, "runs": results}, indent=1) + "\n",
                                        encoding="utf-8")
     for r in results:

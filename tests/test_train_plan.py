@@ -410,9 +410,10 @@ def test_a_continued_run_is_told_when_its_replay_or_peak_lies_outside_the_measur
     assert low == [f"the smallest share, en at 3.0%, is below the {CONTINUED_REPLAY_MIN:.0%} replay measured to keep "
                    "the base's language: if it is the replay, raise its data.weights share (bench/"
                    "bench_vocab_extension.py, docs/benchmarks.md)"]
-    steep = Schedule.for_run(train, 100, (1e-4, "base/manifest.json: ..."))
+    steep = Schedule.for_run(train, 100, (1e-3 / CONTINUED_PEAK_RATIO_MAX / 2, "base/manifest.json: ..."))
     assert [line.split(";")[0] for line in suggestions(["ja", "en"], [0.7, 0.3], steep)] == [
-        "train.lr 0.001 is 10.0x the rate the re-warm starts from (0.0001)"]
+        f"train.lr 0.001 is {2 * CONTINUED_PEAK_RATIO_MAX:.1f}x the rate the re-warm starts from "
+        f"({1e-3 / CONTINUED_PEAK_RATIO_MAX / 2:g})"]
     for origin in ("train.start_lr", "train.min_lr: base records no end rate"):
         assert suggestions(["ja", "en"], [0.7, 0.3], Schedule.for_run(train, 100, (1e-4, origin))) == []
 

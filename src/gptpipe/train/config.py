@@ -25,12 +25,13 @@ SCRATCH_WARMUP_FRACTION = 0.01
 CONTINUED_LR = 2.5e-5
 CONTINUED_WARMUP_STEPS = 1000
 # What the plan suggests for continued pretraining, from bench/bench_vocab_extension.py's sweep (docs/benchmarks.md,
-# "Continued pretraining: replay share and peak rate"): the share of the base's own language blended in, the
+# "Continued pretraining: replay share and peak rate"; held-out English +3% at a 25% replay share with a peak of
+# 3x or 10x the base's end rate, +9% and +18% at 5%): the share of the base's own language blended in, the
 # smallest share measured to keep held-out English within 5%, and the largest peak measured to, as a multiple of
 # the base's end rate the re-warm starts from.
 CONTINUED_REPLAY = 0.25
 CONTINUED_REPLAY_MIN = 0.25
-CONTINUED_PEAK_RATIO_MAX = 3.0
+CONTINUED_PEAK_RATIO_MAX = 10.0
 
 
 @dataclass
