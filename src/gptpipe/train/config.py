@@ -39,9 +39,10 @@ class TrainConfig(LoopConfig):
     """How long, how fast and on what engine settings to pretrain (the loop's keys, then stage 3's own).
 
     lr, min_lr and the warmup default by what is trained (`resolve_schedule`): from scratch 6e-4 to 6e-5 after a
-    1% warmup; continued pretraining (model.init_from) re-warms over 1,000 steps to 2.5e-5 and decays to a tenth
-    of it, the scale of public continual-pretraining recipes (e.g. Ibrahim et al. 2024, "Simple and Scalable
-    Strategies to Continually Pre-train Large Language Models": re-warm, peak well below the original's, decay).
+    1% warmup; continued pretraining (model.init_from) re-warms over 1,000 steps from the base's recorded end rate
+    (start_lr) to 2.5e-5 and decays to a tenth of it, the scale of public continual-pretraining recipes (e.g.
+    Ibrahim et al. 2024, "Simple and Scalable Strategies to Continually Pre-train Large Language Models": re-warm,
+    peak well below the original's, decay).
     """
 
     lr: float | None = option(
