@@ -11,10 +11,16 @@ for the same steps and tokens per step on each, scoring the demo task (make-demo
 character of the held-out Japanese, the loss on held-out English man pages (pages the base never saw) against the
 base's, training characters per second, and the task rows.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_vocab_extension.py --workdir /tmp/bench-vocab
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_vocab_extension.py --workdir /tmp/bench-vocab --replay 0.25
+The base is trained with a cosine from 3e-3 to 1e-4 and saved with a trainer_state.json recording its last rate, as
+transformers' Trainer does, so stage 3 re-warms from it (train.start_lr unset: the continued-run default). With
+--sweep, the extended tokenizer only, at each replay share (--replays) × peak rate (--lrs): the held-out English
+loss against the base's and the held-out Japanese bits per character of each, to choose the shipped defaults.
 
-(the second reuses the first's base, extension and datasets; figures in docs/benchmarks.md)
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_vocab_extension.py --workdir /tmp/bench-vocab --replay 0
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_vocab_extension.py --workdir /tmp/bench-vocab  # the defaults
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_vocab_extension.py --workdir /tmp/bench-vocab --sweep
+
+(later ones reuse the first's base, extension and datasets; figures in docs/benchmarks.md)
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gptpipe.train.config import CONTINUED_REPLAY
+
 REPO = Path(__file__).resolve().parents[1]
 ENGLISH = Path("/usr/share/man/man1")
 DOC = Path("/usr/share/doc")
@@ -40,6 +48,10 @@ JA_TRAIN = [Path("/usr/share/debian-reference"), Path("/usr/share/developers-ref
             DOC / "debian-policy" / "ja", DOC / "aptitude" / "html" / "ja"]
 JA_HELDOUT = [DOC / "debian" / "FAQ" / "ja", DOC / "maint-guide-ja" / "html"]
 SEQ = 128  # the base's and stage 3's sequence length
+BASE_LR, BASE_MIN_LR = 3e-3, 1e-4  # the base's cosine schedule; its trainer_state.json records the end rate
+# stage 3's peak rate by default: the sweep's best for this base (10x its end rate: train/config.py's
+# CONTINUED_PEAK_RATIO_MAX); the replay share by default: the shipped one (the plan's suggestion)
+PEAK_LR = 1e-3
 JAPANESE = re.compile(r"[\u3040-\u30ff\u4e00-\u9fff]")
 
 
@@ -205,7 +217,10 @@ def english_base(folder: Path, pages: int, steps: int) -> Path:
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    def lr_at(step: int) -> float:  # cosine from BASE_LR to BASE_MIN_LR at the last step
+        return BASE_MIN_LR + (BASE_LR - BASE_MIN_LR) * 0.5 * (1 + math.cos(math.pi * step / (steps - 1)))
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr_at(0), weight_decay=0.1)
     generator = torch.Generator().manual_seed(0)
     for step in range(steps):
         starts = torch.randint(0, len(stream) - SEQ - 1, (16,), generator=generator)
@@ -216,10 +231,14 @@ def english_base(folder: Path, pages: int, steps: int) -> Path:
         optimizer.step()
         optimizer.zero_grad()
         for group in optimizer.param_groups:
-            group["lr"] = 3e-3 * 0.5 * (1 + math.cos(math.pi * (step + 1) / steps))
+            group["lr"] = lr_at(step + 1)
         if step % 100 == 0 or step == steps - 1:
             print(f"English base: step {step + 1}/{steps} loss {loss.item():.3f}", flush=True)
     model.save_pretrained(folder)
+    # what transformers' Trainer.save_state writes: the rate of the last step, which a continued run re-warms from
+    history = [{"step": steps, "learning_rate": lr_at(steps - 1), "loss": round(loss.item(), 4)}]
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": steps, "log_history": history}, indent=1)
+                                               + "\n", encoding="utf-8")
     return folder
 
 
@@ -280,20 +299,68 @@ def write_jsonl(path: Path, texts: list[str]) -> Path:
     return path
 
 
+def continued_run(work: Path, args: argparse.Namespace, name: str, tokenizer_dir: Path, replay: float, lr: float,
+                  tasks: list[Path]) -> tuple[dict, str]:
+    """Stage 3 continuing the base on the Japanese corpus (its `name` prefixes, encoded with `tokenizer_dir`), with
+    a `replay` token share of the base's English pages, peak rate `lr` (a tenth at the end; the re-warm from the
+    base's recorded end rate, the continued-run default), then stage 4. Returns (the run's facts, its log)."""
+    prefixes, weights = [f"{work / name}_text_document"], []
+    if replay:
+        prefixes.append(f"{work / name}_en_text_document")
+        weights = [f"data.weights=[{1 - replay:g},{replay:g}]"]
+    suffix = (f"-replay{replay:g}" + (f"-lr{lr:g}" if args.sweep else "")
+              + (f"-start{args.start_lr:g}" if args.start_lr is not None else ""))
+    start = [] if args.start_lr is None else [f"train.start_lr={args.start_lr}"]
+    run, export = work / f"run-{name}{suffix}", work / f"hf-{name}{suffix}"
+    started = time.time()
+    log = gptpipe("train", "--config", REPO / "config.yaml", f"model.init_from={work / 'base'}", "model.arch=null",
+                  "model.preset=null", f"tokenize.tokenizer_dir={tokenizer_dir}",
+                  f"data.prefixes=[{','.join(prefixes)}]", *weights, "data.split=98,2,0",
+                  f"train.output_model_dir={run}", f"train.train_iters={args.steps}", f"train.seq_len={SEQ}",
+                  "train.global_batch_size=8", f"train.lr={lr}", f"train.min_lr={lr / 10}",
+                  f"train.warmup_steps={args.warmup}", *start, f"train.eval_interval={args.steps // 4}",
+                  "train.eval_iters=4",
+                  "train.precision=fp32", f"train.save_interval={args.steps}", "train.log_interval=10",
+                  "train.sample_prompts=[]", f"train.eval_task_yamls=[{','.join(map(str, tasks))}]",
+                  f"train.eval_tasks_limit={args.task_limit}", "logging.wandb=false", "logging.tensorboard=false",
+                  "train.seed=1234")
+    seconds = time.time() - started
+    gptpipe("convert", "--config", REPO / "convert_config.yaml", f"input_model_dir={run}",
+            f"output_tokenizer_and_model_dir={export}", "dtype=fp32")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    speed = [r["tokens_per_s"] for r in rows if r.get("kind") == "train"]
+    lrs = [r["lr"] for r in rows if r.get("kind") == "train"]
+    schedule = next(line.split(" lr ", 1)[1].strip() for line in log.splitlines() if line.lstrip().startswith("lr "))
+    return {"replay": replay, "lr": lr, "schedule": schedule, "first_logged_lr": lrs[0], "last_lr": lrs[-1],
+            "export": export, "run": run, "tokens_per_s": sum(speed) / len(speed), "wall_s": seconds,
+            "tasks": [{"step": r["step"], "seconds": r["eval_tasks_s"],
+                       **{task: r[f"eval_task/{task}/acc"] for task in ("manpage_section", "man_section_en")
+                          if f"eval_task/{task}/acc" in r},
+                       **{task: r[f"eval_task/{task}/bits_per_byte"] for task in ("debian_faq_ja", "man_en")}}
+                      for r in rows if r.get("kind") == "eval_tasks"]}, log
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--new-pieces", type=int, default=1000)
     parser.add_argument("--base-pages", type=int, default=2000, help="English man pages the base is trained on")
     parser.add_argument("--base-steps", type=int, default=600)
     parser.add_argument("--steps", type=int, default=300, help="stage-3 steps of each run")
-    parser.add_argument("--lr", type=float, default=1e-3, help="stage-3 peak learning rate")
+    parser.add_argument("--lr", type=float, default=PEAK_LR, help="stage-3 peak learning rate")
+    parser.add_argument("--warmup", type=int, default=10, help="stage-3 re-warm steps (train.warmup_steps)")
+    parser.add_argument("--start-lr", type=float, default=None,
+                        help="train.start_lr: where the warmup starts (default: the base's recorded end rate)")
     parser.add_argument("--task-limit", type=int, default=120, help="demo-task documents per evaluation")
     parser.add_argument("--heldout-chars", type=int, default=100_000,
                         help="held-out Japanese and English characters scored (the first documents up to this)")
     parser.add_argument("--text-docs", type=int, default=12,
                         help="held-out Japanese and English documents in the whole-document tasks")
-    parser.add_argument("--replay", type=float, default=0.0,
+    parser.add_argument("--replay", type=float, default=CONTINUED_REPLAY,
                         help="token share of the base's own English pages blended into stage 3 (0: Japanese only)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="the extended tokenizer only, at each --replays share × --lrs peak rate")
+    parser.add_argument("--replays", type=lambda v: [float(x) for x in v.split(",")], default=[0.05, 0.25])
+    parser.add_argument("--lrs", type=lambda v: [float(x) for x in v.split(",")], default=[1e-3, 3e-4])
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-vocab-"))
@@ -311,88 +378,79 @@ def main() -> None:
           f"held out {len(heldout)} documents, {sum(map(len, heldout)):,} characters; held-out English: "
           f"{len(english_heldout)} man pages, {sum(map(len, english_heldout)):,} characters", flush=True)
     extension = work / "ext"
-    gptpipe("train-tokenizer", "--config", REPO / "sentence_piece_config.yaml", f"input={corpus}",
-            f"base_tokenizer={base}", f"output_dir={extension}", f"new_pieces={args.new_pieces}")
-    task_config = work / "evaluate_config.yaml"
-    task_config.write_text((REPO / "evaluate_config.yaml").read_text(encoding="utf-8"), encoding="utf-8")
-    gptpipe("make-demo-task", "--config", task_config, f"demo_task.output_dir={work / 'task'}")
+    if not (extension / "hf").is_dir():
+        gptpipe("train-tokenizer", "--config", REPO / "sentence_piece_config.yaml", f"input={corpus}",
+                f"base_tokenizer={base}", f"output_dir={extension}", f"new_pieces={args.new_pieces}")
     # the held-out texts' first documents as whole-document tasks: bits per byte in the task rows at every evaluation
-    tasks = [work / "task" / "manpage_section.yaml", english_task(work / "task-en", args.base_pages + 2000),
-             text_task(work / "task-ja-text", "debian_faq_ja", heldout[:args.text_docs]),
+    tasks = [text_task(work / "task-ja-text", "debian_faq_ja", heldout[:args.text_docs]),
              text_task(work / "task-en-text", "man_en", english_heldout[:args.text_docs])]
+    if not args.sweep:  # the two classification tasks (at chance on a model this small: docs/benchmarks.md)
+        task_config = work / "evaluate_config.yaml"
+        task_config.write_text((REPO / "evaluate_config.yaml").read_text(encoding="utf-8"), encoding="utf-8")
+        gptpipe("make-demo-task", "--config", task_config, f"demo_task.output_dir={work / 'task'}")
+        tasks = [work / "task" / "manpage_section.yaml", english_task(work / "task-en", args.base_pages + 2000),
+                 *tasks]
 
     # replay: the pages the base was trained on, blended in by token share (data.weights)
-    replay = write_jsonl(work / "en_replay.jsonl", english_pages(0, args.base_pages)) if args.replay else None
-    suffix = f"-replay{args.replay:g}" if replay else ""
-    base_total, base_predicted, _ = nats(base, english_heldout)
+    replays = args.replays if args.sweep else [args.replay]
+    replay = write_jsonl(work / "en_replay.jsonl", english_pages(0, args.base_pages)) if any(replays) else None
+    base_total, base_predicted, base_chars = nats(base, english_heldout)
     base_english = base_total / base_predicted
     results = []
-    for tag, tokenizer_dir in (("base tokenizer", base), ("extended", extension / "hf")):
+    tokenizers = (("extended", extension / "hf"),) if args.sweep else (("base tokenizer", base),
+                                                                        ("extended", extension / "hf"))
+    for tag, tokenizer_dir in tokenizers:
         name = "ext" if tokenizer_dir != base else "base"
-        gptpipe("tokenize", "--config", REPO / "config.yaml", f"tokenize.input=[{corpus}]",
-                f"tokenize.tokenizer_dir={tokenizer_dir}", f"tokenize.output_prefix={work / name}")
-        prefixes, weights = [f"{work / name}_text_document"], []
-        if replay:
-            gptpipe("tokenize", "--config", REPO / "config.yaml", f"tokenize.input=[{replay}]",
-                    f"tokenize.tokenizer_dir={tokenizer_dir}", f"tokenize.output_prefix={work / name}_en")
-            prefixes.append(f"{work / name}_en_text_document")
-            weights = [f"data.weights=[{1 - args.replay:g},{args.replay:g}]"]
-        run, export = work / f"run-{name}{suffix}", work / f"hf-{name}{suffix}"
-        started = time.time()
-        log = gptpipe("train", "--config", REPO / "config.yaml", f"model.init_from={base}", "model.arch=null",
-                "model.preset=null", f"tokenize.tokenizer_dir={tokenizer_dir}",
-                f"data.prefixes=[{','.join(prefixes)}]", *weights, "data.split=98,2,0",
-                f"train.output_model_dir={run}", f"train.train_iters={args.steps}", f"train.seq_len={SEQ}",
-                "train.global_batch_size=8", f"train.lr={args.lr}", f"train.min_lr={args.lr / 10}",
-                "train.warmup_steps=10", f"train.eval_interval={args.steps // 4}", "train.eval_iters=4",
-                "train.precision=fp32", f"train.save_interval={args.steps}", "train.log_interval=10",
-                "train.sample_prompts=[]", f"train.eval_task_yamls=[{','.join(map(str, tasks))}]",
-                f"train.eval_tasks_limit={args.task_limit}", "logging.wandb=false", "logging.tensorboard=false",
-                "train.seed=1234")
-        seconds = time.time() - started
-        gptpipe("convert", "--config", REPO / "convert_config.yaml", f"input_model_dir={run}",
-                f"output_tokenizer_and_model_dir={export}", "dtype=fp32")
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
-        speed = [r["tokens_per_s"] for r in rows if r.get("kind") == "train"]
-        scored = [r for r in rows if r.get("kind") == "eval_tasks"]
-        ja_total, _, ja_chars = nats(export, heldout)
-        en_total, en_predicted, _ = nats(export, english_heldout)
-        train_cpt = chars_per_token(tokenizer_dir, train_docs)
-        results.append({
-            "tokenizer": tag, "heldout_chars_per_token": chars_per_token(tokenizer_dir, heldout),
-            "train_chars_per_token": train_cpt, "tokens_per_s": sum(speed) / len(speed),
-            # Japanese characters trained per second: the Japanese share of the tokens, at its characters per token
-            "chars_per_s": sum(speed) / len(speed) * (1 - args.replay) * train_cpt, "wall_s": seconds,
-            "ja_bits_per_char": ja_total / ja_chars / math.log(2), "en_loss": en_total / en_predicted,
-            "tasks": [{"step": r["step"], "seconds": r["eval_tasks_s"],
-                       **{task: r[f"eval_task/{task}/acc"] for task in ("manpage_section", "man_section_en")},
-                       **{task: r[f"eval_task/{task}/bits_per_byte"] for task in ("debian_faq_ja", "man_en")}}
-                      for r in scored],
-            "warnings": [line.split("warning: ", 1)[1] for line in log.splitlines()
-                         if "fell below its reference" in line]})
-        print(json.dumps(results[-1]), flush=True)
+        for source, prefix in ((corpus, work / name), (replay, Path(f"{work / name}_en"))):
+            if source is not None and not Path(f"{prefix}_text_document.idx").is_file():
+                gptpipe("tokenize", "--config", REPO / "config.yaml", f"tokenize.input=[{source}]",
+                        f"tokenize.tokenizer_dir={tokenizer_dir}", f"tokenize.output_prefix={prefix}")
+        for share in replays:
+            for lr in args.lrs if args.sweep else [args.lr]:
+                result, log = continued_run(work, args, name, tokenizer_dir, share, lr, tasks)
+                export = result.pop("export")
+                ja_total, _, ja_chars = nats(export, heldout)
+                en_total, en_predicted, en_chars = nats(export, english_heldout)
+                train_cpt = chars_per_token(tokenizer_dir, train_docs)
+                result.update({
+                    "tokenizer": tag, "heldout_chars_per_token": chars_per_token(tokenizer_dir, heldout),
+                    "train_chars_per_token": train_cpt,
+                    # Japanese characters trained per second: the Japanese share of the tokens, at its characters
+                    # per token
+                    "chars_per_s": result["tokens_per_s"] * (1 - share) * train_cpt,
+                    "ja_bits_per_char": ja_total / ja_chars / math.log(2), "en_loss": en_total / en_predicted,
+                    "en_nats_per_char": en_total / en_chars, "run": str(result["run"]),
+                    "warnings": [line.split("warning: ", 1)[1] for line in log.splitlines() if "warning: " in line]})
+                results.append(result)
+                print(json.dumps(results[-1]), flush=True)
 
     base_ja_total, _, base_ja_chars = nats(base, heldout)
     print(f"\nthe base on the held-out Japanese: {base_ja_total / base_ja_chars / math.log(2):.4f} bits per character; "
-          f"on the held-out English: {base_english:.4f} nats per token\n")
-    print("| tokenizer | held-out Japanese chars/token | Japanese chars/s trained (tokens/s) | "
+          f"on the held-out English: {base_english:.4f} nats per token, {base_total / base_chars:.4f} per character\n")
+    print("| replay | peak lr | tokenizer | held-out Japanese chars/token | Japanese chars/s trained (tokens/s) | "
           "held-out Japanese bits/char | held-out English loss (change) | stage 3 wall |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
-        print(f"| {r['tokenizer']} | {r['heldout_chars_per_token']:.3f} | {r['chars_per_s']:,.0f} "
-              f"({r['tokens_per_s']:,.0f}) | {r['ja_bits_per_char']:.4f} | {r['en_loss']:.4f} "
-              f"({r['en_loss'] / base_english - 1:+.1%}) | {r['wall_s']:.0f} s |")
-    print("\nthe task rows: accuracy on manpage_section (Japanese) / man_section_en (English); bits per byte on "
-          "debian_faq_ja / man_en; the seconds the scoring took\n")
-    print("| tokenizer | " + " | ".join(f"step {t['step']}" for t in results[0]["tasks"]) + " |")
-    print("| --- |" + " --- |" * len(results[0]["tasks"]))
+        print(f"| {r['replay']:.0%} | {r['lr']:g} | {r['tokenizer']} | {r['heldout_chars_per_token']:.3f} | "
+              f"{r['chars_per_s']:,.0f} ({r['tokens_per_s']:,.0f}) | {r['ja_bits_per_char']:.4f} | "
+              f"{r['en_loss']:.4f} ({r['en_loss'] / base_english - 1:+.1%}) | {r['wall_s']:.0f} s |")
+    print("\nthe schedules (the plan's lr line):\n" + "\n".join(f"{r['replay']:.0%} {r['lr']:g}: {r['schedule']}"
+                                                             for r in results))
+    print("\nthe task rows: accuracy on manpage_section (Japanese) / man_section_en (English), where scored; bits per "
+          "byte on debian_faq_ja / man_en; the seconds the scoring took\n")
+    print("| replay | peak lr | tokenizer | " + " | ".join(f"step {t['step']}" for t in results[0]["tasks"]) + " |")
+    print("| --- | --- | --- |" + " --- |" * len(results[0]["tasks"]))
     for r in results:
-        print(f"| {r['tokenizer']} | " + " | ".join(
-            f"{t['manpage_section']:.3f} / {t['man_section_en']:.3f}; {t['debian_faq_ja']:.3f} / {t['man_en']:.3f} "
-            f"({t['seconds']:.0f} s)" for t in r["tasks"]) + " |")
-    (work / f"results{suffix}.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+        print(f"| {r['replay']:.0%} | {r['lr']:g} | {r['tokenizer']} | " + " | ".join(
+            (f"{t['manpage_section']:.3f} / {t['man_section_en']:.3f}; " if "manpage_section" in t else "")
+            + f"{t['debian_faq_ja']:.3f} / {t['man_en']:.3f} ({t['seconds']:.0f} s)" for t in r["tasks"]) + " |")
+    name = ("results-sweep" if args.sweep else f"results-replay{args.replay:g}-lr{args.lr:g}") + (
+        f"-start{args.start_lr:g}" if args.start_lr is not None else "")
+    (work / f"{name}.json").write_text(json.dumps({"base_en_loss": base_english, "runs": results}, indent=1) + "\n",
+                                       encoding="utf-8")
     for r in results:
-        print(f"\n{r['tokenizer']}: the tolerance lines of the run\n" + "\n".join(r["warnings"]))
+        print(f"\n{r['tokenizer']} {r['replay']:.0%} {r['lr']:g}: the warning lines of the run\n"
+              + "\n".join(r["warnings"]))
     print(f"work folder: {work}")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -240,7 +241,12 @@ def test_llama_with_a_large_bpe_vocabulary_end_to_end(datasets, tokenizers, work
     assert main(["plan", *map(str, train_args(workspace, base, prefix, run))]) == 0
     plan = capfd.readouterr().err
     assert f"llama from {base}: 2 layers, hidden 32, 4 heads (2 KV)" in plan and "vocab 66,500 as the base" in plan
-    assert "warmup 1 steps to 2.5e-05, 2.5e-06 at step 2 (warmup from train.warmup_steps=1000" in plan
+    # make_base writes no trainer state: the re-warm starts from min_lr, and the plan says why
+    assert (f"warmup 1 steps from 2.5e-06 (train.min_lr: {base} records no end rate of the base's training (no "
+            "trainer_state.json learning_rate, no gptpipe export manifest final_lr)) to 2.5e-05, 2.5e-06 at step 2 "
+            "(warmup from train.warmup_steps=1000") in plan
+    assert re.search(r"suggestion +no replay: only bpe_text_document is trained on", plan)
+    assert "the rate the re-warm starts from" not in plan  # min_lr is no end rate of the base's to judge a peak by
     done = run_train(*train_args(workspace, base, prefix, run, "train.save_interval=1"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step-0 gate passed" in done.stderr and f"initialised from {base}" in done.stderr
@@ -276,6 +282,45 @@ def test_llama_with_a_large_bpe_vocabulary_end_to_end(datasets, tokenizers, work
     assert "is not the base model this run initialised from" in done.stderr
     assert "model.safetensors changed" in done.stderr
     assert convert(workspace, run, tmp_path / "export2") == EXIT_BAD_INPUT
+
+
+@pytest.mark.slow
+def test_a_continued_run_rewarms_from_the_end_rate_its_base_records(datasets, tokenizers, workspace: Path,
+                                                                     tmp_path: Path, capfd) -> None:
+    """A base whose trainer_state.json (transformers' Trainer) records its last rate: the plan shows the re-warm
+    from it, its origin and the suggestions; the run's first steps climb from it to the peak and decay to min_lr;
+    the checkpoint and stage 4's manifest record the last step's rate, from which a run continued from the export
+    re-warms in turn."""
+    prefix = datasets["bpe"]
+    base = make_base("llama", tokenizers["bpe"], tmp_path / "base")
+    (base / "trainer_state.json").write_text(json.dumps({"global_step": 10, "log_history": [
+        {"step": 10, "learning_rate": 1e-5, "loss": 3.2}, {"step": 10, "train_runtime": 5.0}]}))
+    run = tmp_path / "run"
+    args = train_args(workspace, base, prefix, run, "train.lr=2e-4", "train.warmup_steps=2", "train.train_iters=3")
+    assert main(["plan", *map(str, args)]) == 0
+    plan = capfd.readouterr().err
+    assert (f"cosine: warmup 2 steps from 1e-05 ({base / 'trainer_state.json'}: learning_rate at step 10) to "
+            "0.0002, 2e-05 at step 3") in plan
+    assert re.search(r"suggestion +no replay", plan)
+    assert re.search(r"suggestion +train.lr 0.0002 is 20.0x the rate the re-warm starts from \(1e-05\)", plan)
+    done = run_train(*args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "learning_rate at step 10) to 0.0002" in done.stderr  # the run log's plan
+    rates = [row.lr for row in metrics(run, TrainRow)]
+    assert rates == pytest.approx([1e-5 + (2e-4 - 1e-5) / 2, 2e-4, 2e-5], rel=1e-6)
+    state = json.loads((newest_checkpoint(run / "checkpoints") / STATE).read_text())
+    assert state["step"] == 3 and state["lr"] == pytest.approx(2e-5, rel=1e-6)
+    out = tmp_path / "export"
+    assert convert(workspace, run, out) == 0
+    assert manifest_counts(out)["final_lr"] == pytest.approx(2e-5, rel=1e-6)
+    # the export as the next base: its manifest is the record
+    again = train_args(workspace, out, prefix, tmp_path / "run2", "train.lr=4e-5", "train.warmup_steps=2")
+    assert main(["plan", *map(str, again)]) == 0
+    plan = capfd.readouterr().err
+    # (its 2 steps cap the warmup at 1)
+    assert f"warmup 1 steps from 2e-05 ({out / 'manifest.json'}: final_lr of the gptpipe export of step 3) to 4e-05" \
+        in plan
+    assert "the rate the re-warm starts from" not in plan  # 2x: within the measured ratio, no suggestion
 
 
 @pytest.mark.slow

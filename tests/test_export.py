@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SHIPPED, TINY_STEPS, finetune_args, gptpipe_command
+from conftest import SHIPPED, TINY_STEPS, TRAINED, finetune_args, gptpipe_command
 from conftest import manifest_counts as counts
 from safetensors import safe_open
 
@@ -168,8 +168,10 @@ def test_export_is_skipped_when_current_and_sharded_on_request(exported_model, t
     report = counts(exported_model)  # the main path: shipped convert_config.yaml on the stage-3 run
     steps = [step for step, _ in complete_checkpoints(trained_run / "checkpoints")]
     assert report["verified"] is True and report["dtype"] == "bf16" and report["step"] == steps[-1]
-    assert report["final_val_loss"] == json.loads((find_checkpoint(trained_run).path / STATE).read_text())[
-        "final_val_loss"]
+    state = json.loads((find_checkpoint(trained_run).path / STATE).read_text())
+    assert report["final_val_loss"] == state["final_val_loss"]
+    # the rate of the checkpoint's last step, the run's last (min_lr): a run continued from the export re-warms from it
+    assert report["final_lr"] == state["lr"] == pytest.approx(TRAINED.min_lr, rel=1e-9)
     before = file_fingerprint(exported_model / "model.safetensors")
     assert main(["convert", "--config", str(workspace / "convert_config.yaml")]) == 0
     assert "up to date" in capsys.readouterr().err

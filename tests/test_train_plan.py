@@ -313,6 +313,114 @@ def test_scheduler_given_to_deepspeed_follows_the_schedule() -> None:
     assert seen[-1] == pytest.approx(1e-4, rel=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["cosine", "wsd"])
+def test_a_rewarm_starts_from_the_given_rate_peaks_and_decays_to_min_lr(kind: str) -> None:
+    """Continued pretraining: the warmup rises linearly from the base's end rate (not 0) to the peak, then the
+    schedule decays to min_lr at the last step as a new run's does; a new run still warms up from 0."""
+    train = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, lr_schedule=kind, lr_decay_fraction=0.2)
+    schedule = Schedule.for_run(train, 100, (2e-4, "the base's trainer_state.json"))
+    rates = [schedule.lr_at(s) for s in range(100)]
+    assert rates[0] == pytest.approx(2e-4 + 8e-4 / 10, rel=1e-12)  # a tenth of the way up from the start
+    assert rates[:10] == pytest.approx([2e-4 + 8e-4 * (s + 1) / 10 for s in range(10)], rel=1e-12)
+    assert rates[9] == max(rates) == pytest.approx(1e-3, rel=1e-12)
+    assert rates[-1] == pytest.approx(1e-4, rel=1e-12)
+    assert all(a >= b for a, b in zip(rates[9:], rates[10:]))
+    scratch = Schedule.for_run(train, 100)
+    assert (scratch.start_lr, scratch.start_origin) == (0.0, "")
+    assert scratch.lr_at(0) == pytest.approx(1e-4, rel=1e-12) and scratch.lr_at(50) == schedule.lr_at(50)
+    # a start above the peak (a base that ended higher than this run's peak) comes down to it, as stated
+    down = Schedule.for_run(train, 100, (3e-3, "train.start_lr"))
+    assert down.lr_at(0) == pytest.approx(3e-3 - 2e-3 / 10) and down.lr_at(9) == pytest.approx(1e-3)
+
+
+def test_a_resumed_rewarm_lands_on_the_rate_of_the_uninterrupted_run() -> None:
+    """The LambdaLR DeepSpeed checkpoints, saved mid-warmup and loaded into a new optimizer and scheduler built
+    from the same schedule, goes on at the rates the uninterrupted one had."""
+    import torch
+
+    schedule = Schedule.for_run(TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=8), 30, (1e-4, "x"))
+
+    def stepper():
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+        return optimizer, schedule.scheduler_factory()(optimizer)
+
+    optimizer, scheduler = stepper()
+    whole = []
+    for _ in range(30):
+        whole.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert whole == pytest.approx([schedule.lr_at(s) for s in range(30)], rel=1e-12)
+    assert whole[0] == pytest.approx(1e-4 + 9e-4 / 8)
+    optimizer, scheduler = stepper()
+    for _ in range(5):  # interrupted mid-warmup, after step 5
+        optimizer.step()
+        scheduler.step()
+    saved = (optimizer.state_dict(), scheduler.state_dict())
+    optimizer, scheduler = stepper()
+    optimizer.load_state_dict(saved[0])
+    scheduler.load_state_dict(saved[1])
+    resumed = []
+    for _ in range(25):
+        resumed.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert resumed == pytest.approx(whole[5:], rel=1e-12)
+
+
+def test_the_bases_end_rate_is_read_from_its_trainer_state_or_gptpipe_export(tmp_path: Path) -> None:
+    """recorded_end_lr: transformers' trainer_state.json (its last logged learning_rate; the Trainer's closing
+    summary row has none), a gptpipe export's manifest final_lr, nothing from a folder with neither or a broken
+    file; warmup_start falls back to train.min_lr and says so, and train.start_lr overrides."""
+    from gptpipe.runtime.base_model import recorded_end_lr
+    from gptpipe.train.plan import warmup_start
+
+    trainer = tmp_path / "trainer"
+    trainer.mkdir()
+    (trainer / "trainer_state.json").write_text(json.dumps({"global_step": 20, "log_history": [
+        {"step": 10, "learning_rate": 4e-4, "loss": 2.0}, {"step": 20, "learning_rate": 3e-5, "loss": 1.5},
+        {"step": 20, "train_runtime": 12.0, "train_loss": 1.7}]}))
+    assert recorded_end_lr(trainer) == (3e-5, f"{trainer / 'trainer_state.json'}: learning_rate at step 20")
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "manifest.json").write_text(json.dumps({"counts": {"step": 300, "final_lr": 2e-5}}))
+    assert recorded_end_lr(export) == (2e-5, f"{export / 'manifest.json'}: final_lr of the gptpipe export of step 300")
+    (export / "trainer_state.json").write_text("{not json")  # unreadable: the next record counts
+    assert recorded_end_lr(export)[0] == 2e-5
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    assert recorded_end_lr(bare) is None
+    train = TrainConfig(lr=1e-4, min_lr=1e-5, warmup_steps=5)
+    start, origin = warmup_start(train, bare)
+    assert start == 1e-5 and origin.startswith(f"train.min_lr: {bare} records no end rate")
+    assert warmup_start(train, trainer)[0] == 3e-5 and warmup_start(train, None) is None
+    assert warmup_start(replace(train, start_lr=0.0), trainer) == (0.0, "train.start_lr")
+
+
+def test_a_continued_run_is_told_when_its_replay_or_peak_lies_outside_the_measured_range() -> None:
+    """The plan's suggestions for model.init_from runs: no second dataset, a smallest share below the measured
+    replay, a peak far above the base's recorded end rate; none inside the range, nor on a start that is no
+    record of the base's (train.start_lr, the min_lr fallback)."""
+    from gptpipe.train.config import CONTINUED_PEAK_RATIO_MAX, CONTINUED_REPLAY_MIN
+    from gptpipe.train.plan import suggestions
+
+    train = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10)
+    recorded = Schedule.for_run(train, 100, (1e-3 / CONTINUED_PEAK_RATIO_MAX, "base/trainer_state.json: ..."))
+    assert suggestions(["ja", "en"], [1 - CONTINUED_REPLAY_MIN, CONTINUED_REPLAY_MIN], recorded) == []
+    only = suggestions(["ja"], None, recorded)
+    assert len(only) == 1 and only[0].startswith("no replay: only ja is trained on")
+    low = suggestions(["ja", "en"], [0.97, 0.03], recorded)
+    assert low == [f"the smallest share, en at 3.0%, is below the {CONTINUED_REPLAY_MIN:.0%} replay measured to keep "
+                   "the base's language: if it is the replay, raise its data.weights share (bench/"
+                   "bench_vocab_extension.py, docs/benchmarks.md)"]
+    steep = Schedule.for_run(train, 100, (1e-3 / CONTINUED_PEAK_RATIO_MAX / 2, "base/manifest.json: ..."))
+    assert [line.split(";")[0] for line in suggestions(["ja", "en"], [0.7, 0.3], steep)] == [
+        f"train.lr 0.001 is {2 * CONTINUED_PEAK_RATIO_MAX:.1f}x the rate the re-warm starts from "
+        f"({1e-3 / CONTINUED_PEAK_RATIO_MAX / 2:g})"]
+    for origin in ("train.start_lr", "train.min_lr: base records no end rate"):
+        assert suggestions(["ja", "en"], [0.7, 0.3], Schedule.for_run(train, 100, (1e-4, origin))) == []
+
+
 def test_deepspeed_config_fills_the_template_consistently(tmp_path: Path) -> None:
     template = json.loads(TEMPLATE.read_text(encoding="utf-8"))  # valid JSON, no bare placeholders
     assert template["wandb"]["project"]

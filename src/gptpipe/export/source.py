@@ -168,7 +168,8 @@ class PretrainSource:
         plain = to_plain(self.training)
         corpus = self.corpus(metrics)
         return (CardBlocks(training_config={k: plain[k] for k in ("model", "train", "data")}, corpus=corpus),
-                {"final_val_loss": corpus.final_val_loss})
+                # the rate of the checkpoint's last step: a run continued from this export re-warms from it
+                {"final_val_loss": corpus.final_val_loss, "final_lr": self.checkpoint.state.get("lr")})
 
 
 @dataclass

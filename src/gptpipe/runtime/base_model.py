@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
 
+from gptpipe.artifacts import MANIFEST
 from gptpipe.data.base_tokenizer import FILES, Extension, PretrainedTokenizer, read_extension, read_pretrained_tokenizer
 from gptpipe.stage import StageInputError, folder_changes, folder_fingerprint
 from gptpipe.storage import is_url
@@ -124,6 +125,37 @@ def check_data(base: BaseModel, manifests: dict[str, Any]) -> None:
     if base.tokenizer.vocab_size > base.config.vocab_size:
         raise StageInputError(f"model.init_from {base.folder}: its tokenizer has {base.tokenizer.vocab_size} ids, "
                               f"its config.json vocab_size only {base.config.vocab_size} embedding rows")
+
+
+# --- the base's own training ----------------------------------------------------------------------------------
+# Where a base folder may record the rate its training ended at: transformers' Trainer (save_state) and a gptpipe
+# stage-4 export (its manifest's final_lr: the rate of the checkpoint's last step).
+TRAINER_STATE = "trainer_state.json"
+
+
+def recorded_end_lr(folder: Path) -> tuple[float, str] | None:
+    """(the learning rate the base's training ended at, where the folder records it), or None where it records
+    none: trainer_state.json's last log_history entry with a learning_rate, else a gptpipe export's manifest.json
+    counts.final_lr. An unreadable file counts as no record (the plan says that it fell back)."""
+    import json
+
+    folder = Path(folder)
+    try:
+        state = json.loads((folder / TRAINER_STATE).read_text(encoding="utf-8"))
+        logged = [row for row in state.get("log_history", []) if isinstance(row.get("learning_rate"), (int, float))]
+        if logged:
+            step = logged[-1].get("step", state.get("global_step", "?"))
+            return float(logged[-1]["learning_rate"]), f"{folder / TRAINER_STATE}: learning_rate at step {step}"
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        counts = json.loads((folder / MANIFEST).read_text(encoding="utf-8")).get("counts", {})
+        if isinstance(counts.get("final_lr"), (int, float)):
+            return float(counts["final_lr"]), (f"{folder / MANIFEST}: final_lr of the gptpipe export of step "
+                                               f"{counts.get('step', '?')}")
+    except (OSError, ValueError, AttributeError):
+        pass
+    return None
 
 
 # --- the folder's record --------------------------------------------------------------------------------------

@@ -129,6 +129,9 @@ class TrainLoop(ABC):
         self.finished = False  # the checkpoint resumed from was saved after the final evaluation
         self.save_seconds: float | None = None  # the last save's stall (its wall time on this rank)
         self.last_loss: torch.Tensor | None = None  # the last finished step's loss, on device
+        # the rate of the last finished step: checkpoints record it, so an export tells a continued run where the
+        # decay ended (stage 4's final_lr, the re-warm's start)
+        self.last_lr: float | None = None
         # The log window: per-step losses since the last log step (on device) and the training seconds they
         # took before window_start; both go into a checkpoint, so a resumed run logs the same rows.
         self.window: list[torch.Tensor] = []
@@ -199,6 +202,7 @@ class TrainLoop(ABC):
         state = checkpoint.load(self.engine, folder, self.dist, converts=self.mirror.uploads if self.mirror else None)
         self.step, self.skipped = state["step"], state.get("skipped_steps", 0)
         self.finished = state.get("finished", False)
+        self.last_lr = state.get("lr")
         window = state.get("log_window") or {"losses": [], "seconds": 0.0}
         # Rank 0 holds the saved rank-average times the ranks, the others 0: the log step's all-reduce and
         # division give the saved average back.
@@ -215,6 +219,7 @@ class TrainLoop(ABC):
             self.say(f"step {self.step}: loss not finite, checkpoint skipped")
             return None
         state = {"step": self.step, "total_steps": self.steps, "skipped_steps": self.skipped, "finished": finished,
+                 "lr": self.last_lr,
                  "world_size": self.dist.world_size,
                  "log_window": {"losses": self._window_losses(), "seconds": self.window_seconds + self.paused_at
                                 - self.window_start},
@@ -314,7 +319,7 @@ class TrainLoop(ABC):
                 # After the optimizer step, from the whole step's choices; a skipped step leaves it, as the weights.
                 self.balance.update(result.aux_loss.counts)
             self.step += 1
-            self.last_loss = result.loss
+            self.last_loss, self.last_lr = result.loss, lr
             self.after_step()
             self.log.advance()
             self.window.append(result.loss)

@@ -1,8 +1,11 @@
 """Learning-rate schedule derived from the run's actual length (the original's was fixed at 300B tokens).
 
-Optimizer step s (0-based) of a run of T steps uses `lr_at(s)`: a linear warmup over the first W steps,
-then cosine, linear (fine-tuning) or warmup-stable-decay down to exactly min_lr at s = T-1, the last step. The
-schedule is a `LambdaLR` handed to `deepspeed.initialize`, so DeepSpeed saves and restores its position.
+Optimizer step s (0-based) of a run of T steps uses `lr_at(s)`: a linear warmup over the first W steps from
+start_lr to the peak (step s at start_lr + (peak - start_lr)·(s+1)/W: from 0 for a new model, the first step a
+W-th of the way up; from the base's end rate for continued pretraining, the re-warm of Ibrahim et al. 2024), then
+cosine, linear (fine-tuning) or warmup-stable-decay down to exactly min_lr at s = T-1, the last step. The
+schedule is a `LambdaLR` handed to `deepspeed.initialize`, so DeepSpeed saves and restores its position; every
+rate is a function of the step alone, so a resume lands on the rate the uninterrupted run had.
 
 An embedding warm-up (stage 3's train.embedding_warmup_steps) trains only the token embedding and output
 matrices for its first steps: their optimizer groups (model.VOCAB_GROUP) follow `lr_at`, every other group's
@@ -30,11 +33,14 @@ class Schedule:
     kind: str = "cosine"  # cosine | linear | wsd | constant
     decay_steps: int = 0  # wsd: steps of the final decay
     frozen_steps: int = 0  # the first steps, in which only the VOCAB_GROUP groups train (embedding warm-up)
+    start_lr: float = 0.0  # where the warmup starts (continued pretraining: the base's end rate)
+    start_origin: str = ""  # where start_lr comes from, for the plan and the log ("": a warmup from 0)
 
     @classmethod
-    def for_run(cls, train_cfg, total_steps: int) -> Schedule:
+    def for_run(cls, train_cfg, total_steps: int, start: tuple[float, str] | None = None) -> Schedule:
         """Warmup and decay as fractions of `total_steps` (what the run will really do), or the warmup as
-        train.warmup_steps says (stage 3), capped at the run's length."""
+        train.warmup_steps says (stage 3), capped at the run's length; the warmup from `start` (rate, where it
+        comes from; None: from 0)."""
         fixed = getattr(train_cfg, "warmup_steps", None)  # fine-tuning's config has no warmup_steps
         if fixed is not None:
             warmup = min(fixed, total_steps - 1)
@@ -46,12 +52,13 @@ class Schedule:
         decay = max(1, round(getattr(train_cfg, "lr_decay_fraction", 0.0) * total_steps))
         return cls(total_steps=total_steps, warmup_steps=warmup, peak_lr=train_cfg.lr, min_lr=train_cfg.min_lr,
                    kind=train_cfg.lr_schedule, decay_steps=min(decay, total_steps - warmup),
-                   frozen_steps=getattr(train_cfg, "embedding_warmup_steps", 0))  # stage 3's key only
+                   frozen_steps=getattr(train_cfg, "embedding_warmup_steps", 0),  # stage 3's key only
+                   start_lr=start[0] if start else 0.0, start_origin=start[1] if start else "")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step `step` (0-based)."""
         if step < self.warmup_steps:
-            return self.peak_lr * (step + 1) / self.warmup_steps
+            return self.start_lr + (self.peak_lr - self.start_lr) * (step + 1) / self.warmup_steps
         if self.kind == "constant":
             return self.peak_lr
         last = self.total_steps - 1

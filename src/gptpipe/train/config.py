@@ -24,6 +24,14 @@ SCRATCH_LR = 6.0e-4
 SCRATCH_WARMUP_FRACTION = 0.01
 CONTINUED_LR = 2.5e-5
 CONTINUED_WARMUP_STEPS = 1000
+# What the plan suggests for continued pretraining, from bench/bench_vocab_extension.py's sweep (docs/benchmarks.md,
+# "Continued pretraining: replay share and peak rate"; held-out English +3% at a 25% replay share with a peak of
+# 3x or 10x the base's end rate, +9% and +18% at 5%): the share of the base's own language blended in, the
+# smallest share measured to keep held-out English within 5%, and the largest peak measured to, as a multiple of
+# the base's end rate the re-warm starts from.
+CONTINUED_REPLAY = 0.25
+CONTINUED_REPLAY_MIN = 0.25
+CONTINUED_PEAK_RATIO_MAX = 10.0
 
 
 @dataclass
@@ -31,9 +39,10 @@ class TrainConfig(LoopConfig):
     """How long, how fast and on what engine settings to pretrain (the loop's keys, then stage 3's own).
 
     lr, min_lr and the warmup default by what is trained (`resolve_schedule`): from scratch 6e-4 to 6e-5 after a
-    1% warmup; continued pretraining (model.init_from) re-warms over 1,000 steps to 2.5e-5 and decays to a tenth
-    of it, the scale of public continual-pretraining recipes (e.g. Ibrahim et al. 2024, "Simple and Scalable
-    Strategies to Continually Pre-train Large Language Models": re-warm, peak well below the original's, decay).
+    1% warmup; continued pretraining (model.init_from) re-warms over 1,000 steps from the base's recorded end rate
+    (start_lr) to 2.5e-5 and decays to a tenth of it, the scale of public continual-pretraining recipes (e.g.
+    Ibrahim et al. 2024, "Simple and Scalable Strategies to Continually Pre-train Large Language Models": re-warm,
+    peak well below the original's, decay).
     """
 
     lr: float | None = option(
@@ -45,6 +54,12 @@ class TrainConfig(LoopConfig):
     warmup_steps: int | None = option(
         None, f"warmup length in optimizer steps, instead of warmup_fraction (None: from warmup_fraction; with "
               f"model.init_from and neither set, {CONTINUED_WARMUP_STEPS:,}); capped at the run's steps - 1")
+    start_lr: float | None = option(
+        None, "the rate the warmup rises from, linearly to lr (None: 0 from scratch; with model.init_from, the "
+              "base's end rate as its folder records it, so the run re-warms from where the base's decay ended: "
+              "trainer_state.json's last logged learning_rate (transformers' Trainer), else the final_lr of a "
+              "gptpipe export's manifest.json; a folder recording neither: min_lr). The plan and the run log say "
+              "which it took")
 
     train_tokens: int | None = option(
         None, "stop after this many tokens (count_tokens.py writes it; None: use train_epochs)")
@@ -101,6 +116,8 @@ class TrainConfig(LoopConfig):
             problems.append(("eval_iters", "must be >= 1"))
         if self.train_tokens is not None and self.train_tokens < 1:
             problems.append(("train_tokens", "must be >= 1 (or null to use train_epochs)"))
+        if self.start_lr is not None and self.start_lr < 0:
+            problems.append(("start_lr", "must be >= 0 (or null)"))
         if self.warmup_steps is not None and self.warmup_steps < 0:
             problems.append(("warmup_steps", "must be >= 0 (or null)"))
         if self.eval_tasks_limit is not None and self.eval_tasks_limit < 1:

@@ -182,7 +182,7 @@ def make_plan(config: TrainingRun, vocab_size: int, dp: int | None = None, devic
         raise PlanError(f"{how} is less than one global batch ({train.global_batch_size} × {train.seq_len} "
                         f"tokens). Fix: lower train.global_batch_size or raise train.train_tokens/train_epochs.")
     steps = min(full_steps, train.train_iters or full_steps)
-    schedule = Schedule.for_run(train, steps)
+    schedule = Schedule.for_run(train, steps, warmup_start(train, config.model.init_from))
     eval_samples = train.eval_iters * train.global_batch_size
     # The dataset is built for the uncapped run: a train_iters cap (or changing it on resume) then never
     # changes which samples come in which order.
@@ -242,6 +242,58 @@ def make_plan(config: TrainingRun, vocab_size: int, dp: int | None = None, devic
                 # fp8 runs too: MFU against the dense bf16 peak (the FP8 matmuls' own peak is twice it)
                 peak_flops=peak_flops(name, train.engine_precision, train.peak_tflops) if on_gpu else None,
                 setup=setup, measured_tokens_per_s=measured, measured_elsewhere=elsewhere)
+
+
+def warmup_start(train: Any, init_from: Path | None) -> tuple[float, str] | None:
+    """(the rate stage 3's warmup starts from, where it comes from): train.start_lr where set; else 0 for a new
+    model (None); with model.init_from, the base's end rate its folder records (re-warm), or train.min_lr where it
+    records none."""
+    from gptpipe.runtime.base_model import recorded_end_lr
+
+    if train.start_lr is not None:
+        return train.start_lr, "train.start_lr"
+    if init_from is None:
+        return None
+    recorded = None if is_url(init_from) else recorded_end_lr(init_from)
+    return recorded or (train.min_lr, f"train.min_lr: {init_from} records no end rate of the base's training (no "
+                                      "trainer_state.json learning_rate, no gptpipe export manifest final_lr)")
+
+
+def continued_suggestions(plan: Plan, config: TrainingRun) -> list[str]:
+    """What the plan suggests for a continued run (model.init_from): `suggestions` on its datasets' shares and
+    schedule; nothing for a new model."""
+    if config.model.init_from is None:
+        return []
+    shares = [w / sum(plan.weights) for w in plan.weights] if plan.weights else None
+    return suggestions([st.prefix.name for st in plan.stats], shares, plan.schedule)
+
+
+def suggestions(names: list[str], shares: list[float] | None, schedule: Schedule) -> list[str]:
+    """A continued run's replay share or peak rate outside what bench/bench_vocab_extension.py measured to keep
+    the base's language (CONTINUED_* in train/config.py): one dataset (`names`; nothing replays the base's
+    language), the smallest blended share (`shares`, taken for the replay) below CONTINUED_REPLAY_MIN, a peak
+    above CONTINUED_PEAK_RATIO_MAX times the base's recorded end rate."""
+    from gptpipe.train.config import CONTINUED_PEAK_RATIO_MAX, CONTINUED_REPLAY, CONTINUED_REPLAY_MIN
+
+    found = []
+    measured = "bench/bench_vocab_extension.py, docs/benchmarks.md"
+    if len(names) == 1:
+        found.append(f"no replay: only {names[0]} is trained on, and a continued model forgets the base's language "
+                     f"fast; blend ~{CONTINUED_REPLAY:.0%} of text like the base's (a second data.prefixes entry, "
+                     f"data.weights [{1 - CONTINUED_REPLAY:g}, {CONTINUED_REPLAY:g}]; {measured})")
+    elif shares:
+        smallest = min(range(len(shares)), key=shares.__getitem__)
+        if shares[smallest] < CONTINUED_REPLAY_MIN:
+            found.append(f"the smallest share, {names[smallest]} at {shares[smallest]:.1%}, is below the "
+                         f"{CONTINUED_REPLAY_MIN:.0%} replay measured to keep the base's language: if it is the "
+                         f"replay, raise its data.weights share ({measured})")
+    start, peak = schedule.start_lr, schedule.peak_lr
+    # the ratio was measured from the base's own end rate: not judged against a start set or fallen back to
+    recorded = not schedule.start_origin.startswith("train.")
+    if recorded and start > 0 and peak > CONTINUED_PEAK_RATIO_MAX * start:
+        found.append(f"train.lr {peak:g} is {peak / start:.1f}x the rate the re-warm starts from ({start:g}); peaks "
+                     f"above {CONTINUED_PEAK_RATIO_MAX:g}x it forgot more of the base's language ({measured})")
+    return found
 
 
 def largest_micro_batch(settings: EngineSettings, per_rank: int,

@@ -11,7 +11,8 @@ from gptpipe.storage import is_url
 from gptpipe.train.data import DataError, mixture
 from gptpipe.runtime.fp8 import describe, largest_converted
 from gptpipe.runtime.memory import GIB, fp8_cast_bytes
-from gptpipe.train.plan import ASSUMED_MFU, Plan, PlanError, check_parameter_count, make_plan
+from gptpipe.train.plan import (ASSUMED_MFU, Plan, PlanError, check_parameter_count, continued_suggestions,
+                                make_plan)
 
 
 log = get_logger("plan")
@@ -31,6 +32,8 @@ def format_plan(plan: Plan, config: TrainingRun) -> str:
     g = lambda b: f"{b / GIB:.2f} GiB"
     m, c = plan.memory, plan.memory_checkpointed
     base = config.model.init_from
+    schedule = plan.schedule
+    start = f"{schedule.start_lr:g} ({schedule.start_origin})" if schedule.start_origin else "0"
     planned_mixture = ""
     if plan.weights:  # the weights' shares of the run; training prints those megatron's blend index gives
         run_samples = plan.steps * train.global_batch_size
@@ -56,13 +59,14 @@ def format_plan(plan: Plan, config: TrainingRun) -> str:
                   f"{plan.accumulation} × {plan.dp} data-parallel ranks; {plan.tokens_per_step:,} tokens/step"),
         ("run", f"{plan.steps:,} steps, {plan.train_tokens:,} tokens, from {plan.run_length}"
                 + (f"; capped by train.train_iters={train.train_iters}" if train.train_iters else "")),
-        ("lr", (f"{plan.schedule.kind}: warmup {plan.schedule.warmup_steps} steps to {train.lr:g}, "
+        ("lr", (f"{plan.schedule.kind}: warmup {plan.schedule.warmup_steps} steps from {start} to {train.lr:g}, "
                 f"{train.min_lr:g} at step {plan.steps}" if plan.schedule.kind != "constant"
-                else f"constant {train.lr:g}")
+                else f"constant {train.lr:g} after a warmup of {plan.schedule.warmup_steps} steps from {start}")
          + (f" (warmup from train.warmup_steps={train.warmup_steps}" if train.warmup_steps is not None else
             f" (warmup from train.warmup_fraction={train.warmup_fraction:g}")
          + ("; unset lr/min_lr/warmup default to continued pretraining's re-warm from model.init_from)" if base
             else ")")),
+        *[("suggestion", line) for line in continued_suggestions(plan, config)],
         ("engine", f"{train.precision}{' (a bf16 engine)' if plan.fp8 else ''}, "
                    f"{plan.settings.describe(plan.dp, train.global_batch_size)}"),
         *([("fp8", describe(plan.fp8, train.fp8_recipe) + "; weights, gradients, optimizer and checkpoints "
