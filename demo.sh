@@ -51,8 +51,18 @@ PY
 step "stage 7: predict the test split (beam search, predict.num_beams in finetune_config.yaml)"
 python -m gptpipe predict --config demo/finetune_config.yaml
 head -n 3 demo/runs/finetune-demo/predictions/test.jsonl
-step "stage 7: evaluate the pretrained model zero-shot on the same task (lm-evaluation-harness)"
-python -m gptpipe evaluate --config demo/evaluate_config.yaml
+step "stage 7: evaluate the pretrained model zero-shot on the same task (lm-evaluation-harness), scored by label and as an llm-jp-eval file (generated)"
+python -m gptpipe evaluate --config demo/evaluate_config.yaml "task_dirs=[demo/data/finetune/manpage_section/llm-jp-eval/test]"
+step "stage 7: the Japanese leaderboard suite (suite=ja), offline once its datasets were fetched"
+if [ -d demo/data/eval_datasets ]; then
+  python -m gptpipe evaluate --config demo/evaluate_config.yaml suite=ja "tasks=[]" max_gen_toks=32 output_dir=demo/runs/eval-ja
+else
+  echo "its datasets are not here: fetch them once where the hub is reachable with"
+  echo "  python -m gptpipe evaluate --config demo/evaluate_config.yaml --fetch suite=ja"
+  echo "then run this script again (the stages before are current and skipped)"
+fi
+step "stage 6 again (dry run): the export's evaluation results go up with it, their table in its model card"
+python 6_upload.py --config demo/convert_config.yaml --dry-run
 step "stage 7: export the best fine-tune checkpoint (stage 4's gate) and dry-run its upload (stage 6)"
 bash 4_convert_to_HF.sh --config demo/convert_config.yaml "${FINETUNED[@]}"
 python 6_upload.py --config demo/convert_config.yaml "${FINETUNED[@]}" --dry-run

@@ -71,6 +71,19 @@ def test_the_chat_set_holds_every_row_as_a_two_turn_conversation(demo_task: Path
             assert section == f"{page['page'][3]}章 ({page['label']}) です。"
 
 
+def test_the_llm_jp_eval_files_hold_the_splits_as_its_reader_takes_them(demo_task: Path) -> None:
+    """The test split as an llm-jp-eval task, its few-shot examples the train split's first rows (../train/)."""
+    from gptpipe.llmjp_eval import read_folders
+
+    [[task]] = read_folders([demo_task / "llm-jp-eval" / "test"], num_fewshot=2).values()
+    test, train = read_tsv(demo_task / "test.tsv"), read_tsv(demo_task / "train.tsv")
+    assert task.name == "llmjp_manpage_section" and task.metrics == ["exact_match"]
+    assert [[s["input"], s["output"]] for s in task.samples] == test
+    assert [[s["input"], s["output"]] for s in task.shots] == train[:2]
+    labels = sorted({label for _, label in train})
+    assert sorted(task.label_list) == labels and all(label in task.instruction for label in labels)
+
+
 def test_the_preference_set_pairs_every_conversation_in_trls_shape(demo_task: Path) -> None:
     import json
 

@@ -8,7 +8,9 @@ task YAML over the same files (``gptpipe evaluate``) and pages.tsv saying which 
 same splits as a chat set (``chat/<split>.jsonl``, task.kind chat): "What does `ls` do?" answered by the
 description, then "Which section of the manual?" answered by the section. And as a preference set
 (``preference/<split>.jsonl``, task.kind preference, TRL's prompt/chosen/rejected rows, see `manpage_pairs`): the
-description preferred over the section line, the right section over a wrong one.
+description preferred over the section line, the right section over a wrong one. And in llm-jp-eval's format
+(``llm-jp-eval/{train,test}/manpage_section.json``, `llmjp_eval_task`: `gptpipe evaluate`'s task_dirs takes the test
+folder), the section generated and matched exactly.
 
 Only the NAME line is read, so a few lines of roff are parsed here instead of rendering whole pages.
 """
@@ -40,7 +42,7 @@ SECTION_LABELS = {
 SPLITS = ("train", "validation", "test")
 # What build writes beside the TSV files; in the manifest's inputs, so a folder built before a set was added is
 # rebuilt rather than reported current.
-SETS = ["chat", "preference"]
+SETS = ["chat", "preference", "llm-jp-eval"]
 # The prompt the lm-eval task scores each label after; the fine-tune's default template is its own business.
 EVAL_PROMPT = "説明: {{input}}\nマニュアルの種類:"
 
@@ -276,6 +278,15 @@ def lm_eval_task(labels: list[str]) -> dict:
     }
 
 
+def llmjp_eval_task(rows: list[Row], labels: list[str]) -> dict:
+    """The task as an llm-jp-eval file: the section generated after the description, exact match, the labels
+    as its label_list (llm-jp-eval's out-of-label share beside it)."""
+    return {"instruction": "マニュアルの説明を読み、そのマニュアルの種類を次の中から一つ答えてください: "
+                           + "、".join(labels),
+            "output_length": 8, "metrics": ["exact_match"], "label_list": labels,
+            "samples": [{"input": r.input, "output": SECTION_LABELS[r.section]} for r in rows]}
+
+
 def build(config: DemoTaskConfig) -> StageResult:
     """Read, dedupe, drop small sections, split, write the files (each atomically); manifest by the caller."""
     rows, skipped = read_rows(config.man_dir)
@@ -298,6 +309,9 @@ def build(config: DemoTaskConfig) -> StageResult:
     for name, part in splits.items():
         written.append(_write(out / "preference" / f"{name}.jsonl", "".join(
             json.dumps(row, ensure_ascii=False) + "\n" for row in manpage_pairs([chat_conversation(r) for r in part]))))
+    for name in ("train", "test"):  # llm-jp-eval's layout: the few-shot examples come from ../train/
+        written.append(_write(out / "llm-jp-eval" / name / f"{TASK_NAME}.json", json.dumps(
+            llmjp_eval_task(splits[name], labels), ensure_ascii=False, indent=1) + "\n"))
     written.append(_write(out / "pages.tsv", "page\tsplit\tlabel\tinput\n" + "".join(
         f"{r.page}\t{name}\t{SECTION_LABELS[r.section]}\t{r.input}\n" for name, part in splits.items() for r in part)))
     written.append(_write(out / f"{TASK_NAME}.yaml", yaml.safe_dump(
