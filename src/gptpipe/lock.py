@@ -54,14 +54,20 @@ def owner_suffix() -> str:
     return f"{os.getpid()}@{socket.gethostname()}"
 
 
-def left_by_gone_process(name: str) -> bool:
-    """Whether a name ending in `-<owner_suffix()>` is a temporary of a process of this host that is gone. A name
-    ending in `-<pid>` alone (stage.atomic_path's) is taken as this host's."""
+def temporary_owner(name: str) -> tuple[str, int] | None:
+    """(host, pid) that a temporary's name ends in (`-<owner_suffix()>`; a bare `-<pid>`, stage.atomic_path's, is
+    this host's), or None when it names no process."""
     before, at, host = name.rpartition("@")  # a host name may hold "-", a pid does not
     if not at:
         before, host = name, socket.gethostname()
     pid = before.rsplit("-", 1)[-1]
-    return pid.isdigit() and process_gone(host, int(pid))
+    return (host, int(pid)) if pid.isdigit() else None
+
+
+def left_by_gone_process(name: str) -> bool:
+    """Whether a temporary's name (`temporary_owner`) is that of a process of this host that is gone."""
+    owner = temporary_owner(name)
+    return owner is not None and process_gone(*owner)
 
 
 def lock_path(folder: Path) -> Path:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gptpipe.artifacts import TOKENIZE
-from gptpipe.lock import left_by_gone_process, owner_suffix
+from gptpipe.lock import owner_suffix, process_gone, temporary_owner
 from gptpipe.log import get_logger
 
 log = get_logger("train")
@@ -92,8 +92,9 @@ def remove_killed_builds(cache_dir: Path) -> None:
     """Remove the temporaries in `cache_dir` of builders on this host that were killed mid-build (a builder that
     fails removes its own; SIGKILL, an OOM kill or a node's crash leave them, each as large as the indices)."""
     for path in cache_dir.glob(f"indices-*{TEMPORARY}*"):
-        if left_by_gone_process(path.name):
-            log.info(f"removing {path}: left by a build that was killed (pid {path.name.rsplit('-', 1)[1]})")
+        owner = temporary_owner(path.name)
+        if owner is not None and process_gone(*owner):
+            log.info(f"removing {path}: left by a build that was killed (pid {owner[1]})")
             shutil.rmtree(path, ignore_errors=True)
 
 
