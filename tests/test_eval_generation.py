@@ -54,7 +54,7 @@ def llama(tiny_export) -> Path:
 def scored(folder: Path, specs: list[dict], generator: Generator) -> dict:
     import lm_eval
 
-    from gptpipe.finetune.evaluate import _hf_lm
+    from gptpipe.evaluate import _hf_lm
     from gptpipe.lm_tasks import load_tasks
 
     model = GeneratingLM(_hf_lm(folder, "float32", 1, "cpu"), generator, folder, "float32")

@@ -123,9 +123,12 @@ class GeneratingLM(LM):
             asked.append((ids, new, until))
         sampled = [r for r, (ids, _, _) in zip(requests, asked, strict=True) if ids is None]
         sampled_texts = iter(hf.generate_until(sampled) if sampled else [])
-        served = iter(runtime.complete([ids for ids, _, _ in asked if ids is not None],
-                                       [new for ids, new, _ in asked if ids is not None]).outputs
-                      if len(sampled) < len(requests) else [])
+        served = iter([])
+        if len(sampled) < len(requests):
+            serving = runtime.complete([ids for ids, _, _ in asked if ids is not None],
+                                       [new for ids, new, _ in asked if ids is not None])
+            self.generator.details.update({"version": serving.version, "dtype": serving.dtype})
+            served = iter(serving.outputs)
         texts = []
         for ids, _, until in asked:
             if ids is None:
