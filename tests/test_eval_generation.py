@@ -30,6 +30,7 @@ def needs_vllm(test):
     return test
 
 VLLM_HEAD_DIM = 32  # vLLM's CPU attention's smallest head size (test_vllm.py)
+STOPS = ["の", "る"]  # stop strings the tiny export's JSQuAD generations run past (its "。" and newlines are rare)
 
 
 def test_auto_falls_back_to_transformers_where_vllm_cannot_run(tmp_path: Path, monkeypatch) -> None:
@@ -63,28 +64,35 @@ def scored(folder: Path, specs: list[dict], generator: Generator) -> dict:
 
 @needs_vllm
 def test_vllm_generates_transformers_texts_and_scores(llama: Path, tmp_path: Path) -> None:
-    """Every document of the three llm-jp-eval tasks (two shots, 1-25 new tokens each): the generation lm-eval
-    logged (resps) and the one its filters kept (filtered_resps) are the same texts from vLLM as from transformers,
-    so every document's scores and every task's figure are too; the generator counted every request and its
-    time."""
+    """Every document of the three llm-jp-eval tasks (two shots, 1-25 new tokens each) and of JSQuAD with stop
+    strings: the generation lm-eval logged (resps) and the one its filters kept (filtered_resps) are the same texts
+    from vLLM as from transformers, so every document's scores and every task's figure are too; the generator
+    counted every request and its time."""
     from gptpipe.lm_tasks import summarize
 
     test = write_llmjp(tmp_path, command_rows())
     specs = llmjp_eval.task_dicts(test, num_fewshot=2)
+    # JSQuAD again with stop strings (llm-jp-eval's tasks have none): the texts cut where HFLM cuts them
+    jsquad = next(s for s in specs if s["task"] == "llmjp_jsquad")
+    specs.append({**jsquad, "task": "llmjp_jsquad_until",
+                  "generation_kwargs": {**jsquad["generation_kwargs"], "until": STOPS}})
     runs = {}
     for name in ("transformers", "vllm-venv"):
         generator = Generator(name, "test")
         runs[name] = (scored(llama, specs, generator), generator)
     (hf, hf_gen), (vl, vl_gen) = runs["transformers"], runs["vllm-venv"]
-    assert hf_gen.requests == vl_gen.requests == len(TASKS) * TEST_DOCS and vl_gen.generate_s > 0
+    assert hf_gen.requests == vl_gen.requests == (len(TASKS) + 1) * TEST_DOCS and vl_gen.generate_s > 0
     texts = []
-    for task in (f"llmjp_{name}" for name in TASKS):
+    for task in [*(f"llmjp_{name}" for name in TASKS), "llmjp_jsquad_until"]:
         assert len(hf["samples"][task]) == len(vl["samples"][task]) == TEST_DOCS
         for a, b in zip(hf["samples"][task], vl["samples"][task], strict=True):
             assert a["doc_id"] == b["doc_id"] and a["arguments"] == b["arguments"]
             assert (a["resps"], a["filtered_resps"]) == (b["resps"], b["filtered_resps"]), (task, a["doc_id"])
             texts.append(a["resps"][0][0])
     assert summarize(hf) == summarize(vl)
+    whole, cut = ([s["resps"][0][0] for s in vl["samples"][task]] for task in ("llmjp_jsquad", "llmjp_jsquad_until"))
+    assert all(w.startswith(c) and not any(stop in c for stop in STOPS) for w, c in zip(whole, cut, strict=True))
+    assert whole != cut, whole  # some generation went past a stop string
     assert any(texts) and len(set(texts)) > 1, texts  # generations to compare, not empty strings
 
 
