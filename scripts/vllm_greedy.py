@@ -2,15 +2,17 @@
 
     python scripts/vllm_greedy.py FOLDER REQUESTS.json OUT.json --max-tokens 20
 
-REQUESTS.json: {"prompts": ["...", ...], "conversations": [[{"role": "user", "content": "..."}, ...], ...]}.
+REQUESTS.json: {"prompts": ["...", ...], "conversations": [[{"role": "user", "content": "..."}, ...], ...],
+"token_prompts": [{"prompt_token_ids": [...], "max_tokens": N}, ...]} (every key optional; a token prompt is
+taken as its ids, nothing added, and generates up to its own N rather than --max-tokens: an evaluation's requests).
 OUT.json: {"vllm": version, "dtype": ..., "lora": served as an adapter folder, "prompts": [...],
-"conversations": [...]}, each entry with "prompt_token_ids" and greedy "token_ids"; a conversation also has
-"prompt", the text the folder's chat template made of it (with the generation prompt). Prompts are encoded as
-`vllm serve`'s completions endpoint does (the tokenizer's special tokens added as configured), conversations as
-its chat endpoint does. An adapter folder (stage 4's lora_export: adapter) is served as `vllm serve BASE
---enable-lora` serves it: the base its adapter_config.json names, with the folder's tokenizer and generation
-config, every request through a LoRARequest of the folder. This script imports nothing from gptpipe: vLLM's venv
-has its own torch and transformers, and gptpipe is not installed there.
+"conversations": [...], "token_prompts": [...]}, each entry with "prompt_token_ids" and greedy "token_ids"; a
+conversation also has "prompt", the text the folder's chat template made of it (with the generation prompt).
+Prompts are encoded as `vllm serve`'s completions endpoint does (the tokenizer's special tokens added as
+configured), conversations as its chat endpoint does. An adapter folder (stage 4's lora_export: adapter) is
+served as `vllm serve BASE --enable-lora` serves it: the base its adapter_config.json names, with the folder's
+tokenizer and generation config, every request through a LoRARequest of the folder. This script imports nothing
+from gptpipe: vLLM's venv has its own torch and transformers, and gptpipe is not installed there.
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ def main() -> None:
                if requests.get("prompts") else [])
     chats = (llm.chat(requests["conversations"], greedy, use_tqdm=False, add_generation_prompt=True, lora_request=lora)
              if requests.get("conversations") else [])
+    # An evaluation's requests: ids as lm-eval encoded them, each its task's own limit (one batch: vLLM schedules).
+    token_prompts = requests.get("token_prompts") or []
+    completions = (llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in token_prompts],
+                                [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"]) for r in token_prompts],
+                                use_tqdm=False, lora_request=lora) if token_prompts else [])
     result = {
         "vllm": vllm.__version__,
         "dtype": engine["dtype"],
@@ -81,6 +88,8 @@ def main() -> None:
                     for out in prompts],
         "conversations": [{"prompt": out.prompt, "prompt_token_ids": list(out.prompt_token_ids),
                            "token_ids": list(out.outputs[0].token_ids)} for out in chats],
+        "token_prompts": [{"prompt_token_ids": list(out.prompt_token_ids), "token_ids": list(out.outputs[0].token_ids)}
+                          for out in completions],
     }
     args.out.write_text(json.dumps(result, ensure_ascii=False), encoding="utf-8")
 

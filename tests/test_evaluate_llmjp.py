@@ -283,7 +283,7 @@ def test_each_document_is_prompted_extracted_and_scored_as_llm_jp_eval_does(expo
     import lm_eval
     from transformers import AutoTokenizer
 
-    from gptpipe.finetune.evaluate import _hf_lm
+    from gptpipe.evaluate import _hf_lm
     from gptpipe.lm_tasks import load_tasks, summarize
 
     rows = command_rows()

@@ -129,6 +129,7 @@ CONVERT = Stage("4", "convert", "bash 4_convert_to_HF.sh", "output_tokenizer_and
 GGUF = Stage("4", "gguf", "gptpipe gguf", "--output")
 DEMO_TASK = Stage("7", "make-demo-task", "gptpipe make-demo-task", "demo_task.output_dir")
 EVALUATE = Stage("7", "evaluate", "gptpipe evaluate", "output_dir")
+EVALUATION_FOLDER = "evaluation"  # evaluate's default output folder in a model folder; upload keeps the name on the hub
 
 
 def check_input_files(patterns: list[Path], key: str, upstream: Stage) -> tuple[list[Path], dict[str, Any]]:

@@ -76,7 +76,7 @@ def _gguf_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 FINETUNE = "gptpipe.finetune.config:FinetuneConfig"
-EVALUATE = "gptpipe.finetune.evaluate:EvaluateConfig"
+EVALUATE = "gptpipe.evaluate:EvaluateConfig"
 PIPELINE = "gptpipe.pipeline:PipelineConfig"
 CONVERT = "gptpipe.export.config:ConvertConfig"
 COMMANDS = [
@@ -116,7 +116,7 @@ COMMANDS = [
     Command("make-demo-task", "stage 7 demo: build the man-page section task (description → section) as "
             "train/validation/test TSV files", "gptpipe.finetune.demo_task:run", EVALUATE, "evaluate_config.yaml"),
     Command("evaluate", "stage 7: zero/few-shot evaluation of an exported HF folder with lm-evaluation-harness",
-            "gptpipe.finetune.evaluate:run", EVALUATE, "evaluate_config.yaml", _fetch_arguments),
+            "gptpipe.evaluate:run", EVALUATE, "evaluate_config.yaml", _fetch_arguments),
 ]
 
 

@@ -24,7 +24,7 @@ from gptpipe.export.card import with_evaluation
 from gptpipe.export.config import ConvertConfig
 from gptpipe.log import get_logger
 from gptpipe.stage import Manifest, StageFailed, StageInputError, file_sha256
-from gptpipe.artifacts import CONVERT, EVALUATE, EXIT_OK, read_export
+from gptpipe.artifacts import CONVERT, EVALUATE, EVALUATION_FOLDER, EXIT_OK, read_export
 from gptpipe.storage import is_url
 
 log = get_logger("upload")
@@ -39,7 +39,6 @@ def repo_name(config: ConvertConfig) -> str:
     return config.repo_name
 
 
-EVALUATION = "evaluation"  # gptpipe evaluate's default output folder in a model folder, and its place in the repo
 RESULTS = ("results.json", "results.md")
 
 
@@ -47,7 +46,7 @@ def evaluation_files(folder: Path) -> dict[str, Path]:
     """{path in the repository: local file} of `gptpipe evaluate`'s results of this export, if it wrote them to
     its default place and they are current (complete, unchanged, made from the export as it is now); {} else,
     saying why when there are results that do not qualify."""
-    out = folder / EVALUATION
+    out = folder / EVALUATION_FOLDER
     if not EVALUATE.has_manifest(out):
         return {}
     manifest = Manifest.read(EVALUATE.manifest_path(out))
@@ -58,7 +57,7 @@ def evaluation_files(folder: Path) -> dict[str, Path]:
         log.warning(f"the evaluation results in {out} stay here: {'; '.join(problems)}. Run `gptpipe evaluate "
                     f"model_dir={folder}` to upload this export's results with it")
         return {}
-    return {f"{EVALUATION}/{name}": out / name for name in RESULTS}
+    return {f"{EVALUATION_FOLDER}/{name}": out / name for name in RESULTS}
 
 
 def repository_contents(folder: Path, files: list[str]) -> dict[str, Path | bytes]:
@@ -68,9 +67,9 @@ def repository_contents(folder: Path, files: list[str]) -> dict[str, Path | byte
     evaluation = evaluation_files(folder)
     if evaluation and "README.md" in contents:
         card = (folder / "README.md").read_text(encoding="utf-8")
-        results = json.loads(evaluation[f"{EVALUATION}/results.json"].read_text(encoding="utf-8"))
-        table = evaluation[f"{EVALUATION}/results.md"].read_text(encoding="utf-8")
-        contents["README.md"] = with_evaluation(card, results, table, EVALUATION).encode()
+        results = json.loads(evaluation[f"{EVALUATION_FOLDER}/results.json"].read_text(encoding="utf-8"))
+        table = evaluation[f"{EVALUATION_FOLDER}/results.md"].read_text(encoding="utf-8")
+        contents["README.md"] = with_evaluation(card, results, table, EVALUATION_FOLDER).encode()
         contents.update(evaluation)
     return contents
 

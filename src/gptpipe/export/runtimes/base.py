@@ -49,6 +49,12 @@ class Runtime:
         """Each request's prompt ids and greedy continuation (max_new_tokens 0: the ids only)."""
         raise NotImplementedError
 
+    def complete(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> Serving:
+        """Each prompt's greedy continuation from the ids given (no special tokens added), up to its own count of
+        new tokens, in one run: what an evaluation's generation tasks ask (gptpipe.eval_generation). A runtime
+        that cannot take ids says so here."""
+        raise NotImplementedError(f"{self.name} does not generate from prompt ids")
+
     @classmethod
     def serving_line(cls, architectures: Collection[str], adapter_rank: int | None) -> str | None:
         """The card's line on running a folder of these architectures (`adapter_rank`: a LoRA adapter folder

@@ -43,27 +43,39 @@ class Vllm(Runtime):
     def missing(self) -> str | None:
         return None if vllm_python() else f"no vLLM venv in {VLLM_HOME}: run {self.setup}"
 
-    def serve(self, requests: Sequence[Prompt], max_new_tokens: int) -> Serving:
-        """One vLLM process over every request (vLLM's start dominates: ~12 s on 2 cores)."""
+    def _run(self, requests: dict, max_new_tokens: int) -> dict:
+        """scripts/vllm_greedy.py in vLLM's venv over `requests` (its REQUESTS.json): one process, whose start
+        dominates (~12 s on 2 cores)."""
         python = vllm_python()
         if python is None:
             raise FileNotFoundError(self.missing())
-        prompts = [r for r in requests if isinstance(r, str)]
-        conversations = [list(r) for r in requests if not isinstance(r, str)]
         with tempfile.TemporaryDirectory() as tmp:
             asked, out = Path(tmp) / "requests.json", Path(tmp) / "out.json"
-            asked.write_text(json.dumps({"prompts": prompts, "conversations": conversations}), encoding="utf-8")
+            asked.write_text(json.dumps(requests), encoding="utf-8")
             # A few GiB of KV cache is vLLM's CPU default; these checks need little, on machines that share memory.
             env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
             # vLLM generates at least one token: the ids-only requests drop it.
             subprocess.run([str(python), str(GREEDY_SCRIPT), str(self.folder), str(asked), str(out),
                             "--max-tokens", str(max(1, max_new_tokens))], check=True, env=env)
-            served = json.loads(out.read_text(encoding="utf-8"))
+            return json.loads(out.read_text(encoding="utf-8"))
+
+    def serve(self, requests: Sequence[Prompt], max_new_tokens: int) -> Serving:
+        """One vLLM process over every request."""
+        served = self._run({"prompts": [r for r in requests if isinstance(r, str)],
+                            "conversations": [list(r) for r in requests if not isinstance(r, str)]}, max_new_tokens)
         texts, chats = iter(served["prompts"]), iter(served["conversations"])
         outputs = []
         for request in requests:
             one = next(texts) if isinstance(request, str) else next(chats)
             outputs.append(Served(one["prompt_token_ids"], one["token_ids"][:max_new_tokens], one.get("prompt")))
+        return Serving(served["vllm"], served["dtype"], outputs, {"lora": served["lora"]},
+                       ("a LoRARequest on its base",) if served["lora"] else ())
+
+    def complete(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> Serving:
+        """One vLLM process over every prompt, each with its own max_tokens."""
+        served = self._run({"token_prompts": [{"prompt_token_ids": list(ids), "max_tokens": n}
+                                              for ids, n in zip(prompt_ids, max_new_tokens, strict=True)]}, 1)
+        outputs = [Served(one["prompt_token_ids"], one["token_ids"]) for one in served["token_prompts"]]
         return Serving(served["vllm"], served["dtype"], outputs, {"lora": served["lora"]},
                        ("a LoRARequest on its base",) if served["lora"] else ())
 

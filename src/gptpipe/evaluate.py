@@ -6,7 +6,8 @@ task `gptpipe make-demo-task` wrote, which runs offline, or a suite (``suite: ja
 tasks at their own shot counts, whose datasets `gptpipe evaluate --fetch` saved locally once. With no registry
 name among the tasks and every task's data local, the run sets the HF offline modes: nothing reaches the hub.
 Results (every metric ± its standard error, and for multiple-choice tasks the majority-class baseline beside
-them) go to ``<model folder>/evaluation/``: results.json, results.md, manifest.json last.
+them) go to ``<model folder>/evaluation/``: results.json, results.md, manifest.json last. Generation tasks run
+through vLLM where it runs (``generation``, gptpipe.eval_generation); results.json and the manifest say which ran.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from gptpipe import eval_suite, llmjp_eval
 from gptpipe.lm_tasks import built_objects, flatten, hub_offline, local_task, needs_hub, summarize
 from gptpipe.log import get_logger
 from gptpipe.stage import StageFailed, StageInputError, StageResult, atomic_path, tree_fingerprint
-from gptpipe.artifacts import CONVERT, DEMO_TASK, EVALUATE
+from gptpipe.artifacts import CONVERT, DEMO_TASK, EVALUATE, EVALUATION_FOLDER
 
 STAGE = EVALUATE.name
 log = get_logger(STAGE)
@@ -60,6 +61,11 @@ class EvaluateConfig:
         None, "new tokens at most for the generation tasks that set no limit of their own (the ja suite's: lm-eval "
               "then allows 256, more than a short-context model holds); None: lm-eval's default")
     batch_size: int = option(8, "documents per forward pass")
+    generation: Literal["auto", "transformers", "vllm"] = option(
+        "auto", "who generates for the generation tasks (log-likelihoods are always transformers'): vllm (greedy, "
+                "each request's own limit and stop strings, the same texts as transformers' where the greedy ids "
+                "agree; in-process where vllm imports here, else scripts/setup_vllm.sh's venv), transformers, or "
+                "auto: vllm where it runs, else transformers (the log says which and why)")
     limit: int | None = option(None, "evaluate only the first N documents of each task (None: all)")
     device: str = option("auto", "cpu, cuda, cuda:1, ... (auto: cuda when available)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
@@ -166,31 +172,37 @@ def _device_and_dtype(config: EvaluateConfig) -> tuple[str, str]:
 
 
 def _hf_lm(folder: Path, dtype: str, batch_size: int, device: str) -> Any:
-    """lm-eval's HF model on the folder. An export's generation_config.json sets max_new_tokens (a default for
-    people sampling from it), which transformers puts before the max_length lm-eval asks for: a generation task's
-    own limit (its max_gen_toks, an llm-jp-eval file's output_length) would be ignored, so it is unset here."""
+    """lm-eval's HF model on the folder, generating plainly greedily (export/agreement.py's `plain`). An export's
+    generation_config.json carries settings for people sampling from it: max_new_tokens, which transformers puts
+    before the max_length lm-eval asks for (a generation task's own limit, its max_gen_toks or an llm-jp-eval
+    file's output_length, would be ignored), and a repetition penalty, which would make lm-eval's greedy decoding
+    other than the model's argmax and other than vLLM's (gptpipe.eval_generation)."""
     from lm_eval.models.huggingface import HFLM
 
+    from gptpipe.export.agreement import plain
+
     lm = HFLM(pretrained=str(folder), dtype=dtype, batch_size=batch_size, device=device)
-    lm.model.generation_config.max_new_tokens = None
+    plain(lm.model)
     return lm
 
 
 def run_lm_eval(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
     """Run the tasks on the model unless results for the same model, tasks and settings exist."""
     folder = model_folder(config)
-    out = config.output_dir or folder / "evaluation"
+    out = config.output_dir or folder / EVALUATION_FOLDER
     specs, inputs, own_shots = task_specs(config)
     inputs["model"] = (CONVERT.fingerprint(folder) if CONVERT.has_manifest(folder)
                        else tree_fingerprint([p for p in folder.iterdir() if p.is_file()]))
     settings = {k: getattr(config, k) for k in ("tasks", "task_yamls", "task_dirs", "suite", "suite_tasks",
-                                                 "num_fewshot", "max_gen_toks", "batch_size", "limit", "device",
-                                                 "dtype", "seed")}
+                                                 "num_fewshot", "max_gen_toks", "batch_size", "generation", "limit",
+                                                 "device", "dtype", "seed")}
 
     def work() -> StageResult:
         import time
 
         import lm_eval
+
+        from gptpipe import eval_generation
 
         # every dataset local (the suite's, the demo task's, ...): the hub is not asked, even for a file's freshness
         offline = contextlib.nullcontext() if any(map(needs_hub, specs)) else hub_offline()
@@ -206,9 +218,13 @@ def run_lm_eval(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
                 if config.max_gen_toks and generation is not None and "max_gen_toks" not in generation:
                     task.set_config(key="generation_kwargs", value={"max_gen_toks": config.max_gen_toks}, update=True)
             device, dtype = _device_and_dtype(config)
+            generator = eval_generation.choose(config.generation, folder)
+            eval_generation.log_choice(generator)
             started = time.time()
+            model = eval_generation.GeneratingLM(_hf_lm(folder, dtype, config.batch_size, device), generator, folder,
+                                                 dtype)
             raw = lm_eval.simple_evaluate(
-                model=_hf_lm(folder, dtype, config.batch_size, device),
+                model=model,
                 tasks=built, num_fewshot=None, limit=config.limit, task_manager=manager, log_samples=True,
                 random_seed=config.seed, numpy_random_seed=config.seed, torch_random_seed=config.seed,
                 fewshot_random_seed=config.seed)
@@ -218,7 +234,7 @@ def run_lm_eval(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
         for task, baseline in majority_baselines(raw).items():
             tasks[task]["majority_baseline"] = baseline
         results = {"model": str(folder), "device": device, "dtype": dtype, "num_fewshot": config.num_fewshot,
-                   "limit": config.limit, "tasks": tasks,
+                   "limit": config.limit, "generation": generator.record(), "tasks": tasks,
                    "versions": raw.get("versions", {}), "configs": raw.get("configs", {})}
         written = []
         for name, text in (("results.json", json.dumps(results, ensure_ascii=False, indent=2, default=str) + "\n"),
@@ -226,9 +242,10 @@ def run_lm_eval(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
             with atomic_path(out / name) as tmp:
                 tmp.write_text(text, encoding="utf-8")
             written.append(out / name)
-        return StageResult(written, counts={t: {m: v["value"] for m, v in r["metrics"].items()}
-                                            for t, r in tasks.items()},
-                           timings={"evaluate_s": round(time.time() - started, 3)})
+        counts: dict[str, Any] = {t: {m: v["value"] for m, v in r["metrics"].items()} for t, r in tasks.items()}
+        return StageResult(written, counts={**counts, "generator": generator.name},
+                           timings={"evaluate_s": round(time.time() - started, 3),
+                                    "generate_s": round(generator.generate_s, 3)})
 
     EVALUATE.run(out, settings, inputs, work, force=force,
                  versions=("lm_eval", "transformers", "torch", "datasets"))
