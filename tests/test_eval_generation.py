@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO, run_cli
 from gptpipe import llmjp_eval
-from gptpipe.eval_generation import Generator, GeneratingLM, choose
+from gptpipe.eval_generation import VLLM_FROM_PARAMETERS, Generator, GeneratingLM, choose
 from gptpipe.export.runtimes import vllm as vllm_runtime
 from gptpipe.export.runtimes.vllm import Vllm
 from gptpipe.stage import Manifest, StageInputError
@@ -40,11 +40,11 @@ def test_auto_falls_back_to_transformers_where_vllm_cannot_run(tmp_path: Path, m
 
     assert find_spec("vllm") is None  # gptpipe's own venv: vLLM runs only in its own
     monkeypatch.setattr(vllm_runtime, "VLLM_HOME", tmp_path / "no-vllm")
-    auto = choose("auto", tmp_path)
+    auto = choose("auto", tmp_path, VLLM_FROM_PARAMETERS)
     assert auto.name == "transformers" and "scripts/setup_vllm.sh" in auto.reason and "no vLLM venv" in auto.reason
     with pytest.raises(StageInputError, match="generation: vllm, but vLLM does not import here and no vLLM venv"):
-        choose("vllm", tmp_path)
-    assert choose("transformers", tmp_path).reason == "generation: transformers"
+        choose("vllm", tmp_path, VLLM_FROM_PARAMETERS)
+    assert choose("transformers", tmp_path, VLLM_FROM_PARAMETERS).reason == "generation: transformers"
 
 
 @pytest.fixture(scope="module")
@@ -98,11 +98,14 @@ def test_vllm_generates_transformers_texts_and_scores(llama: Path, tmp_path: Pat
 
 @needs_vllm
 def test_evaluate_records_which_generator_ran(llama: Path, tmp_path: Path) -> None:
-    """`gptpipe evaluate` with generation auto on a machine with vLLM's venv: vLLM generated (results.json and the
-    manifest say so, with its time), and the scores are those generation: transformers gives."""
+    """On a machine with vLLM's venv, auto picks vLLM for a model of VLLM_FROM_PARAMETERS and transformers for the
+    tiny export (it generates faster than vLLM starts); `gptpipe evaluate` with generation vllm: vLLM generated
+    (results.json and the manifest say so, with its time), and the scores are those generation: transformers
+    gives."""
+    assert choose("auto", llama, VLLM_FROM_PARAMETERS).name == "vllm-venv"
     test = write_llmjp(tmp_path / "llm-jp-eval", command_rows())
     results = {}
-    for generation in ("auto", "transformers"):
+    for generation in ("auto", "vllm", "transformers"):
         out = tmp_path / generation
         run_cli("evaluate", "--config", REPO / "evaluate_config.yaml", f"model_dir={llama}", "tasks=[]",
                 f"task_dirs=[{test}]", "num_fewshot=2", "batch_size=1", f"generation={generation}",
@@ -113,7 +116,9 @@ def test_evaluate_records_which_generator_ran(llama: Path, tmp_path: Path) -> No
         assert manifest.counts["generator"] == ran["generator"]
         assert manifest.timings["generate_s"] == ran["generate_s"] > 0
         assert ran["requests"] == len(TASKS) * TEST_DOCS
-    assert results["auto"]["generation"]["generator"] == "vllm-venv"
-    assert "scripts/setup_vllm.sh" in results["auto"]["generation"]["reason"]
+    assert results["vllm"]["generation"]["generator"] == "vllm-venv"
+    assert "scripts/setup_vllm.sh" in results["vllm"]["generation"]["reason"]
+    assert results["auto"]["generation"]["generator"] == "transformers"
+    assert "generates faster than vLLM starts" in results["auto"]["generation"]["reason"]
     assert results["transformers"]["generation"]["generator"] == "transformers"
-    assert results["auto"]["tasks"] == results["transformers"]["tasks"]
+    assert results["vllm"]["tasks"] == results["transformers"]["tasks"]

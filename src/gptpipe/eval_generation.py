@@ -45,11 +45,22 @@ class Generator:
                 "requests": self.requests, **self.details}
 
 
-def choose(generation: str, folder: Path) -> Generator:
-    """The generator `generation` (evaluate_config's: auto, transformers or vllm) asks for on this machine; auto
-    falls back to transformers, saying why; vllm where it cannot run: an error naming what to install."""
+# auto's smallest model for vLLM: below it vLLM's start (~12 s on a CPU) costs more than its faster decoding saves
+# (docs/benchmarks.md, 400 documents of 32 tokens: 0.34x on the tests' 2 x 128 toy, 3.5x on a 12 x 768 Llama of
+# ~90M; the lines through the two meet near 4M)
+VLLM_FROM_PARAMETERS = 10_000_000
+
+
+def choose(generation: str, folder: Path, parameters: int) -> Generator:
+    """The generator `generation` (evaluate_config's: auto, transformers or vllm) asks for on this machine for a
+    model of `parameters`; auto falls back to transformers, saying why; vllm where it cannot run: an error naming
+    what to install."""
     if generation == "transformers":
         return Generator("transformers", "generation: transformers")
+    if generation == "auto" and parameters < VLLM_FROM_PARAMETERS:
+        return Generator("transformers", f"generation: auto, and a model of {parameters / 1e6:.1f}M parameters "
+                                         f"generates faster than vLLM starts (vLLM from "
+                                         f"{VLLM_FROM_PARAMETERS // 1_000_000}M; generation: vllm forces it)")
     if find_spec("vllm") is not None:
         return Generator("vllm", "vLLM imports here: lm-eval's vLLM model")
     missing = RUNTIME(folder).missing()

@@ -65,7 +65,8 @@ class EvaluateConfig:
         "auto", "who generates for the generation tasks (log-likelihoods are always transformers'): vllm (greedy, "
                 "each request's own limit and stop strings, the same texts as transformers' where the greedy ids "
                 "agree; in-process where vllm imports here, else scripts/setup_vllm.sh's venv), transformers, or "
-                "auto: vllm where it runs, else transformers (the log says which and why)")
+                "auto: vllm where it runs and the model has 10M parameters or more (a smaller one generates faster "
+                "than vLLM starts), else transformers (the log says which and why)")
     limit: int | None = option(None, "evaluate only the first N documents of each task (None: all)")
     device: str = option("auto", "cpu, cuda, cuda:1, ... (auto: cuda when available)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
@@ -218,11 +219,11 @@ def run_lm_eval(config: EvaluateConfig, force: bool = False) -> dict[str, Any]:
                 if config.max_gen_toks and generation is not None and "max_gen_toks" not in generation:
                     task.set_config(key="generation_kwargs", value={"max_gen_toks": config.max_gen_toks}, update=True)
             device, dtype = _device_and_dtype(config)
-            generator = eval_generation.choose(config.generation, folder)
-            eval_generation.log_choice(generator)
             started = time.time()
-            model = eval_generation.GeneratingLM(_hf_lm(folder, dtype, config.batch_size, device), generator, folder,
-                                                 dtype)
+            hf = _hf_lm(folder, dtype, config.batch_size, device)
+            generator = eval_generation.choose(config.generation, folder, hf.model.num_parameters())
+            eval_generation.log_choice(generator)
+            model = eval_generation.GeneratingLM(hf, generator, folder, dtype)
             raw = lm_eval.simple_evaluate(
                 model=model,
                 tasks=built, num_fewshot=None, limit=config.limit, task_manager=manager, log_samples=True,
