@@ -138,7 +138,9 @@ class LoopConfig:
     micro_batch_size: int | None = option(
         None, "samples per GPU per forward pass (None: the planner picks the largest that fits)")
     train_epochs: float = option(1.0, "stop after this many passes over the train split, when train_tokens is null")
-    train_iters: int | None = option(None, "hard cap on optimizer steps, for quick experiments (None: no cap)")
+    train_iters: int | None = option(None, "optimizer steps, for quick experiments: a cap on pretraining's "
+                                           "steps; a fine-tune runs exactly this many, train_epochs aside (None: "
+                                           "as the data and epochs say)")
     lr: float = option(6.0e-4, "peak learning rate")
     min_lr: float = option(6.0e-5, "learning rate at the last step")
     warmup_fraction: float = option(0.01, "share of the run spent warming up linearly from 0")
