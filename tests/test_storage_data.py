@@ -177,13 +177,52 @@ def test_stage2_to_a_bucket_then_count_and_train_from_it(s3, workspace: Path, da
     assert from_bucket.replace(prefix_url, str(dataset_prefix)) == local
     assert "ja_text_document.bin" not in cached_files(tmp_path) and "ja_text_document.idx" in cached_files(tmp_path)
 
-    # Stage 3 on the bucket's data and tokenizer trains exactly as on the local ones.
+    # Stage 3 on the bucket's data and tokenizer trains exactly as on the local ones; its dataset indices and split
+    # order go up beside the data, the record last.
     done = run_train("--config", config, *TINY_RUN, *bucket, f"train.output_model_dir={tmp_path / 'run'}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert train_losses(tmp_path / "run") == train_losses(tiny_run())
     assert {"ja_text_document.bin", "tokenizer.model"} <= cached_files(tmp_path)
+    assert "building the dataset indices" in done.stderr and "uploaded the dataset indices to" in done.stderr
+    [record] = s3.fs.glob(f"{prefix_url[5:]}.indices/*/indices.json")
+    copied = json.loads(s3.fs.cat_file(record))["files"]
+    built = next((tmp_path / "run" / "data_cache").glob("indices-*"))
+    assert {n for n in copied if not n.startswith("document_order-")} == {p.name for p in built.iterdir()}
+    assert [n for n in copied if n.startswith("document_order-")]
+    # A second run with a cache of its own (another node, a restart on a fresh machine) downloads them instead of
+    # building, and trains the same.
+    again = run_train("--config", config, *TINY_RUN, *bucket, f"train.output_model_dir={tmp_path / 'run2'}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "fetched the dataset indices from" in again.stderr and "building the dataset indices" not in again.stderr
+    assert train_losses(tmp_path / "run2") == train_losses(tiny_run())
     for secret in (FAKE_KEY_ID, FAKE_SECRET, FAKE_TOKEN):
         assert secret not in done.stderr + from_bucket
+
+
+def test_a_planted_or_torn_bucket_copy_of_the_indices_is_not_used(s3, tmp_path: Path, capfd) -> None:
+    """A bucket copy of the dataset indices holding a pickle (an object array, which megatron-core's allow_pickle
+    load would run), or whose record lists a file that is not there, is refused with the URL and the reason: the
+    builder builds instead, and nothing of the copy is left in the cache folder."""
+    import numpy as np
+
+    from gptpipe.committed import CommittedFolder
+    from gptpipe.train.index_cache import COPY_RECORD, fetch_copy
+
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    np.save(planted / "abc-GPTDataset-train-document_index.npy", np.array([{"x": 1}], dtype=object))
+    files = {p.name: p.stat().st_size for p in planted.iterdir()}
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for name, listed in (("pickled", files), ("torn", {**files, "abc-GPTDataset-train-sample_index.npy": 64})):
+        copy = CommittedFolder(f"{s3.url}/data/ja_text_document.indices/{name}", COPY_RECORD)
+        copy.put(planted, files)
+        copy.fs.pipe_file(copy.path(COPY_RECORD), json.dumps({"files": listed}).encode())
+        assert not fetch_copy(copy, cache / f"indices-{name}")
+        err = capfd.readouterr().err
+        assert f"not using the dataset indices at {copy.url}" in err and "building them here" in err
+        assert ("holds Python objects" if name == "pickled" else "sample_index.npy is missing") in err
+        assert list(cache.iterdir()) == []
 
 
 def test_incomplete_dataset_in_a_bucket_is_refused(s3, workspace: Path, dataset_prefix: Path, capfd) -> None:

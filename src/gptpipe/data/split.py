@@ -46,7 +46,7 @@ def document_order(documents: int, seed: int, cache_dir: Path | None = None) -> 
     each rank asked four times per dataset (docs/benchmarks.md)."""
     if cache_dir is None:
         return _permutation(documents, seed)
-    path = Path(cache_dir) / f"document_order-{documents}-{seed}.npy"
+    path = order_file(cache_dir, documents, seed)
     if not path.is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -58,6 +58,14 @@ def document_order(documents: int, seed: int, cache_dir: Path | None = None) -> 
         raise ValueError(f"{path} holds {order.dtype}{list(order.shape)}, not the order of {documents:,} documents: "
                          "delete it (it is recomputed)")
     return order
+
+
+ORDER_FILE_PREFIX = "document_order-"
+
+
+def order_file(cache_dir: Path, documents: int, seed: int) -> Path:
+    """Where `document_order` caches the order of `documents` documents under `seed`."""
+    return Path(cache_dir) / f"{ORDER_FILE_PREFIX}{documents}-{seed}.npy"
 
 
 def _permutation(documents: int, seed: int) -> np.ndarray:

@@ -24,7 +24,7 @@ from gptpipe.data.count import DatasetCounts
 from gptpipe.data.split import document_order, split_problems
 from gptpipe.artifacts import TOKENIZE
 from gptpipe.runtime.batching import to_device
-from gptpipe.train.index_cache import build_in_child, builds_here, indices_folder
+from gptpipe.train.index_cache import bucket_copy, builds_here, indices_folder, provide
 from gptpipe.trust import check_index_cache
 
 if TYPE_CHECKING:
@@ -155,7 +155,9 @@ def build_datasets(data_cfg: DataConfig, stats: list[DatasetCounts], seq_len: in
                     weights=blend[1])
     folder = indices_folder(cache_dir, [s.prefix for s in stats], settings)
     if builds_here(folder):
-        build_in_child(folder, megatron_datasets, blend, *build, cache_dir)
+        copy = bucket_copy([s.prefix for s in stats], folder, blend[0])
+        provide(folder, copy, [(s.documents, data_cfg.seed) for s in stats], megatron_datasets, blend, *build,
+                cache_dir)
     _barrier()  # the builders are done: every rank finds the indices it opens
     return megatron_datasets(blend, *build, cache_dir, folder, prebuilt=True)
 
