@@ -5,8 +5,9 @@ A bucket has no rename, so what a writer uploads becomes real by order alone: ``
 only while its record exists and every file it lists is there with its size (``problems``); a writer replacing
 a committed folder ``withdraw``s the record first, so it never vouches for files being replaced.
 
-``put`` and ``fetch`` move FILES_AT_ONCE files at a time. ``fetch`` copies a committed folder into a local one:
-each file lands under a temporary name and is renamed once whole and checked, and the record's bytes are kept
+``put`` and ``fetch`` move several files at once (FILES_AT_ONCE; an upload to S3 as storage.upload_options
+says). ``fetch`` copies a committed folder into a local one: each file lands under a temporary name and is
+renamed once whole and checked, and the record's bytes are kept
 (``keep``) after every file. A later fetch reuses the local copy while the bucket's record is byte-for-byte the
 kept one and every file still has its size: a folder redone at the same URL has a new record (a stage manifest's
 timings, a checkpoint marker's commit id), even when its files have the same sizes.
