@@ -4,9 +4,11 @@ connection a remote bucket's per-stream limits (bench/throttle_proxy.py).
 
     .venv/bin/python bench/bench_transfers.py [--mib 512] [--files 8] [--rounds 3] [--mib-per-s 12 --rtt-ms 20]
 
-  one stream   one file at a time, each in one request (s3fs max_concurrency=1): gptpipe before issue 44
-  now          gptpipe's own filesystem (storage.filesystem): FILES_AT_ONCE files at once, each large one in s3fs's
-               own concurrent ranged parts (max_concurrency 10 x 50 MiB chunks, its default)
+  one stream   one file at a time, each in one request (s3fs max_concurrency=1, its default parts): gptpipe before
+               issue 44
+  now          gptpipe's own filesystem (storage.filesystem) and committed.put / fetch as they are: uploads with
+               storage.upload_options (up to 8 files at once, 16 parts of 16 MiB in flight in all), downloads
+               FILES_AT_ONCE files at once, each large one in s3fs's own concurrent ranged parts (10 x 50 MiB)
 Two payloads: a checkpoint-shaped folder (`--files` files of random bytes, `--mib` in all: one ZeRO shard per rank)
 and one file of `--mib` (a stage-2 .bin). Rounds alternate the two kinds (each goes first in turn); the figure is the
 median MiB/s. Without the proxy the store and the client share this machine's cores and every stream is CPU-bound;
@@ -80,7 +82,9 @@ def transfer(url: str, work: Path, sizes: dict[str, int], one_stream: bool,
         fs = storage.filesystem(url)
     folder = committed.CommittedFolder(url, "complete", fs)
     total = sum(sizes.values()) / 2**20
-    with mock.patch.object(committed, "FILES_AT_ONCE", 1 if one_stream else committed.FILES_AT_ONCE):
+    with mock.patch.object(committed, "FILES_AT_ONCE", 1 if one_stream else committed.FILES_AT_ONCE), \
+            mock.patch.object(committed, "upload_options",
+                              (lambda fs, sizes: {}) if one_stream else committed.upload_options):
         started = time.perf_counter()
         folder.put(work, sizes)
         folder.commit(b"x", sizes)

@@ -366,6 +366,52 @@ def test_a_committed_folder_exists_only_once_its_record_is_written_last(store, t
     assert folder.problems(files) == [f"{folder.url}/a.bin has 5 bytes, its record lists 100"]
 
 
+def test_an_upload_to_s3_goes_in_concurrent_parts_and_each_file_lands_whole(store, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """committed.put hands s3fs its part options (storage.upload_options): a file of three parts or more reaches
+    the real S3 server as one multipart upload (its ETag counts the parts), a small one as one PUT; gcsfs and a
+    local folder get none of them. Every file is committed and fetched back byte for byte."""
+    import fsspec
+
+    from gptpipe import storage
+    from gptpipe.committed import CommittedFolder
+
+    monkeypatch.setattr(storage, "UPLOAD_PART", 5 << 20)  # S3's smallest part: a 12 MiB file is 3 parts
+    local = tmp_path / "local"
+    local.mkdir()
+    payload = {"shard.pt": os.urandom((12 << 20) + 1), "small.json": b'{"step": 2}'}
+    for name, data in payload.items():
+        (local / name).write_bytes(data)
+    files = {name: len(data) for name, data in payload.items()}
+    folder = CommittedFolder(f"{store.scheme}://{store.bucket}/parts", "record.json")
+    folder.put(local, list(files))
+    folder.commit(b"parts", files)
+    if store.scheme == "s3":
+        etags = {name: store.fs.info(f"{store.bucket}/parts/{name}")["ETag"].strip('"') for name in files}
+        assert etags["shard.pt"].endswith("-3") and "-" not in etags["small.json"], etags
+    else:
+        assert storage.upload_options(folder.fs, list(files.values())) == {}
+    assert folder.fetch(files, tmp_path / "copy") == sum(files.values())
+    assert {name: (tmp_path / "copy" / name).read_bytes() for name in files} == payload
+    assert storage.upload_options(fsspec.filesystem("file"), [1 << 30]) == {}
+
+
+def test_s3_upload_options_keep_their_memory_bound_and_s3s_part_limit() -> None:
+    """At most UPLOAD_PARTS_IN_FLIGHT parts in flight (files at once x parts at once, each a part of memory),
+    whatever the number of files; a file too large for 10,000 parts of UPLOAD_PART gets larger parts."""
+    from gptpipe import storage
+
+    s3 = storage.filesystem("s3://bucket/x", "http://127.0.0.1:9")
+    for count in range(1, 20):
+        options = storage.upload_options(s3, [64 << 20] * count)
+        assert options["chunksize"] == storage.UPLOAD_PART and options["max_concurrency"] >= 2
+        assert options["batch_size"] * options["max_concurrency"] <= storage.UPLOAD_PARTS_IN_FLIGHT, count
+    assert storage.upload_options(s3, [1])["max_concurrency"] == storage.UPLOAD_PARTS_IN_FLIGHT
+    huge = 200 << 30  # a 200 GiB stage-2 .bin
+    chunk = storage.upload_options(s3, [1, huge])["chunksize"]
+    assert chunk > storage.UPLOAD_PART and -(-huge // chunk) <= storage.S3_MAX_PARTS
+
+
 def test_a_second_run_on_a_live_bucket_run_folder_exits_and_the_lease_goes_with_the_first(
         reference_run, workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No file lock reaches a bucket: the run's lease.json does. A second run on the same URL (another staging

@@ -5,8 +5,9 @@ A bucket has no rename, so what a writer uploads becomes real by order alone: ``
 only while its record exists and every file it lists is there with its size (``problems``); a writer replacing
 a committed folder ``withdraw``s the record first, so it never vouches for files being replaced.
 
-``put`` and ``fetch`` move FILES_AT_ONCE files at a time. ``fetch`` copies a committed folder into a local one:
-each file lands under a temporary name and is renamed once whole and checked, and the record's bytes are kept
+``put`` and ``fetch`` move several files at once (FILES_AT_ONCE; an upload to S3 as storage.upload_options
+says). ``fetch`` copies a committed folder into a local one: each file lands under a temporary name and is
+renamed once whole and checked, and the record's bytes are kept
 (``keep``) after every file. A later fetch reuses the local copy while the bucket's record is byte-for-byte the
 kept one and every file still has its size: a folder redone at the same URL has a new record (a stage manifest's
 timings, a checkpoint marker's commit id), even when its files have the same sizes.
@@ -23,11 +24,12 @@ from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from gptpipe.storage import filesystem, join, strip_protocol
+from gptpipe.storage import filesystem, join, strip_protocol, upload_options
 
-# Files in flight at once on an async store (each large one also in s3fs's / gcsfs's own concurrent parts, up to
-# max_concurrency x chunk size of memory per file: 10 x 50 MiB on s3fs), so a checkpoint's many shards and small
-# files do not wait for each other's round trips.
+# Files in flight at once on an async store, so a checkpoint's many shards and small files do not wait for each
+# other's round trips. Each large one also moves in s3fs's / gcsfs's own concurrent parts, up to max_concurrency x
+# part size of memory per file: 10 x 50 MiB for a download from S3 (s3fs's defaults). Uploads to S3 have their own
+# options (storage.upload_options: 8 files, 16 parts of 16 MiB in flight in all).
 FILES_AT_ONCE = 4
 
 
@@ -110,11 +112,13 @@ class CommittedFolder:
         return {"batch_size": FILES_AT_ONCE} if getattr(self.fs, "async_impl", False) else {}
 
     def put(self, local: Path, names: Iterable[str]) -> None:
-        """Upload the files ``names`` of the local folder ``local`` (nothing vouches for them yet)."""
+        """Upload the files ``names`` of the local folder ``local`` (nothing vouches for them yet); to S3 with
+        storage.upload_options, each large file in concurrent parts."""
         names = list(names)
         if names:
+            options = upload_options(self.fs, [(local / name).stat().st_size for name in names])
             self.fs.put([str(local / name) for name in names], [self.path(name) for name in names],
-                        **self._concurrently())
+                        **(options or self._concurrently()))
 
     def withdraw(self) -> None:
         """Remove the record: from now on nothing in the folder exists for a reader."""

@@ -24,6 +24,19 @@ from gptpipe.config.core import Url, has_scheme, option
 
 # The package that serves each common protocol, for the "pip install" hint.
 PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+S3_PROTOCOLS = ("s3", "s3a")
+
+# Uploads to S3 (s3fs's own concurrency: files at once, each of two parts or more a multipart upload of concurrent
+# parts). A bucket limits each connection, so what counts is the requests in flight: UPLOAD_PARTS_IN_FLIGHT, shared
+# by up to UPLOAD_FILES_AT_ONCE files (each at least 2 parts at once), over as many pooled connections. Parts are
+# UPLOAD_PART (AWS suggests 8-16 MB; s3fs's own 50 MiB leave a 64 MiB ZeRO shard one PUT on one connection). s3fs
+# reads a file's parts at once into memory (a file under two parts whole), so an upload holds at most
+# UPLOAD_PARTS_IN_FLIGHT x UPLOAD_PART = 256 MiB. S3 takes at most S3_MAX_PARTS parts a file: a larger file (over
+# 156 GiB) gets larger parts, and the bound grows with it.
+UPLOAD_PART = 16 << 20
+UPLOAD_PARTS_IN_FLIGHT = 16
+UPLOAD_FILES_AT_ONCE = 8
+S3_MAX_PARTS = 10_000
 
 
 @dataclass
@@ -105,11 +118,13 @@ def filesystem(url: str, endpoint_url: str | None = None) -> Any:
     # a dead endpoint must show within a short SIGTERM grace, not after a client's own retries. The endpoint the
     # environment names is passed on explicitly: fsspec caches a filesystem per arguments, and one made for
     # another endpoint (the variable changed within the process) must not be served again.
-    if proto in ("s3", "s3a"):
+    if proto in S3_PROTOCOLS:
         # One botocore attempt (s3fs still retries dropped connections and timeouts itself, ~2 s in all); the
-        # read timeout only bounds the wait for the store's answer, not a transfer.
+        # read timeout only bounds the wait for the store's answer, not a transfer. The pool has a connection for
+        # every part an upload has in flight (botocore's default is 10).
         options["config_kwargs"] = {"connect_timeout": 5, "read_timeout": 60,
-                                    "retries": {"max_attempts": 1, "mode": "standard"}}
+                                    "retries": {"max_attempts": 1, "mode": "standard"},
+                                    "max_pool_connections": UPLOAD_PARTS_IN_FLIGHT}
         endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint_url:
             options["endpoint_url"] = endpoint_url
@@ -124,6 +139,19 @@ def filesystem(url: str, endpoint_url: str | None = None) -> Any:
     elif proto == "file":  # a folder behind a URL: parent folders made as needed, as a bucket's keys need none
         options["auto_mkdir"] = True
     return fsspec.filesystem(proto, **options)
+
+
+def upload_options(fs: Any, sizes: list[int]) -> dict[str, Any]:
+    """The keyword arguments of ``fs.put`` that send files of ``sizes`` bytes at once, each in concurrent parts:
+    s3fs's ``batch_size`` (files at once), ``chunksize`` and ``max_concurrency`` (parts at once per file), within
+    UPLOAD_PARTS_IN_FLIGHT parts in all. None for other filesystems: gcsfs sends a file's chunks one after another
+    (its ``chunksize`` would only make them smaller), a local one copies."""
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    if not sizes or not protocols & set(S3_PROTOCOLS):
+        return {}
+    files = min(UPLOAD_FILES_AT_ONCE, len(sizes))
+    return {"batch_size": files, "chunksize": max(UPLOAD_PART, -(-max(sizes) // S3_MAX_PARTS)),
+            "max_concurrency": max(2, UPLOAD_PARTS_IN_FLIGHT // files)}
 
 
 def strip_protocol(url: str) -> str:
