@@ -46,13 +46,17 @@ def test_two_local_workers_account_their_tasks_cpu_where_they_ran(pages: list[Pa
            f"process(es), the busiest {max(cost.per_process.values()):,.1f} CPU s" in caplog.text
 
 
-def test_one_worker_runs_and_accounts_the_tasks_in_this_process(pages: list[Path]) -> None:
-    with TaskPool("local", 1, None, logging.getLogger("gptpipe.test"), "") as pool:
+def test_one_worker_runs_and_accounts_the_tasks_in_this_process(pages: list[Path],
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    log = logging.getLogger("gptpipe.test")
+    with caplog.at_level(logging.INFO, logger="gptpipe.test"), TaskPool("local", 1, None, log, "") as pool:
         here = time.process_time()
         list(pool.each(packed_size, pages[:4], "page(s) to pack"))
-        list(pool.each(packed_size, pages[4:6], "page(s) to pack again"))
+        # A caller that stops at the last result (as zip does) still gets the step's line.
+        list(zip(range(2), pool.each(packed_size, pages[4:6], "page(s) to pack again")))
         spent = time.process_time() - here
     assert [(c.what, c.tasks) for c in pool.costs] == [("page(s) to pack", 4), ("page(s) to pack again", 2)]
     for cost in pool.costs:
         assert [pid for _, pid in cost.per_process] == [os.getpid()]
+        assert f"{cost.tasks} {cost.what}: {cost.cpu_s:,.1f} CPU s in the tasks, in 1 process(es)" in caplog.text
     assert 0 < sum(c.cpu_s for c in pool.costs) <= spent

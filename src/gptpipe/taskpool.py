@@ -129,8 +129,9 @@ class TaskPool:
             cost.add(spent)
             self.log.debug(f"a task of {what}: {spent.cpu_s:.2f} CPU s, {spent.wall_s:.2f} s wall, process "
                            f"{spent.pid} on {spent.host}")
+            if cost.tasks == len(items):  # before the last yield: a caller may stop at the last result (zip)
+                self.log.info(str(cost))
             yield result
-        self.log.info(str(cost))
 
     def _spent(self, task: Callable[[Item], tuple[Result, Spent]], items: list[Item], what: str,
                in_order: bool) -> Iterator[tuple[Result, Spent]]:
