@@ -124,6 +124,26 @@ def idle_wall(measured: dict[str, float], workers: int, ray: bool) -> float:
     return measured["driver"] + measured["busiest"] + outside / workers + (measured["daemons"] / workers if ray else 0)
 
 
+def speedups(rows: dict[str, dict[str, float]], mb: float) -> str:
+    """Each engine's speed-up on two idle cores over one worker at the same CPU seconds in the tasks (the
+    one-worker run's: CPU seconds too grow a little with the machine's load): its estimate less half its tasks'
+    CPU is its fixed part (driver, worker start, daemons, the busiest process's excess over half), which does not
+    grow with the input; and the input from which it reaches 1.8x."""
+    one = rows.get(ENGINES["1"])
+    if not one:
+        return ""
+    work, serial = one["tasks"], one["driver"] - one["tasks"]
+    said = []
+    for name, measured in rows.items():
+        if name == ENGINES["1"] or not measured["tasks"]:
+            continue
+        fixed = idle_wall(measured, 2, name == ENGINES["ray"]) - measured["tasks"] / 2
+        needed = (1.8 * fixed - serial) / (1 - 1.8 / 2)  # (serial + W) / (fixed + W / 2) = 1.8
+        said.append(f"{name} {(serial + work) / (fixed + work / 2):.2f}x (fixed {fixed:.1f} s; 1.8x from "
+                    f"{needed:.0f} CPU s in the tasks, ~{needed / work * mb:,.0f} MB)")
+    return "; ".join(said)
+
+
 def cpu_line(measured: dict[str, float], engine: str) -> str:
     workers, ray = 1 if engine == ENGINES["1"] else 2, engine == ENGINES["ray"]
     return (f"CPU s: driver {measured['driver']:.1f}, local workers {measured['local']:.1f}, Ray workers "
@@ -188,7 +208,7 @@ def main() -> None:
                     "corpus": {"sources": [{"type": "jsonl", "path": str(documents)}], "languages": ["ja"],
                                "dropped_samples": 0, "shard_mb": 2},
                     "tokenize": {"tokenizer_dir": str(tokenizer), "task_bytes": 1 << 20}})
-                outputs = {}
+                outputs, rows = {}, {}
                 for name, keys in engines.items():
                     out = folder / f"out-{scale}-{len(outputs)}"
                     measured = run(["prepare", "--config", str(config), f"corpus.output_dir={out}",
@@ -201,13 +221,14 @@ def main() -> None:
                     print(f"  stage 0, {name:21}: {wall:6.1f} s, {mb / wall / cores:5.2f} MB/s per core, driver "
                           f"{own:,.0f} MiB, largest worker {worker:,.0f} MiB, kept "
                           f"{manifest['counts']['documents']:,}; s per step: {steps}; {cpu_line(measured, name)}")
-                    outputs[name] = out / "corpus.jsonl"
+                    outputs[name], rows[name] = out / "corpus.jsonl", measured
+                print(f"  stage 0 on two idle cores: {speedups(rows, mb)}")
                 first = next(iter(outputs.values())).read_bytes()
                 print(f"  stage 0 outputs identical: {all(p.read_bytes() == first for p in outputs.values())}")
                 if not tokenizer.exists():
                     sp = {"input": str(next(iter(outputs.values()))), "output_dir": str(tokenizer), "vocab_size": 8000}
                     run(["train-tokenizer", "--config", str(write_yaml(folder / "sp.yaml", sp))])
-                datasets = []
+                datasets, rows = [], {}
                 for name, keys in engines.items():
                     prefix = folder / f"tok-{scale}-{len(datasets)}"
                     measured = run(["tokenize", "--config", str(config), f"tokenize.input=[{documents}]",
@@ -218,6 +239,8 @@ def main() -> None:
                     print(f"  stage 2, {name:21}: {wall:6.1f} s, {mb / wall / cores:5.2f} MB/s per core, driver "
                           f"{own:,.0f} MiB, largest worker {worker:,.0f} MiB; {cpu_line(measured, name)}")
                     datasets.append(Path(f"{prefix}_text_document.bin"))
+                    rows[name] = measured
+                print(f"  stage 2 on two idle cores: {speedups(rows, mb)}")
                 first = datasets[0].read_bytes()
                 print(f"  stage 2 outputs identical: {all(p.read_bytes() == first for p in datasets)}")
     finally:
