@@ -44,7 +44,8 @@ REPORT = ("import resource, sys\nfrom gptpipe.cli import main\ncode = main(sys.a
           "own = resource.getrusage(resource.RUSAGE_SELF)\n"
           "print('RSS', hwm, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, own.ru_utime + own.ru_stime)\n"
           "sys.exit(code)")
-STEP = re.compile(r"([\d,.]+) CPU s in the tasks, in (\d+) process\(es\), the busiest ([\d,.]+) CPU s")
+STEP = re.compile(r"([\d,.]+) CPU s in the tasks, in \d+ process\(es\), the busiest ([\d,.]+) CPU s; the longest "
+                  r"task ([\d,.]+) CPU s")
 
 
 def children_cpu() -> float:
@@ -108,27 +109,30 @@ def run(argv: list[str], log: Path | None = None) -> dict[str, float]:
         log.write_text(done.stderr, encoding="utf-8")
     cpu, (workers, daemons) = children_cpu() - cpu, ray.stop()
     _, own, worker, driver = next(line for line in done.stdout.splitlines() if line.startswith("RSS ")).split()
-    steps = [(float(a.replace(",", "")), float(b.replace(",", ""))) for a, _, b in STEP.findall(done.stderr)]
+    steps = [[float(n.replace(",", "")) for n in step] for step in STEP.findall(done.stderr)]
     return {"wall": wall, "rss": int(own) / 1024, "worker_rss": int(worker) / 1024, "driver": float(driver),
-            "local": cpu - float(driver), "ray": workers, "daemons": daemons,
-            "tasks": sum(a for a, _ in steps), "busiest": sum(b for _, b in steps)}
+            "local": cpu - float(driver), "ray": workers, "daemons": daemons, "tasks": sum(s[0] for s in steps),
+            "busiest": sum(s[1] for s in steps), "longest": sum(s[2] for s in steps)}
 
 
 def idle_wall(measured: dict[str, float], workers: int, ray: bool) -> float:
     """The run's wall seconds on `workers` idle cores, from its CPU seconds: the driver's own work outside the
-    tasks, then each step's busiest process, each worker's own start (its CPU outside the tasks, the workers
-    starting side by side), Ray's daemons sharing the cores. It leaves out waits (disk, Ray's scheduling)."""
+    tasks; each step's tasks spread over the workers, at most a longest task more (each goes to whichever worker
+    is free: how the load split them now does not count); each worker's own start (its CPU outside the tasks,
+    side by side); Ray's daemons taking their share of the cores all along (their CPU per second of this run:
+    timers and bookkeeping, not the load). It leaves out waits (disk, Ray's scheduling)."""
     if workers == 1:  # the tasks ran in the driver
         return measured["driver"]
     outside = measured["ray" if ray else "local"] - measured["tasks"]
-    return measured["driver"] + measured["busiest"] + outside / workers + (measured["daemons"] / workers if ray else 0)
+    busy = measured["driver"] + (measured["tasks"] + outside) / workers + measured["longest"] * (1 - 1 / workers)
+    return busy / (1 - measured["daemons"] / measured["wall"] / workers) if ray else busy
 
 
 def speedups(rows: dict[str, dict[str, float]], mb: float) -> str:
     """Each engine's speed-up on two idle cores over one worker at the same CPU seconds in the tasks (the
     one-worker run's: CPU seconds too grow a little with the machine's load): its estimate less half its tasks'
-    CPU is its fixed part (driver, worker start, daemons, the busiest process's excess over half), which does not
-    grow with the input; and the input from which it reaches 1.8x."""
+    CPU is its fixed part (driver, worker start, daemons, the longest tasks), which does not grow with the input;
+    and the input from which it reaches 1.8x."""
     one = rows.get(ENGINES["1"])
     if not one:
         return ""
@@ -148,7 +152,8 @@ def cpu_line(measured: dict[str, float], engine: str) -> str:
     workers, ray = 1 if engine == ENGINES["1"] else 2, engine == ENGINES["ray"]
     return (f"CPU s: driver {measured['driver']:.1f}, local workers {measured['local']:.1f}, Ray workers "
             f"{measured['ray']:.1f}, Ray daemons {measured['daemons']:.1f}, in the tasks {measured['tasks']:.1f} "
-            f"(busiest process per step, summed: {measured['busiest']:.1f}); on {workers} idle core(s) "
+            f"(per step, summed: the busiest process {measured['busiest']:.1f}, the longest task "
+            f"{measured['longest']:.1f}); on {workers} idle core(s) "
             f"~{idle_wall(measured, workers, ray):.1f} s")
 
 

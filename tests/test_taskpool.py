@@ -42,8 +42,10 @@ def test_two_local_workers_account_their_tasks_cpu_where_they_ran(pages: list[Pa
     assert cost.tasks == len(pages)
     assert 1 <= len(cost.per_process) <= 2 and all(pid != os.getpid() for _, pid in cost.per_process)
     assert cost.cpu_s > 4 * driver  # the work was the workers', not this process's
+    assert 0 < cost.longest_cpu_s <= max(cost.per_process.values()) <= cost.cpu_s
     assert f"{len(pages)} page(s) to pack: {cost.cpu_s:,.1f} CPU s in the tasks, in {len(cost.per_process)} " \
-           f"process(es), the busiest {max(cost.per_process.values()):,.1f} CPU s" in caplog.text
+           f"process(es), the busiest {max(cost.per_process.values()):,.1f} CPU s; the longest task " \
+           f"{cost.longest_cpu_s:,.1f} CPU s" in caplog.text
 
 
 def test_one_worker_runs_and_accounts_the_tasks_in_this_process(pages: list[Path],

@@ -62,12 +62,14 @@ class StepCost:
 
     what: str
     tasks: int = 0
-    longest_s: float = 0.0
+    longest_s: float = 0.0  # wall
+    longest_cpu_s: float = 0.0
     per_process: dict[tuple[str, int], float] = field(default_factory=dict)
 
     def add(self, spent: Spent) -> None:
         self.tasks += 1
         self.longest_s = max(self.longest_s, spent.wall_s)
+        self.longest_cpu_s = max(self.longest_cpu_s, spent.cpu_s)
         key = spent.host, spent.pid
         self.per_process[key] = self.per_process.get(key, 0.0) + spent.cpu_s
 
@@ -76,10 +78,11 @@ class StepCost:
         return sum(self.per_process.values())
 
     def __str__(self) -> str:
-        # The busiest process's CPU seconds bound the step's wall time on idle cores, whatever the load now.
+        # On idle cores a step takes at most cpu_s / processes + the longest task (tasks go to whichever process
+        # is free), whatever the load now; the busiest process's share shows how the load split them.
         return (f"{self.tasks:,} {self.what}: {self.cpu_s:,.1f} CPU s in the tasks, in {len(self.per_process)} "
                 f"process(es), the busiest {max(self.per_process.values(), default=0.0):,.1f} CPU s; the longest "
-                f"task {self.longest_s:,.1f} s wall")
+                f"task {self.longest_cpu_s:,.1f} CPU s, {self.longest_s:,.1f} s wall")
 
 
 class TaskPool:
