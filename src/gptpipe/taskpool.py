@@ -7,7 +7,7 @@ protocol of our own, places the tasks, restarts those of a lost node and carries
 every node must see the stage's input and output folders at the same paths (a shared filesystem).
 
 Each task's CPU and wall seconds are measured where it runs and logged per step (the CPU seconds summed, the
-longest task, the processes that ran them): CPU time, unlike wall time, does not grow with the machine's load,
+longest task, the processes that ran them): CPU time grows far less than wall time with the machine's load,
 so it tells an engine's own cost (a process's set-up, a task's imbalance) from a busy machine's.
 """
 
@@ -19,9 +19,9 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import islice
 from logging import Logger
@@ -138,6 +138,7 @@ class TaskPool:
 
     def _spent(self, task: Callable[[Item], tuple[Result, Spent]], items: list[Item], what: str,
                in_order: bool) -> Iterator[tuple[Result, Spent]]:
+        """`each` without the accounting: the measured task's (result, cost) pairs, on Ray or locally."""
         if self._ray is not None:
             yield from self._on_ray(task, items, what, in_order)
             return
