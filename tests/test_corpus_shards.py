@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -215,6 +216,8 @@ def test_two_node_ray_cluster_writes_the_same_corpus(documents: Path, tmp_path: 
     for what in ("shard(s) to judge", "shard(s) to bucket for duplicates", "partition(s) to search for duplicates",
                  "shard(s) to filter"):
         assert f"{what} on Ray (2 node(s), 2 CPU(s))" in caplog.text, what
+        # Each task's CPU seconds came back from the Ray worker that ran it (one per node, or one of them).
+        assert re.search(rf"{re.escape(what)}: [\d.]+ CPU s in the tasks, in [12] process\(es\)", caplog.text), what
     assert corpus_bytes(tmp_path / "ray") == corpus_bytes(tmp_path / "local")
     assert on_ray.counts == local.counts and samples(tmp_path / "ray") == samples(tmp_path / "local")
 

@@ -301,6 +301,7 @@ def test_a_two_node_ray_cluster_writes_the_same_dataset(workspace: Path, dataset
     err = capfd.readouterr().err
     assert "range(s) to encode on Ray (2 node(s), 2 CPU(s))" in err
     assert "partition(s) to put in place on Ray (2 node(s), 2 CPU(s))" in err
+    assert re.search(r"range\(s\) to encode: [\d.]+ CPU s in the tasks, in [12] process\(es\)", err)
     assert same_dataset(tmp_path / "ray_text_document", dataset_prefix)
     # The stage-0 corpus has one source, whose dataset is then the same again.
     tokenize(workspace, f"tokenize.output_prefix={tmp_path / 'mix'}", "tokenize.by_source=true", *on_ray)

@@ -5,6 +5,10 @@ A task is a picklable callable of one item (a module-level function, or a functo
 return value is small (a completion record), its real output files the stage reads afterwards. Ray, not a
 protocol of our own, places the tasks, restarts those of a lost node and carries the records back; with Ray
 every node must see the stage's input and output folders at the same paths (a shared filesystem).
+
+Each task's CPU and wall seconds are measured where it runs and logged per step (the CPU seconds summed, the
+longest task, the processes that ran them): CPU time grows far less than wall time with the machine's load,
+so it tells an engine's own cost (a process's set-up, a task's imbalance) from a busy machine's.
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from functools import partial
 from itertools import islice
 from logging import Logger
 from types import TracebackType
@@ -39,6 +46,45 @@ def pool_context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
 
 
+@dataclass(frozen=True)
+class Spent:
+    """One task's cost, measured in the process that ran it."""
+
+    cpu_s: float
+    wall_s: float
+    pid: int
+    host: str
+
+
+@dataclass
+class StepCost:
+    """The tasks of one step of a run (`what`): their CPU seconds, in all and per process that ran them."""
+
+    what: str
+    tasks: int = 0
+    longest_s: float = 0.0  # wall
+    longest_cpu_s: float = 0.0
+    per_process: dict[tuple[str, int], float] = field(default_factory=dict)
+
+    def add(self, spent: Spent) -> None:
+        self.tasks += 1
+        self.longest_s = max(self.longest_s, spent.wall_s)
+        self.longest_cpu_s = max(self.longest_cpu_s, spent.cpu_s)
+        key = spent.host, spent.pid
+        self.per_process[key] = self.per_process.get(key, 0.0) + spent.cpu_s
+
+    @property
+    def cpu_s(self) -> float:
+        return sum(self.per_process.values())
+
+    def __str__(self) -> str:
+        # On idle cores a step takes at most cpu_s / processes + the longest task (tasks go to whichever process
+        # is free), whatever the load now; the busiest process's share shows how the load split them.
+        return (f"{self.tasks:,} {self.what}: {self.cpu_s:,.1f} CPU s in the tasks, in {len(self.per_process)} "
+                f"process(es), the busiest {max(self.per_process.values(), default=0.0):,.1f} CPU s; the longest "
+                f"task {self.longest_cpu_s:,.1f} CPU s, {self.longest_s:,.1f} s wall")
+
+
 class TaskPool:
     """One stage run's engine: joins the Ray cluster once for all of the run's steps (kind "ray") and leaves it
     as it found it, or starts local worker processes step by step. `died`: what to tell the user when a local
@@ -49,6 +95,7 @@ class TaskPool:
         self.kind, self.workers, self.ray_address, self.log, self.died = kind, workers, ray_address, log, died
         self._ray: Any = None
         self._started = False
+        self.costs: list[StepCost] = []  # one per step (call of `each`), in the order they ran
 
     def __enter__(self) -> Self:
         if self.kind == "ray":
@@ -79,6 +126,19 @@ class TaskPool:
         items' order); `what` names the items for the log (e.g. "shard(s) to judge")."""
         if not items:
             return
+        cost = StepCost(what)
+        self.costs.append(cost)
+        for result, spent in self._spent(partial(_measured, task), items, what, in_order):
+            cost.add(spent)
+            self.log.debug(f"a task of {what}: {spent.cpu_s:.2f} CPU s, {spent.wall_s:.2f} s wall, process "
+                           f"{spent.pid} on {spent.host}")
+            if cost.tasks == len(items):  # before the last yield: a caller may stop at the last result (zip)
+                self.log.info(str(cost))
+            yield result
+
+    def _spent(self, task: Callable[[Item], tuple[Result, Spent]], items: list[Item], what: str,
+               in_order: bool) -> Iterator[tuple[Result, Spent]]:
+        """`each` without the accounting: the measured task's (result, cost) pairs, on Ray or locally."""
         if self._ray is not None:
             yield from self._on_ray(task, items, what, in_order)
             return
@@ -129,3 +189,10 @@ def _in_folder(folder: str, task: Callable[[Any], Any], item: Any) -> Any:
     """The task in the driver's folder: the config's relative paths mean the same on every node."""
     os.chdir(folder)
     return task(item)
+
+
+def _measured(task: Callable[[Item], Result], item: Item) -> tuple[Result, Spent]:
+    """`task(item)` and its cost in this process."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    result = task(item)
+    return result, Spent(time.process_time() - cpu, time.perf_counter() - wall, os.getpid(), os.uname().nodename)
