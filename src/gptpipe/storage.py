@@ -144,7 +144,7 @@ def filesystem(url: str, endpoint_url: str | None = None) -> Any:
 def upload_options(fs: Any, sizes: list[int]) -> dict[str, Any]:
     """The keyword arguments of ``fs.put`` that send files of ``sizes`` bytes at once, each in concurrent parts:
     s3fs's ``batch_size`` (files at once), ``chunksize`` and ``max_concurrency`` (parts at once per file), within
-    UPLOAD_PARTS_IN_FLIGHT parts in all. None for other filesystems: gcsfs sends a file's chunks one after another
+    UPLOAD_PARTS_IN_FLIGHT parts in all. Empty for other filesystems: gcsfs sends a file's chunks one after another
     (its ``chunksize`` would only make them smaller), a local one copies."""
     protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
     if not sizes or not protocols & set(S3_PROTOCOLS):

@@ -88,7 +88,10 @@ def provide(folder: Path, copy: CommittedFolder | None, orders: list[tuple[int, 
     """`folder`'s indices, unless it exists: the bucket copy's where there is one (`copy`), else built by
     `build_in_child` and then uploaded to `copy` with the split orders (documents, seed) they were cut from, for
     the next node or restart. A copy that cannot be read or uploaded costs a build, never the run."""
-    if folder.is_dir() or (copy is not None and fetch_copy(copy, folder)):
+    if folder.is_dir():
+        return
+    remove_killed_builds(folder.parent)  # a killed download leaves its temporary as a killed build does
+    if copy is not None and fetch_copy(copy, folder):
         return
     build_in_child(folder, build, *args)
     if copy is not None:
@@ -163,11 +166,8 @@ def _into_place(temporary: Path, folder: Path) -> None:
 
 
 def build_in_child(folder: Path, build: Any, *args: Any) -> None:
-    """Build `folder` (unless it exists) by calling build(*args, path_to_cache) in a child Python process, rank 0
-    of a process group of its own, into a temporary sibling renamed into place when complete."""
-    if folder.is_dir():
-        return
-    remove_killed_builds(folder.parent)
+    """Build `folder` by calling build(*args, path_to_cache) in a child Python process, rank 0 of a process group
+    of its own, into a temporary sibling renamed into place when complete."""
     temporary = _temporary(folder)
     log.info(f"building the dataset indices into {folder}")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
@@ -182,8 +182,9 @@ def build_in_child(folder: Path, build: Any, *args: Any) -> None:
 
 
 def remove_killed_builds(cache_dir: Path) -> None:
-    """Remove the temporaries in `cache_dir` of builders on this host that were killed mid-build (a builder that
-    fails removes its own; SIGKILL, an OOM kill or a node's crash leave them, each as large as the indices)."""
+    """Remove the temporaries in `cache_dir` of builders (or downloads of a bucket copy) on this host that were
+    killed mid-way (one that fails removes its own; SIGKILL, an OOM kill or a node's crash leave them, each as
+    large as the indices)."""
     for path in cache_dir.glob(f"indices-*{TEMPORARY}*"):
         owner = temporary_owner(path.name)
         if owner is not None and process_gone(*owner):
