@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -100,6 +101,27 @@ def shared_folder(factory: pytest.TempPathFactory) -> Path:
     """The session's folder that every xdist worker sees (the session's own folder without xdist)."""
     base = factory.getbasetemp()
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_temp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The system temp folder of the session's stages and their children (bucket caches, staging run folders,
+    scratch files): inside pytest's own folder, so it goes when pytest removes that (pyproject.toml's retention:
+    at once after a passing session), not piling up in /tmp from session to session. Ray keeps /tmp: its socket
+    paths must stay short."""
+    folder = tmp_path_factory.getbasetemp() / "tmp"
+    folder.mkdir(exist_ok=True)
+    saved = {key: os.environ.get(key) for key in ("TMPDIR", "RAY_TMPDIR")}
+    os.environ["TMPDIR"] = str(folder)
+    os.environ["RAY_TMPDIR"] = saved["RAY_TMPDIR"] or "/tmp"
+    tempfile.tempdir = None
+    yield folder
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    tempfile.tempdir = None
 
 
 def once(factory: pytest.TempPathFactory, name: str, make: Callable[[], object]) -> None:
