@@ -4,6 +4,7 @@ seconds per step (judging, the duplicate steps, the join), from which docs/bench
 
     python 0_prepare_corpus.py corpus.join=true     # the man pages' stage-0 corpus as one file
     PYTHONPATH=src:tests python bench/bench_scale.py --pages data/corpus/corpus.jsonl [--scales 1 10]
+    PYTHONPATH=src:tests python bench/bench_scale.py --pages ... --scales 120 --stages 2 --task-mb 16
 
 The corpus is bench/bench_corpus_peer.py's: the documents of a stage-0 corpus.jsonl (`--pages`, the first
 `--count`) and English man pages, then 2k-1 near copies of each page of 1,500+ characters for scale k, as one
@@ -165,6 +166,13 @@ def write_yaml(path: Path, config: dict) -> Path:
     return path
 
 
+def write_originals(path: Path, originals: list[tuple[str, str]]) -> Path:
+    """The pages the copies are made from, as jsonl: stage 1's input when stage 0 does not run."""
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps({"text": t}, ensure_ascii=False) + "\n" for _, t in originals)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pages", type=Path, required=True, help="a stage-0 corpus.jsonl (Japanese man pages)")
@@ -174,6 +182,9 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES),
                         help="1 and 2: local worker processes; ray: the two-node cluster")
     parser.add_argument("--logs", type=Path, help="a folder to save each run's log in")
+    parser.add_argument("--stages", nargs="+", default=["0", "2"], choices=["0", "2"],
+                        help="2 alone: stage 2 on each scale's input, its tokenizer trained on the originals")
+    parser.add_argument("--task-mb", type=int, default=1, help="stage 2's tokenize.task_bytes, in MiB")
     args = parser.parse_args()
     from ray.cluster_utils import Cluster
 
@@ -212,9 +223,9 @@ def main() -> None:
                 config = write_yaml(folder / "config.yaml", {
                     "corpus": {"sources": [{"type": "jsonl", "path": str(documents)}], "languages": ["ja"],
                                "dropped_samples": 0, "shard_mb": 2},
-                    "tokenize": {"tokenizer_dir": str(tokenizer), "task_bytes": 1 << 20}})
+                    "tokenize": {"tokenizer_dir": str(tokenizer), "task_bytes": args.task_mb << 20}})
                 outputs, rows = {}, {}
-                for name, keys in engines.items():
+                for name, keys in engines.items() if "0" in args.stages else ():
                     out = folder / f"out-{scale}-{len(outputs)}"
                     measured = run(["prepare", "--config", str(config), f"corpus.output_dir={out}",
                                     "corpus.join=true", *(f"corpus.{key}" for key in keys)],
@@ -227,11 +238,15 @@ def main() -> None:
                           f"{own:,.0f} MiB, largest worker {worker:,.0f} MiB, kept "
                           f"{manifest['counts']['documents']:,}; s per step: {steps}; {cpu_line(measured, name)}")
                     outputs[name], rows[name] = out / "corpus.jsonl", measured
-                print(f"  stage 0 on two idle cores: {speedups(rows, mb)}")
-                first = next(iter(outputs.values())).read_bytes()
-                print(f"  stage 0 outputs identical: {all(p.read_bytes() == first for p in outputs.values())}")
+                if outputs:
+                    print(f"  stage 0 on two idle cores: {speedups(rows, mb)}")
+                    first = next(iter(outputs.values())).read_bytes()
+                    print(f"  stage 0 outputs identical: {all(p.read_bytes() == first for p in outputs.values())}")
+                if "2" not in args.stages:
+                    continue
                 if not tokenizer.exists():
-                    sp = {"input": str(next(iter(outputs.values()))), "output_dir": str(tokenizer), "vocab_size": 8000}
+                    text = next(iter(outputs.values()), None) or write_originals(folder / "originals.jsonl", originals)
+                    sp = {"input": str(text), "output_dir": str(tokenizer), "vocab_size": 8000}
                     run(["train-tokenizer", "--config", str(write_yaml(folder / "sp.yaml", sp))])
                 datasets, rows = [], {}
                 for name, keys in engines.items():
