@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import multiprocessing.util
 import os
 import re
 import shutil
@@ -111,17 +112,14 @@ def session_temp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     paths must stay short."""
     folder = tmp_path_factory.getbasetemp() / "tmp"
     folder.mkdir(exist_ok=True)
-    saved = {key: os.environ.get(key) for key in ("TMPDIR", "RAY_TMPDIR")}
-    os.environ["TMPDIR"] = str(folder)
-    os.environ["RAY_TMPDIR"] = saved["RAY_TMPDIR"] or "/tmp"
-    tempfile.tempdir = None
-    yield folder
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    tempfile.tempdir = None
+    # multiprocessing makes its folder (its forkserver's and pools' sockets) once per process, where TMPDIR points
+    # then, and removes it at exit: in the system's, not in pytest's folder or a test's tmp_path, both gone by then.
+    multiprocessing.util.get_temp_dir()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_TMPDIR", os.environ.get("RAY_TMPDIR", "/tmp"))
+        patch.setenv("TMPDIR", str(folder))
+        patch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+        yield folder
 
 
 def once(factory: pytest.TempPathFactory, name: str, make: Callable[[], object]) -> None:
