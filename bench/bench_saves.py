@@ -59,6 +59,10 @@ def main() -> None:
     parser.add_argument("--rtt-ms", type=float, default=20.0)
     parser.add_argument("--work", type=Path, default=None, help="where the checkpoints go (default: a temp folder)")
     parser.add_argument("--no-transfers", action="store_true", help="time the saves (and the snapshot) only")
+    parser.add_argument("--no-step", action="store_true",
+                        help="save the engine as built (DeepSpeed's ZeRO-1/2 init allocates Adam's moments) without "
+                             "a training step between saves, and copy nothing into RAM: for a preset whose step or "
+                             "second copy does not fit this machine's memory (1b)")
     args = parser.parse_args()
 
     dist = setup_distributed()
@@ -87,7 +91,8 @@ def main() -> None:
     stalls, loads = [], [os.getloadavg()[0]]
     try:
         for n in range(1, args.saves + 1):
-            step()
+            if not args.no_step:
+                step()
             state = {"step": n, "world_size": dist.world_size}
             started = time.perf_counter()
             folder = checkpoint.save(engine, root, n, state, hf_config.to_json_string(), dist, keep=1)
@@ -100,7 +105,7 @@ def main() -> None:
         gib = sum(sizes.values()) / 2**30
         # What a save that writes in the background would still stall for: a copy of every tensor it saves.
         snapshots = []
-        for _ in range(3):
+        for _ in range(0 if args.no_step else 3):
             started = time.perf_counter()
             copy = tensors_copied([engine.module.state_dict(), engine.optimizer.state_dict()])
             snapshots.append(time.perf_counter() - started)
@@ -123,9 +128,10 @@ def main() -> None:
     print(f"| checkpoint (one rank's folder: {len(sizes)} files) | {gib:.2f} GiB |")
     print(f"| stall per save (checkpoint.save; median of {len(stalls)}: "
           f"{', '.join(f'{s:.1f}' for s in stalls)} s) | {stall:.1f} s ({gib / stall:.2f} GiB/s) |")
-    snapshot = statistics.median(snapshots)
-    print(f"| a copy in RAM of every saved tensor ({copied:.2f} GiB; median of 3: "
-          f"{', '.join(f'{s:.1f}' for s in snapshots)} s) | {snapshot:.1f} s ({copied / snapshot:.2f} GiB/s) |")
+    if snapshots:
+        snapshot = statistics.median(snapshots)
+        print(f"| a copy in RAM of every saved tensor ({copied:.2f} GiB; median of 3: "
+              f"{', '.join(f'{s:.1f}' for s in snapshots)} s) | {snapshot:.1f} s ({copied / snapshot:.2f} GiB/s) |")
     for i, what in enumerate(("upload (put + commit)", "download (fetch)") if moved else ()):
         one, now = mib / moved[True][i], mib / moved[False][i]
         print(f"| {what}: one stream / now | {one:.0f} s / {now:.0f} s ({moved[False][i] / moved[True][i]:.2f}x) |")

@@ -211,8 +211,9 @@ def test_missing_suite_data_names_the_task_the_dataset_and_the_fetch(tmp_path: P
                  f"suite_data_dir={data_dir}"]) == 2
     err = capsys.readouterr().err
     assert "ja_leaderboard_jcommonsenseqa (Rakuten/JGLUE JCommonsenseQA, split train, validation" in err
-    assert "ja_leaderboard_jnli" not in err
+    assert "ja_leaderboard_jnli (" not in err  # its data is here
     assert f"gptpipe evaluate --fetch suite=ja suite_data_dir={data_dir}" in err
+    assert err.rstrip().endswith("The tasks whose data is here run alone with suite_tasks=[ja_leaderboard_jnli]")
     assert not (tmp_path / "evaluation").exists()
 
     # a fetch that stopped half-way (no dataset.json) is no data either

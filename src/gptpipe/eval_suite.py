@@ -130,8 +130,9 @@ def fetch(name: str, data_dir: Path, only: list[str] | None = None, force: bool 
     A dataset that cannot be had does not stop the others; the error lists each. Returns {folder: dataset.json}."""
     import datasets
 
+    configs = task_configs(name, only)
     saved, failed = {}, []
-    for (path, config_name), wanted in datasets_needed(task_configs(name, only)).items():
+    for (path, config_name), wanted in datasets_needed(configs).items():
         folder = dataset_folder(data_dir, path, config_name)
         manifest = read_manifest(folder)
         if manifest and not force and set(wanted) <= set(manifest["splits"]):
@@ -151,8 +152,23 @@ def fetch(name: str, data_dir: Path, only: list[str] | None = None, force: bool 
         raise StageFailed(f"suite {name}: {len(failed)} hub dataset(s) could not be fetched ("
                           f"{len(saved)} saved in {data_dir}):\n  - " + "\n  - ".join(failed) + "\nRun `gptpipe "
                           "evaluate --fetch` where the HuggingFace hub is reachable, or where the HF cache holds them "
-                          "(with HF_DATASETS_OFFLINE=1), then copy suite_data_dir here")
+                          "(with HF_DATASETS_OFFLINE=1), then copy suite_data_dir here" + _runnable(configs, data_dir))
     return saved
+
+
+def absent_splits(config: dict[str, Any], manifest: dict[str, Any] | None) -> list[str]:
+    """The splits a task reads that its dataset's local copy (`manifest`, None: no copy) does not hold."""
+    return [s for s in splits(config) if not manifest or s not in manifest["splits"]]
+
+
+def _runnable(configs: list[dict[str, Any]], data_dir: Path) -> str:
+    """A sentence naming the suite_tasks value that runs the tasks whose data is saved, when some are and some
+    are not (a dataset the hub no longer serves need not hold back the others); else ""."""
+    ready = [c["task"] for c in configs if not absent_splits(c, read_manifest(
+        dataset_folder(data_dir, c["dataset_path"], c.get("dataset_name"))))]
+    if not ready or len(ready) == len(configs):
+        return ""
+    return f". The tasks whose data is here run alone with suite_tasks=[{','.join(ready)}]"
 
 
 def offline_tasks(name: str, data_dir: Path, only: list[str] | None,
@@ -160,12 +176,13 @@ def offline_tasks(name: str, data_dir: Path, only: list[str] | None,
     """The suite's task configs reading the local copies under `data_dir`, and the copies' fingerprints (for the
     evaluate manifest). A task whose data is not there is an error naming the task, the dataset and `fetch_hint`
     (the command that fetches it), before any model work."""
+    wanted = task_configs(name, only)
     configs, inputs, missing = [], {}, []
-    for config in task_configs(name, only):
+    for config in wanted:
         path, config_name = config["dataset_path"], config.get("dataset_name")
         folder = dataset_folder(data_dir, path, config_name)
         manifest = read_manifest(folder)
-        absent = [s for s in splits(config) if not manifest or s not in manifest["splits"]]
+        absent = absent_splits(config, manifest)
         if absent:
             missing.append(f"{config['task']} ({path}" + (f" {config_name}" if config_name else "")
                            + f", split {', '.join(absent)}: {folder})")
@@ -178,5 +195,6 @@ def offline_tasks(name: str, data_dir: Path, only: list[str] | None,
                                      "dataset_revision": manifest["revision"]}})
     if missing:
         raise StageInputError(f"suite {name}: no local data for " + "; ".join(missing)
-                              + f". Fetch it once where the HuggingFace hub is reachable: {fetch_hint}")
+                              + f". Fetch it once where the HuggingFace hub is reachable: {fetch_hint}"
+                              + _runnable(wanted, data_dir))
     return configs, inputs
