@@ -49,6 +49,23 @@ def tensors_copied(state: object) -> list[torch.Tensor]:
     return []
 
 
+def allocate_moments(optimizer: torch.optim.Optimizer) -> None:
+    """Adam's state as its first step makes it (both moments, the step count) without a backward pass's memory:
+    one step on gradients of zeros that are stride-0 views of one number, so no gradient buffer is allocated."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p)
+    # the fused and foreach kernels want dense gradients (fused crashes on these): one step of the plain loop
+    kernels = [{k: group.get(k) for k in ("fused", "foreach")} for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group.update(fused=False, foreach=False)
+    optimizer.step()
+    for group, kept in zip(optimizer.param_groups, kernels):
+        group.update(kept)
+    for p in params:
+        p.grad = None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="125m")
@@ -60,9 +77,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None, help="where the checkpoints go (default: a temp folder)")
     parser.add_argument("--no-transfers", action="store_true", help="time the saves (and the snapshot) only")
     parser.add_argument("--no-step", action="store_true",
-                        help="save the engine as built (DeepSpeed's ZeRO-1/2 init allocates Adam's moments) without "
-                             "a training step between saves, and copy nothing into RAM: for a preset whose step or "
-                             "second copy does not fit this machine's memory (1b)")
+                        help="no training step: Adam's moments made by one optimizer step on zero gradients that "
+                             "take no memory, and nothing copied into RAM; for a preset whose step or second copy "
+                             "does not fit this machine's memory (1b)")
     args = parser.parse_args()
 
     dist = setup_distributed()
@@ -83,16 +100,15 @@ def main() -> None:
     batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
     stop = StopFlag(dist.world_size)
 
-    def step() -> None:
-        train_step(engine, [batch], stop, lambda e, b: forward_loss(e, b, **loss_kwargs))
-
+    if args.no_step:
+        allocate_moments(engine.optimizer.optimizer)
     work = Path(tempfile.mkdtemp(prefix="bench-saves-", dir=args.work))
     root = work / "checkpoints"
     stalls, loads = [], [os.getloadavg()[0]]
     try:
         for n in range(1, args.saves + 1):
             if not args.no_step:
-                step()
+                train_step(engine, [batch], stop, lambda e, b: forward_loss(e, b, **loss_kwargs))
             state = {"step": n, "world_size": dist.world_size}
             started = time.perf_counter()
             folder = checkpoint.save(engine, root, n, state, hf_config.to_json_string(), dist, keep=1)

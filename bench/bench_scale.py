@@ -175,7 +175,13 @@ def write_originals(path: Path, originals: list[tuple[str, str]]) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pages", type=Path, required=True, help="a stage-0 corpus.jsonl (Japanese man pages)")
+    given = parser.add_mutually_exclusive_group(required=True)
+    given.add_argument("--pages", type=Path, help="a stage-0 corpus.jsonl (Japanese man pages)")
+    given.add_argument("--originals", type=Path,
+                       help="the documents a --save-originals run wrote: no man pages or groff needed (a machine "
+                            "lent for bench/gpu_check.sh)")
+    parser.add_argument("--save-originals", type=Path,
+                        help="write the documents taken (--pages' and the English man pages) to this jsonl, stop")
     parser.add_argument("--count", type=int, default=600, help="documents to take from it (the first N)")
     parser.add_argument("--en", type=int, default=150, help="English man pages to add (every 37th of man1-8)")
     parser.add_argument("--scales", type=int, nargs="+", default=[1, 10])
@@ -186,21 +192,34 @@ def main() -> None:
                         help="2 alone: stage 2 on each scale's input, its tokenizer trained on the originals")
     parser.add_argument("--task-mb", type=int, default=1, help="stage 2's tokenize.task_bytes, in MiB")
     args = parser.parse_args()
-    from ray.cluster_utils import Cluster
 
-    with open(args.pages, encoding="utf-8") as fh:
-        ja = [json.loads(line)["text"] for line in fh][:args.count]
-    en = manpage_texts(MAN, 37, args.en, min_chars=200)
-    originals = [("ja", t) for t in ja] + [("en", t) for t in en]
-    print(f"originals: {len(ja)} from {args.pages}, {len(en)} English; load average {os.getloadavg()[0]:.1f}")
-    # Ray runs its workers at nice 15 (below its own daemons): on this shared machine they would lose the cores
-    # to everyone else's processes, which the local workers (nice 0) compete with as equals.
-    os.environ["RAY_worker_niceness"] = "0"
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    keys = {"1": ["workers=1"], "2": ["workers=2"], "ray": ["executor=ray", f"ray_address={cluster.address}"]}
+    if args.originals:
+        with open(args.originals, encoding="utf-8") as fh:
+            originals = [(row["lang"], row["text"]) for row in map(json.loads, fh)]
+    else:
+        with open(args.pages, encoding="utf-8") as fh:
+            ja = [json.loads(line)["text"] for line in fh][:args.count]
+        originals = [("ja", t) for t in ja] + [("en", t) for t in manpage_texts(MAN, 37, args.en, min_chars=200)]
+    counts = {lang: sum(1 for code, _ in originals if code == lang) for lang in ("ja", "en")}
+    print(f"originals: {counts['ja']} Japanese, {counts['en']} English from {args.originals or args.pages}; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    if args.save_originals:
+        with open(args.save_originals, "w", encoding="utf-8") as fh:
+            fh.writelines(json.dumps({"lang": lang, "text": t}, ensure_ascii=False) + "\n" for lang, t in originals)
+        return
+    keys = {"1": ["workers=1"], "2": ["workers=2"]}
+    cluster = None
+    if "ray" in args.engines:
+        from ray.cluster_utils import Cluster
+
+        # Ray runs its workers at nice 15 (below its own daemons): on this shared machine they would lose the
+        # cores to everyone else's processes, which the local workers (nice 0) compete with as equals.
+        os.environ["RAY_worker_niceness"] = "0"
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        keys["ray"] = ["executor=ray", f"ray_address={cluster.address}"]
     engines = {ENGINES[e]: keys[e] for e in args.engines}
     codes = {ENGINES[e]: e for e in args.engines}
     if args.logs:
@@ -264,7 +283,8 @@ def main() -> None:
                 first = datasets[0].read_bytes()
                 print(f"  stage 2 outputs identical: {all(p.read_bytes() == first for p in datasets)}")
     finally:
-        cluster.shutdown()
+        if cluster:
+            cluster.shutdown()
 
 
 if __name__ == "__main__":

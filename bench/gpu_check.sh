@@ -18,13 +18,16 @@
 #   6. the real loop: `gptpipe train` (data loading, logging, evaluation, a checkpoint) on the demo's stage-2
 #      data (demo/ after `bash demo.sh`, or its stages 0-2; copied from another machine, keep the files' mtimes to
 #      the nanosecond, e.g. `tar --format=posix`: stage 3 refuses outputs changed after their stage), 125m at seq
-#      2048, beside the kernel path at the same micro-batch.
+#      2048, beside the kernel path at the same micro-batch;
+#   7. on the machine's CPU cores (issues 43, 44): stage 0 on one and two worker processes, stage 3's start-up on
+#      1 and 4 ranks (their lines are in logs/cpu-*.log, not in the table).
 # Every row runs even when one fails; the table is printed at the end and written to $GPU_CHECK_OUT/gpu_check.md
 # (the rows as JSON lines in rows.jsonl, each command's output in logs/). Exit status: the number of failed rows.
 #   GPU_CHECK_OUT        folder for the results (default bench/results/gpu-check-<date>-<time>)
 #   GPU_CHECK_PYTHON     an interpreter that already has gptpipe's packages and liger-kernel (skips the set-up)
 #   GPU_CHECK_STEPS      timed steps per row (default 10; 3 warm-up steps first)
 #   GPU_CHECK_WORKSPACE  the folder whose config.yaml and stage-2 data the real loop trains on (default demo)
+#   GPU_CHECK_ORIGINALS  the documents of the cpu-stage0-workers row (default bench/results/originals.jsonl)
 #   GPU_CHECK_ROWS       only these rows, by name, space-separated (e.g. "real-loop smoke-compile" to rerun what
 #                        failed); default all
 set -uo pipefail
@@ -123,6 +126,21 @@ bench llama-125m-seq8192-micro4 --seq 8192 --micro 4
 bench llama-125m-seq8192-micro4-docmask --seq 8192 --micro 4 --document-mask 512
 # engine.uncompiled_because leaves a run with Liger's kernels uncompiled: compiled without them
 bench smoke-compile --preset tiny --seq 512 --micro 8 --compile --no-liger
+
+# Issues 43 and 44 on this machine's CPU cores, which the project's own 2-core machine lacks (its two cores slow
+# each other's stage-0 judging by ~16%, and 4 ranks share them): stage 0 on one and two local worker processes at
+# 30x of bench_scale.py's corpus (343 MB) (target: two workers >= 1.8x one by wall time), its documents from
+# GPU_CHECK_ORIGINALS, the jsonl `bench_scale.py --pages ... --save-originals` writes where the man pages are; and
+# stage 3's start-up at 10^8 documents on 1 and 4 ranks, cold and warm (target: 4 ranks <= 1.2x one rank).
+ORIGINALS=${GPU_CHECK_ORIGINALS:-bench/results/originals.jsonl}
+if [ -f "$ORIGINALS" ]; then
+  run cpu-stage0-workers 480 env PYTHONPATH="src:tests${PYTHONPATH:+:$PYTHONPATH}" "$PY" bench/bench_scale.py \
+    --originals "$ORIGINALS" --scales 30 --stages 0 --engines 1 2
+else
+  say "no $ORIGINALS: cpu-stage0-workers is skipped (bench_scale.py --save-originals writes it)"
+fi
+run cpu-startup-ranks 420 env OMP_NUM_THREADS=1 PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" "$PY" \
+  bench/bench_startup.py --documents 100_000_000 --ranks 1 4
 
 "$PY" bench/gpu_check_report.py "$OUT" | tee "$OUT/gpu_check.md"
 say "done in $(( $(date +%s) - started )) s; failed: ${failed[*]:-none}"
