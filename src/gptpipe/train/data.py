@@ -13,6 +13,7 @@ with the seed, and step s on data-parallel rank r reads fixed positions of that 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,7 +176,8 @@ def megatron_datasets(blend: tuple[list[str], list[float] | None], split: str, s
     """megatron-core's BlendedMegatronDatasetBuilder over `blend` (prefixes, weights), each split cut from
     `document_order` (cached in `order_dir`); indices read from or saved into `path_to_cache` (None: built in
     memory). Where a process group exists, megatron-core builds on global rank 0 and the others load after a
-    barrier, so a folder built beforehand (build_datasets: `prebuilt`) makes every rank's call a cache hit."""
+    barrier; a folder built beforehand (build_datasets: `prebuilt`) makes every rank's call a cache hit, made by
+    all ranks at once."""
     import logging
 
     import numpy
@@ -215,7 +217,28 @@ def megatron_datasets(blend: tuple[list[str], list[float] | None], split: str, s
                 documents = numpy.sort(order[indexed_indices])
             super().__init__(indexed_dataset, dataset_path, documents, num_samples, index_split, config)
 
-    return BlendedMegatronDatasetBuilder(ShuffledSplitGPTDataset, sizes, lambda: True, config).build()
+    builder = BlendedMegatronDatasetBuilder(ShuffledSplitGPTDataset, sizes, lambda: True, config)
+    if not prebuilt:
+        return builder.build()
+    # Every index is in path_to_cache already (build_datasets' builder made them all), so a rank's build only
+    # loads. megatron-core would still load on rank 0 first and on the others after a barrier (its protocol for a
+    # cache it fills itself), which nearly doubles a warm start (bench_startup.py); seeing no process group,
+    # every rank loads at once.
+    with _no_process_group():
+        return builder.build()
+
+
+@contextlib.contextmanager
+def _no_process_group() -> Iterator[None]:
+    """torch.distributed.is_initialized() False for the block, as megatron-core reads it."""
+    import torch.distributed as td
+
+    is_initialized = td.is_initialized
+    td.is_initialized = lambda: False
+    try:
+        yield
+    finally:
+        td.is_initialized = is_initialized
 
 
 def collate(dataset: Any, positions: range | list[int], device: torch.device) -> dict[str, torch.Tensor]:
