@@ -8,11 +8,11 @@ seconds per step (judging, the duplicate steps, the join), from which docs/bench
 
 The corpus is bench/bench_corpus_peer.py's: the documents of a stage-0 corpus.jsonl (`--pages`, the first
 `--count`) and English man pages, then 2k-1 near copies of each page of 1,500+ characters for scale k, as one
-jsonl. Stage 0 runs with `shard_mb` 2 (so that scale 1 has shards for two workers) and keeps Japanese; stage 1
-trains an 8,000-piece tokenizer on scale 1's output once; stage 2 tokenizes each scale's whole input (stage
-0's output is ~5 MB at any scale: the copies are dropped) with `task_bytes` 1 MB. Every run is a fresh process
-(`gptpipe` through its CLI) that reports its own peak RSS (VmHWM); with local workers their largest peak is
-reported too (RUSAGE_CHILDREN), Ray's workers are not the driver's children.
+jsonl. Stage 0 runs with `shard_mb` 2 (`--shard-mb`: so that scale 1 has shards for two workers) and keeps
+Japanese; stage 1 trains an 8,000-piece tokenizer on scale 1's output once; stage 2 tokenizes each scale's whole
+input (stage 0's output is ~5 MB at any scale: the copies are dropped) with `task_bytes` 1 MB. Every run is a
+fresh process (`gptpipe` through its CLI) that reports its own peak RSS (VmHWM); with local workers their largest
+peak is reported too (RUSAGE_CHILDREN), Ray's workers are not the driver's children.
 
 CPU seconds per run, which unlike wall seconds do not grow with the machine's load: the driver's and its local
 workers' (RUSAGE_CHILDREN of this process), the Ray workers' and the Ray daemons' (raylets, GCS, agents: the
@@ -191,6 +191,9 @@ def main() -> None:
     parser.add_argument("--stages", nargs="+", default=["0", "2"], choices=["0", "2"],
                         help="2 alone: stage 2 on each scale's input, its tokenizer trained on the originals")
     parser.add_argument("--task-mb", type=int, default=1, help="stage 2's tokenize.task_bytes, in MiB")
+    parser.add_argument("--shard-mb", type=int, default=2,
+                        help="stage 0's corpus.shard_mb (2: scale 1 has shards for two workers; larger scales can "
+                             "take tasks nearer the default 64's)")
     args = parser.parse_args()
 
     if args.originals:
@@ -241,7 +244,7 @@ def main() -> None:
                       f"{os.getloadavg()[0]:.1f}")
                 config = write_yaml(folder / "config.yaml", {
                     "corpus": {"sources": [{"type": "jsonl", "path": str(documents)}], "languages": ["ja"],
-                               "dropped_samples": 0, "shard_mb": 2},
+                               "dropped_samples": 0, "shard_mb": args.shard_mb},
                     "tokenize": {"tokenizer_dir": str(tokenizer), "task_bytes": args.task_mb << 20}})
                 outputs, rows = {}, {}
                 for name, keys in engines.items() if "0" in args.stages else ():
