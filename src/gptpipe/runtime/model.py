@@ -420,21 +420,26 @@ def router_loss(router_logits: tuple[torch.Tensor, ...], top_k: int,
 
 class ExpertBias:
     """DeepSeek-V3's auxiliary-loss-free load balancing (model.moe_balance bias): after each optimizer step every
-    layer's selection bias moves by rate · sign(mean load − expert load), the load being the top-k choices of the
-    whole step (all micro-batches, summed over the data-parallel ranks). An overloaded expert's bias falls, an
-    idle one's rises, and only the choice of experts sees it: the gating weights stay the unbiased ones."""
+    layer's selection bias moves by rate · clip((mean load − expert load) / mean load, ±1), the load being the
+    top-k choices of the whole step (all micro-batches, summed over the data-parallel ranks). An overloaded
+    expert's bias falls, an idle one's rises by the whole rate, and only the choice of experts sees it: the gating
+    weights stay the unbiased ones. DeepSeek-V3 moves by rate · sign(...): on a step of a few thousand choices the
+    load near balance is mostly noise, and whole-rate moves on it walked a layer's biases off balance on held-out
+    text (one expert at 1.8% of the choices after 200 steps; docs/benchmarks.md, "Mixtral routing")."""
 
     def __init__(self, biases: list[torch.Tensor], rate: float):
         self.biases, self.rate = biases, rate
 
     def update(self, counts: torch.Tensor) -> None:
-        """Move the biases by this rank's RouterStats.counts of the step ([layers, experts]; any scale: the sign
-        of each expert's difference from its layer's mean decides). Collective (an all-reduce); no host sync."""
+        """Move the biases by this rank's RouterStats.counts of the step ([layers, experts]; any scale: each
+        expert's difference from its layer's mean, relative to the mean, decides). Collective (an all-reduce); no
+        host sync."""
         import torch
 
         load = counts.detach().float().clone()
         torch.distributed.all_reduce(load)
-        step = self.rate * torch.sign(load.mean(dim=-1, keepdim=True) - load)
+        mean = load.mean(dim=-1, keepdim=True)
+        step = self.rate * ((mean - load) / mean.clamp(min=1)).clamp(-1, 1)
         with torch.no_grad():
             for bias, delta in zip(self.biases, step):
                 bias.add_(delta.to(bias.device).view_as(bias))
