@@ -55,8 +55,8 @@ class ModelConfig:
                     "Ernie4_5_MoeForCausalLM (Mixtral's routing with that bias, e_score_correction_bias; model type "
                     "ernie4_5_moe), so the export routes as training did; not with init_from")
     moe_bias_update_rate: float = option(
-        1e-2, "moe_balance bias: how far each expert's bias moves at most per optimizer step, towards an even "
-              "load (the whole rate for an idle or twice-loaded expert, in proportion below that). The scores it "
+        1e-2, "moe_balance bias: how far each expert's bias moves per optimizer step, towards an even load (when "
+              "its load is more than a fifth off its layer's mean). The scores it "
               "shifts are softmax probabilities (1/num_experts on average), and an expert that collapsed early sits "
               "~0.2-0.3 below the chosen ones: 1e-2 revives it within ~100 steps of a demo-sized run, DeepSeek-V3's "
               "1e-3 (for runs of ~10^5 steps) within 150-250 (docs/benchmarks.md, \"Mixtral routing\"): lower it "
