@@ -147,15 +147,16 @@ def routing_runs(dataset_prefix: Path, workspace: Path, tmp_path_factory: pytest
 def test_the_bias_keeps_every_expert_in_use_without_a_loss_term(routing_runs: dict[str, Path]) -> None:
     """200 steps at the default rate (1e-2): at the closing validation every expert of every layer gets at least a
     quarter of a fair share of the top-2 choices on held-out text (none starved), and the validation loss is the
-    per-layer load-balancing loss's within the noise of the run. Measured (docs/benchmarks.md, "Mixtral routing",
-    two data orders): none starved from step 100 on, closing smallest shares 4.9-10.7% (a quarter: 3.1%), and the
-    validation loss 0.005-0.021 above aux_loss's, while between the seeds the two balances' order changes at 1e-3
-    (-0.012 and +0.028): the bound 0.05 is over twice the largest gap seen."""
+    per-layer load-balancing loss's within the spread of data orders. Measured (docs/benchmarks.md, "Session 25: a
+    sweep over data orders and threads"; 9 data orders x 1 and 2 threads): none starved in 18 of 18 runs, closing
+    smallest shares 4.05-9.53% (a quarter: 3.1%); bias minus aux_loss validation loss -0.047 to +0.101 (mean +0.010,
+    bias lower in 10 of 18; one data order +0.087 and +0.089 on 1 and 2 threads): the bound 0.15 is 1.5 times the
+    largest gap seen (a bound of 0.05 failed 4 of the 18)."""
     bias, aux = closing_routing(routing_runs["bias"]), closing_routing(routing_runs["aux_loss"])
     fair = 1 / 8
     assert all(share >= fair / 4 for share in bias.expert_share_min), bias
     assert bias.experts_starved == 0, bias
-    assert bias.val_loss <= aux.val_loss + 0.05, (bias.val_loss, aux.val_loss)
+    assert bias.val_loss <= aux.val_loss + 0.15, (bias.val_loss, aux.val_loss)
 
 
 def moe_bias_export(tiny_export, dtype: str) -> Path:
