@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import QUICK_TRAIN, SHIPPED, TRAINED_RUN, metrics, run_train
 
+from gptpipe.artifacts import TOKENIZE
 from gptpipe.cli import main
 from gptpipe.runtime.config import ModelConfig
 from gptpipe.train.config import TrainConfig
@@ -273,6 +274,16 @@ def test_count_tokens_epoch_is_the_epoch_megatron_builds(dataset_prefix: Path, t
     mapped = document_order(documents, seed, tmp_path)
     assert isinstance(mapped, np.memmap) and np.array_equal(mapped, order)
     assert count_dataset(dataset_prefix, split, seed, tmp_path) == counts
+    # The counts themselves are cached under the dataset's stage-2 manifest: a restart reads them, the order unread.
+    [counted] = tmp_path.glob("split_counts-*.json")
+    assert TOKENIZE.fingerprint(dataset_prefix)["manifest_sha256"][:16] in counted.name
+    cached.unlink()
+    assert count_dataset(dataset_prefix, split, seed, tmp_path) == counts and not cached.exists()
+    counted.write_text('{"documents": 1}')  # damaged: counted again (the order recomputed), never trusted
+    assert count_dataset(dataset_prefix, split, seed, tmp_path) == counts and cached.exists()
+    assert json.loads(counted.read_text())["split_tokens"] == list(counts.split_tokens)
+    assert count_dataset(dataset_prefix, "90,9,1", seed, tmp_path) != counts  # another split, another file
+    assert len(list(tmp_path.glob("split_counts-*.json"))) == 2
 
 
 def test_a_cached_split_order_of_another_dataset_is_refused(tmp_path: Path) -> None:

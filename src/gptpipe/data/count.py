@@ -10,13 +10,14 @@ from __future__ import annotations
 
 
 import argparse
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from gptpipe.data.indexed import idx_path, read_index
-from gptpipe.data.split import SPLITS, split_documents, split_problems
+from gptpipe.data.split import SPLITS, split_documents, split_problems, split_shares
 from gptpipe.data.config import CountRun, source_names
 from gptpipe.log import get_logger
 from gptpipe.stage import write_text_atomic
@@ -41,7 +42,9 @@ class DatasetCounts:
 
 def count_dataset(prefix: Path | str, split: str, seed: int, cache_dir: Path | None = None) -> DatasetCounts:
     """Counts of a finished stage-2 dataset, each split cut from `document_order` exactly as training cuts it
-    (refused, with what to run, when the dataset's manifest is incomplete; the order cached in `cache_dir`). A URL
+    (refused, with what to run, when the dataset's manifest is incomplete). With `cache_dir` the order and the
+    counts are cached there, the counts under the dataset's stage-2 manifest: a restart reads them instead of
+    gathering every document's size again (3.4 s on rank 0 at 10^8 documents while the other ranks wait). A URL
     prefix is checked in the bucket and only its .idx is fetched (training fetches the .bin, train/data.py)."""
     if is_url(prefix):
         local = TOKENIZE.local_copy(prefix, only=lambda name: name.endswith(".idx"))
@@ -49,11 +52,36 @@ def count_dataset(prefix: Path | str, split: str, seed: int, cache_dir: Path | N
         local = prefix
         TOKENIZE.require(prefix)
     index = read_index(idx_path(local))  # memory-mapped
+    cached = counts_file(cache_dir, TOKENIZE.fingerprint(local)["manifest_sha256"], split, seed) if cache_dir else None
+    if cached is not None and cached.is_file():
+        try:
+            fields = json.loads(cached.read_text(encoding="utf-8"))
+            counts = DatasetCounts(prefix, str(fields["dtype"]), int(fields["documents"]), int(fields["tokens"]),
+                                   tuple(map(int, fields["split_documents"])), tuple(map(int, fields["split_tokens"])))
+            if counts.documents == sum(counts.split_documents) == index.documents:
+                return counts
+        except (ValueError, KeyError, TypeError):
+            pass
+        log.warning(f"{cached} does not hold this dataset's counts: counting again")
     # gptpipe writes one sequence per document
     parts = split_documents(split, index.sequences, seed, cache_dir)
     docs = [len(part) for part in parts]
     tokens = [_tokens(index.sizes, part) for part in parts]
-    return DatasetCounts(prefix, index.dtype.name, index.documents, index.tokens, tuple(docs), tuple(tokens))
+    counts = DatasetCounts(prefix, index.dtype.name, index.documents, index.tokens, tuple(docs), tuple(tokens))
+    if cached is not None:
+        fields = {k: v for k, v in asdict(counts).items() if k != "prefix"}  # the same counts wherever it is
+        write_text_atomic(cached, json.dumps(fields) + "\n")
+    return counts
+
+
+COUNTS_FILE_PREFIX = "split_counts-"
+
+
+def counts_file(cache_dir: Path, manifest_sha256: str, split: str, seed: int) -> Path:
+    """Where `count_dataset` caches the counts of the dataset whose stage-2 manifest hashes to `manifest_sha256`,
+    cut by `split` under `seed` (a rerun of stage 2 changes the manifest, so a stale count is never read)."""
+    shares = "-".join(f"{share:.6g}" for share in split_shares(split))
+    return Path(cache_dir) / f"{COUNTS_FILE_PREFIX}{manifest_sha256[:16]}-{shares}-{seed}.json"
 
 
 def _tokens(sizes: np.ndarray, documents: np.ndarray, chunk: int = 1 << 22) -> int:

@@ -80,8 +80,8 @@ def _train(config: TrainingRun, dist: Dist) -> int:
 
 def counted_once(config: TrainingRun) -> list[DatasetCounts]:
     """The datasets' counts for the plan, made by rank 0 alone and given to every rank: each split's tokens need the
-    split order, which rank 0 caches for the index build where the run folder is local (a bucket run's staging
-    folder must stay empty until its mirror opens it)."""
+    split order, which rank 0 caches for the index build where the run folder is local, with the counts themselves
+    for the next start (a bucket run's staging folder must stay empty until its mirror opens it)."""
     data, out = config.data, config.train.output_model_dir
     counts: list[Any] = [None]
     if torch.distributed.get_rank() == 0:
