@@ -106,9 +106,10 @@ class DataConfig:
     split: str = option("969,30,1", "train,valid,test proportions over documents")
     seed: int = option(1234, "seed of the document shuffle the splits are cut from, and of the sample order "
                              "(a pure function of seed, data and consumed samples)")
-    cache_dir: Path | None = option(None, "where GPTDataset index caches go, built once by one rank of those that "
-                                          "see the folder and memory-mapped by all (None: <run dir>/data_cache; "
-                                          "the nodes of a bucket run that share no disk build one each)")
+    cache_dir: Path | None = option(None, "where GPTDataset index caches go (with the split order and the plan's "
+                                          "split counts), built once by one rank of those that see the folder and "
+                                          "memory-mapped by all (None: <run dir>/data_cache; the nodes of a bucket "
+                                          "run that share no disk build one each)")
 
     def check(self) -> list[tuple[str, str]]:
         problems = []
