@@ -1,6 +1,6 @@
 """Elastic resume: a run saved by 2 ranks continues on 1 or 3 (a preempted job that comes back on another number
-of machines) through DeepSpeed's universal checkpoint, with the sample order and the losses of the uninterrupted
-run. (Nodes without a shared disk: test_storage_multinode.py.)"""
+of machines) through DeepSpeed's universal checkpoint (ZeRO-0 loads natively), with the sample order and the
+losses of the uninterrupted run. (Nodes without a shared disk: test_storage_multinode.py.)"""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def two_rank_runs(workspace: Path, dataset_prefix: Path, tmp_path_factory: pytes
     return make
 
 
-@pytest.mark.parametrize("zero_stage,precision,ranks", [(2, "fp32", 1), (3, "fp32", 3), (1, "bf16", 1)])
+@pytest.mark.parametrize("zero_stage,precision,ranks", [(2, "fp32", 1), (3, "fp32", 3), (1, "bf16", 1), (0, "bf16", 3)])
 def test_a_two_rank_run_resumes_on_another_number_of_ranks(two_rank_runs, workspace: Path, tmp_path: Path,
                                                            zero_stage: int, precision: str, ranks: int) -> None:
     reference = two_rank_runs(zero_stage, precision)
@@ -49,7 +49,9 @@ def test_a_two_rank_run_resumes_on_another_number_of_ranks(two_rank_runs, worksp
                            f"train.zero_stage={zero_stage}", f"train.precision={precision}",
                            f"train.output_model_dir={run}", ranks=ranks)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"global_step{SAVED} was saved by 2 rank(s), this run has {ranks}: converted" in done.stderr
+    # ZeRO-0 keeps the optimizer states whole in the model file, which DeepSpeed loads on any number of ranks
+    converted = f"global_step{SAVED} was saved by 2 rank(s), this run has {ranks}: converted" in done.stderr
+    assert converted == (zero_stage > 0), done.stderr[-3000:]
     assert not list((run / "checkpoints").glob("*universal*"))  # the copy (and DeepSpeed's pointer) go once loaded
     expected = {step: loss for step, loss in train_losses(reference).items() if step > SAVED}
     # Step 4's loss is the restored weights' (measured: equal to 1e-7); step 5's follows an update with the restored
