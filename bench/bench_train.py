@@ -61,8 +61,8 @@ from gptpipe.runtime.devices import loss_path, peak_flops
 from gptpipe.runtime.engine import (apply_liger, build_engine, deepspeed_config, forward_kwargs, forward_loss,
                                     setup_distributed, train_step)
 from gptpipe.runtime.memory import EngineSettings, estimate_memory, memory_budget
-from gptpipe.runtime.model import (base_shape, build_model, build_model_config, count_parameters, flops_per_token,
-                                   meta_parameters, parameter_groups, resolve_shape)
+from gptpipe.runtime.model import (ExpertBias, base_shape, build_model, build_model_config, count_parameters,
+                                   expert_biases, flops_per_token, meta_parameters, parameter_groups, resolve_shape)
 from gptpipe.train.plan import largest_micro_batch
 from gptpipe.runtime.schedule import Schedule
 
@@ -107,6 +107,9 @@ def main() -> None:
     parser.add_argument("--document-mask", type=int, default=0, metavar="MEAN_TOKENS",
                         help="train.document_mask on a batch of documents of this mean length (geometric; an "
                              "end-of-document token ends each, positions restart after it); 0: one causal mask")
+    parser.add_argument("--moe-balance", default="aux_loss", choices=["aux_loss", "bias"],
+                        help="--arch mixtral: model.moe_balance (bias: the selection bias moved after every step, "
+                             "as the train loop does; no --plain, whose loop has no bias)")
     parser.add_argument("--plain", action="store_true", help="also time a plain PyTorch loop on the same model")
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (allocator, kernels, compile)")
@@ -122,6 +125,8 @@ def main() -> None:
     if args.smoke:
         args.preset, args.seq, args.micro, args.precision, args.steps, args.warmup = "tiny", 128, "4", "bf16", 3, 1
         args.plain = True
+    if args.plain and args.moe_balance == "bias":
+        sys.exit("--plain has no selection bias to move: time --moe-balance bias without it")
     if args.plain and args.precision in ("fp16", "fp8"):
         sys.exit("--plain runs bf16 or fp32: an fp16 plain loop would need the engine's loss scaling too, an fp8 "
                  "one the float8 conversion")
@@ -133,7 +138,8 @@ def main() -> None:
                  f"train.activation_checkpointing={str(args.checkpointing).lower()}",
                  f"train.compile={str(args.compile).lower()}", f"train.liger_kernels={str(not args.no_liger).lower()}",
                  f"train.fp8_recipe={args.fp8_recipe}", "train.warmup_fraction=0.1",
-                 f"train.document_mask={str(args.document_mask > 0).lower()}"]
+                 f"train.document_mask={str(args.document_mask > 0).lower()}",
+                 f"model.moe_balance={args.moe_balance}"]
     config = load_config(PipelineConfig, None, overrides)
     train = config.train
     if args.base:
@@ -145,7 +151,8 @@ def main() -> None:
     else:
         tokenizer = SimpleNamespace(vocab_size=VOCAB, bos_id=1, eos_id=EOD, pad_id=3)
         hf_config = build_model_config(config.model, tokenizer, args.seq)
-        shape, arch = resolve_shape(config.model, VOCAB), args.arch
+        shape = resolve_shape(config.model, VOCAB)
+        arch = shape.arch  # mixtral with moe_balance bias trains Ernie 4.5's MoE class (its selection bias)
         parameters = count_parameters(shape, args.seq)
     vocab = shape.vocab_size
     if args.precision == "fp8":
@@ -214,8 +221,14 @@ def main() -> None:
     loss_of = functools.partial(forward_loss, **engine_kwargs)  # TrainLoop.forward's call
     next_batch = itertools.cycle(batches).__next__  # host_syncs' extra step takes the first again
 
+    biases = expert_biases(engine)
+    balance = ExpertBias(biases, config.model.moe_bias_update_rate) if biases else None
+
     def step() -> Any:
-        return train_step(engine, [next_batch()], _NeverStop(), loss_of)
+        result = train_step(engine, [next_batch()], _NeverStop(), loss_of)
+        if balance is not None and result.applied:  # TrainLoop._loop's update, after the optimizer step
+            balance.update(result.aux_loss.counts)
+        return result
 
     first = step()
     first_loss = float(first.loss)  # the untrained model's loss (one sync, before timing)
@@ -254,6 +267,7 @@ def main() -> None:
            "ranks": dist.world_size, "seq": args.seq, "micro": micro, "micro_planned": args.micro == "auto",
            "precision": args.precision, "fp8_recipe": args.fp8_recipe if args.precision == "fp8" else None,
            "zero": args.zero, "document_mask": args.document_mask, "steps": args.steps,
+           "moe_balance": args.moe_balance if args.arch == "mixtral" else None,
            "checkpointing": args.checkpointing,
            "compile": args.compile, "liger": loss.fused, "loss_kwargs": sorted(engine_kwargs),
            "parameters": parameters, "tokens_per_s": tokens_per_s, "mfu_headline": HEADLINE,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA path in one prepared run, for a person with ten minutes on one H100/H200 (about 6 minutes of it on an
-# H200, plus the fp8 rows' 400 steps of the 1b model, not yet timed; GPU_CHECK_ROWS="llama-1b-bf16-200
+# H200, plus the fp8 rows' 400 steps of the 1b model and the paths row, not yet timed; GPU_CHECK_ROWS="llama-1b-bf16-200
 # llama-1b-fp8-200" runs those alone). From the repository root:
 #   bash bench/gpu_check.sh
 # It sets up .venv with the [gpu] and [fp8] extras (scripts/setup_env.sh; TORCH_SPEC picks the CUDA build), then:
@@ -19,7 +19,10 @@
 #      data (demo/ after `bash demo.sh`, or its stages 0-2; copied from another machine, keep the files' mtimes to
 #      the nanosecond, e.g. `tar --format=posix`: stage 3 refuses outputs changed after their stage), 125m at seq
 #      2048, beside the kernel path at the same micro-batch;
-#   7. on the machine's CPU cores (issues 43, 44): stage 0 on one and two worker processes, stage 3's start-up on
+#   7. the stage paths never run on a GPU (issue 45, bench/bench_gpu_paths.py: a continued run with an extended
+#      vocabulary, eval_tasks' peak against the plan, did pretraining help, LoRA, DPO), from a kit made where
+#      the documents are (GPU_CHECK_KIT); the MoE selection bias's step beside the loss's;
+#   8. on the machine's CPU cores (issues 43, 44): stage 0 on one and two worker processes, stage 3's start-up on
 #      1 and 4 ranks (their lines are in logs/cpu-*.log, not in the table).
 # Every row runs even when one fails; the table is printed at the end and written to $GPU_CHECK_OUT/gpu_check.md
 # (the rows as JSON lines in rows.jsonl, each command's output in logs/). Exit status: the number of failed rows.
@@ -28,6 +31,7 @@
 #   GPU_CHECK_STEPS      timed steps per row (default 10; 3 warm-up steps first)
 #   GPU_CHECK_WORKSPACE  the folder whose config.yaml and stage-2 data the real loop trains on (default demo)
 #   GPU_CHECK_ORIGINALS  the documents of the cpu-stage0-workers row (default bench/results/originals.jsonl)
+#   GPU_CHECK_KIT        the inputs of the paths row, bench_gpu_paths.py's kit (default .gckit)
 #   GPU_CHECK_ROWS       only these rows, by name, space-separated (e.g. "real-loop smoke-compile" to rerun what
 #                        failed); default all
 set -uo pipefail
@@ -96,6 +100,8 @@ bench qwen3-base --base qwen3 --plain
 run liger-on-off 240 "$PY" bench/bench_liger.py --device cuda --precision bf16
 bench gpt2-125m --arch gpt2 --plain
 bench mixtral-125m --arch mixtral --plain
+# model.moe_balance bias (issue 45): the selection bias moved after every step, the load-balancing loss off
+bench mixtral-125m-bias --arch mixtral --moe-balance bias
 bench llama-125m-micro8-liger --micro 8
 bench llama-125m-micro8-no-liger --micro 8 --no-liger
 
@@ -124,6 +130,17 @@ fi
 bench llama-125m-micro16-docmask --micro 16 --document-mask 512
 bench llama-125m-seq8192-micro4 --seq 8192 --micro 4
 bench llama-125m-seq8192-micro4-docmask --seq 8192 --micro 4 --document-mask 512
+# Issue 45's stage paths never run on a GPU, in bf16 (bench/bench_gpu_paths.py): a continued run from a base with
+# an extended vocabulary, train.eval_tasks at an evaluation (peak against the plan), "did pretraining help" (125m
+# pretrained for a few minutes on the demo's and Debian's Japanese text, fine-tuned beside random weights and the
+# classical baseline), LoRA and DPO from that export. Their inputs come from a kit made where the documents are:
+# `bench_gpu_paths.py kit --out .gckit` after demo.sh's stages 0-2 (carry it as a posix tar: mtimes kept).
+KIT=${GPU_CHECK_KIT:-.gckit}
+if [ -d "$KIT/vocab" ]; then
+  run paths 600 "$PY" bench/bench_gpu_paths.py run --kit "$KIT" --out "$OUT/paths"
+else
+  say "no kit in $KIT: the paths row is skipped (bench/bench_gpu_paths.py kit writes it)"
+fi
 # engine.uncompiled_because leaves a run with Liger's kernels uncompiled: compiled without them
 bench smoke-compile --preset tiny --seq 512 --micro 8 --compile --no-liger
 

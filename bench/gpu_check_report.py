@@ -37,8 +37,8 @@ for row in rows:
     ratio = row["peak_gib"] / row["planned_gib"] if row["planned_gib"] else float("nan")
     if row["micro_planned"] and not 0.9 <= ratio <= 1.1:
         notes.append(f"peak {ratio:.2f}× plan")
-    if row["engine_vs_plain"] is not None and row["engine_vs_plain"] < 0.95:
-        notes.append("engine < 0.95× plain")
+    if row["engine_vs_plain"] is not None and row["engine_vs_plain"] < 1.0:  # issue 45's goal: >= 1.0x
+        notes.append(f"engine {row['engine_vs_plain']:.2f}× plain (goal ≥ 1.0×)")
     plain_loss = row.get("plain_loss")
     if plain_loss is not None and abs(plain_loss - row["loss"]) > 0.01 * row["loss"]:
         notes.append("plain loss ≠ engine's")
@@ -64,13 +64,40 @@ if bf16 and fp8:  # issue 45: fp8 >= 1.15x bf16's tokens/s, its loss after the s
           f"{fp8['tokens_per_s']:,.0f} vs {bf16['tokens_per_s']:,.0f} tokens/s ({speedup:.2f}×, target >= 1.15×); "
           f"loss after {fp8.get('steps', 200)} steps {fp8['loss']:.4f} vs {bf16['loss']:.4f} ({rel:+.2%}, target "
           f"within 0.5%): {'ok' if speedup >= 1.15 and abs(rel) <= 0.005 else 'MISSED'}")
-metrics = out / "real-loop" / "metrics.jsonl"
-if metrics.is_file():
-    train_rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("kind") == "train"]
-    later = [r["tokens_per_s"] for r in train_rows[1:] if r.get("tokens_per_s")]
+aux, bias = by_label.get("mixtral-125m"), by_label.get("mixtral-125m-bias")
+if aux and bias:  # issue 45: model.moe_balance bias's step (the bias moved after it) against the loss's
+    print(f"\nmixtral 125m, moe_balance bias vs aux_loss: {bias['tokens_per_s']:,.0f} vs {aux['tokens_per_s']:,.0f} "
+          f"tokens/s ({bias['tokens_per_s'] / aux['tokens_per_s']:.2f}×), peak {bias['peak_gib']:.1f} vs "
+          f"{aux['peak_gib']:.1f} GiB")
+paths = out / "paths" / "paths.md"
+if paths.is_file():  # bench_gpu_paths.py's rows: issue 45's stage paths in bf16
+    print("\nStage paths (bench/bench_gpu_paths.py):\n\n" + paths.read_text(encoding="utf-8").rstrip())
+for plain_label in ("llama-125m-micro16", "llama-125m-seq8192-micro4"):  # issue 45: train.document_mask's cost
+    whole, masked = by_label.get(plain_label), by_label.get(f"{plain_label}-docmask")
+    if whole and masked:
+        print(f"\ndocument mask, llama 125m, seq {masked['seq']}, micro {masked['micro']}: "
+              f"{masked['tokens_per_s']:,.0f} vs {whole['tokens_per_s']:,.0f} tokens/s without "
+              f"({masked['tokens_per_s'] / whole['tokens_per_s']:.2f}×), peak {masked['peak_gib']:.1f} vs "
+              f"{whole['peak_gib']:.1f} GiB (plan {masked['planned_gib']:.1f} / {whole['planned_gib']:.1f})")
+
+
+def real_loop(name: str) -> tuple[float, float | None] | None:
+    """(median tokens/s after the first log window, the last validation loss) of a real-loop row's run."""
+    metrics = out / name / "metrics.jsonl"
+    if not metrics.is_file():
+        return None
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    later = [r["tokens_per_s"] for r in rows if r.get("kind") == "train" and r.get("tokens_per_s")][1:]
+    losses = [r["val_loss"] for r in rows if r.get("kind") == "validation"]
+    return (statistics.median(later) if later else float("nan")), (losses[-1] if losses else None)
+
+
+loop, masked_loop = real_loop("real-loop"), real_loop("real-loop-docmask")
+if loop:
     kernel = by_label.get("llama-125m-micro16")
-    if later:
-        speed = statistics.median(later)
-        versus = f", {speed / kernel['tokens_per_s']:.2f}× the kernel path at micro 16" if kernel else ""
-        print(f"\nReal loop (gptpipe train, 125m, seq 2048, micro 16 × 4 accumulation, log every 5 steps, eval and "
-              f"checkpoint at step 10): {speed:,.0f} tok/s after the first log window{versus}")
+    versus = f", {loop[0] / kernel['tokens_per_s']:.2f}× the kernel path at micro 16" if kernel else ""
+    print(f"\nReal loop (gptpipe train, 125m, seq 2048, micro 16 × 4 accumulation, log every 5 steps, eval and "
+          f"checkpoint at step 10): {loop[0]:,.0f} tok/s after the first log window{versus}")
+if loop and masked_loop and loop[1] is not None and masked_loop[1] is not None:
+    print(f"with train.document_mask: {masked_loop[0]:,.0f} tok/s ({masked_loop[0] / loop[0]:.2f}×); validation loss "
+          f"after the same 20 steps {masked_loop[1]:.4f} vs {loop[1]:.4f} without")

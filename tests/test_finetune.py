@@ -675,6 +675,8 @@ def test_sigkilled_t5_with_dropout_resumes_to_the_same_curve(tiny_t5: Path, task
     assert full.returncode == 0, full.stderr[-3000:]
     reference = rows(tmp_path / "full")
     assert [r["step"] for r in reference] == [3, 6, 9]
+    # each log step records the memory the run holds (on CPU the process's RSS; on GPU the peak since the last)
+    assert all(r.mem_gib > 0.1 for r in metrics(tmp_path / "full", TrainRow))
     # The same run without the evaluation at step 2 trains steps 1-3 alike: evaluating (scoring, generating)
     # neither draws random numbers nor leaves the model in another mode.
     no_eval = gptpipe("finetune", *finetune_args(tiny_t5, task_files, tmp_path / "no-eval", *common,

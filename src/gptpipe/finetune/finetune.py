@@ -246,12 +246,13 @@ class FineTuner(TrainLoop):
         figures = dict(zip(self.task.kind.step_figures, means.tolist()))
         row = TaskTrainRow(self.step, **window.row(), tokens_per_s=real / seconds,
                            epoch=self.step * self.train_cfg.global_batch_size / len(self.task.train),
-                           rows_per_s=rows_per_s, padding=1 - real / max(computed, 1), figures=figures or None)
+                           rows_per_s=rows_per_s, padding=1 - real / max(computed, 1), figures=figures or None,
+                           mem_gib=self.memory_gib())
         skipped = f"  skipped {self.skipped}" if self.skipped else ""
         shown = "".join(f"  {name} {value:.4f}" for name, value in figures.items())
         self.log.record(row, console=f"step {self.step}/{self.steps}  epoch {row.epoch:.2f}  {window.line()}{shown}  "
                                      f"{rows_per_s:,.1f} rows/s  {row.tokens_per_s:,.0f} tokens/s  "
-                                     f"padding {row.padding:.0%}{skipped}")
+                                     f"padding {row.padding:.0%}  mem {row.mem_gib:.2f} GiB{skipped}")
 
     def _window_figures(self) -> torch.Tensor:
         """The log window's figure sums over every rank (collective)."""

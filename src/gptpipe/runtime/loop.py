@@ -182,6 +182,17 @@ class TrainLoop(ABC):
         """What a checkpoint's model must match, for the resume error."""
         return "config.yaml describes"
 
+    def memory_gib(self) -> float:
+        """Peak device memory since the last call on GPU (evaluation included); the process's RSS on CPU. For the
+        train rows of log steps: a query of the allocator's counters, no device sync."""
+        if self.dist.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated() / 1024**3
+            torch.cuda.reset_peak_memory_stats()
+            return peak
+        import psutil
+
+        return psutil.Process().memory_info().rss / 1024**3
+
     # --- resume and save ----------------------------------------------------------------------------------
     def say(self, message: str) -> None:
         if self.dist.is_main:

@@ -107,7 +107,6 @@ class Pretrainer(TrainLoop):
         super().__init__(config, config.train, dist, ds_config, wandb_block)
         self.plan, self.tokenizer, self.hf_config, self.base = plan, tokenizer, hf_config, base
         self.steps = plan.steps
-        self.on_gpu = dist.device.type == "cuda"
         train = config.train
         if self.mirror and dist.is_main:  # the plan of this run beside its checkpoints, in the bucket
             (self.run_dir / "plan.txt").write_text(format_plan(plan, config) + "\n", encoding="utf-8")
@@ -302,7 +301,7 @@ class Pretrainer(TrainLoop):
             routing = f"  router-aux {row.aux_loss:.3f}" + self._routing(window.last.aux_loss.counts, row)
         if plan.peak_flops:
             row.mfu = plan.flops_per_token * tokens_per_s / (plan.peak_flops * self.dist.world_size)
-        row.mem_gib = self._memory_gib()
+        row.mem_gib = self.memory_gib()
         self.log.record(row, console=(
             f"step {self.step}/{self.steps}  tokens {row.tokens:,}  {window.line()}"
             + routing
@@ -318,16 +317,6 @@ class Pretrainer(TrainLoop):
         torch.distributed.all_reduce(counts)
         smallest, starved = row.expert_share_min, row.experts_starved = expert_shares(counts)
         return f"  expert-min {'/'.join(f'{share:.1%}' for share in smallest)}  starved {starved}"
-
-    def _memory_gib(self) -> float:
-        """Peak device memory since the last log step on GPU (evaluation included); the process's RSS on CPU."""
-        if self.on_gpu:
-            peak = torch.cuda.max_memory_allocated() / 1024**3
-            torch.cuda.reset_peak_memory_stats()
-            return peak
-        import psutil
-
-        return psutil.Process().memory_info().rss / 1024**3
 
     @torch.no_grad()
     def validate(self) -> bool:
