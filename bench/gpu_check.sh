@@ -3,6 +3,7 @@
 # H200, plus the fp8 rows' 400 steps of the 1b model and the paths row, not yet timed; GPU_CHECK_ROWS="llama-1b-bf16-200
 # llama-1b-fp8-200" runs those alone). From the repository root:
 #   bash bench/gpu_check.sh
+# (on a machine without a package registry: bench/gpu_carry.sh makes the wheels and the kit to bring, here)
 # It sets up .venv with the [gpu] and [fp8] extras (scripts/setup_env.sh; TORCH_SPEC picks the CUDA build), then:
 #   1. the device, driver and library versions;
 #   2. smoke: a tiny bf16 model through the engine with Liger's kernels, and (last) compiled with torch.compile,
