@@ -6,7 +6,7 @@ the classical baseline), LoRA and DPO (task.kind preference) from that export.
 
 The GPU machine has neither the man pages nor Debian's documentation, so `kit` builds, where they are (this
 project's CPU machine, with the packages bench_vocab_extension.py names installed), every input the rows read, in
-one folder to carry (19 MiB; `tar --format=posix` keeps the stage outputs' mtimes, which stage 3 checks):
+one folder to carry (16 MiB; `tar --format=posix` keeps the stage outputs' mtimes, which stage 3 checks):
   - demo/: the demo's YAMLs, tokenizer, stage-2 data and make-demo-task's rows (classification, chat, preference),
     copied from a demo folder whose stages 0-2 and make-demo-task ran (`bash demo.sh` makes one);
   - debian/: Debian's Japanese documentation (bench_vocab_extension.py's training corpus) as stage 2 encodes it
@@ -70,12 +70,13 @@ def gptpipe(log: Path, *argv: object) -> str:
     """`python -m gptpipe ARGV` from the repository root, its output to `log`; returns the output, exits on failure
     with the last lines."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([sys.executable, "-m", "gptpipe", *map(str, argv)], cwd=REPO, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    log.write_text(done.stdout, encoding="utf-8")
+    with log.open("w", encoding="utf-8") as file:  # written as it runs: a row cut by a timeout keeps its log
+        done = subprocess.run([sys.executable, "-m", "gptpipe", *map(str, argv)], cwd=REPO, text=True, stdout=file,
+                               stderr=subprocess.STDOUT)
+    output = log.read_text(encoding="utf-8")
     if done.returncode:
-        raise SystemExit(f"gptpipe {argv[0]} failed (exit {done.returncode}); {log}:\n{done.stdout[-3000:]}")
-    return done.stdout
+        raise SystemExit(f"gptpipe {argv[0]} failed (exit {done.returncode}); {log}:\n{output[-3000:]}")
+    return output
 
 
 def metric_rows(run: Path) -> list[dict]:
@@ -114,32 +115,32 @@ def make_kit(demo: Path, out: Path, base_pages: int, base_steps: int, new_pieces
 
     # The documents as jsonl for stages 1 and 2, outside the kit (stage 3 needs only stage 2's output; the step-0
     # gate decodes and re-encodes held-out documents where their source is gone): 3.7 MiB less to carry
-    sources = Path(tempfile.mkdtemp(prefix="gpu-kit-sources-"))
-    debian, vocab = out / "debian" / "ja_debian", out / "vocab"
-    debian.parent.mkdir(parents=True, exist_ok=True)
-    vocab.mkdir(parents=True, exist_ok=True)
-    # pretraining's second source: all of it (the vocabulary bench holds two manuals out; the task here is the
-    # man pages' sections, which none of them is about)
-    if not Path(f"{debian}_text_document.idx").is_file():
-        text = vocab_bench.write_jsonl(sources / "ja_debian.jsonl", vocab_bench.japanese_documents(
-            vocab_bench.JA_TRAIN + vocab_bench.JA_HELDOUT))
-        gptpipe(logs / "kit-debian.log", "tokenize", "--config", kit_demo / "config.yaml",
-                f"tokenize.input=[{text}]", f"tokenize.output_prefix={debian}")
-    base, extension = vocab / "base", vocab / "ext"
-    encoded = vocab / "ext"  # stage 2's prefix: vocab/ext_text_document.{bin,idx}
-    if not (base / "model.safetensors").is_file():
-        vocab_bench.english_base(base, base_pages, base_steps)
-    if not ((extension / "hf").is_dir() and Path(f"{encoded}_text_document.idx").is_file()):
-        # the extension's corpus, as bench_vocab_extension.py's
-        corpus = vocab_bench.write_jsonl(sources / "ja_train.jsonl",
-                                         vocab_bench.japanese_documents(vocab_bench.JA_TRAIN))
-        gptpipe(logs / "kit-extension.log", "train-tokenizer", "--config", REPO / "sentence_piece_config.yaml",
-                f"input={corpus}", f"base_tokenizer={base}", f"output_dir={extension}", f"new_pieces={new_pieces}",
-                "--force")
-        gptpipe(logs / "kit-vocab-tokenize.log", "tokenize", "--config", REPO / "config.yaml",
-                f"tokenize.input=[{corpus}]", f"tokenize.tokenizer_dir={extension / 'hf'}",
-                f"tokenize.output_prefix={encoded}", "--force")
-    shutil.rmtree(sources)
+    with tempfile.TemporaryDirectory(prefix="gpu-kit-sources-") as folder:
+        sources = Path(folder)
+        debian, vocab = out / "debian" / "ja_debian", out / "vocab"
+        debian.parent.mkdir(parents=True, exist_ok=True)
+        vocab.mkdir(parents=True, exist_ok=True)
+        # pretraining's second source: all of it (the vocabulary bench holds two manuals out; the task here is the
+        # man pages' sections, which none of them is about)
+        if not Path(f"{debian}_text_document.idx").is_file():
+            text = vocab_bench.write_jsonl(sources / "ja_debian.jsonl", vocab_bench.japanese_documents(
+                vocab_bench.JA_TRAIN + vocab_bench.JA_HELDOUT))
+            gptpipe(logs / "kit-debian.log", "tokenize", "--config", kit_demo / "config.yaml",
+                    f"tokenize.input=[{text}]", f"tokenize.output_prefix={debian}")
+        base, extension = vocab / "base", vocab / "ext"
+        encoded = vocab / "ext"  # stage 2's prefix: vocab/ext_text_document.{bin,idx}
+        if not (base / "model.safetensors").is_file():
+            vocab_bench.english_base(base, base_pages, base_steps)
+        if not ((extension / "hf").is_dir() and Path(f"{encoded}_text_document.idx").is_file()):
+            # the extension's corpus, as bench_vocab_extension.py's
+            corpus = vocab_bench.write_jsonl(sources / "ja_train.jsonl",
+                                             vocab_bench.japanese_documents(vocab_bench.JA_TRAIN))
+            gptpipe(logs / "kit-extension.log", "train-tokenizer", "--config", REPO / "sentence_piece_config.yaml",
+                    f"input={corpus}", f"base_tokenizer={base}", f"output_dir={extension}", f"new_pieces={new_pieces}",
+                    "--force")
+            gptpipe(logs / "kit-vocab-tokenize.log", "tokenize", "--config", REPO / "config.yaml",
+                    f"tokenize.input=[{corpus}]", f"tokenize.tokenizer_dir={extension / 'hf'}",
+                    f"tokenize.output_prefix={encoded}", "--force")
     shutil.rmtree(logs, ignore_errors=True)
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     print(f"kit in {out}: {size / 2**20:.1f} MiB")
@@ -212,11 +213,13 @@ class Rows:
         rows = metric_rows(run)
         train, validation, tasks = of_kind(rows, "train"), of_kind(rows, "validation"), of_kind(rows, "eval_tasks")
         evaluated = {r["step"] for r in validation + tasks}  # the tasks' reference scoring is at step 0
-        # a log row's mem_gib is the peak since the previous log row: split by whether its window held an evaluation
+        # A log row's mem_gib is the peak since the previous log row, split here by whether its window held an
+        # evaluation: the loop logs step S before it evaluates at S, so that evaluation falls in the next row's
+        # window (the reference at step 0 in the first one); the final evaluation, after the last row, in none.
         peaks: dict[bool, list[float]] = {True: [], False: []}
-        for previous, row in zip([{"step": -1}, *train], train):
+        for previous, row in zip([{"step": 0}, *train], train):
             if row.get("mem_gib"):
-                peaks[any(previous["step"] < step <= row["step"] for step in evaluated)].append(row["mem_gib"])
+                peaks[any(previous["step"] <= step < row["step"] for step in evaluated)].append(row["mem_gib"])
         planned = float(PLAN_TOTAL.search(log).group(1)) if PLAN_TOTAL.search(log) else None
         acc = [r.get("eval_task/manpage_section/acc") for r in tasks]
         # issue 45's goal: peak memory within ±10% of the plan, an evaluation with task scoring included
@@ -245,8 +248,8 @@ class Rows:
         classical baseline, the same rows and settings; lr 1e-4 (the config's advice for a real pretrained model)."""
         summary, _ = self.finetune("helped", "train.lr=1e-4", "baseline.model=scratch", "baseline.classical=true")
         table = summary["comparison"]
-        return {name: figures.get("accuracy") for name, figures in table.items()} | {
-            "macro_f1": {name: figures.get("macro_f1") for name, figures in table.items()}}
+        return {metric: {name: figures.get(metric) for name, figures in table.items()}
+                for metric in ("accuracy", "macro_f1")}
 
     def lora(self) -> dict:
         """The same task with LoRA adapters (rank 8) at a LoRA learning rate."""
@@ -256,8 +259,9 @@ class Rows:
                 "peak_gib": max((r.get("mem_gib") or 0 for r in of_kind(rows, "train")), default=None)}
 
     def dpo(self) -> dict:
-        """Preference tuning (DPO + the chosen answer's NLL) of the export on make-demo-task's pairs, the demo's
-        settings; reward accuracy on the held-out pairs before and after."""
+        """Preference tuning (DPO + the chosen answer's NLL) of the export on make-demo-task's pairs with demo.sh's
+        overrides (seq 128, batch 8, lr 3e-4, beta 0.5, 50 steps); reward accuracy on the held-out pairs at each
+        evaluation."""
         pairs = self.demo / TASK / "preference"
         _, rows = self.finetune(
             "dpo", "task.kind=preference", f"data.train={pairs / 'train.jsonl'}",
@@ -282,28 +286,31 @@ def show(value: object) -> str:
 def run_rows(kit: Path, out: Path, names: list[str], scale: Scale) -> int:
     """The rows in ROWS order; a failed row is reported and counted (a fine-tune without the pretrained export is
     not run). Returns the number of failed rows."""
+    if out.exists() and any(out.iterdir()):  # its runs would resume, a failed pretrain leave an old export
+        raise SystemExit(f"{out} is not empty: give a new --out")
     rows = Rows(kit, out, scale)
     out.mkdir(parents=True, exist_ok=True)
     lines, failed = ["| row | figures | wall |", "|---|---|---|"], 0
     for name in (n for n in ROWS if n in names):
+        started = time.time()
         if name in ("helped", "lora", "dpo") and not (rows.export / "config.json").is_file():
             lines.append(f"| paths-{name} | not run: no pretrained export (the pretrain row) | - |")
             failed += 1
-            continue
-        started = time.time()
-        try:
-            figures = getattr(rows, name.replace("-", "_"))()
-        except SystemExit as exc:
-            print(exc, file=sys.stderr)
-            lines.append(f"| paths-{name} | FAILED: logs/{name}*.log | {time.time() - started:.0f} s |")
-            failed += 1
-            continue
-        with (out / "paths.jsonl").open("a", encoding="utf-8") as file:
-            file.write(json.dumps({"label": f"paths-{name}", "scale": scale.preset, **figures}) + "\n")
-        lines.append(f"| paths-{name} | {'; '.join(f'{k} {show(v)}' for k, v in figures.items())} | "
-                     f"{time.time() - started:.0f} s |")
+        else:
+            try:
+                figures = getattr(rows, name.replace("-", "_"))()
+            except (SystemExit, Exception) as exc:  # SystemExit: a command failed; others: figures that did not parse
+                print(f"paths-{name}: {exc!r}", file=sys.stderr)
+                lines.append(f"| paths-{name} | FAILED: logs/{name}*.log | {time.time() - started:.0f} s |")
+                failed += 1
+            else:
+                with (out / "paths.jsonl").open("a", encoding="utf-8") as file:
+                    file.write(json.dumps({"label": f"paths-{name}", "scale": scale.preset, **figures}) + "\n")
+                lines.append(f"| paths-{name} | {'; '.join(f'{k} {show(v)}' for k, v in figures.items())} | "
+                             f"{time.time() - started:.0f} s |")
         print(lines[-1], flush=True)
-    (out / "paths.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        # after every row: a timeout of the whole leaves the rows before it in the report
+        (out / "paths.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
     return failed
 

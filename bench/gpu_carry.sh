@@ -9,7 +9,9 @@
 #   .whl/    wheels for the machine's Python (GPU_PYTHON_VERSION, default 3.12) of the packages below, at the
 #            versions constraints.txt pins (the tested ones); DeepSpeed's built here with DS_BUILD_OPS=0 (its ops
 #            are JIT-built where needed, and the engine uses none of them);
-#   .gckit/  bench_gpu_paths.py's kit (its demo/ is also the real loop's workspace);
+#   .gckit/  bench_gpu_paths.py's kit (its demo/ is also the real loop's workspace), and .gckit.tar, the kit as a
+#            posix tar, which is what travels: it keeps the stage outputs' mtimes to the nanosecond, which stage 3
+#            checks against their manifests (a copy that does not keep them fails it);
 # and prints the carry list and the command to give the device tool. Their sum must stay under its 64 MiB a
 # call, the tree's 2.7 MiB included: the wheels are 41 MiB and the kit 16 MiB (2026-11-29), which leaves no room for
 # the originals of the cpu-stage0-workers row (`bench_scale.py --save-originals bench/results/originals.jsonl`,
@@ -57,21 +59,23 @@ for spec in "${specs[@]}"; do
     # published as a source archive only (rouge-score, sqlitedict, word2number): built here, which is right
     # only for pure Python, whose wheel fits every interpreter (py3-none-any)
     .venv/bin/python -m pip wheel -q --no-deps -w .whl "$spec"
-    wheel_of "$name" "$version" | grep -q -- '-py3-none-any\.whl$' ||
+    wheel_of "$name" "$version" | grep -E -q -- '-(py2\.)?py3-none-any\.whl$' ||
       { echo "gpu_carry: $spec has no wheel for Python $PY_VERSION and is not pure Python" >&2; exit 1; }
   fi
 done
-if ! ls .whl/deepspeed-*.whl > /dev/null 2>&1; then
-  DS_BUILD_OPS=0 .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation "$(pin deepspeed)" -w .whl
+deepspeed=$(pin deepspeed)
+if [ -z "$(wheel_of deepspeed "${deepspeed#*==}")" ]; then
+  DS_BUILD_OPS=0 .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation "$deepspeed" -w .whl
 fi
 
 if [ -d "$DEMO/data/finetune" ]; then
   .venv/bin/python bench/bench_gpu_paths.py kit --demo "$DEMO" --out .gckit
+  tar --format=posix -cf .gckit.tar .gckit
 else
   echo "[gpu_carry] no $DEMO/data/finetune: run demo.sh (stages 0-2 and make-demo-task suffice) for the kit" >&2
 fi
 carry=(.whl)
-[ -d .gckit ] && carry+=(.gckit)
+[ -f .gckit.tar ] && carry+=(.gckit.tar)
 [ -f bench/results/originals.jsonl ] && carry+=(bench/results/originals.jsonl)
 du -sh "${carry[@]}"
 echo "[gpu_carry] total $(du -cm "${carry[@]}" | tail -n 1 | cut -f1) MiB (the device tool carries 64 MiB a call, tree included)"
@@ -79,6 +83,7 @@ printf '[gpu_carry] carry: ["%s"]\n' "$(IFS=,; echo "${carry[*]}" | sed 's/,/", 
 cat <<'EOF'
 [gpu_carry] command there (every row; GPU_CHECK_ROWS picks some, a 15-minute device session does not run all):
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl &&
+tar -xf .gckit.tar &&
 PYTHONPATH=/tmp/site:$PWD/src GPU_CHECK_PYTHON=python3 GPU_CHECK_WORKSPACE=.gckit/demo GPU_CHECK_KIT=.gckit \
   GPU_CHECK_OUT=$OUT/gpu-check bash bench/gpu_check.sh
 EOF
