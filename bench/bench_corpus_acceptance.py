@@ -3,8 +3,9 @@ its defaults and `languages: [ja]`, and what it removes of each kind.
 
     PYTHONPATH=src:tests python bench/bench_corpus_acceptance.py --out /tmp/acceptance [--workers 1] [--seed 0]
 
-Needs the Japanese Debian documentation (root: apt-get install debian-reference-ja debian-faq-ja maint-guide-ja
-developers-reference-ja debian-policy-ja aptitude-doc-ja), groff and the man pages of other languages under
+Needs the Japanese Debian documentation (root: apt-get install --no-install-recommends debian-reference-ja
+debian-faq-ja maint-guide-ja developers-reference-ja debian-policy-ja aptitude-doc-ja; without the recommended w3m,
+whose Japanese man page would join the tests' man-page corpus), groff and the man pages of other languages under
 /usr/share/man/<lang>. The corpus, in one shuffled jsonl (--out/docs.jsonl, its labels in --out/labels.jsonl):
 - good Japanese: the sections of those manuals (Debian Reference, the Debian FAQ, the New Maintainers' Guide,
   the Developer's Reference, the Policy Manual, aptitude's manual: their HTML split at the section headings),

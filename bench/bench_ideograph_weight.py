@@ -3,8 +3,8 @@ kanji (corpus/language.py IDEOGRAPH_WEIGHT), measured on translations against th
 
     PYTHONPATH=src:tests:bench python bench/bench_ideograph_weight.py
 
-Needs the manuals in both languages (root: apt-get install debian-reference-ja debian-reference-en debian-faq-ja
-debian-faq). po4a keeps a translation's structure, so a
+Needs the manuals in both languages (root: apt-get install --no-install-recommends debian-reference-ja
+debian-reference-en debian-faq-ja debian-faq). po4a keeps a translation's structure, so a
 section's n-th paragraph is the English original's n-th; a pair counts when the sections and their paragraph
 counts agree, the English paragraph has 80+ letters and no Japanese, and the Japanese one is mainly Japanese
 (kana and kanji at least half its letters: translated, not left in English). For each pair, the English letters

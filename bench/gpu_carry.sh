@@ -4,7 +4,9 @@
 # sentencepiece, tokenizers, accelerate and transformers (another version) but not gptpipe's other packages
 # (/work/.library/device/KINDS.md lists it). From the repository root:
 #   bash bench/gpu_carry.sh            # after demo.sh's stages 0-2 and make-demo-task (demo/), with Debian's
-#                                      # Japanese documentation installed (bench/bench_vocab_extension.py)
+#                                      # Japanese documentation installed (bench/bench_vocab_extension.py;
+#                                      # apt-get install --no-install-recommends: the recommended w3m's man page
+#                                      # would join the tests' Japanese man-page corpus)
 # writes
 #   .whl/    wheels for the machine's Python (GPU_PYTHON_VERSION, default 3.12) of the packages below, at the
 #            versions constraints.txt pins (the tested ones); DeepSpeed's built here with DS_BUILD_OPS=0 (its ops
