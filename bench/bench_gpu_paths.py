@@ -39,6 +39,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gptpipe.runtime.metrics_rows import (EvalTasksRow, Row, TaskEvalRow, TrainRow, ValidationRow, of_kind,
+                                          read_metrics)
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO_YAMLS = ("config.yaml", "convert_config.yaml", "finetune_config.yaml")
 TASK = Path("data/finetune/manpage_section")  # make-demo-task's rows, under a demo folder
@@ -79,12 +82,14 @@ def gptpipe(log: Path, *argv: object) -> str:
     return output
 
 
-def metric_rows(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if line]
+def metric_rows(run: Path) -> list[Row]:
+    """The run folder's metrics.jsonl, read as the stages' own rows."""
+    return read_metrics(run / "metrics.jsonl")
 
 
-def of_kind(rows: list[dict], kind: str) -> list[dict]:
-    return [r for r in rows if r.get("kind") == kind]
+def peak_gib(rows: list[Row]) -> float | None:
+    """The largest memory a train row of `rows` recorded (stage 3's and 7's `mem_gib`)."""
+    return max((row.mem_gib for row in of_kind(rows, TrainRow) if row.mem_gib), default=None)
 
 
 # ---------------------------------------------------------------------------------------------------- the kit
@@ -182,12 +187,12 @@ class Rows:
                 f"input_model_dir={run}", f"output_tokenizer_and_model_dir={self.out / 'continued-vocab-hf'}",
                 "dtype=bf16")
         rows = metric_rows(run)
-        train = of_kind(rows, "train")
+        train = of_kind(rows, TrainRow)
         gate = GATE.search(log)
         return {"step-0 gate": f"passed, loss Δ {gate.group(1)} (tolerance {gate.group(2)})" if gate else "no line",
-                "loss": f"{train[0]['loss']:.3f} → {train[-1]['loss']:.3f}",
-                "tokens_per_s": statistics.median(r["tokens_per_s"] for r in train),
-                "peak_gib": max(r.get("mem_gib") or 0 for r in train), "wall_s": seconds, "export": "verified"}
+                "loss": f"{train[0].loss:.3f} → {train[-1].loss:.3f}",
+                "tokens_per_s": statistics.median(r.tokens_per_s for r in train),
+                "peak_gib": peak_gib(rows), "wall_s": seconds, "export": "verified"}
 
     def pretrain(self) -> dict:
         """Stage 3, the preset from random weights on the demo's man pages and the Debian documentation (blended by
@@ -211,30 +216,32 @@ class Rows:
         gptpipe(self.logs / "pretrain-export.log", "convert", "--config", self.demo / "convert_config.yaml",
                 f"input_model_dir={run}", f"output_tokenizer_and_model_dir={self.export}", "dtype=bf16")
         rows = metric_rows(run)
-        train, validation, tasks = of_kind(rows, "train"), of_kind(rows, "validation"), of_kind(rows, "eval_tasks")
-        evaluated = {r["step"] for r in validation + tasks}  # the tasks' reference scoring is at step 0
+        train, validation = of_kind(rows, TrainRow), of_kind(rows, ValidationRow)
+        tasks = of_kind(rows, EvalTasksRow)
+        evaluated = {r.step for r in [*validation, *tasks]}  # the tasks' reference scoring is at step 0
         # A log row's mem_gib is the peak since the previous log row, split here by whether its window held an
         # evaluation: the loop logs step S before it evaluates at S, so that evaluation falls in the next row's
         # window (the reference at step 0 in the first one); the final evaluation, after the last row, in none.
         peaks: dict[bool, list[float]] = {True: [], False: []}
-        for previous, row in zip([{"step": 0}, *train], train):
-            if row.get("mem_gib"):
-                peaks[any(previous["step"] <= step < row["step"] for step in evaluated)].append(row["mem_gib"])
-        planned = float(PLAN_TOTAL.search(log).group(1)) if PLAN_TOTAL.search(log) else None
-        acc = [r.get("eval_task/manpage_section/acc") for r in tasks]
+        for start, row in zip([0, *(r.step for r in train)], train):
+            if row.mem_gib:
+                peaks[any(start <= step < row.step for step in evaluated)].append(row.mem_gib)
+        total = PLAN_TOTAL.search(log)
+        planned = float(total.group(1)) if total else None
+        acc = [r.scores.get("manpage_section", {}).get("acc") for r in tasks]
         # issue 45's goal: peak memory within ±10% of the plan, an evaluation with task scoring included
         against = {kind: f"{max(peaks[held]) / planned:.2f}×" for kind, held in (("with", True), ("without", False))
                    if planned and peaks[held]}
-        return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in train[1:] or train),
-                "mfu": statistics.median(r.get("mfu") or 0 for r in train[1:] or train),
-                "val_loss": f"{validation[0]['val_loss']:.3f} → {validation[-1]['val_loss']:.3f}",
+        return {"tokens_per_s": statistics.median(r.tokens_per_s for r in train[1:] or train),
+                "mfu": statistics.median(r.mfu or 0 for r in train[1:] or train),
+                "val_loss": f"{validation[0].val_loss:.3f} → {validation[-1].val_loss:.3f}",
                 "task_acc": " → ".join(f"{a:.3f}" for a in acc if a is not None),
-                "eval_tasks_s": max((r.get("eval_tasks_s", 0) for r in tasks), default=0),
+                "eval_tasks_s": max((r.seconds for r in tasks), default=0),
                 "peak_gib_eval": max(peaks[True], default=None), "peak_gib_train": max(peaks[False], default=None),
                 "planned_gib": planned, "peak_vs_plan": ", ".join(f"{v} {k} evaluations" for k, v in against.items()),
                 "wall_s": seconds}
 
-    def finetune(self, name: str, *overrides: str) -> tuple[dict, list[dict]]:
+    def finetune(self, name: str, *overrides: str) -> tuple[dict, list[Row]]:
         """Stage 7 on the demo task from the pretrained export; (finetune_summary.json, its metric rows)."""
         run = self.out / name
         iters = [] if self.scale.finetune_iters is None else [
@@ -256,7 +263,7 @@ class Rows:
         summary, rows = self.finetune("lora", "train.lr=1e-3", "train.lora.rank=8")
         best = summary["best"]["metrics"]
         return {"accuracy": best.get("accuracy"), "macro_f1": best.get("macro_f1"),
-                "peak_gib": max((r.get("mem_gib") or 0 for r in of_kind(rows, "train")), default=None)}
+                "peak_gib": peak_gib(rows)}
 
     def dpo(self) -> dict:
         """Preference tuning (DPO + the chosen answer's NLL) of the export on make-demo-task's pairs with demo.sh's
@@ -269,10 +276,9 @@ class Rows:
             "train.global_batch_size=8", "train.lr=3e-4", "train.train_epochs=1",
             f"train.train_iters={self.scale.finetune_iters or 50}",
             f"train.eval_interval={self.scale.finetune_iters or 50}", "task.beta=0.5")
-        evaluations = of_kind(rows, "task_eval")
-        return {"reward_accuracy": " → ".join(f"{r.get('val_reward_accuracy', float('nan')):.3f}"
-                                              for r in evaluations),
-                "peak_gib": max((r.get("mem_gib") or 0 for r in of_kind(rows, "train")), default=None)}
+        return {"reward_accuracy": " → ".join(f"{r.metrics.get('reward_accuracy', float('nan')):.3f}"
+                                              for r in of_kind(rows, TaskEvalRow)),
+                "peak_gib": peak_gib(rows)}
 
 
 def show(value: object) -> str:

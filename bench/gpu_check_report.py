@@ -16,6 +16,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from gptpipe.runtime.metrics_rows import TrainRow, ValidationRow, of_kind, read_metrics
+
 
 
 def percent(value: float | None) -> str:
@@ -83,12 +85,11 @@ for plain_label in ("llama-125m-micro16", "llama-125m-seq8192-micro4"):  # issue
 
 def real_loop(name: str) -> tuple[float, float | None] | None:
     """(median tokens/s after the first log window, the last validation loss) of a real-loop row's run."""
-    metrics = out / name / "metrics.jsonl"
-    if not metrics.is_file():
+    rows = read_metrics(out / name / "metrics.jsonl")
+    if not rows:
         return None
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    later = [r["tokens_per_s"] for r in rows if r.get("kind") == "train" and r.get("tokens_per_s")][1:]
-    losses = [r["val_loss"] for r in rows if r.get("kind") == "validation"]
+    later = [r.tokens_per_s for r in of_kind(rows, TrainRow) if r.tokens_per_s][1:]
+    losses = [r.val_loss for r in of_kind(rows, ValidationRow)]
     return (statistics.median(later) if later else float("nan")), (losses[-1] if losses else None)
 
 
